@@ -1,0 +1,39 @@
+# Two commands do all the set-up: `make demo` and `make test`. Both create/update .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# CPU torch on machines without a GPU (this machine kind has the wheel on disk); a CUDA build is ~5 GB.
+TORCH_SPEC ?= torch==2.13.0
+NIXL_SPEC  ?= nixl-cu12==1.5.1
+UCXX_SPEC  ?= ucxx-cu12==0.52.0
+STAMP  := $(VENV)/.kvxfer-installed
+
+.PHONY: venv demo test lint typecheck bench fuzz clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,ucx]"
+	# NIXL wheels declare a CUDA torch dependency: install without dependencies (numpy, torch are here).
+	$(PIP) install -q --no-deps "$(NIXL_SPEC)"
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/kvxfer demo
+
+test: venv
+	$(PY) -m pytest -q -ra
+
+lint: venv
+	$(VENV)/bin/ruff check kvxfer tests benchmarks examples
+	$(VENV)/bin/mypy
+
+bench: venv
+	$(PY) benchmarks/bench_cache.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,79 @@
+"""Slot allocator of one pool group: O(1) vectorised alloc/free with per-slot reference counts.
+
+A slot is free when its count is 0. Requests and the prefix tree each hold one reference, so a page
+shared by the tree and a request is only freed when both let go.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.errors import BlockIdError, OutOfSlotsError
+
+IntArray = npt.NDArray[np.int32]
+
+
+class SlotAllocator:
+    """Free stack plus reference counts over ``num_slots`` slots."""
+
+    def __init__(self, num_slots: int, name: str = "pool group") -> None:
+        self.name = name
+        self.num_slots = num_slots
+        # Stack of free ids; ids at the top are handed out first (lowest ids first at start).
+        self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int32)
+        self._top = num_slots
+        self.refcount = np.zeros(num_slots, dtype=np.int32)
+
+    @property
+    def num_free(self) -> int:
+        """Slots with no reference."""
+        return self._top
+
+    @property
+    def num_used(self) -> int:
+        """Slots with at least one reference."""
+        return self.num_slots - self._top
+
+    def alloc(self, n: int) -> IntArray:
+        """``n`` fresh slots with a reference count of 1; raises OutOfSlotsError, taking nothing."""
+        if n < 0:
+            raise BlockIdError(f"{self.name}: cannot allocate {n} slots")
+        if n > self._top:
+            raise OutOfSlotsError(f"{self.name}: {n} slots requested, {self._top} free of {self.num_slots}")
+        ids = self._free[self._top - n:self._top][::-1].copy()
+        self._top -= n
+        self.refcount[ids] = 1
+        return ids
+
+    def check(self, ids: npt.ArrayLike, what: str = "block id") -> IntArray:
+        """``ids`` as int32, after checking every id is a slot of this group."""
+        arr = np.asarray(ids)
+        if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= self.num_slots):
+            bad = arr[(arr < 0) | (arr >= self.num_slots)] if arr.dtype.kind in "iu" else arr
+            raise BlockIdError(f"{self.name}: {what} {bad.flat[0]!r} outside [0, {self.num_slots})")
+        return arr.astype(np.int32, copy=False)
+
+    def incref(self, ids: npt.ArrayLike) -> None:
+        """Add a reference to slots that are already held."""
+        arr = self.check(ids)
+        if arr.size and (self.refcount[arr] <= 0).any():
+            raise BlockIdError(f"{self.name}: incref of free slot {int(arr[self.refcount[arr] <= 0][0])}")
+        np.add.at(self.refcount, arr, 1)
+
+    def decref(self, ids: npt.ArrayLike) -> IntArray:
+        """Drop one reference per id; returns the ids that became free (and are back on the stack)."""
+        arr = self.check(ids)
+        if not arr.size:
+            return arr
+        uniq, counts = np.unique(arr, return_counts=True)
+        held = self.refcount[uniq]
+        if (counts > held).any():
+            bad = int(uniq[counts > held][0])
+            raise BlockIdError(f"{self.name}: slot {bad} released more often than it is held "
+                               f"(refcount {int(self.refcount[bad])})")
+        self.refcount[uniq] = held - counts.astype(np.int32)
+        freed = uniq[self.refcount[uniq] == 0].astype(np.int32)
+        self._free[self._top:self._top + freed.size] = freed[::-1]
+        self._top += freed.size
+        return freed

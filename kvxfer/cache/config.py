@@ -1,0 +1,263 @@
+"""Cache configuration: layers, block size, dtype, storage tiers and tensor-parallel placement."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kvxfer.cache.dtypes import dtype_name, itemsize
+from kvxfer.errors import ConfigError
+
+HeadOrder = Literal["HND", "NHD"]
+
+
+def _positive_int(value: Any, name: str, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """A buffer role of a layer: "key", "value", or e.g. a quantisation-scale role of its own size.
+
+    ``head_dim``/``dtype`` of None mean "the layer's head_dim" / "the cache's dtype".
+    """
+
+    name: str
+    head_dim: int | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"RoleSpec.name must be a non-empty string, got {self.name!r}")
+        if self.head_dim is not None:
+            _positive_int(self.head_dim, f"RoleSpec({self.name}).head_dim")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", dtype_name(self.dtype, f"RoleSpec({self.name}).dtype"))
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One attention layer's KV shape; ``num_kv_heads`` is the model's total (before TP split).
+
+    ``window`` is the sliding-window length in tokens (None = full attention); ``sink_tokens`` are
+    leading tokens a sliding-window layer always keeps.
+    """
+
+    layer_id: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None = None
+    sink_tokens: int = 0
+    roles: tuple[str | RoleSpec, ...] = ("key", "value")
+
+    def __post_init__(self) -> None:
+        _positive_int(self.layer_id, "LayerSpec.layer_id", allow_zero=True)
+        _positive_int(self.num_kv_heads, f"LayerSpec({self.layer_id}).num_kv_heads")
+        _positive_int(self.head_dim, f"LayerSpec({self.layer_id}).head_dim")
+        if self.window is not None:
+            _positive_int(self.window, f"LayerSpec({self.layer_id}).window")
+        _positive_int(self.sink_tokens, f"LayerSpec({self.layer_id}).sink_tokens", allow_zero=True)
+        if self.sink_tokens and self.window is None:
+            raise ConfigError(f"LayerSpec({self.layer_id}).sink_tokens={self.sink_tokens} needs a window")
+        roles = tuple(r if isinstance(r, RoleSpec) else RoleSpec(r) for r in self.roles)
+        if not roles:
+            raise ConfigError(f"LayerSpec({self.layer_id}).roles must not be empty")
+        names = [r.name for r in roles]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"LayerSpec({self.layer_id}).roles has duplicates: {names}")
+        object.__setattr__(self, "roles", roles)
+
+    @property
+    def role_specs(self) -> tuple[RoleSpec, ...]:
+        """The roles as RoleSpec objects (strings are normalised at construction)."""
+        return tuple(r for r in self.roles if isinstance(r, RoleSpec))
+
+
+@dataclass(frozen=True)
+class PrimaryTier:
+    """The tier models read and write: a CUDA device ("cuda:N") or "cpu" where there is no GPU."""
+
+    quota_bytes: int
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _positive_int(self.quota_bytes, "PrimaryTier.quota_bytes")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"PrimaryTier.device: invalid device {self.device!r}") from exc
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"PrimaryTier.device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        if dev.type == "cuda" and dev.index is None:
+            object.__setattr__(self, "device", "cuda:0")
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """Host memory below the primary tier; pinned where CUDA exists (``pinned=None``: automatic)."""
+
+    quota_bytes: int
+    pinned: bool | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int(self.quota_bytes, "HostTier.quota_bytes")
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """The coldest tier: one preallocated file per pool under ``path``."""
+
+    quota_bytes: int
+    path: str
+
+    def __post_init__(self) -> None:
+        _positive_int(self.quota_bytes, "DiskTier.quota_bytes")
+        if not isinstance(self.path, str | os.PathLike) or not str(self.path):
+            raise ConfigError(f"DiskTier.path must be a directory path, got {self.path!r}")
+        object.__setattr__(self, "path", os.fspath(self.path))
+
+
+Tier = PrimaryTier | HostTier | DiskTier
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Everything the cache manager needs to lay out and manage paged KV memory."""
+
+    layers: tuple[LayerSpec, ...]
+    tokens_per_block: int
+    dtype: str
+    tiers: tuple[Tier, ...]
+    head_order: HeadOrder = "HND"
+    tp_rank: int = 0
+    tp_size: int = 1
+    coalesce: bool = True
+    enable_prefix_reuse: bool = True
+    enable_partial_reuse: bool = True
+    enable_stats: bool = True
+    event_queue_capacity: int = 4096
+    resume_max_utilization: float = 1.0
+    extra: tuple[tuple[str, Any], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        layers = tuple(self.layers)
+        if not layers:
+            raise ConfigError("CacheConfig.layers must not be empty")
+        for layer in layers:
+            if not isinstance(layer, LayerSpec):
+                raise ConfigError(f"CacheConfig.layers must hold LayerSpec, got {layer!r}")
+        ids = [layer.layer_id for layer in layers]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"CacheConfig.layers has duplicate layer ids: {sorted(ids)}")
+        object.__setattr__(self, "layers", tuple(sorted(layers, key=lambda s: s.layer_id)))
+        _positive_int(self.tokens_per_block, "CacheConfig.tokens_per_block")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, "CacheConfig.dtype"))
+        if self.head_order not in ("HND", "NHD"):
+            raise ConfigError(f"CacheConfig.head_order must be 'HND' or 'NHD', got {self.head_order!r}")
+        _positive_int(self.tp_size, "CacheConfig.tp_size")
+        _positive_int(self.tp_rank, "CacheConfig.tp_rank", allow_zero=True)
+        if self.tp_rank >= self.tp_size:
+            raise ConfigError(f"CacheConfig.tp_rank={self.tp_rank} must be < tp_size={self.tp_size}")
+        for layer in layers:
+            h = layer.num_kv_heads
+            if h % self.tp_size and self.tp_size % h:
+                raise ConfigError(
+                    f"LayerSpec({layer.layer_id}).num_kv_heads={h} neither divides nor is divisible by "
+                    f"tp_size={self.tp_size}")
+        tiers = tuple(self.tiers)
+        if not tiers or not isinstance(tiers[0], PrimaryTier):
+            raise ConfigError(f"CacheConfig.tiers must start with a PrimaryTier, got {tiers!r}")
+        order = {PrimaryTier: 0, HostTier: 1, DiskTier: 2}
+        kinds = [order.get(type(t), -1) for t in tiers]
+        if -1 in kinds or kinds != sorted(set(kinds)):
+            raise ConfigError(
+                f"CacheConfig.tiers must be Primary[, Host][, Disk] in that order, each once, got "
+                f"{[type(t).__name__ for t in tiers]}")
+        object.__setattr__(self, "tiers", tiers)
+        _positive_int(self.event_queue_capacity, "CacheConfig.event_queue_capacity")
+        if not 0.0 < float(self.resume_max_utilization) <= 1.0:
+            raise ConfigError(
+                f"CacheConfig.resume_max_utilization must be in (0, 1], got {self.resume_max_utilization}")
+
+    # --- derived --------------------------------------------------------------------------------
+    @property
+    def primary(self) -> PrimaryTier:
+        """The primary tier's configuration."""
+        tier = self.tiers[0]
+        assert isinstance(tier, PrimaryTier)
+        return tier
+
+    def tier(self, kind: type[Tier]) -> Tier | None:
+        """The configuration of the tier of that class, or None when the cache has no such tier."""
+        for tier in self.tiers:
+            if isinstance(tier, kind):
+                return tier
+        return None
+
+    def local_heads(self, layer: LayerSpec) -> tuple[int, int]:
+        """(head_start, num_heads) of ``layer`` held by this tensor-parallel rank."""
+        total = layer.num_kv_heads
+        if total >= self.tp_size:
+            per = total // self.tp_size
+            return self.tp_rank * per, per
+        # Fewer KV heads than ranks: each head is replicated on tp_size // total ranks.
+        return self.tp_rank * total // self.tp_size, 1
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes on this rank over all layers and roles."""
+        total = 0
+        for layer in self.layers:
+            _, heads = self.local_heads(layer)
+            for role in layer.role_specs:
+                total += heads * (role.head_dim or layer.head_dim) * itemsize(role.dtype or self.dtype)
+        return total
+
+    @classmethod
+    def for_model(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        tokens_per_block: int,
+        dtype: str | torch.dtype,
+        num_blocks: int,
+        device: str = "cpu",
+        *,
+        windows: Sequence[int | None] | None = None,
+        sink_tokens: int = 0,
+        roles: Sequence[str | RoleSpec] = ("key", "value"),
+        host_blocks: int = 0,
+        disk_blocks: int = 0,
+        disk_path: str | None = None,
+        **kw: Any,
+    ) -> CacheConfig:
+        """A uniform model's config sized so that every layer group gets ``num_blocks`` slots.
+
+        ``windows`` gives each layer's sliding window (None = full attention), cycled over the layers.
+        """
+        _positive_int(num_layers, "num_layers")
+        _positive_int(num_blocks, "num_blocks")
+        win = list(windows) if windows else [None]
+        layers = tuple(
+            LayerSpec(i, num_kv_heads, head_dim, window=win[i % len(win)],
+                      sink_tokens=sink_tokens if win[i % len(win)] is not None else 0, roles=tuple(roles))
+            for i in range(num_layers))
+        probe = cls(layers=layers, tokens_per_block=tokens_per_block, dtype=dtype_name(dtype),
+                    tiers=(PrimaryTier(1, device),), **kw)
+        block_bytes = probe.bytes_per_token() * tokens_per_block
+        tiers: list[Tier] = [PrimaryTier(block_bytes * num_blocks, device)]
+        if host_blocks:
+            tiers.append(HostTier(block_bytes * host_blocks))
+        if disk_blocks:
+            if disk_path is None:
+                raise ConfigError("for_model: disk_blocks needs disk_path")
+            tiers.append(DiskTier(block_bytes * disk_blocks, disk_path))
+        return cls(layers=layers, tokens_per_block=tokens_per_block, dtype=probe.dtype, tiers=tuple(tiers), **kw)

@@ -1,0 +1,108 @@
+"""The one exception hierarchy of kvxfer: every error says what, where and the bad value."""
+
+from __future__ import annotations
+
+
+class KvxferError(Exception):
+    """Base class of every error kvxfer raises on purpose."""
+
+
+# --- configuration and layouts -------------------------------------------------------------------
+class ConfigError(KvxferError, ValueError):
+    """A configuration field is invalid; the message names the field and the bad value."""
+
+
+class LayoutError(KvxferError, ValueError):
+    """A layout descriptor is malformed or inconsistent (overlapping slots, bad offsets, ...)."""
+
+
+class LayoutMismatch(LayoutError):
+    """Two layouts cannot be paired; the message names the field and both values."""
+
+
+class DecodeError(KvxferError, ValueError):
+    """Bytes from a peer or a file could not be decoded into the expected structure."""
+
+
+# --- cache manager -------------------------------------------------------------------------------
+class KVCacheError(KvxferError):
+    """Misuse of a KV cache or the cache manager."""
+
+
+class CacheClosedError(KVCacheError):
+    """An operation on a KV cache that was already closed."""
+
+
+class CacheStateError(KVCacheError):
+    """An operation that the cache's current lifecycle state does not allow."""
+
+
+class CapacityError(KVCacheError, ValueError):
+    """A token count outside what the cache holds (commit past capacity, negative sizes, ...)."""
+
+
+class OutOfSlotsError(KVCacheError):
+    """No free slot is left in a pool group (after eviction)."""
+
+
+class ManagerBusyError(KVCacheError):
+    """The manager cannot do this while KV caches are open (shutdown, quota resize, ...)."""
+
+
+class BlockIdError(KVCacheError, IndexError):
+    """A block id outside a pool group's slots."""
+
+
+class TierError(KVCacheError):
+    """A storage tier cannot be used (missing disk path, quota too small, ...)."""
+
+
+# --- page tables ---------------------------------------------------------------------------------
+class PageTableError(KvxferError, ValueError):
+    """A page table is malformed, undecodable, or points outside registered memory."""
+
+
+# --- transport -----------------------------------------------------------------------------------
+class TransportError(KvxferError):
+    """Base class of transport failures; messages name the peer and the transfer."""
+
+
+class BackendUnavailable(TransportError):
+    """An optional transport backend is not installed or cannot run on this machine."""
+
+
+class TransferTimeout(TransportError, TimeoutError):
+    """A transfer did not complete within its deadline."""
+
+
+class TransferCancelled(TransportError):
+    """A transfer was cancelled before it completed."""
+
+
+class PeerUnreachable(TransportError):
+    """A peer is unknown, disconnected, or died."""
+
+
+class TransferFailed(TransportError):
+    """A transfer failed for a reason other than timeout, cancellation or a lost peer."""
+
+
+# --- control plane and serving -------------------------------------------------------------------
+class ProtocolError(KvxferError):
+    """A control-plane message is malformed, unexpected, or of an unsupported version."""
+
+
+class HandshakeRefused(ProtocolError):
+    """A peer was refused during the handshake; the message carries the reason."""
+
+
+class AuthenticationError(HandshakeRefused):
+    """A peer failed mutual authentication."""
+
+
+class IntegrityError(KvxferError):
+    """Bytes that arrived differ from the bytes that were sent (checksum mismatch)."""
+
+
+class SessionError(KvxferError):
+    """A disaggregated-serving request failed; the message says which request and why."""
