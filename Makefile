@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: venv
-	$(VENV)/bin/kvxfer demo
+	$(VENV)/bin/kvxfer inspect
 
 test: venv
 	$(PY) -m pytest -q -ra

@@ -73,7 +73,7 @@ class SlotAllocator:
             raise BlockIdError(f"{self.name}: slot {bad} released more often than it is held "
                                f"(refcount {int(self.refcount[bad])})")
         self.refcount[uniq] = held - counts.astype(np.int32)
-        freed = uniq[self.refcount[uniq] == 0].astype(np.int32)
+        freed: IntArray = uniq[self.refcount[uniq] == 0].astype(np.int32)
         self._free[self._top:self._top + freed.size] = freed[::-1]
         self._top += freed.size
         return freed

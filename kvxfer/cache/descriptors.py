@@ -6,6 +6,7 @@ descriptors"). Every decoder checks types and invariants, because descriptors ar
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -515,7 +516,7 @@ def _check_no_overlap(pool_groups: tuple[PoolGroupDesc, ...]) -> None:
     """Placed pools (base address != 0) of one memory space never overlap."""
     spans = sorted((p.memory_kind, p.device_id, p.base_address, p.end_address, g.pool_group_index, p.pool_index)
                    for g in pool_groups for p in g.pools if p.base_address and p.num_slots)
-    for a, b in zip(spans, spans[1:], strict=False):
+    for a, b in itertools.pairwise(spans):
         if a[:2] == b[:2] and b[2] < a[3]:
             raise LayoutError(f"pool {a[4]}.{a[5]} [{a[2]:#x}, {a[3]:#x}) overlaps pool {b[4]}.{b[5]} "
                               f"[{b[2]:#x}, {b[3]:#x})")
