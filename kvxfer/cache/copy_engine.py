@@ -130,7 +130,8 @@ def check_disjoint(starts: U64Array, nbytes: U64Array, what: str,
     clash = (~label & (s < mine)) | (~label & (s < theirs)) | (label & (s < mine))
     if clash.any():
         i = int(np.flatnonzero(clash)[0])
-        raise TierError(f"copy batch: {what} range [{int(s[i]):#x}, +{int(e[i] - s[i])}) overlaps another range")
+        kind = "source" if label[i] else what
+        raise TierError(f"copy batch: {kind} range [{int(s[i]):#x}, +{int(e[i] - s[i])}) overlaps another range")
 
 
 # --- staging ring ----------------------------------------------------------------------------------
