@@ -17,6 +17,8 @@ import ctypes
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +34,9 @@ IntArray = npt.NDArray[np.int64]
 
 #: Default staging ring size: large enough for deep disk queues, small next to any host tier.
 DEFAULT_STAGING_BYTES = 32 << 20
+#: Largest single file request: big enough for full device bandwidth, small enough that one ring
+#: group holds several requests for the I/O threads to run in parallel.
+IO_CHUNK_BYTES = 2 << 20
 #: Ring positions of small, unaligned chunks are rounded to this (cache-line) boundary.
 SMALL_ALIGNMENT = 64
 
@@ -260,6 +265,7 @@ class CopyStats:
     cuda_batch_calls: int = 0
     cuda_single_calls: int = 0
     cuda_fallback_reason: str | None = None
+    cuda_batch_supported: bool | None = None  # None until a CUDA copy ran
     paths: dict[str, int] = field(default_factory=dict)
 
 
@@ -278,14 +284,18 @@ class CopyEngine:
     ``staging_bytes``: size of the host staging ring used for disk transfers (allocated on first
     use; pinned where CUDA exists unless ``pinned_staging=False``). ``cuda_batch``: None = use
     cuMemcpyBatchAsync when offered, False = one cuMemcpyAsync per run, True = require the batch API.
+    ``io_threads``: file requests in flight per ring group (0 or 1: one at a time).
     """
 
     def __init__(self, *, staging_bytes: int = DEFAULT_STAGING_BYTES, pinned_staging: bool | None = None,
-                 cuda_batch: bool | None = None) -> None:
+                 cuda_batch: bool | None = None, io_threads: int = 4) -> None:
         if staging_bytes < DIRECT_IO_ALIGNMENT or staging_bytes % SMALL_ALIGNMENT:
             raise TierError(f"CopyEngine.staging_bytes must be >= {DIRECT_IO_ALIGNMENT} and a multiple of "
                             f"{SMALL_ALIGNMENT}, got {staging_bytes}")
+        if io_threads < 0:
+            raise TierError(f"CopyEngine.io_threads must be >= 0, got {io_threads}")
         self.staging_bytes = staging_bytes
+        self._io_pool = ThreadPoolExecutor(io_threads, "kvxfer-disk-io") if io_threads > 1 else None
         self._pinned_staging = pinned_staging
         self._cuda_batch = cuda_batch
         self._ring: StagingRing | None = None
@@ -369,6 +379,8 @@ class CopyEngine:
         self._closed = True
         self._queue.put(None)
         self._worker.join()
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=True)
 
     def __enter__(self) -> CopyEngine:
         return self
@@ -405,6 +417,8 @@ class CopyEngine:
             self._stats.cuda_single_calls = sum(c.single_calls for c in cuda)
             reasons = [c.fallback_reason for c in cuda if c.fallback_reason]
             self._stats.cuda_fallback_reason = reasons[0] if reasons else None
+            if cuda:
+                self._stats.cuda_batch_supported = all(c.batch_supported for c in cuda)
 
     def _execute(self, job: _Job) -> None:
         for tier in (job.src, job.dst):
@@ -450,7 +464,7 @@ class CopyEngine:
             self._ring = StagingRing(self.staging_bytes, pinned=self._pinned_staging)
         ring = self._ring
         limit = max(ring.capacity // 2 // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT, DIRECT_IO_ALIGNMENT)
-        chunks = split_runs(job.runs, limit)
+        chunks = split_runs(job.runs, min(limit, IO_CHUNK_BYTES))
         sides: list[DiskTierStorage | _Mover] = []
         ends: list[list[Endpoint]] = []
         for tier, addr in ((job.src, chunks.src), (job.dst, chunks.dst)):
@@ -461,7 +475,7 @@ class CopyEngine:
             else:
                 sides.append(self._memory_mover(tier))
                 ends.append(addr.tolist())
-        group = _StagedGroup(ring, sides[0], sides[1])
+        group = _StagedGroup(ring, sides[0], sides[1], self._io_pool)
         aligned = (chunks.nbytes % np.uint64(DIRECT_IO_ALIGNMENT) == 0).tolist()
         try:
             for i, n in enumerate(chunks.nbytes.tolist()):
@@ -470,7 +484,7 @@ class CopyEngine:
                     # Full, or the ring lapped the open group: send it before its space is reused.
                     group.flush()
                     ring.submit(group)
-                    group = _StagedGroup(ring, sides[0], sides[1])
+                    group = _StagedGroup(ring, sides[0], sides[1], self._io_pool)
                 ring.reserve(pos, n)
                 group.add(pos, n, ends[0][i], ends[1][i])
             group.flush()
@@ -516,9 +530,10 @@ class _StagedGroup(RingUser):
     transfer overlaps the next group's file reads with this group's host-to-device copies.
     """
 
-    def __init__(self, ring: StagingRing, src: DiskTierStorage | _Mover, dst: DiskTierStorage | _Mover) -> None:
+    def __init__(self, ring: StagingRing, src: DiskTierStorage | _Mover, dst: DiskTierStorage | _Mover,
+                 io_pool: ThreadPoolExecutor | None) -> None:
         super().__init__()
-        self._ring, self._src_side, self._dst_side = ring, src, dst
+        self._ring, self._src_side, self._dst_side, self._io_pool = ring, src, dst, io_pool
         self._src: list[Endpoint] = []
         self._dst: list[Endpoint] = []
         self.nbytes = 0
@@ -539,18 +554,31 @@ class _StagedGroup(RingUser):
         size = np.array([b - a for a, b in self.segments], dtype=np.uint64)
         ring_addr = pos + np.uint64(ring.base_address)
         if isinstance(self._src_side, DiskTierStorage):
-            for (a, b), end in zip(self.segments, self._src, strict=True):
-                assert isinstance(end, tuple)
-                self._src_side.read_into(end[0], end[1], ring.view(a, b - a))
+            self._file_io(self._src_side.read_into, self._src)
         else:
             self._src_side.copy(ring_addr, np.array(self._src, dtype=np.uint64), size)
             self._src_side.wait()
         if isinstance(self._dst_side, DiskTierStorage):
-            for (a, b), end in zip(self.segments, self._dst, strict=True):
-                assert isinstance(end, tuple)
-                self._dst_side.write_from(end[0], end[1], ring.view(a, b - a))
+            self._file_io(self._dst_side.write_from, self._dst)
         else:
             self._dst_side.copy(np.array(self._dst, dtype=np.uint64), ring_addr, size)
+
+    def _file_io(self, op: Callable[[int, int, memoryview], None], ends: list[Endpoint]) -> None:
+        """Run ``op(file, offset, ring view)`` for every chunk: on the I/O threads (several requests in
+        flight keep an NVMe queue busy; preadv/pwritev release the GIL), else one by one."""
+        calls = []
+        for (a, b), end in zip(self.segments, ends, strict=True):
+            assert isinstance(end, tuple)
+            calls.append((end[0], end[1], self._ring.view(a, b - a)))
+        if self._io_pool is None or len(calls) == 1:
+            for call in calls:
+                op(*call)
+            return
+        futures = [self._io_pool.submit(op, *call) for call in calls]
+        errors = [f.exception() for f in futures]  # wait for all before the ring space is reused
+        for err in errors:
+            if err is not None:
+                raise err
 
     def finish(self) -> None:
         """Wait for the copies out of the ring to complete."""
