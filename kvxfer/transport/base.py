@@ -1,0 +1,191 @@
+"""The Transport interface (DESIGN.md "Transport") and the checks every backend shares.
+
+A backend implements the ``_backend_*`` hooks; this class owns naming, registration, metadata,
+peer bookkeeping, plan validation against local and advertised regions, and the notification inbox,
+so that every backend refuses the same bad input with the same errors before a byte moves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from types import TracebackType
+from typing import ClassVar, Literal
+
+from kvxfer.cache.memory import MemoryRegion
+from kvxfer.errors import PageTableError, PeerUnreachable, TransportError
+from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.transport.handle import TransferHandle
+from kvxfer.transport.metadata import MAX_NAME_CHARS, TransportMetadata, check_regions
+
+Op = Literal["write", "read"]
+MAX_NOTIFY_BYTES = 4096
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:@/-]+$")
+
+
+class Transport(ABC):
+    """Moves the bytes of TransferPlans between registered memory of this endpoint and its peers."""
+
+    backend: ClassVar[str]
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not _NAME_RE.match(name):
+            raise TransportError(f"transport name must be 1-{MAX_NAME_CHARS} chars of [A-Za-z0-9_.:@/-], "
+                                 f"got {name!r:.80}")
+        self.name = name
+        self._regions: tuple[MemoryRegion, ...] = ()
+        self._registered = False
+        self._peers: dict[str, TransportMetadata] = {}
+        self._inbox: dict[str, list[bytes]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name={self.name!r}, regions={len(self._regions)}, "
+                f"peers={sorted(self._peers)})")
+
+    # --- public API ---------------------------------------------------------------------------------
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        """The registered local regions; ``PageTable.region`` of local entries indexes this tuple."""
+        return self._regions
+
+    def peer_regions(self, peer: str) -> tuple[MemoryRegion, ...]:
+        """The regions ``peer`` advertised; ``PageTable.region`` of remote entries indexes this tuple."""
+        return self._peer(peer).regions
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Register local memory once, before ``metadata()``; regions are advertised to peers."""
+        self._check_open()
+        if self._registered:
+            raise TransportError(f"transport {self.name!r}: regions are already registered "
+                                 f"({len(self._regions)}); create a new transport to change them")
+        regs = check_regions(regions, f"transport {self.name!r}.register")
+        self._backend_register(regs)
+        self._regions = regs
+        self._registered = True
+
+    def metadata(self) -> bytes:
+        """What a peer passes to ``connect``: backend, name, advertised regions and backend info."""
+        self._check_open()
+        return TransportMetadata(self.backend, self.name, self._regions, self._backend_blob()).encode()
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        """Make ``peer`` reachable using the bytes its ``metadata()`` returned."""
+        self._check_open()
+        md = TransportMetadata.decode(metadata)
+        if md.backend != self.backend:
+            raise TransportError(f"transport {self.name!r}: peer {peer!r} metadata is for backend "
+                                 f"{md.backend!r}, this transport is {self.backend!r}")
+        if md.name != peer:
+            raise TransportError(f"transport {self.name!r}: metadata names peer {md.name!r}, "
+                                 f"connect was asked for {peer!r}")
+        if peer == self.name:
+            raise TransportError(f"transport {self.name!r}: cannot connect to itself")
+        if peer in self._peers:
+            self.disconnect(peer)
+        self._backend_connect(peer, md)
+        self._peers[peer] = md
+
+    def write(self, peer: str, plan: TransferPlan, notify: bytes | None = None) -> TransferHandle:
+        """Push: ``plan.src`` (local) -> ``plan.dst`` (peer); ``notify`` reaches the peer after the data."""
+        return self._post("write", peer, plan, notify)
+
+    def read(self, peer: str, plan: TransferPlan, notify: bytes | None = None) -> TransferHandle:
+        """Pull: ``plan.src`` (peer) -> ``plan.dst`` (local); ``notify`` reaches the peer after the data."""
+        return self._post("read", peer, plan, notify)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Messages received since the last call, per sending peer, each delivered exactly once."""
+        self._backend_poll_notifications()
+        with self._lock:
+            out, self._inbox = self._inbox, {}
+        return out
+
+    def disconnect(self, peer: str) -> None:
+        """Forget ``peer``; later transfers to it raise PeerUnreachable."""
+        if self._peers.pop(peer, None) is not None:
+            self._backend_disconnect(peer)
+
+    def close(self) -> None:
+        """Disconnect every peer and release backend resources (idempotent)."""
+        if self._closed:
+            return
+        for peer in list(self._peers):
+            self.disconnect(peer)
+        self._closed = True
+        self._backend_close()
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # --- shared helpers -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"transport {self.name!r} is closed")
+
+    def _peer(self, peer: str) -> TransportMetadata:
+        md = self._peers.get(peer)
+        if md is None:
+            raise PeerUnreachable(f"transport {self.name!r}: peer {peer!r} is not connected "
+                                  f"(connected: {sorted(self._peers)})")
+        return md
+
+    def _deliver(self, peer: str, message: bytes) -> None:
+        """Queue a notification from ``peer`` for ``notifications()``."""
+        with self._lock:
+            self._inbox.setdefault(peer, []).append(bytes(message))
+
+    def _post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle:
+        self._check_open()
+        md = self._peer(peer)
+        if not isinstance(plan, TransferPlan):
+            raise PageTableError(f"{op} to peer {peer!r}: expected a TransferPlan, got {type(plan).__name__}")
+        if notify is not None and (not isinstance(notify, bytes) or len(notify) > MAX_NOTIFY_BYTES):
+            raise TransportError(f"{op} to peer {peer!r}: notify must be bytes of <= {MAX_NOTIFY_BYTES}, "
+                                 f"got {type(notify).__name__} of {len(notify) if isinstance(notify, bytes) else '?'}")
+        local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
+        self._validate(local, self._regions, f"{op} with peer {peer!r}: local {'source' if op == 'write' else 'destination'}")
+        self._validate(remote, md.regions, f"{op} with peer {peer!r}: remote {'destination' if op == 'write' else 'source'}")
+        return self._backend_post(op, peer, plan, notify, next(self._ids))
+
+    @staticmethod
+    def _validate(table: PageTable, regions: Sequence[MemoryRegion], where: str) -> None:
+        try:
+            table.validate(regions)
+        except PageTableError as exc:
+            raise PageTableError(f"{where}: {exc}") from None
+
+    # --- backend hooks ------------------------------------------------------------------------------
+    def _backend_register(self, regions: tuple[MemoryRegion, ...]) -> None:  # noqa: B027
+        """Register ``regions`` with the backend (called once, before they become visible)."""
+
+    def _backend_blob(self) -> bytes:
+        """Backend-specific connection info carried in the metadata."""
+        return b""
+
+    @abstractmethod
+    def _backend_connect(self, peer: str, md: TransportMetadata) -> None:
+        """Make ``peer`` reachable (raise PeerUnreachable if it is not)."""
+
+    @abstractmethod
+    def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
+                      transfer_id: int) -> TransferHandle:
+        """Start a validated transfer and return its handle."""
+
+    def _backend_poll_notifications(self) -> None:  # noqa: B027
+        """Move notifications the backend holds into the inbox (``_deliver``)."""
+
+    def _backend_disconnect(self, peer: str) -> None:  # noqa: B027
+        """Release backend state for ``peer``."""
+
+    def _backend_close(self) -> None:  # noqa: B027
+        """Release every backend resource."""

@@ -1,0 +1,1 @@
+"""Helpers for the transport conformance suite: seeded plans and a peer process."""
