@@ -15,7 +15,7 @@ from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.loopback import LoopbackFaults, LoopbackTransport
 from kvxfer.transport.metadata import TransportMetadata
 
-BACKENDS = ("loopback", "nixl", "ucx")
+BACKENDS = ("loopback", "nixl", "ucx", "cuda_ipc")
 
 
 def _nixl_reason() -> str | None:
@@ -28,10 +28,16 @@ def _ucx_reason() -> str | None:
     return ucx_unavailable_reason()
 
 
+def _cuda_ipc_reason() -> str | None:
+    from kvxfer.transport.cuda_ipc import cuda_ipc_unavailable_reason
+    return cuda_ipc_unavailable_reason()
+
+
 _REASONS: dict[str, Callable[[], str | None]] = {
     "loopback": lambda: None,
     "nixl": _nixl_reason,
     "ucx": _ucx_reason,
+    "cuda_ipc": _cuda_ipc_reason,
 }
 
 
@@ -42,7 +48,7 @@ def available_backends() -> dict[str, str | None]:
 
 
 def create(backend: str, name: str, **options: Any) -> Transport:
-    """A new transport of ``backend`` ("loopback" | "nixl" | "ucx") named ``name`` (its peers use it)."""
+    """A new transport of ``backend`` ("loopback" | "nixl" | "ucx" | "cuda_ipc") named ``name`` (its peers use it)."""
     if backend == "loopback":
         return LoopbackTransport(name, **options)
     if backend == "nixl":
@@ -51,6 +57,9 @@ def create(backend: str, name: str, **options: Any) -> Transport:
     if backend == "ucx":
         from kvxfer.transport.ucx import UcxTransport
         return UcxTransport(name, **options)
+    if backend == "cuda_ipc":
+        from kvxfer.transport.cuda_ipc import CudaIpcTransport
+        return CudaIpcTransport(name, **options)
     if backend in _REASONS:
         raise BackendUnavailable(f"transport backend {backend!r} has no implementation")
     raise ConfigError(f"unknown transport backend {backend!r}; expected one of {BACKENDS}")

@@ -129,7 +129,7 @@ def _triton_kernel() -> Any:
     except ImportError:
         return None
 
-    @triton.jit  # type: ignore[misc]
+    @triton.jit  # type: ignore[misc,untyped-decorator]
     def copy_runs(src_ptrs: Any, dst_ptrs: Any, sizes: Any, CHUNK: tl.constexpr, BLOCK: tl.constexpr) -> None:
         i = tl.program_id(0)
         start = tl.program_id(1) * CHUNK
@@ -154,7 +154,7 @@ class BatchedCopier:
     def __init__(self, device_id: int, method: str = "auto") -> None:
         self.device_id = device_id
         torch.cuda.set_device(device_id)
-        self.stream = torch.cuda.Stream(device_id)
+        self.stream = torch.cuda.Stream(device_id)  # type: ignore[no-untyped-call]
         self._kernel = _triton_kernel() if method in ("auto", "kernel") else None
         self._batch = _batch_fn() if method in ("auto", "batch") else None
         if method == "kernel" and self._kernel is None:
@@ -166,7 +166,7 @@ class BatchedCopier:
     def copy(self, dst: U64, src: U64, nbytes: U64) -> torch.cuda.Event:
         """Enqueue the copies; returns an event recorded after them on the copier's stream."""
         n = int(dst.size)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with torch.cuda.device(self.device_id), torch.cuda.stream(self.stream):
             # Pages written by the model on the default stream must be complete before we read them.
             self.stream.wait_stream(torch.cuda.default_stream(self.device_id))
@@ -190,6 +190,7 @@ class BatchedCopier:
                                                                                  non_blocking=False)
         max_words = int(nbytes.max()) // 4
         grid = (int(dst.size), -(-max_words // self.CHUNK_WORDS))
+        assert self._kernel is not None
         self._kernel[grid](table[0], table[1], table[2], CHUNK=self.CHUNK_WORDS, BLOCK=self.BLOCK_WORDS)
 
     def _run_batch(self, dst: U64, src: U64, nbytes: U64) -> None:
@@ -199,6 +200,7 @@ class BatchedCopier:
         attrs = _Attrs(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, _CU_MEM_LOCATION_TYPE_DEVICE, self.device_id,
                        _CU_MEM_LOCATION_TYPE_DEVICE, self.device_id, 0)
         idx = np.zeros(1, dtype=np.uint64)
+        assert self._batch is not None
         rc = self._batch(d.ctypes.data, s.ctypes.data, b.ctypes.data, d.size, ctypes.byref(attrs),
                          idx.ctypes.data, 1, self.stream.cuda_stream)
         if rc != 0:

@@ -38,10 +38,22 @@ MAX_CACHED_GRIDS = 32
 _LOCAL = ""
 
 
+#: Import names of the NIXL wheels, in order of preference (nixl-cu13, nixl-cu12, the meta package).
+NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
+
+
+def nixl_module() -> str | None:
+    """The import name of the installed NIXL binding (found without importing it), or None."""
+    for name in NIXL_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
+
+
 def nixl_unavailable_reason() -> str | None:
     """None when the NIXL binding is installed, else why not (found without importing it)."""
-    if importlib.util.find_spec("nixl_cu12") is None:
-        return "nixl-cu12 is not installed (pip install --no-deps nixl-cu12)"
+    if nixl_module() is None:
+        return "no NIXL binding is installed (pip install --no-deps nixl-cu12, or nixl-cu13 for CUDA 13)"
     return None
 
 
@@ -79,10 +91,12 @@ class NixlTransport(Transport):
         if reason is not None:
             raise BackendUnavailable(reason)
         apply_ucx_defaults()
+        module = nixl_module()
         try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
+            api = importlib.import_module(f"{module}._api")
+            nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         except Exception as exc:
-            raise BackendUnavailable(f"nixl-cu12 is not importable: {exc}") from exc
+            raise BackendUnavailable(f"{module} is not importable: {exc}") from exc
 
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
         params = {"ucx_error_handling_mode": "none"}

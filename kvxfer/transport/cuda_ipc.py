@@ -1,0 +1,217 @@
+"""cuda_ipc backend: peers on one node map each other's device pools through CUDA IPC handles and
+execute a whole plan as one batched copy on a stream (see ``cuda_copy``).
+
+Notifications travel on a small ZeroMQ PUSH/PULL channel on 127.0.0.1, sent by a completion thread
+after the copy's event has completed, so a notification never overtakes its data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import queue
+import socket
+import threading
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvxfer.cache.memory import MemoryRegion
+from kvxfer.errors import BackendUnavailable, DecodeError, PeerUnreachable, TransferFailed, TransportError
+from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.transport.base import Op, Transport
+from kvxfer.transport.handle import TransferHandle, TransferStatus
+from kvxfer.transport.metadata import TransportMetadata
+
+_MAX_BLOB_BYTES = 16 << 20
+
+
+def node_id() -> str:
+    """Identifies this OS instance: peers with equal node ids can exchange CUDA IPC handles."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def cuda_ipc_unavailable_reason() -> str | None:
+    """None when this machine can run the backend, else why not."""
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return "cuda-python (cuda.bindings) is not installed"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
+    return None
+
+
+class CudaIpcTransport(Transport):
+    """Intra-node transport over CUDA IPC; every registered region must be device memory."""
+
+    backend = "cuda_ipc"
+
+    def __init__(self, name: str, *, device_id: int | None = None, method: str = "auto") -> None:
+        super().__init__(name)
+        reason = cuda_ipc_unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailable(reason)
+        import torch
+        import zmq
+
+        from kvxfer.transport import cuda_copy
+
+        self._cuda = cuda_copy
+        self._device_id = torch.cuda.current_device() if device_id is None else device_id
+        self._copier = cuda_copy.BatchedCopier(self._device_id, method)
+        self._mappings = cuda_copy.IpcMappings()
+        self._exports: list[list[Any]] = []
+        self._peer_bases: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._zmq = zmq.Context()
+        self._pull = self._zmq.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+        port = self._pull.bind_to_random_port("tcp://127.0.0.1")
+        self._endpoint = f"tcp://127.0.0.1:{port}"
+        self._push: dict[str, Any] = {}
+        self._push_lock = threading.Lock()
+        self._completions: queue.Queue[tuple[TransferHandle, Any, str, bytes | None] | None] = queue.Queue()
+        self._completer = threading.Thread(target=self._complete_loop, name=f"cuda-ipc-{name}", daemon=True)
+        self._completer.start()
+
+    @property
+    def method(self) -> str:
+        """How plans are executed: "kernel" (Triton), "batch" (cuMemcpyBatchAsync) or "loop"."""
+        return str(self._copier.method)
+
+    # --- registration and peers ---------------------------------------------------------------
+    def _backend_register(self, regions: tuple[MemoryRegion, ...]) -> None:
+        for i, r in enumerate(regions):
+            if r.memory_kind != "cuda":
+                raise TransportError(f"cuda_ipc {self.name!r}: region {i} is {r.memory_kind!r} memory; "
+                                     f"this backend moves device memory only")
+        self._exports = [self._cuda.export_region(r.base_address, r.nbytes, r.device_id).to_wire() for r in regions]
+
+    def _backend_blob(self) -> bytes:
+        return bytes(msgpack.packb({"node": node_id(), "notify": self._endpoint, "regions": self._exports},
+                                   use_bin_type=True))
+
+    def _backend_connect(self, peer: str, md: TransportMetadata) -> None:
+        import zmq
+
+        blob = _decode_blob(md, peer)
+        if blob["node"] != node_id():
+            raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} runs on another node "
+                                  f"({blob['node']!r}); CUDA IPC works within one node only")
+        mapped = []
+        for i, (region, wire) in enumerate(zip(md.regions, blob["regions"], strict=True)):
+            handle, offset, nbytes, device = wire
+            if nbytes != region.nbytes or region.memory_kind != "cuda":
+                raise DecodeError(f"cuda_ipc peer {peer!r}: region {i} IPC size {nbytes} does not match the "
+                                  f"advertised {region.nbytes} bytes of {region.memory_kind} memory")
+            try:
+                mapped.append(self._mappings.open(self._cuda.IpcRegion(handle, offset, nbytes, device)))
+            except TransferFailed as exc:
+                raise PeerUnreachable(f"cuda_ipc {self.name!r}: cannot map region {i} of peer {peer!r}: {exc}") from exc
+        advertised = np.array([r.base_address for r in md.regions], dtype=np.uint64)
+        self._peer_bases[peer] = (advertised, np.array(mapped, dtype=np.uint64))
+        push = self._zmq.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.setsockopt(zmq.SNDHWM, 100_000)
+        push.connect(blob["notify"])
+        with self._push_lock:
+            self._push[peer] = push
+
+    def _backend_disconnect(self, peer: str) -> None:
+        self._peer_bases.pop(peer, None)
+        with self._push_lock:
+            sock = self._push.pop(peer, None)
+        if sock is not None:
+            sock.close()
+
+    def _backend_close(self) -> None:
+        self._completions.put(None)
+        self._completer.join(10)
+        self._copier.stream.synchronize()
+        self._mappings.close()
+        self._pull.close()
+        self._zmq.term()
+
+    # --- transfers ----------------------------------------------------------------------------
+    def _remote_addrs(self, peer: str, table: PageTable) -> np.ndarray:
+        advertised, mapped = self._peer_bases[peer]
+        out: np.ndarray = mapped[table.region] + (table.addr - advertised[table.region])
+        return out
+
+    def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
+                      transfer_id: int) -> TransferHandle:
+        if peer not in self._peer_bases:
+            raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} is not mapped")
+        if op == "write":
+            src, dst = plan.src.addr, self._remote_addrs(peer, plan.dst)
+        else:
+            src, dst = self._remote_addrs(peer, plan.src), plan.dst.addr
+        handle = TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=lambda h: False)
+        try:
+            event = self._copier.copy(dst, src, plan.src.nbytes)
+        except TransferFailed as exc:
+            handle._finish(TransferStatus.FAILED, str(exc), TransferFailed)
+            return handle
+        self._completions.put((handle, event, peer, notify))
+        return handle
+
+    def _complete_loop(self) -> None:
+        while True:
+            item = self._completions.get()
+            if item is None:
+                return
+            handle, event, peer, notify = item
+            try:
+                event.synchronize()
+            except RuntimeError as exc:
+                handle._finish(TransferStatus.FAILED, f"CUDA copy failed: {exc}", TransferFailed)
+                continue
+            if handle._finish(TransferStatus.DONE) and notify is not None:
+                with self._push_lock:
+                    sock = self._push.get(peer)
+                    if sock is not None:
+                        sock.send_multipart([self.name.encode(), notify])
+
+    def _backend_poll_notifications(self) -> None:
+        import zmq
+
+        while True:
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 2 and frames[0].decode(errors="replace") in self._peers:
+                self._deliver(frames[0].decode(), frames[1])
+
+
+def _decode_blob(md: TransportMetadata, peer: str) -> dict[str, Any]:
+    """Check the backend blob of a cuda_ipc peer: bounded, typed, one IPC entry per region."""
+    where = f"cuda_ipc metadata of peer {peer!r}"
+    if len(md.backend_blob) > _MAX_BLOB_BYTES:
+        raise DecodeError(f"{where}: blob of {len(md.backend_blob)} bytes")
+    try:
+        blob = msgpack.unpackb(md.backend_blob, raw=False, strict_map_key=True, max_array_len=1 << 16,
+                               max_map_len=8, max_str_len=1024, max_bin_len=256)
+    except Exception as exc:
+        raise DecodeError(f"{where}: not valid msgpack ({exc})") from exc
+    if not isinstance(blob, dict) or not isinstance(blob.get("node"), str) or \
+            not isinstance(blob.get("notify"), str) or not blob["notify"].startswith("tcp://127.0.0.1:") or \
+            not isinstance(blob.get("regions"), list):
+        raise DecodeError(f"{where}: expected node, notify (tcp://127.0.0.1:port) and regions")
+    if len(blob["regions"]) != len(md.regions):
+        raise DecodeError(f"{where}: {len(blob['regions'])} IPC entries for {len(md.regions)} regions")
+    for i, w in enumerate(blob["regions"]):
+        ok = (isinstance(w, list) and len(w) == 4 and isinstance(w[0], bytes) and len(w[0]) == 64
+              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in w[1:]))
+        if not ok:
+            raise DecodeError(f"{where}: IPC entry {i} is malformed")
+    return blob
+
+
+__all__ = ["CudaIpcTransport", "cuda_ipc_unavailable_reason", "node_id"]
