@@ -1,0 +1,1 @@
+"""Disaggregated serving: control plane (handshake, auth, messages, heartbeats) and per-request sessions."""
