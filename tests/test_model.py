@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,6 +18,15 @@ from kvxfer.model.transformer import apply_rope, rms_norm
 
 TINY = preset("tiny")
 SWA = ModelConfig(windows=(None, 20), sink_tokens=3, seed=1)   # windows small enough to release blocks
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model gains nothing from intra-op threads, and they thrash on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:
@@ -73,7 +83,7 @@ def test_paged_attention_equals_dense_reference(config: ModelConfig, tpb: int, o
     torch.testing.assert_close(paged, dense_logits(model, tokens), atol=2e-4, rtol=1e-4)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(chunk=st.integers(1, 50))
 def test_chunked_prefill_equals_one_shot(chunk: int) -> None:
     model = ReferenceModel(SWA)
@@ -108,15 +118,15 @@ def test_prefill_plus_decode_steps_equals_whole_prefill(config: ModelConfig) -> 
 @pytest.mark.parametrize("config", [TINY, SWA])
 def test_generation_identical_across_block_sizes_and_head_orders(config: ModelConfig) -> None:
     model = ReferenceModel(config)
-    tokens = prompt(70, seed=11)
+    tokens = prompt(50, seed=11)
     outs = {}
     for tpb in (16, 64):
         for order in ("HND", "NHD"):
             manager = KVCacheManager(config.cache_config(tpb, 8, head_order=order))
-            outs[(tpb, order)] = model.generate(manager, tokens, 12)
+            outs[(tpb, order)] = model.generate(manager, tokens, 10)
             assert manager.num_free_slots() == manager.allocator(0).num_slots   # nothing leaked
     assert len(set(map(tuple, outs.values()))) == 1
-    assert len(outs[(16, "HND")]) == 12
+    assert len(outs[(16, "HND")]) == 10
 
 
 @pytest.mark.parametrize("config", [TINY, SWA])
