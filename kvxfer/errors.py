@@ -100,6 +100,10 @@ class AuthenticationError(HandshakeRefused):
     """A peer failed mutual authentication."""
 
 
+class ControlTimeout(KvxferError, TimeoutError):
+    """No control-plane message (reply, handshake step, request) arrived within its deadline."""
+
+
 class IntegrityError(KvxferError):
     """Bytes that arrived differ from the bytes that were sent (checksum mismatch)."""
 

@@ -1,0 +1,547 @@
+"""ZeroMQ control plane: authenticated connections, bounded receives, heartbeats and peer loss.
+
+One I/O thread per endpoint owns its ZeroMQ socket: it drives server-side handshakes, sends queued
+messages, answers and checks heartbeats, and hands application messages to each connection's inbox.
+User threads only enqueue sends and wait on inboxes with a deadline, so no call blocks unbounded.
+A server (ROUTER socket) accepts many peers; ``connect`` (DEALER socket) makes one connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvxfer.disagg.auth import AuthKey
+from kvxfer.disagg.handshake import (
+    ClientHandshake,
+    LayoutCheck,
+    LocalIdentity,
+    NonceCache,
+    PeerInfo,
+    Refusal,
+    ServerHandshake,
+    check_compatible,
+)
+from kvxfer.disagg.messages import (
+    HANDSHAKE_TYPES,
+    MAX_MESSAGE_BYTES,
+    MIN_PROTOCOL_VERSION,
+    ROLES,
+    SUPPORTED_VERSIONS,
+    Message,
+    decode,
+    encode,
+)
+from kvxfer.errors import (
+    AuthenticationError,
+    ConfigError,
+    ControlTimeout,
+    KvxferError,
+    PeerUnreachable,
+    ProtocolError,
+)
+
+log = logging.getLogger("kvxfer.disagg.control")
+
+PeerLostCallback = Callable[["PeerConnection", str], None]
+Secret = AuthKey | str | bytes | None
+_ANY_VERSION = (0, 1 << 16)
+
+
+def check_timeout(timeout: float, what: str) -> float:
+    """``timeout`` as seconds; every wait in the control plane is finite (ConfigError otherwise)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) \
+            or timeout < 0:
+        raise ConfigError(f"{what}: timeout must be a finite number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def _as_key(secret: Secret) -> AuthKey:
+    return secret if isinstance(secret, AuthKey) else AuthKey.load(secret)
+
+
+class _Lost:
+    """Inbox sentinel: the connection ended with ``error``."""
+
+    def __init__(self, error: KvxferError) -> None:
+        self.error = error
+
+
+class PeerConnection:
+    """An authenticated connection to one peer: ``send``, ``recv(timeout)``, ``close``."""
+
+    def __init__(self, endpoint: _Endpoint, route: bytes, peer: PeerInfo) -> None:
+        self.peer = peer
+        self._endpoint = endpoint
+        self._route = route
+        self._inbox: queue.Queue[Message | _Lost] = queue.Queue()
+        self._error: KvxferError | None = None
+        now = time.monotonic()
+        self.last_seen = now
+        self.next_heartbeat = now
+
+    @property
+    def alive(self) -> bool:
+        """False once the peer was lost, closed, or misbehaved."""
+        return self._error is None
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the connection ended (None while alive)."""
+        return None if self._error is None else str(self._error)
+
+    def _raise_lost(self) -> None:
+        assert self._error is not None
+        raise type(self._error)(str(self._error))
+
+    def send(self, type: str, **body: Any) -> None:
+        """Queue a message to the peer; ProtocolError if it does not fit its spec, PeerUnreachable if lost."""
+        if self._error is not None:
+            self._raise_lost()
+        self._endpoint.enqueue(self._route, encode(Message(type, body, self.peer.version)))
+
+    def recv(self, timeout: float) -> Message:
+        """The next application message; ControlTimeout after ``timeout`` s, PeerUnreachable (or
+        ProtocolError) once the connection ended."""
+        wait = check_timeout(timeout, f"recv from {self.peer.name}")
+        try:
+            item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            if self._error is not None:
+                self._raise_lost()
+            raise ControlTimeout(f"no message from {self.peer.role} {self.peer.name!r} within {wait:.3f} s") from None
+        if isinstance(item, _Lost):
+            self._inbox.put(item)
+            self._raise_lost()
+        assert isinstance(item, Message)
+        return item
+
+    def close(self, reason: str = "closed") -> None:
+        """Say goodbye to the peer and end the connection (a client connection also ends its endpoint)."""
+        self._endpoint.close_peer(self._route, reason)
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else f"lost: {self.lost_reason}"
+        return f"PeerConnection({self.peer.role} {self.peer.name!r} v{self.peer.version}, {state})"
+
+
+class _Endpoint:
+    """A ZeroMQ socket owned by one I/O thread, with connections keyed by ZeroMQ routing id."""
+
+    def __init__(self, kind: int, local: LocalIdentity, key: AuthKey, *, versions: tuple[int, int],
+                 heartbeat_misses: int, on_peer_lost: PeerLostCallback | None, max_message_bytes: int,
+                 inbox_limit: int, layout_check: LayoutCheck) -> None:
+        if isinstance(heartbeat_misses, bool) or not isinstance(heartbeat_misses, int) or heartbeat_misses < 1:
+            raise ConfigError(f"heartbeat_misses must be an int >= 1, got {heartbeat_misses!r}")
+        if not (isinstance(versions, tuple) and len(versions) == 2 and 0 <= versions[0] <= versions[1]):
+            raise ConfigError(f"versions must be (min, max) with 0 <= min <= max, got {versions!r}")
+        self.local, self.key, self.versions = local, key, versions
+        self.heartbeat_misses = heartbeat_misses
+        self.on_peer_lost = on_peer_lost
+        self.max_message_bytes = max_message_bytes
+        self.inbox_limit = inbox_limit
+        self.layout_check = layout_check
+        self._router = kind == zmq.ROUTER
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(kind)
+        self._sock.setsockopt(zmq.LINGER, 200)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 1024)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        if self._router:
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._outbox: deque[tuple[bytes, bytes]] = deque()
+        self._calls: deque[Callable[[], None]] = deque()
+        self._lock = threading.Lock()
+        self._peers: dict[bytes, PeerConnection] = {}
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kvxfer-control-{local.name}", daemon=True)
+
+    # --- user-thread side --------------------------------------------------------------------------
+    def enqueue(self, route: bytes, frame: bytes) -> None:
+        """Queue ``frame`` for the I/O thread and wake it."""
+        with self._lock:
+            if self._closed:
+                raise PeerUnreachable(f"{self.local.name}: control endpoint is closed")
+            self._outbox.append((route, frame))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):   # a wake-up is already pending, or the endpoint is closing
+            self._wake_w.send(b"\0")
+
+    def close_peer(self, route: bytes, reason: str) -> None:
+        """End one connection with a goodbye (a client endpoint closes with its only connection)."""
+        if not self._router:
+            self.close(reason)
+            return
+        conn = self._peers.get(route)
+        if conn is not None and conn.alive:
+            with contextlib.suppress(PeerUnreachable):
+                self.enqueue(route, encode(Message("bye", {"reason": reason[:1024]}, conn.peer.version)))
+            self._call_soon(lambda: self._fail(conn, PeerUnreachable(f"connection to {conn.peer.name!r} closed "
+                                                                     f"locally: {reason}"), notify=False))
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._calls.append(fn)
+        self._wake()
+
+    def close(self, reason: str = "endpoint closing") -> None:
+        """Say goodbye to every peer, stop the I/O thread and free the sockets (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for route, conn in self._peers.items():
+                if conn.alive:
+                    self._outbox.append((route, encode(Message("bye", {"reason": reason[:1024]},
+                                                               conn.peer.version))))
+        self._stop.set()
+        self._wake()
+        if threading.current_thread() is self._thread:
+            return   # called from a callback: the loop ends after this iteration and closes the socket
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        elif self._thread.ident is None:
+            self._sock.close(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._thread.is_alive():
+            log.error("%s: control I/O thread did not stop within 5 s; leaving its context", self.local.name)
+        else:
+            self._ctx.term()
+
+    # --- I/O thread ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(self._poll_ms()))
+                if self._wake_r.fileno() in events:
+                    self._drain_wake()
+                self._flush()
+                if self._sock in events:
+                    self._drain_socket()
+                self._on_timers(time.monotonic())
+            self._flush()
+        except Exception as exc:   # the loop must never die silently: fail every connection
+            log.exception("%s: control I/O thread failed", self.local.name)
+            for conn in list(self._peers.values()):
+                self._fail(conn, PeerUnreachable(f"control I/O thread of {self.local.name} failed: {exc!r}"),
+                           notify=False)
+        finally:
+            with self._lock:
+                self._closed = True
+            for conn in list(self._peers.values()):
+                self._fail(conn, PeerUnreachable(f"control endpoint {self.local.name} closed"), notify=False)
+            self._sock.close(linger=200)
+
+    def _poll_ms(self) -> int:
+        now = time.monotonic()
+        due = [now + 1.0, *self._timer_deadlines()]
+        for conn in self._peers.values():
+            due.append(conn.next_heartbeat)
+            due.append(conn.last_seen + conn.peer.heartbeat_interval * self.heartbeat_misses)
+        return max(0, min(1000, math.ceil((min(due) - now) * 1000)))
+
+    def _timer_deadlines(self) -> list[float]:
+        return []
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _flush(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, deque()
+            items, self._outbox = self._outbox, deque()
+        for route, frame in items:
+            conn = self._peers.get(route)
+            if conn is None or not conn.alive:
+                continue
+            err = self._send_now(route, frame)
+            if err is not None:
+                self._fail(conn, PeerUnreachable(f"cannot send to {conn.peer.name!r}: {err}"))
+        for fn in calls:
+            fn()
+
+    def _send_now(self, route: bytes, frame: bytes) -> str | None:
+        try:
+            if self._router:
+                self._sock.send_multipart([route, frame], zmq.NOBLOCK)
+            else:
+                self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return "send queue full (peer not reading)"
+        except zmq.ZMQError as exc:
+            return f"{exc.strerror}"
+        return None
+
+    def _drain_socket(self) -> None:
+        for _ in range(10_000):   # bounded burst; the poll loop comes back for more
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            route, parts = (frames[0], frames[1:]) if self._router else (b"", frames)
+            self._on_frames(route, parts)
+
+    def _on_frames(self, route: bytes, parts: list[bytes]) -> None:
+        conn = self._peers.get(route)
+        if conn is None:
+            self._on_stranger(route, parts)
+            return
+        conn.last_seen = time.monotonic()
+        try:
+            if len(parts) != 1:
+                raise ProtocolError(f"message: expected one frame, got {len(parts)}")
+            msg = decode(parts[0], (conn.peer.version, conn.peer.version), self.max_message_bytes)
+        except ProtocolError as exc:
+            self._fail(conn, ProtocolError(f"{conn.peer.role} {conn.peer.name!r} sent a bad message: {exc}"),
+                       bye=f"protocol error: {exc}")
+            return
+        if msg.type == "heartbeat":
+            return
+        if msg.type == "bye":
+            self._fail(conn, PeerUnreachable(f"{conn.peer.role} {conn.peer.name!r} closed the connection: "
+                                             f"{msg['reason']}"))
+        elif msg.type == "refuse":
+            self._fail(conn, PeerUnreachable(f"{conn.peer.role} {conn.peer.name!r} refused us ({msg['code']}): "
+                                             f"{msg['reason']}"))
+        elif msg.type in HANDSHAKE_TYPES:
+            self._fail(conn, ProtocolError(f"{conn.peer.name!r} sent {msg.type!r} after the handshake"),
+                       bye=f"unexpected {msg.type!r} after the handshake")
+        elif conn._inbox.qsize() >= self.inbox_limit:
+            self._fail(conn, ProtocolError(f"{conn.peer.name!r} overflowed its inbox ({self.inbox_limit} "
+                                           f"unread messages)"), bye="inbox overflow")
+        else:
+            conn._inbox.put(msg)
+
+    def _on_stranger(self, route: bytes, parts: list[bytes]) -> None:
+        log.debug("%s: ignoring a message from an unknown route %s", self.local.name, route.hex())
+
+    def _on_timers(self, now: float) -> None:
+        for conn in list(self._peers.values()):
+            silent = now - conn.last_seen
+            limit = conn.peer.heartbeat_interval * self.heartbeat_misses
+            if silent > limit:
+                self._fail(conn, PeerUnreachable(
+                    f"{conn.peer.role} {conn.peer.name!r} lost: silent for {silent:.3f} s ({self.heartbeat_misses} "
+                    f"heartbeats of {conn.peer.heartbeat_interval:.3f} s missed)"))
+            elif now >= conn.next_heartbeat:
+                conn.next_heartbeat = now + self.local.heartbeat_interval
+                err = self._send_now(conn._route, encode(Message("heartbeat", {}, conn.peer.version)))
+                if err is not None:
+                    self._fail(conn, PeerUnreachable(f"cannot send to {conn.peer.name!r}: {err}"))
+
+    def _fail(self, conn: PeerConnection, error: KvxferError, bye: str | None = None, notify: bool = True) -> None:
+        """End ``conn`` with ``error`` (I/O thread only): wake its readers and tell the callback."""
+        if conn._error is not None:
+            return
+        conn._error = error
+        self._peers.pop(conn._route, None)
+        if bye is not None:
+            self._send_now(conn._route, encode(Message("bye", {"reason": bye[:1024]}, conn.peer.version)))
+        conn._inbox.put(_Lost(error))
+        log.warning("%s: connection to %s ended: %s", self.local.name, conn.peer.name, error)
+        if notify and self.on_peer_lost is not None:
+            try:
+                self.on_peer_lost(conn, str(error))
+            except Exception:
+                log.exception("%s: on_peer_lost callback failed", self.local.name)
+
+
+class ControlServer(_Endpoint):
+    """Accepts authenticated peers on ``bind`` (``tcp://127.0.0.1:0`` picks a free port; see ``address``)."""
+
+    def __init__(self, local: LocalIdentity, secret: Secret = None, *, bind: str = "tcp://127.0.0.1:0",
+                 accept_roles: tuple[str, ...] = ROLES, versions: tuple[int, int] = SUPPORTED_VERSIONS,
+                 handshake_timeout: float = 5.0, heartbeat_misses: int = 3,
+                 on_peer_lost: PeerLostCallback | None = None, max_pending: int = 64,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, inbox_limit: int = 65536,
+                 layout_check: LayoutCheck = check_compatible, refusal_log_size: int = 1024) -> None:
+        super().__init__(zmq.ROUTER, local, _as_key(secret), versions=versions, heartbeat_misses=heartbeat_misses,
+                         on_peer_lost=on_peer_lost, max_message_bytes=max_message_bytes, inbox_limit=inbox_limit,
+                         layout_check=layout_check)
+        self.accept_roles = accept_roles
+        self.handshake_timeout = check_timeout(handshake_timeout, "handshake_timeout")
+        self.max_pending = max_pending
+        self._pending: dict[bytes, tuple[ServerHandshake, float]] = {}
+        self._nonces = NonceCache()
+        self._accepted: queue.Queue[PeerConnection] = queue.Queue()
+        self.refusals: deque[tuple[str, str]] = deque(maxlen=refusal_log_size)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise ConfigError(f"ControlServer: cannot bind {bind!r}: {exc.strerror}") from exc
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._start()
+
+    @property
+    def peers(self) -> list[PeerConnection]:
+        """Live authenticated connections."""
+        return list(self._peers.values())
+
+    @property
+    def num_pending(self) -> int:
+        """Handshakes in progress (the only per-stranger state the server keeps)."""
+        return len(self._pending)
+
+    def accept(self, timeout: float) -> PeerConnection:
+        """The next authenticated peer; ControlTimeout if none completes a handshake within ``timeout`` s."""
+        wait = check_timeout(timeout, "accept")
+        try:
+            return self._accepted.get(timeout=wait) if wait > 0 else self._accepted.get_nowait()
+        except queue.Empty:
+            raise ControlTimeout(f"{self.local.name}: no peer completed a handshake within {wait:.3f} s") from None
+
+    def _timer_deadlines(self) -> list[float]:
+        return [deadline for _, deadline in self._pending.values()]
+
+    def _on_timers(self, now: float) -> None:
+        for route, (_, deadline) in list(self._pending.items()):
+            if now >= deadline:
+                self._refuse(route, Refusal("timeout", f"handshake not completed within {self.handshake_timeout} s"))
+        super()._on_timers(now)
+
+    def _on_stranger(self, route: bytes, parts: list[bytes]) -> None:
+        entry = self._pending.get(route)
+        try:
+            if len(parts) != 1:
+                raise Refusal("protocol", f"message: expected one frame, got {len(parts)}")
+            try:
+                msg = decode(parts[0], self.versions, self.max_message_bytes)
+            except ProtocolError as exc:
+                raise Refusal("version" if str(exc).startswith("message.version") else "protocol", str(exc)) from exc
+            if entry is None:
+                if msg.type != "hello":
+                    raise Refusal("protocol", f"expected 'hello' to start a handshake, got {msg.type!r}")
+                if len(self._pending) >= self.max_pending:
+                    raise Refusal("busy", f"too many handshakes in progress ({self.max_pending})")
+                handshake = ServerHandshake(self.local, self.key, self.versions, self.accept_roles,
+                                            self.layout_check, self._nonces)
+            else:
+                handshake = entry[0]
+            reply, peer = handshake.on_message(msg)
+        except Refusal as exc:
+            self._refuse(route, exc)
+            return
+        except ProtocolError as exc:
+            self._refuse(route, Refusal("protocol", str(exc)))
+            return
+        if peer is None:
+            deadline = entry[1] if entry is not None else time.monotonic() + self.handshake_timeout
+            self._pending[route] = (handshake, deadline)
+            self._send_now(route, encode(reply))
+            return
+        self._pending.pop(route, None)
+        conn = PeerConnection(self, route, peer)
+        self._peers[route] = conn
+        if self._send_now(route, encode(reply)) is not None:
+            self._fail(conn, PeerUnreachable(f"{peer.name!r} went away during the handshake"), notify=False)
+            return
+        log.info("%s: accepted %s %r (protocol %d, backend %r)", self.local.name, peer.role, peer.name,
+                 peer.version, peer.backend)
+        self._accepted.put(conn)
+
+    def _refuse(self, route: bytes, refusal: Refusal) -> None:
+        """Tell a stranger why it is refused, log the detail, and keep nothing about it."""
+        self._pending.pop(route, None)
+        self.refusals.append((route.hex(), str(refusal)))
+        log.warning("%s: refused peer %s (%s): %s", self.local.name, route.hex(), refusal.code, refusal)
+        frame = encode(Message("refuse", {"code": refusal.code, "reason": refusal.public[:1024]},
+                               MIN_PROTOCOL_VERSION))
+        self._send_now(route, frame)
+
+
+class _ClientEndpoint(_Endpoint):
+    """The DEALER side: runs the client handshake in the caller's thread, then the I/O thread."""
+
+    def handshake(self, address: str, expect_role: str | None, timeout: float) -> PeerConnection:
+        deadline = time.monotonic() + timeout
+        hs = ClientHandshake(self.local, self.key, self.versions, expect_role, self.layout_check)
+        self._sock.connect(address)
+        self._sock.send(encode(hs.hello()))
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(max(1, math.ceil(remaining * 1000)), zmq.POLLIN):
+                raise ControlTimeout(f"handshake with {address}: no reply within {timeout:.3f} s")
+            try:
+                msg = decode(self._sock.recv(), _ANY_VERSION, self.max_message_bytes)
+                step = hs.on_message(msg)
+            except Refusal as exc:
+                self._tell_refused(exc.code, exc.public)
+                raise
+            except AuthenticationError as exc:
+                if "refused by the server" not in str(exc):
+                    self._tell_refused("auth", "authentication failed")
+                raise
+            except ProtocolError as exc:
+                if not str(exc).startswith("refused by the server"):
+                    self._tell_refused("protocol", str(exc))
+                raise
+            if isinstance(step, Message):
+                self._sock.send(encode(step))
+            else:
+                conn = PeerConnection(self, b"", step)
+                self._peers[b""] = conn
+                self._start()
+                return conn
+
+    def _tell_refused(self, code: str, reason: str) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send(encode(Message("refuse", {"code": code, "reason": reason[:1024]}, MIN_PROTOCOL_VERSION)),
+                            zmq.NOBLOCK)
+
+
+def connect(address: str, local: LocalIdentity, secret: Secret = None, *, timeout: float = 5.0,
+            expect_role: str | None = None, versions: tuple[int, int] = SUPPORTED_VERSIONS,
+            heartbeat_misses: int = 3, on_peer_lost: PeerLostCallback | None = None,
+            max_message_bytes: int = MAX_MESSAGE_BYTES, inbox_limit: int = 65536,
+            layout_check: LayoutCheck = check_compatible) -> PeerConnection:
+    """Connect to a ControlServer at ``address`` and authenticate both ways within ``timeout`` s.
+
+    Raises AuthenticationError (wrong secret, altered or replayed handshake), HandshakeRefused (with
+    the server's reason: version, role, layout), ControlTimeout, or ProtocolError.
+    """
+    wait = check_timeout(timeout, "connect")
+    endpoint = _ClientEndpoint(zmq.DEALER, local, _as_key(secret), versions=versions,
+                               heartbeat_misses=heartbeat_misses, on_peer_lost=on_peer_lost,
+                               max_message_bytes=max_message_bytes, inbox_limit=inbox_limit,
+                               layout_check=layout_check)
+    try:
+        return endpoint.handshake(address, expect_role, wait)
+    except BaseException:
+        endpoint.close()
+        raise
+
+
+def secret_from_env() -> bool:
+    """Whether ``$KVXFER_SECRET`` or ``$KVXFER_SECRET_FILE`` is set (the CLI's default source)."""
+    return bool(os.environ.get("KVXFER_SECRET") or os.environ.get("KVXFER_SECRET_FILE"))

@@ -1,0 +1,196 @@
+"""The reference transformer: Llama-style blocks whose KV lives only in cache-manager pages.
+
+Weights are random but seeded, so two processes building the same ModelConfig hold the same model:
+prefill on one, decode on the other, and the tokens must match a single process doing both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvxfer.cache.dtypes import torch_dtype
+from kvxfer.cache.kv_cache import KVCache
+from kvxfer.cache.manager import KVCacheManager
+from kvxfer.errors import CapacityError, KVCacheError
+from kvxfer.model.config import ModelConfig
+from kvxfer.model.paged import PagedKV
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, returned in ``x``'s dtype."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.float()).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form) of ``x`` = [tokens, heads, head_dim]."""
+    dim = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=x.device) / dim)
+    angles = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).float()[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1).float()[:, None, :]
+    xf = x.float()
+    half = dim // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              window: int | None, sink_tokens: int) -> torch.Tensor:
+    """Causal grouped-query attention with an optional sliding window and sink tokens.
+
+    q: [tokens, heads, dim]; k, v: [kv_heads, keys, dim]; positions are absolute token indices.
+    Returns [tokens, heads * dim]. Computed in float32.
+    """
+    t, heads, dim = q.shape
+    group = heads // k.shape[0]
+    kf = k.float().repeat_interleave(group, 0)
+    vf = v.float().repeat_interleave(group, 0)
+    scores = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) / math.sqrt(dim)   # [heads, t, keys]
+    qp, kp = q_pos.to(q.device)[:, None], k_pos.to(q.device)[None, :]
+    allowed = kp <= qp
+    if window is not None:
+        allowed &= (qp - kp < window) | (kp < sink_tokens)
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, -1), vf)                                       # [heads, t, dim]
+    return out.transpose(0, 1).reshape(t, heads * dim).to(q.dtype)
+
+
+class ReferenceModel:
+    """A small Llama-style transformer with seeded random weights and paged KV."""
+
+    def __init__(self, config: ModelConfig, device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(config.dtype)
+        c = config
+        gen = torch.Generator().manual_seed(c.seed)
+
+        def weight(*shape: int, std: float) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen) * std).to(self.device, self.dtype)
+
+        def ones(n: int) -> torch.Tensor:
+            return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(self.device, self.dtype)
+
+        h, q_out, kv_out = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.embed = weight(c.vocab_size, h, std=1.0)
+        self.layers: list[dict[str, torch.Tensor]] = [
+            {"attn_norm": ones(h), "wq": weight(h, q_out, std=h ** -0.5), "wk": weight(h, kv_out, std=h ** -0.5),
+             "wv": weight(h, kv_out, std=h ** -0.5), "wo": weight(q_out, h, std=q_out ** -0.5),
+             "mlp_norm": ones(h), "w_gate": weight(h, c.intermediate_size, std=h ** -0.5),
+             "w_up": weight(h, c.intermediate_size, std=h ** -0.5),
+             "w_down": weight(c.intermediate_size, h, std=c.intermediate_size ** -0.5)}
+            for _ in range(c.num_layers)]
+        self.final_norm = ones(h)
+        self.lm_head = weight(h, c.vocab_size, std=h ** -0.5)
+
+    # --- KV binding -------------------------------------------------------------------------------
+    def bind(self, shards: Sequence[tuple[KVCacheManager, KVCache]] | PagedKV) -> PagedKV:
+        """A PagedKV over (manager, cache) shards, checked against this model's shape."""
+        if isinstance(shards, PagedKV):
+            return shards
+        c = self.config
+        return PagedKV(shards, c.num_layers, c.num_kv_heads, c.head_dim)
+
+    # --- forward ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike) -> torch.Tensor:
+        """Run ``tokens`` after the ``kv.length`` tokens already cached; writes and commits their KV.
+
+        Returns float32 logits ``[len(tokens), vocab]``.
+        """
+        c = self.config
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size):
+            raise CapacityError(f"ReferenceModel.forward: token ids must be in [0, {c.vocab_size}), got "
+                                f"[{int(ids.min())}, {int(ids.max())}]")
+        start = kv.length
+        if not ids.size:
+            return torch.empty(0, c.vocab_size)
+        kv.reserve(start + ids.size)
+        positions = torch.arange(start, start + ids.size, dtype=torch.int64)
+        x = self.embed[torch.from_numpy(ids).to(self.device)]
+        for i, w in enumerate(self.layers):
+            hs = rms_norm(x, w["attn_norm"], c.norm_eps)
+            q = (hs @ w["wq"]).view(-1, c.num_heads, c.head_dim)
+            k = (hs @ w["wk"]).view(-1, c.num_kv_heads, c.head_dim)
+            v = (hs @ w["wv"]).view(-1, c.num_kv_heads, c.head_dim)
+            q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
+            kv.write(i, k, v, start)
+            keys, values, k_pos = kv.gather(i, start + ids.size)
+            window = c.window_of(i)
+            self._check_visible(i, k_pos, start, start + ids.size, window)
+            x = x + attention(q, keys, values, positions, k_pos, window, c.sink_tokens) @ w["wo"]
+            hs = rms_norm(x, w["mlp_norm"], c.norm_eps)
+            x = x + (torch.nn.functional.silu(hs @ w["w_gate"]) * (hs @ w["w_up"])) @ w["w_down"]
+        logits = (rms_norm(x, self.final_norm, c.norm_eps) @ self.lm_head).float()
+        kv.commit(ids)
+        return logits
+
+    def _check_visible(self, layer: int, k_pos: torch.Tensor, q_start: int, q_end: int, window: int | None) -> None:
+        """Every key some query may attend to must have a page (a released sliding-window block must not)."""
+        lo = 0 if window is None else max(0, q_start - window + 1)
+        need = q_end - lo + (min(self.config.sink_tokens, lo) if window is not None else 0)
+        have = int(((k_pos >= lo) | (k_pos < self.config.sink_tokens if window is not None else False)).sum())
+        if have != need:
+            raise KVCacheError(f"layer {layer}: {need} visible key positions for queries [{q_start}, {q_end}) but "
+                               f"only {have} have pages")
+
+    def prefill(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike, chunk_size: int | None = None) -> torch.Tensor:
+        """Forward ``tokens`` in chunks of ``chunk_size`` (None: one chunk); logits of every token."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size <= 0):
+            raise CapacityError(f"ReferenceModel.prefill: chunk_size must be an int > 0, got {chunk_size!r}")
+        step = ids.size if chunk_size is None else chunk_size
+        parts = [self.forward(kv, ids[i:i + step]) for i in range(0, ids.size, max(step, 1))]
+        return torch.cat(parts) if parts else torch.empty(0, self.config.vocab_size)
+
+    def decode_step(self, kv: PagedKV, token: int) -> torch.Tensor:
+        """Logits ``[vocab]`` after feeding one token."""
+        return self.forward(kv, [token])[0]
+
+    def continue_greedy(self, kv: PagedKV, first_token: int, max_new_tokens: int) -> list[int]:
+        """Greedy tokens after a prefill: ``first_token`` (sampled from the prefill's last logits)
+        followed by ``max_new_tokens - 1`` decode steps."""
+        out: list[int] = []
+        token = int(first_token)
+        while len(out) < max_new_tokens:
+            out.append(token)
+            if len(out) < max_new_tokens:
+                token = greedy(self.decode_step(kv, token))
+        return out
+
+    def generate(self, managers: KVCacheManager | Sequence[KVCacheManager], tokens: Sequence[int] | npt.ArrayLike,
+                 max_new_tokens: int, chunk_size: int | None = None) -> list[int]:
+        """Greedy generation of ``max_new_tokens`` tokens after ``tokens``, with KV in ``managers``
+        (one manager, or one per tensor-parallel rank); the request's blocks are freed at the end."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise CapacityError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if not ids.size:
+            raise CapacityError("generate: the prompt must hold at least one token")
+        group = [managers] if isinstance(managers, KVCacheManager) else list(managers)
+        caches = [m.create_kv_cache() for m in group]
+        try:
+            for cache in caches:
+                cache.resume()
+            kv = self.bind(list(zip(group, caches, strict=True)))
+            logits = self.prefill(kv, ids, chunk_size)
+            if max_new_tokens == 0:
+                return []
+            return self.continue_greedy(kv, greedy(logits[-1]), max_new_tokens)
+        finally:
+            for cache in caches:
+                cache.close()
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """The arg-max token of one row of logits (lowest id on ties)."""
+    return int(torch.argmax(logits.float()).item())
