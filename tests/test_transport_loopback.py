@@ -7,6 +7,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
@@ -211,7 +212,9 @@ def test_metadata_decode_never_crashes(data: bytes) -> None:
 
 def test_registry() -> None:
     avail = available_backends()
-    assert set(avail) == {"loopback", "nixl", "ucx"} and avail["loopback"] is None
+    assert set(avail) == {"loopback", "nixl", "ucx", "cuda_ipc"} and avail["loopback"] is None
+    if not torch.cuda.is_available():
+        assert avail["cuda_ipc"] is not None and "CUDA" in avail["cuda_ipc"]
     with pytest.raises(ConfigError, match="unknown transport backend 'tcp'"):
         create("tcp", "x")
     assert issubclass(BackendUnavailable, TransportError)
