@@ -11,10 +11,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import torch
 
 from kvxfer.cache import BufferId, CacheConfig, KVCacheManager, RoleSpec
 from kvxfer.errors import BlockIdError, LayoutMismatch, PageTableError
@@ -114,7 +113,7 @@ def expectation(src: Side, dst: Side, layers: Sequence[int] | None,
     before = dst.snapshot()
     written = [np.zeros_like(p) for p in before]
     dst.restore(written)
-    for bid, fmt in dst.layout.formats:
+    for bid, _ in dst.layout.formats:
         if layers is not None and bid.layer_id not in layers:
             continue
         dids = dst.ids[dst.layout.layer_group_of(bid.layer_id).layer_group_id]
