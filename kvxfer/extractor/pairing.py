@@ -46,41 +46,49 @@ def plan_transfer(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, ds
     """
     tr = check_token_range(token_range)
     layer_ids = paired_layers(src_layout, dst_layout, layers)
-    identical = src_layout.fingerprint == dst_layout.fingerprint
-    if not identical:
-        check_layer_groups(src_layout, dst_layout, layer_ids)
-    src_place, dst_place = placements(src_layout), placements(dst_layout)
-    pairs = buffer_pairs(src_place, dst_place, layer_ids)
-    src_groups = sorted({s.layer_group for s, _ in pairs})
-    dst_groups = sorted({d.layer_group for _, d in pairs})
-    src_ids = block_id_map(src_layout, src_block_ids, src_groups, "source")
-    dst_ids = block_id_map(dst_layout, dst_block_ids, dst_groups, "destination")
-    check_distinct(dst_layout, dst_ids, "destination")
-
-    by_group_pair: dict[tuple[int, int], list[tuple[Placement, Placement]]] = {}
-    for s, d in pairs:
-        by_group_pair.setdefault((s.layer_group, d.layer_group), []).append((s, d))
     batches: list[Entries] = []
-    for (gs, gd), group_pairs in by_group_pair.items():
-        segs = token_segments(src_ids[gs], src_layout.tokens_per_block, dst_ids[gd], dst_layout.tokens_per_block, tr)
-        if not len(segs):
-            continue
-        if identical:
-            full = segs.length == src_layout.tokens_per_block
-            batches.extend(_whole_buffer_runs(src_layout, dst_layout, gs, {s.buffer_id for s, _ in group_pairs},
-                                              segs.take(full)))
-            segs = segs.take(~full)
-            if not len(segs):
-                continue
-        batches.extend(_row_runs(group_pairs, segs))
+    if src_layout.fingerprint == dst_layout.fingerprint:
+        # Same layer groups, formats and slot structure on both sides: only the layer set matters.
+        wanted = set(layer_ids)
+        groups = [lg.layer_group_id for lg in src_layout.layer_groups if wanted.intersection(lg.layer_ids)]
+        src_ids = block_id_map(src_layout, src_block_ids, groups, "source")
+        dst_ids = block_id_map(dst_layout, dst_block_ids, groups, "destination")
+        check_distinct(dst_layout, dst_ids, "destination")
+        tpb = src_layout.tokens_per_block
+        for g in groups:
+            segs = token_segments(src_ids[g], tpb, dst_ids[g], tpb, tr)
+            full = segs.length == tpb
+            batches.extend(_whole_buffer_runs(src_layout, dst_layout, g, wanted, segs.take(full)))
+            if not full.all():   # a token range cutting blocks: the cut blocks go row by row
+                in_group = wanted.intersection(src_layout.layer_groups[g].layer_ids)
+                pairs = buffer_pairs(placements(src_layout), placements(dst_layout), in_group)
+                batches.extend(_row_runs(pairs, segs.take(~full)))
+    else:
+        check_layer_groups(src_layout, dst_layout, layer_ids)
+        pairs = buffer_pairs(placements(src_layout), placements(dst_layout), layer_ids)
+        src_ids = block_id_map(src_layout, src_block_ids, sorted({s.layer_group for s, _ in pairs}), "source")
+        dst_ids = block_id_map(dst_layout, dst_block_ids, sorted({d.layer_group for _, d in pairs}), "destination")
+        check_distinct(dst_layout, dst_ids, "destination")
+        by_group_pair: dict[tuple[int, int], list[tuple[Placement, Placement]]] = {}
+        for s, d in pairs:
+            by_group_pair.setdefault((s.layer_group, d.layer_group), []).append((s, d))
+        for (gs, gd), group_pairs in by_group_pair.items():
+            segs = token_segments(src_ids[gs], src_layout.tokens_per_block, dst_ids[gd],
+                                  dst_layout.tokens_per_block, tr)
+            if len(segs):
+                batches.extend(_row_runs(group_pairs, segs))
     if not batches:
         return TransferPlan.empty()
-    src_addr, src_region, dst_addr, dst_region, nbytes = (np.concatenate(cols) for cols in zip(*batches, strict=True))
+    batches.sort(key=lambda b: (int(b[1][0]), int(b[0][0])) if b[0].size else (-1, 0))
+    if len(batches) == 1:
+        src_addr, src_region, dst_addr, dst_region, nbytes = batches[0]
+    else:
+        src_addr, src_region, dst_addr, dst_region, nbytes = (np.concatenate(c) for c in zip(*batches, strict=True))
     plan = TransferPlan(PageTable(src_addr, nbytes, src_region), PageTable(dst_addr, nbytes, dst_region))
     return plan.sort_by_source().coalesce()
 
 
-def _whole_buffer_runs(src: CacheLayoutDesc, dst: CacheLayoutDesc, group: int, chosen: set[Any],
+def _whole_buffer_runs(src: CacheLayoutDesc, dst: CacheLayoutDesc, group: int, layer_ids: set[int],
                        segs: Segments) -> list[Entries]:
     """Identical layouts, whole blocks: per pool, each run of consecutive chosen buffers of a slot (the
     whole slot when all are chosen) moves as one entry per block."""
@@ -93,7 +101,8 @@ def _whole_buffer_runs(src: CacheLayoutDesc, dst: CacheLayoutDesc, group: int, c
     out: list[Entries] = []
     for p, (pool_s, pool_d, slot) in enumerate(zip(pg_s.pools, pg_d.pools, pg_s.slots, strict=True)):
         per, single = slot.buffers_per_slot, slot.coalesced.single_buffer_size
-        picked = np.array([b in chosen for b in slot.coalesced.buffer_ids[pos * per:(pos + 1) * per]], dtype=bool)
+        section = slot.coalesced.buffer_ids[pos * per:(pos + 1) * per]
+        picked = np.array([b.layer_id in layer_ids for b in section], dtype=bool)
         if not picked.any():
             continue
         edges = np.diff(np.concatenate([[False], picked, [False]]).astype(np.int8))
@@ -152,10 +161,12 @@ def row_run_template(fs: BufferFormat, fd: BufferFormat, segs: Segments) -> tupl
         count = np.where(merged, 1, n).astype(np.int64)
         seg, j = _expand(count)
         return seg, base_s[seg] + j * st_s, base_d[seg] + j * st_d, (np.where(merged, k * n, k) * row)[seg]
-    # Transposed (HND against NHD): every row is its own run.
+    # Transposed (HND against NHD): every row is its own run, listed in source memory order.
     seg, j = _expand(n * k)
-    nn = n[seg]
-    head, tok = np.divmod(j, nn)
+    if fs.order == "HND":
+        head, tok = np.divmod(j, n[seg])
+    else:
+        tok, head = np.divmod(j, k)
     return (seg, base_s[seg] + head * sh_s + tok * st_s, base_d[seg] + head * sh_d + tok * st_d,
             np.full(seg.size, row, np.int64))
 
@@ -167,22 +178,43 @@ def _row_runs(pairs: list[tuple[Placement, Placement]], segs: Segments) -> list[
     for s, d in pairs:
         by_format.setdefault((s.fmt, d.fmt), []).append((s, d))
     out: list[Entries] = []
-    for (fs, fd), members in by_format.items():
+    for (fs, fd), same_format in by_format.items():
         template = row_run_template(fs, fd, segs)
         if template is None:
             continue
-        seg, src_rel, dst_rel, length = template
-        src_slot = segs.src_slot[seg].astype(np.uint64)
-        dst_slot = segs.dst_slot[seg].astype(np.uint64)
-        src_base = np.array([s.base for s, _ in members], dtype=np.uint64)[:, None]
-        dst_base = np.array([d.base for _, d in members], dtype=np.uint64)[:, None]
-        src_step = np.array([s.slot_bytes for s, _ in members], dtype=np.uint64)[:, None]
-        dst_step = np.array([d.slot_bytes for _, d in members], dtype=np.uint64)[:, None]
-        runs = seg.size
-        out.append((
-            (src_base + src_slot[None, :] * src_step + src_rel.astype(np.uint64)[None, :]).ravel(),
-            np.repeat(np.array([s.region for s, _ in members], dtype=np.uint32), runs),
-            (dst_base + dst_slot[None, :] * dst_step + dst_rel.astype(np.uint64)[None, :]).ravel(),
-            np.repeat(np.array([d.region for _, d in members], dtype=np.uint32), runs),
-            np.tile(length.astype(np.uint64), len(members))))
+        by_region: dict[int, list[tuple[Placement, Placement]]] = {}
+        for m in sorted(same_format, key=lambda m: (m[0].region, m[0].base)):
+            by_region.setdefault(m[0].region, []).append(m)
+        out.extend(_broadcast(template, segs, members) for members in by_region.values())
     return out
+
+
+def _broadcast(template: tuple[I64, I64, I64, I64], segs: Segments,
+               members: list[tuple[Placement, Placement]]) -> Entries:
+    """The template's runs for every buffer pair of ``members`` (one source region, ascending offsets)."""
+    seg, src_rel, dst_rel, length = template
+    src_slot = segs.src_slot[seg].astype(np.uint64)
+    dst_slot = segs.dst_slot[seg].astype(np.uint64)
+    src_base = np.array([s.base for s, _ in members], dtype=np.uint64)[:, None]
+    dst_base = np.array([d.base for _, d in members], dtype=np.uint64)[:, None]
+    src_step = np.array([s.slot_bytes for s, _ in members], dtype=np.uint64)[:, None]
+    dst_step = np.array([d.slot_bytes for _, d in members], dtype=np.uint64)[:, None]
+    src_region = np.array([s.region for s, _ in members], dtype=np.uint32)[:, None]
+    dst_region = np.array([d.region for _, d in members], dtype=np.uint32)[:, None]
+    grid = (len(members), seg.size)
+    cols = (src_base + src_slot[None, :] * src_step + src_rel.astype(np.uint64)[None, :],
+            np.broadcast_to(src_region, grid),
+            dst_base + dst_slot[None, :] * dst_step + dst_rel.astype(np.uint64)[None, :],
+            np.broadcast_to(dst_region, grid),
+            np.broadcast_to(length.astype(np.uint64)[None, :], grid))
+    per_seg = seg.size // len(segs)
+    if per_seg * len(segs) == seg.size and np.all(seg == np.arange(seg.size) // per_seg):
+        # Every segment has the same number of runs: list segment by segment, then buffer, then
+        # run, which is source-memory order whenever the source slots ascend (no sort needed).
+        shape = (len(members), len(segs), per_seg)
+        flat = [np.ascontiguousarray(c.reshape(shape).transpose(1, 0, 2)).ravel() for c in cols]
+    else:
+        flat = [np.ascontiguousarray(c).ravel() for c in cols]
+    return (flat[0].astype(np.uint64, copy=False), flat[1].astype(np.uint32, copy=False),
+            flat[2].astype(np.uint64, copy=False), flat[3].astype(np.uint32, copy=False),
+            flat[4].astype(np.uint64, copy=False))

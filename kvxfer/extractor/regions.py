@@ -49,8 +49,25 @@ class Placement:
     fmt: BufferFormat
 
 
+_RECENT: dict[int, tuple[CacheLayoutDesc, dict[BufferId, Placement]]] = {}
+_RECENT_MAX = 32
+
+
 def placements(layout: CacheLayoutDesc) -> dict[BufferId, Placement]:
-    """The placement of every buffer of ``layout`` (one pass over its slots)."""
+    """The placement of every buffer of ``layout`` (one pass over its slots; the last few layouts'
+    results are remembered, since a worker plans against the same two layouts all the time)."""
+    hit = _RECENT.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return dict(hit[1])
+    out = _placements(layout)
+    if len(_RECENT) >= _RECENT_MAX:
+        _RECENT.pop(next(iter(_RECENT)))
+    _RECENT[id(layout)] = (layout, out)
+    return dict(out)
+
+
+def _placements(layout: CacheLayoutDesc) -> dict[BufferId, Placement]:
+    """Compute ``placements(layout)``."""
     formats = dict(layout.formats)
     regions = region_indices(layout)
     out: dict[BufferId, Placement] = {}

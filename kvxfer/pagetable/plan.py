@@ -71,6 +71,8 @@ class TransferPlan:
         ordered = (region[1:] > region[:-1]) | ((region[1:] == region[:-1]) & (addr[1:] >= addr[:-1]))
         if ordered.all():
             return self
+        if region[0] == region[-1] and (region == region[0]).all():
+            return self.take(np.argsort(addr, kind="stable"))
         return self.take(np.lexsort((addr, region)))
 
     def coalesce(self) -> TransferPlan:
