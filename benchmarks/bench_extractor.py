@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.cache import CacheConfig, CacheLayoutDesc
+from kvxfer.cache import BufferId, CacheConfig, CacheLayoutDesc
 from kvxfer.cache.layout import place_layout, plan_layout
 from kvxfer.extractor import extract, placements, plan_transfer
 from kvxfer.pagetable import PageTable, TransferPlan
@@ -87,7 +87,7 @@ def loop_plan(src: CacheLayoutDesc, src_ids: np.ndarray, dst: CacheLayoutDesc, d
     sids, dids = src_ids.tolist(), dst_ids.tolist()
     for lid in layers:
         for role in ("key", "value"):
-            a, b = sp[_bid(lid, role)], dp[_bid(lid, role)]
+            a, b = sp[BufferId(lid, role)], dp[BufferId(lid, role)]
             fs, fd = a.fmt, b.fmt
             h0 = max(fs.head_start, fd.head_start)
             k = min(fs.head_start + fs.num_heads, fd.head_start + fd.num_heads) - h0
@@ -130,11 +130,6 @@ def loop_plan(src: CacheLayoutDesc, src_ids: np.ndarray, dst: CacheLayoutDesc, d
         else:
             out.append((s, d, n))
     return out, raw_count
-
-
-def _bid(layer: int, role: str) -> Any:
-    from kvxfer.cache import BufferId
-    return BufferId(layer, role)
 
 
 def same_plan(plan: TransferPlan, entries: list[tuple[int, int, int]]) -> bool:
