@@ -129,8 +129,9 @@ def _triton_kernel() -> Any:
     except ImportError:
         return None
 
+    # Triton resolves annotations as kernel globals: only constexpr parameters may be annotated.
     @triton.jit  # type: ignore[misc,untyped-decorator]
-    def copy_runs(src_ptrs: Any, dst_ptrs: Any, sizes: Any, CHUNK: tl.constexpr, BLOCK: tl.constexpr) -> None:
+    def copy_runs(src_ptrs, dst_ptrs, sizes, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         i = tl.program_id(0)
         start = tl.program_id(1) * CHUNK
         n = tl.load(sizes + i) // 4
