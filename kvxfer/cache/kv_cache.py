@@ -180,6 +180,12 @@ class KVCache:
         self._manager._on_commit(self, priority)
         self._manager._release_out_of_window(self)
 
+    def set_priority(self, priority: int) -> None:
+        """Set the eviction priority (0-100, lower goes first) of every committed block of this
+        request that is in the prefix tree."""
+        self._check_open("set_priority")
+        self._manager._set_priority(self, check_priority(priority, f"KVCache {self.id}.set_priority"))
+
     def close(self) -> None:
         """Release every page this cache holds; a second close raises CacheClosedError."""
         self._check_open("close")

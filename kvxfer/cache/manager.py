@@ -414,6 +414,12 @@ class KVCacheManager:
                 node.pages[lg] = mine
                 self._mark_tree_pages(node.pages, [lg])
 
+    def _set_priority(self, cache: KVCache, priority: int) -> None:
+        with self._lock:
+            for node in cache._tree_nodes:
+                if node is not None and self._tree.set_priority(node, priority):
+                    self._events.put(Updated(node.key, priority, self._medium))
+
     def _touch_blocks(self, cache: KVCache, start: int, stop: int) -> None:
         """Requeue the tree blocks tied to the cache's blocks [start, stop) for eviction."""
         for node in cache._tree_nodes[start:stop]:
