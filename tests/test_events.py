@@ -33,7 +33,7 @@ def test_store_reuse_evict_sequence() -> None:
 
     kv = mgr.create_kv_cache(q, reuse_scope=scope)           # reuse alone stores nothing
     kv.set_priority(90)
-    assert mgr.drain_events() == [Updated(k, 90, "CPU") for k in qkeys[:4]]
+    assert mgr.drain_events() == [Updated(tuple(qkeys[:4]), "CPU", 90)]
     kv.close()
 
     big = mgr.create_kv_cache()                              # 3 free: 3 evictions needed
@@ -118,7 +118,7 @@ def test_publisher_speaks_the_vllm_batch_format(hash_name: str) -> None:
             sub = _subscribe(ctx, pub.endpoint, b"kv-events")
             last = _sync(pub, sub)
             assert pub.publish(events) == last + 1
-            assert pub.publish([]) is None and pub.publish([Updated(keys[0], 3, "CPU")]) is None
+            assert pub.publish([]) is None and pub.publish([Updated((keys[0],), "CPU", 3)]) is None
             assert sub.poll(5000)
             topic, seq, payload = sub.recv_multipart()
             sub.close()

@@ -44,11 +44,12 @@ class Removed:
 
 @dataclass(frozen=True)
 class Updated:
-    """A stored block's eviction priority changed."""
+    """Stored blocks changed in place: now on ``medium`` (a tier move) and/or with a new eviction
+    ``priority`` (None: unchanged)."""
 
-    block_hash: bytes
-    priority: int
+    block_hashes: tuple[bytes, ...]
     medium: str
+    priority: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,11 @@ KVEvent = Stored | Removed | Updated | AllCleared
 
 
 class EventQueue:
-    """Bounded FIFO of events; when full the oldest event is dropped and counted."""
+    """Bounded FIFO of events; when full the oldest event is dropped and counted.
+
+    Consecutive events merge: ``Stored`` continuing the previous chain (same LoRA, block size and
+    medium), ``Removed`` of one medium, ``Updated`` with the same medium and priority.
+    """
 
     def __init__(self, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
@@ -100,6 +105,9 @@ def _coalesce(last: KVEvent, new: KVEvent) -> KVEvent | None:
         return None
     if isinstance(last, Removed) and isinstance(new, Removed) and last.medium == new.medium:
         return Removed(last.block_hashes + new.block_hashes, last.medium)
+    if isinstance(last, Updated) and isinstance(new, Updated) and (last.medium, last.priority) == (
+            new.medium, new.priority):
+        return Updated(last.block_hashes + new.block_hashes, last.medium, last.priority)
     return None
 
 

@@ -385,7 +385,7 @@ class KVCacheManager:
             else:
                 self._adopt(cache, b, node)
                 if priority is not None and self._tree.set_priority(node, priority):
-                    self._events.put(Updated(node.key, priority, self._medium))
+                    self._events.put(Updated((node.key,), self._medium, priority))
                 self._tree.touch(node)
             cache._tree_nodes.append(node)
 
@@ -418,7 +418,7 @@ class KVCacheManager:
         with self._lock:
             for node in cache._tree_nodes:
                 if node is not None and self._tree.set_priority(node, priority):
-                    self._events.put(Updated(node.key, priority, self._medium))
+                    self._events.put(Updated((node.key,), self._medium, priority))
 
     def _touch_blocks(self, cache: KVCache, start: int, stop: int) -> None:
         """Requeue the tree blocks tied to the cache's blocks [start, stop) for eviction."""
