@@ -73,6 +73,7 @@ class KVCacheManager:
         self._events = EventQueue(config.event_queue_capacity)
         self._stats = StatsCollector(config.enable_stats, len(self._layout.pool_groups))
         self._medium = "GPU" if device.type == "cuda" else "CPU"
+        self._has_windows = any(lg.window is not None for lg in self._layout.layer_groups)
         self._caches: dict[str, KVCache] = {}
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -237,8 +238,11 @@ class KVCacheManager:
         rows = [n.pages for n in nodes] + ([partial.pages] if partial is not None else [])
         if not rows:
             return none
-        pages = np.stack(rows)
+        pages = np.concatenate(rows).reshape(len(rows), n_lg)
         full = len(nodes)
+        if not self._has_windows:          # full attention keeps every page: the whole match holds
+            return _ReusePlan(full * tpb + match.partial_tokens if partial is not None else full * tpb,
+                              nodes, partial, pages)
         if partial is not None:
             n_tok = full * tpb + match.partial_tokens
             if self._window_pages_exist(pages, np.array([n_tok]), np.array([full + 1]))[0]:
