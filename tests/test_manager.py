@@ -24,6 +24,7 @@ SCALE = RoleSpec("key_scale", head_dim=1, dtype="float32")
 
 def manager(blocks: int = 8, **kw: object) -> KVCacheManager:
     kw.setdefault("windows", [32, None])
+    kw.setdefault("enable_prefix_reuse", False)  # these tests check raw allocation; reuse has its own
     return KVCacheManager(CacheConfig.for_model(4, 4, 8, 8, "float16", blocks,
                                                 roles=("key", "value", SCALE), **kw))  # type: ignore[arg-type]
 
