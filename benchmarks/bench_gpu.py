@@ -136,15 +136,16 @@ def run(backend: str, tokens_list: list[int], iters: int, max_descriptors: int, 
         # raw torch gather+scatter of the same whole slots, in this process (same GPU memory traffic)
         src_idx = torch.as_tensor(blk["prefill"], device=device, dtype=torch.long)
         dst_idx = torch.as_tensor(blk["decode"], device=device, dtype=torch.long)
-        pool_s = mgrs["prefill"].pool_tensor(0, 0).view(nblocks + 8, -1)
-        pool_d = mgrs["decode"].pool_tensor(0, 0).view(nblocks + 8, -1)
+        # int64 rows: torch's index kernels move 8-byte elements (uint8 rows would understate the baseline)
+        pool_s = mgrs["prefill"].pool_tensor(0, 0).view(torch.int64).view(nblocks + 8, -1)
+        pool_d = mgrs["decode"].pool_tensor(0, 0).view(torch.int64).view(nblocks + 8, -1)
         pool_d[dst_idx] = pool_s[src_idx]
         sync(device)
         t0 = time.perf_counter()
         for _ in range(iters):
             pool_d[dst_idx] = pool_s[src_idx]
         sync(device)
-        raw_gbps = iters * pool_s[src_idx].numel() / (time.perf_counter() - t0) / 1e9
+        raw_gbps = iters * pool_s[src_idx].numel() * 8 / (time.perf_counter() - t0) / 1e9
         for case, dst_names in (("identical", ["decode"]), ("tp1->2", ["rank0", "rank1"])):
             for mode in ("push", "pull"):
                 plans, plan_ms = [], 0.0

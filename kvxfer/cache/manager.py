@@ -502,9 +502,18 @@ class KVCacheManager:
                                   int(np.count_nonzero(tree & (rc > 1))))
 
     def _sample_usage(self) -> None:
-        if self._stats.enabled:
-            for pg in range(len(self._allocators)):
-                self._stats.sample(self.slot_accounting(pg))
+        """Feed the peak tracker after every allocation change: O(1) counts plus one pass over the
+        tree mask (``slot_accounting`` also cross-checks the counts, too slow to run per call)."""
+        if not self._stats.enabled:
+            return
+        for pg, alloc in enumerate(self._allocators):
+            tree = self._in_tree[pg]
+            rc = alloc.refcount
+            tree_pages = int(np.count_nonzero(tree))
+            evictable = int(np.count_nonzero(rc[tree] == 1)) if tree_pages else 0
+            used = alloc.num_used
+            self._stats.sample(SlotAccounting(pg, alloc.num_slots, alloc.num_free, used - tree_pages,
+                                              evictable, tree_pages - evictable))
 
     def commit_pending_stats(self) -> IterationStats:
         """Merge every request's pending deltas into one iteration's counters (and the totals);
