@@ -65,6 +65,12 @@ def checksum(m: KVCacheManager, blocks: np.ndarray, heads: tuple[int, int] | Non
     return torch.stack(out).cpu().numpy()
 
 
+def transport_options(backend: str) -> dict[str, Any]:
+    """Backend options from the environment (KVXFER_NIXL_THREADS: UCX worker threads of NIXL)."""
+    threads = int(os.environ.get("KVXFER_NIXL_THREADS", "0"))
+    return {"num_threads": threads} if backend == "nixl" and threads else {}
+
+
 def peer_main(conn: Any, backend: str, blocks: int, seed: int, device: str) -> None:
     """The other process: the same managers, filled with its own random bytes, answering commands."""
     torch.manual_seed(seed)
@@ -73,7 +79,7 @@ def peer_main(conn: Any, backend: str, blocks: int, seed: int, device: str) -> N
         for g, pg in enumerate(m.layout.pool_groups):
             for p in range(len(pg.pools)):
                 m.pool_tensor(g, p).random_(0, 256)
-    t = create(backend, f"peer-{backend}")
+    t = create(backend, f"peer-{backend}", **transport_options(backend))
     t.register([r for m in mgrs.values() for r in m.memory_regions()])
     conn.send(({k: m.layout.to_msgpack() for k, m in mgrs.items()}, t.metadata()))
     while True:
@@ -101,7 +107,8 @@ def shift(table: PageTable, offset: int) -> PageTable:
 
 def run(backend: str, tokens_list: list[int], iters: int, max_descriptors: int, device: str) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
-    results: dict[str, Any] = {"backend": backend, "gpu": gpu, "device": device, "cases": []}
+    results: dict[str, Any] = {"backend": backend, "gpu": gpu, "device": device, "cases": [],
+                               "options": transport_options(backend)}
     # device copy limit: one 1 GiB copy (256 MiB on a CPU), one direction
     a = torch.empty(1 << (30 if device.startswith("cuda") else 28), dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
@@ -125,7 +132,7 @@ def run(backend: str, tokens_list: list[int], iters: int, max_descriptors: int, 
         for g, pg in enumerate(mgrs["prefill"].layout.pool_groups):
             for p in range(len(pg.pools)):
                 mgrs["prefill"].pool_tensor(g, p).random_(0, 256)
-        t = create(backend, f"local-{backend}")
+        t = create(backend, f"local-{backend}", **transport_options(backend))
         t.register([r for m in mgrs.values() for r in m.memory_regions()])
         t.connect(f"peer-{backend}", md)
         conn.send(("connect", t.name, t.metadata()))
