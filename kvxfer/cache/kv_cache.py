@@ -129,6 +129,12 @@ class KVCache:
         self._check_layer_group(layer_group_id)
         return self._tiers[layer_group_id].copy()
 
+    def page_locations(self, layer_group_id: int = 0) -> tuple[IntArray, TierArray]:
+        """(slot id, tier index) of each block's page in layer group ``layer_group_id``, in whatever
+        tier it lives (slot -1: no page)."""
+        self._check_layer_group(layer_group_id)
+        return self._blocks[layer_group_id].copy(), self._tiers[layer_group_id].copy()
+
     def _check_layer_group(self, layer_group_id: int) -> None:
         if not 0 <= layer_group_id < len(self._blocks):
             raise CacheStateError(f"KVCache {self.id}: no layer group {layer_group_id} "

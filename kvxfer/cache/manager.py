@@ -154,8 +154,12 @@ class KVCacheManager:
         return typed.view(pool.num_slots, fmt.tokens_per_block, fmt.num_heads, fmt.head_dim)
 
     # --- slots --------------------------------------------------------------------------------
-    def allocator(self, pool_group: int) -> SlotAllocator:
-        """The slot allocator of a pool group (read-only use: counts and reference counts)."""
+    def allocator(self, pool_group: int, tier: int = 0) -> SlotAllocator:
+        """The slot allocator of a pool group in a tier (0 = primary; read-only use: counts and
+        reference counts)."""
+        if tier:
+            self._check_tier_index(tier)
+            return self._alloc_of(tier, pool_group)
         return self._allocators[pool_group]
 
     def num_free_slots(self, pool_group: int = 0) -> int:
@@ -246,54 +250,87 @@ class KVCacheManager:
         return idx[np.argsort(key[idx], kind="stable")].astype(np.int32)
 
     def _make_room_in(self, tier: int, pool_group: int, n: int) -> int:
-        """Free up to ``n`` slots of ``(tier, pool_group)``: a warm tier offloads its coldest movable
-        pages one tier down (making room there first), the coldest tier drops tree-only blocks
-        (lowest priority, least recently used, leaves before parents). Returns the slots freed."""
+        """Free up to ``n`` slots of ``(tier, pool_group)``; returns the slots freed.
+
+        A warm tier offloads its coldest movable pages one tier down (making room there first,
+        recursively); the coldest tier drops tree-only blocks (lowest priority, least recently used,
+        leaves before parents). A warm tier drops its own droppable blocks only when the tiers below
+        cannot take its pages (they are full of held pages).
+        """
         if n <= 0:
             return 0
         alloc = self._alloc_of(tier, pool_group)
         before = alloc.num_free
-        if tier == len(self._tiers) - 1:
-            while alloc.num_free - before < n:
-                node = self._tree.pop_leaf()
-                if node is None:
+        if tier < len(self._tiers) - 1:
+            below = self._alloc_of(tier + 1, pool_group)
+            while (freed := alloc.num_free - before) < n:
+                victims = self._victims(tier, pool_group)
+                want = min(n - freed, victims.size)
+                if want == 0:
                     break
-                if self._tree_only(node):
-                    self._evict(node)
-            return alloc.num_free - before
-        below = self._alloc_of(tier + 1, pool_group)
-        movable = self._victims(tier, pool_group).size
-        if movable == 0:
-            return 0
-        short = min(n, movable) - below.num_free
-        if short > 0:
-            self._make_room_in(tier + 1, pool_group, short)
-        # Dropping below may already have freed pages of this tier; pick victims afresh.
-        want = min(n - (alloc.num_free - before), below.num_free)
-        if want > 0:
-            victims = self._victims(tier, pool_group)[:want]
-            if victims.size:
-                self._move(pool_group, tier, victims, tier + 1)
+                if below.num_free < want:
+                    self._make_room_in(tier + 1, pool_group, want - below.num_free)
+                    # Dropping below may have freed pages of this tier too: pick victims afresh.
+                    victims = self._victims(tier, pool_group)
+                    want = min(n - (alloc.num_free - before), victims.size, below.num_free)
+                    if want <= 0:
+                        break
+                self._move(pool_group, tier, victims[:want], tier + 1)
+        freed = alloc.num_free - before
+        if freed < n:
+            self._drop_in(tier, pool_group, n - freed)
+        return alloc.num_free - before
+
+    def _droppable_here(self, node: BlockNode, tier: int) -> bool:
+        """Whether dropping ``node`` is eviction at ``tier``: tree-only, no page in a warmer tier."""
+        return self._tree_only(node) and not (node.tiers[node.pages >= 0] < tier).any()
+
+    def _drop_in(self, tier: int, pool_group: int, n: int) -> int:
+        """Drop tree-only leaves droppable at ``tier`` until ``n`` slots of ``(tier, pool_group)`` are
+        free (or none is left); emits Removed. Returns the slots of that tier freed."""
+        alloc = self._alloc_of(tier, pool_group)
+        before = alloc.num_free
+        kept: list[BlockNode] = []
+        while alloc.num_free - before < n:
+            node = self._tree.pop_leaf()
+            if node is None:
+                break
+            if not self._tree_only(node):
+                continue             # requeued when its request lets go
+            if self._droppable_here(node, tier):
+                self._evict(node)
+            else:
+                kept.append(node)
+        for node in kept:
+            self._tree.requeue(node)
         return alloc.num_free - before
 
     def _room_estimate(self, tier: int, pool_group: int) -> int:
-        """How many used slots of ``(tier, pool_group)`` ``_make_room_in`` can free at most now
-        (a lower bound where dropping also frees warmer pages)."""
+        """About how many used slots of ``(tier, pool_group)`` ``_make_room_in`` can free now (it
+        errs low: the caller still checks what it got)."""
+        drop = self._droppable_pages(tier, pool_group)
         if tier == len(self._tiers) - 1:
-            return self._droppable_pages(tier, pool_group)
+            return drop
         movable = int(np.count_nonzero((self._alloc_of(tier, pool_group).refcount > 0)
                                        & ~self._locked_mask(tier, pool_group)))
-        below = self._alloc_of(tier + 1, pool_group)
-        return min(movable, below.num_free + self._room_estimate(tier + 1, pool_group))
+        return max(min(movable, self._accept(tier + 1, pool_group)), drop)
+
+    def _accept(self, tier: int, pool_group: int) -> int:
+        """How many pages ``(tier, pool_group)`` can take from the tier above (free slots, plus what
+        it can push further down or drop)."""
+        free = self._alloc_of(tier, pool_group).num_free
+        if tier == len(self._tiers) - 1:
+            return free + self._droppable_pages(tier, pool_group)
+        return free + self._accept(tier + 1, pool_group)
 
     def _droppable_pages(self, tier: int, pool_group: int) -> int:
-        """Pages of ``(tier, pool_group)`` in blocks the tree can drop: tree-only blocks whose
-        descendants are all tree-only too (leaves go first)."""
+        """Pages of ``(tier, pool_group)`` in blocks ``_drop_in(tier, ...)`` can reach: droppable at
+        that tier, with every descendant droppable too (leaves go first)."""
         ready: dict[int, bool] = {}
         count = 0
         lgs = self._pg_layer_groups[pool_group]
         for node in reversed(list(self._tree.nodes())):   # children before parents
-            ok = self._tree_only(node) and all(ready[id(c)] for c in node.children.values())
+            ok = self._droppable_here(node, tier) and all(ready[id(c)] for c in node.children.values())
             ready[id(node)] = ok
             if ok:
                 count += sum(1 for lg in lgs if node.pages[lg] >= 0 and node.tiers[lg] == tier)

@@ -171,6 +171,12 @@ class PrefixTree:
         node.last_used = next(self._clock)
         self._push(node)
 
+    def requeue(self, node: BlockNode) -> None:
+        """Make ``node`` an eviction candidate again without marking it used (a candidate that
+        ``pop_leaf`` returned and the caller chose to keep)."""
+        if not node.removed and not node.is_root:
+            self._push(node)
+
     def set_priority(self, node: BlockNode, priority: int) -> bool:
         """Change a node's priority; True when it changed."""
         priority = check_priority(priority, "PrefixTree.set_priority")

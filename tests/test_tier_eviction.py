@@ -1,0 +1,327 @@
+"""Eviction across tiers inside the cache manager: offload under pressure, onboarding at resume and
+at prefix reuse (exact bytes from host and from disk), resume refusals without side effects, events,
+quotas, and a property test over random workloads with a shrinking primary share."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvxfer.cache import DiskTier, HostTier, KVCache, KVCacheManager, Removed, Updated
+from kvxfer.cache.hashing import DEFAULT_SCOPE, block_keys
+from kvxfer.cache.manager import DISK_MEDIUM, HOST_MEDIUM
+from kvxfer.errors import CacheStateError, ManagerBusyError, TierError
+from reuse_support import TPB, check_kv, make_manager, write_kv
+
+HOST, DISK = 1, 2
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+def tiered_manager(path: Path, primary: int, host: int = 0, disk: int = 0, **kw: Any) -> KVCacheManager:
+    """A reuse_support manager (2 full-attention layers, TPB 4) with ``host``/``disk`` blocks of colder tiers."""
+    return make_manager(primary, host_blocks=host, disk_blocks=disk, disk_path=str(path) if disk else None, **kw)
+
+
+def run_prefill(mgr: KVCacheManager, tokens: npt.ArrayLike, cache_id: str | None = None) -> KVCache | None:
+    """create -> resume -> resize -> write -> commit, leaving the cache ACTIVE; None (the cache closed
+    again) when the primary tier cannot hold it."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    kv = mgr.create_kv_cache(arr, cache_id)
+    if not kv.resume() or not kv.resize(int(arr.size)):
+        kv.close()
+        return None
+    write_kv(mgr, kv, arr, kv.num_committed_tokens, int(arr.size))
+    kv.commit(arr[kv.num_committed_tokens:])
+    return kv
+
+
+def filler(mgr: KVCacheManager, blocks: int) -> KVCache:
+    """An ACTIVE request holding ``blocks`` fresh primary blocks (pressure)."""
+    kv = mgr.create_kv_cache()
+    assert kv.resume()
+    assert kv.resize(blocks * TPB)
+    return kv
+
+
+def tiers_of(kv: KVCache) -> list[int]:
+    return kv.page_tiers(0).tolist()
+
+
+def keys_of(tokens: npt.ArrayLike) -> tuple[bytes, ...]:
+    return tuple(block_keys(np.asarray(tokens, dtype=np.int64), TPB, DEFAULT_SCOPE.root_key))
+
+
+def check_tier_references(mgr: KVCacheManager) -> None:
+    """Every slot of every tier has exactly as many references as open caches and tree blocks point at
+    it (so no page is lost or held twice), no slot is the page of two tree blocks, accounting balances."""
+    layout = mgr.layout
+    n_pg = len(layout.pool_groups)
+    expected = [[np.zeros(mgr.allocator(pg, t).num_slots, dtype=np.int64) for pg in range(n_pg)]
+                for t in range(mgr.num_tiers)]
+    for kv in mgr.open_caches:
+        for lg, lgd in enumerate(layout.layer_groups):
+            ids, tiers = kv.page_locations(lg)
+            for t in range(mgr.num_tiers):
+                np.add.at(expected[t][lgd.pool_group_index], ids[(ids >= 0) & (tiers == t)], 1)
+    tree_pages: set[tuple[int, int, int]] = set()
+    for node in mgr.prefix_tree.nodes():
+        for lg, (page, t) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
+            if page >= 0:
+                pg = layout.layer_groups[lg].pool_group_index
+                assert (t, pg, page) not in tree_pages, f"tier {t} pool group {pg} slot {page} in two tree blocks"
+                tree_pages.add((t, pg, page))
+                expected[t][pg][page] += 1
+    for t in range(mgr.num_tiers):
+        for pg in range(n_pg):
+            np.testing.assert_array_equal(mgr.allocator(pg, t).refcount, expected[t][pg],
+                                          err_msg=f"tier {t} pool group {pg}")
+            mgr.slot_accounting(pg, t)   # balances, or raises
+
+
+def snapshot(mgr: KVCacheManager) -> list[Any]:
+    """Everything a refused call must leave unchanged: every cache's page locations, every tier's refcounts."""
+    out: list[Any] = []
+    for kv in mgr.open_caches:
+        out.append((kv.id, kv.state, [loc.tolist() for lg in range(len(mgr.layout.layer_groups))
+                                      for loc in kv.page_locations(lg)]))
+    for t in range(mgr.num_tiers):
+        out.append(mgr.allocator(0, t).refcount.tolist())
+    out.append(sorted((n.key, n.pages.tolist(), n.tiers.tolist()) for n in mgr.prefix_tree.nodes()))
+    return out
+
+
+TOKENS_A = np.arange(100, 120)   # 5 blocks
+
+
+# --- offload and onboard ---------------------------------------------------------------------------------
+def test_held_pages_offload_to_host_and_come_back_exact(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 8, host=16)
+    a = run_prefill(mgr, TOKENS_A, "a")
+    assert a is not None
+    a.suspend()
+    mgr.drain_events()
+    b = filler(mgr, 8)                                   # needs every primary slot: A's pages go down
+    assert tiers_of(a) == [HOST] * 5
+    assert mgr.storage_stats(HostTier).slots_used == (5,)
+    assert mgr.storage_stats(0).slots_used == (8,)
+    assert mgr.drain_events() == [Updated(keys_of(TOKENS_A), HOST_MEDIUM)]
+    with pytest.raises(CacheStateError, match="offloaded"):
+        a.block_ids(0)
+    check_tier_references(mgr)
+    b.close()
+    assert a.resume()
+    assert tiers_of(a) == [0] * 5
+    assert mgr.storage_stats(HostTier).slots_used == (0,)
+    assert check_kv(mgr, a, TOKENS_A, 0, TOKENS_A.size) == TOKENS_A.size
+    assert mgr.drain_events() == [Updated(keys_of(TOKENS_A), "CPU")]   # back in the (CPU) primary tier
+    check_tier_references(mgr)
+    a.close()
+    mgr.shutdown()
+
+
+def test_offload_cascades_to_disk_and_onboards_exact(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 8, host=2, disk=16)
+    a = run_prefill(mgr, TOKENS_A, "a")
+    assert a is not None
+    a.suspend()
+    b = filler(mgr, 8)
+    assert sorted(tiers_of(a)) == [HOST, HOST, DISK, DISK, DISK]
+    assert mgr.storage_stats(DiskTier).slots_used == (3,)
+    check_tier_references(mgr)
+    b.close()
+    assert a.resume()
+    assert tiers_of(a) == [0] * 5
+    assert check_kv(mgr, a, TOKENS_A, 0, TOKENS_A.size) == TOKENS_A.size
+    assert mgr.storage_stats(DiskTier).slots_used == (0,)
+    check_tier_references(mgr)
+    a.close()
+    mgr.shutdown()
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".kv")]   # shutdown removes the pool files
+
+
+def test_suspend_resume_round_trips_keep_writing(tmp_path: Path) -> None:
+    """A request suspended and resumed several times, offloaded in between, keeps its KV exact and
+    continues to grow after each resume."""
+    mgr = tiered_manager(tmp_path, 6, host=2, disk=8)
+    tokens = np.arange(500, 524)                         # 6 blocks, written in 3 steps of 2
+    kv = mgr.create_kv_cache(tokens[:1], "r")
+    for step in range(3):
+        assert kv.resume()
+        lo, hi = step * 8, step * 8 + 8
+        assert kv.resize(hi)
+        write_kv(mgr, kv, tokens, lo, hi)
+        kv.commit(tokens[kv.num_committed_tokens:hi])
+        kv.suspend()
+        other = filler(mgr, 6)                           # push everything of r out of the primary
+        assert 0 not in tiers_of(kv)
+        other.close()
+        check_tier_references(mgr)
+    assert kv.resume()
+    assert check_kv(mgr, kv, tokens, 0, 24) == 24
+    kv.close()
+    check_tier_references(mgr)
+    mgr.shutdown()
+
+
+def test_locked_pages_never_move(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 4, host=8)
+    a = run_prefill(mgr, np.arange(16), "a")             # ACTIVE, all 4 primary slots
+    assert a is not None
+    b = mgr.create_kv_cache()
+    assert b.resume()
+    assert not b.resize(4)                               # nothing movable: refused, nothing moved
+    assert tiers_of(a) == [0] * 4
+    assert mgr.storage_stats(HostTier).slots_used == (0,)
+    a.suspend()
+    assert b.resize(4)                                   # now A's pages are held: one goes to the host
+    assert sorted(tiers_of(a)) == [0, 0, 0, HOST]
+    b.close()
+    a.close()
+    check_tier_references(mgr)
+    mgr.shutdown()
+
+
+# --- resume refusals --------------------------------------------------------------------------------------
+def test_resume_false_without_side_effects(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 8, host=2, disk=16)
+    a = run_prefill(mgr, TOKENS_A, "a")
+    assert a is not None
+    a.suspend()
+    b = filler(mgr, 8)
+    mgr.drain_events()
+    before = snapshot(mgr)
+    assert not a.resume()                                # B locks the whole primary tier
+    assert snapshot(mgr) == before
+    assert mgr.drain_events() == []
+    b.close()
+    assert a.resume()
+    assert check_kv(mgr, a, TOKENS_A, 0, TOKENS_A.size) == TOKENS_A.size
+    a.close()
+    mgr.shutdown()
+
+
+def test_resume_respects_max_utilization(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 8, host=16, resume_max_utilization=0.5)
+    tokens = np.arange(300, 316)                         # 4 blocks
+    a = run_prefill(mgr, tokens, "a")
+    assert a is not None
+    a.suspend()
+    filler(mgr, 8).close()                               # A offloaded to the host
+    assert tiers_of(a) == [HOST] * 4
+    c = filler(mgr, 1)                                   # 1 locked + 4 > 0.5 * 8
+    before = snapshot(mgr)
+    assert not a.resume()
+    assert snapshot(mgr) == before
+    c.close()
+    assert a.resume()                                    # 0 + 4 <= 4
+    assert check_kv(mgr, a, tokens, 0, 16) == 16
+    a.close()
+    mgr.shutdown()
+
+
+# --- prefix tree: events, drops, reuse from colder tiers --------------------------------------------------
+def test_events_for_moves_and_drops_and_reuse_from_disk(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 4, host=2, disk=2)
+    p1, p2, p3 = np.arange(0, 8), np.arange(50, 58), np.arange(90, 98)
+    for p in (p1, p2):
+        kv = run_prefill(mgr, p)
+        assert kv is not None
+        kv.close()                                       # tree-only (droppable) pages
+    mgr.drain_events()
+    c = filler(mgr, 4)
+    assert mgr.drain_events() == [Updated(keys_of(p1), HOST_MEDIUM), Updated(keys_of(p1), DISK_MEDIUM),
+                                  Updated(keys_of(p2), HOST_MEDIUM)]
+    c.close()
+    kv = run_prefill(mgr, p3)
+    assert kv is not None
+    kv.close()
+    mgr.drain_events()
+    c = filler(mgr, 4)                                   # the coldest tier drops p1 (leaf first)
+    k1 = keys_of(p1)
+    assert mgr.drain_events() == [Removed((k1[1], k1[0]), DISK_MEDIUM), Updated(keys_of(p2), DISK_MEDIUM),
+                                  Updated(keys_of(p3), HOST_MEDIUM)]
+    c.close()
+    check_tier_references(mgr)
+    # p2 lives on disk now: a request with that prefix reuses it and onboards it at resume.
+    prompt = np.concatenate([p2, [7, 7, 7]])
+    assert mgr.probe_reuse(prompt) == 8
+    kv = mgr.create_kv_cache(prompt, "reuse")
+    assert kv.num_reused_tokens == 8
+    assert tiers_of(kv) == [DISK, DISK]
+    assert kv.resume()
+    assert tiers_of(kv) == [0, 0]
+    assert check_kv(mgr, kv, prompt, 0, 8) == 8
+    check_tier_references(mgr)
+    kv.close()
+    mgr.shutdown()
+
+
+def test_partial_reuse_of_an_offloaded_block(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 4, host=4)
+    p = np.arange(200, 208)
+    kv = run_prefill(mgr, p)
+    assert kv is not None
+    kv.close()
+    filler(mgr, 4).close()                               # p's blocks go to the host
+    prompt = np.concatenate([p[:6], [1, 2, 3]])          # block 0 full, block 1 partial (2 tokens)
+    kv = mgr.create_kv_cache(prompt, "partial")
+    assert kv.num_reused_tokens == 6
+    assert tiers_of(kv) == [HOST, HOST]
+    assert kv.resume()                                   # onboard both, then copy the partial block
+    ids = kv.block_ids(0)
+    assert ids[1] not in [n.pages[0] for n in mgr.prefix_tree.nodes()]
+    assert check_kv(mgr, kv, prompt, 0, 6) == 6
+    check_tier_references(mgr)
+    kv.close()
+    mgr.shutdown()
+
+
+# --- quotas and configuration -----------------------------------------------------------------------------
+def test_resize_quota_moves_surplus_down_and_keeps_bytes(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 8, host=8, disk=8)
+    block = mgr.config.tiers[1].quota_bytes // 8
+    a = run_prefill(mgr, TOKENS_A, "a")
+    assert a is not None
+    a.suspend()
+    b = filler(mgr, 8)
+    assert tiers_of(a) == [HOST] * 5
+    with pytest.raises(ManagerBusyError, match="active"):
+        mgr.resize_quota(HostTier, 2 * block)
+    b.close()
+    with pytest.raises(TierError, match="primary"):
+        mgr.resize_quota(0, block)
+    before = snapshot(mgr)
+    with pytest.raises(TierError, match="quota_bytes=100"):
+        mgr.resize_quota(HostTier, 100)
+    assert snapshot(mgr) == before
+    mgr.resize_quota(HostTier, 2 * block)
+    assert mgr.storage_stats(HostTier).slots_total == (2,)
+    assert sorted(tiers_of(a)) == [HOST, HOST, DISK, DISK, DISK]
+    assert mgr.config.tiers[1] == HostTier(2 * block, None)
+    check_tier_references(mgr)
+    before = snapshot(mgr)
+    with pytest.raises(TierError, match="cannot be evicted"):
+        mgr.resize_quota(DiskTier, block)                # 3 held pages on disk, nothing below: refused
+    assert snapshot(mgr) == before
+    assert mgr.storage_stats(DiskTier).slots_total == (8,)
+    mgr.resize_quota(HOST, 16 * block)
+    assert mgr.storage_stats(HOST).slots_total == (16,)
+    assert a.resume()
+    assert check_kv(mgr, a, TOKENS_A, 0, TOKENS_A.size) == TOKENS_A.size
+    a.close()
+    check_tier_references(mgr)
+    mgr.shutdown()
+
+
+def test_disk_path_errors_at_construction(tmp_path: Path) -> None:
+    with pytest.raises(TierError, match="does not exist"):
+        tiered_manager(tmp_path / "missing", 4, host=2, disk=2)
+    with pytest.raises(TierError, match="no HostTier|no tier"):
+        tiered_manager(tmp_path, 4).storage_stats(HostTier)
