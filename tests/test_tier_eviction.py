@@ -12,11 +12,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reuse_support import TPB, check_kv, make_manager, write_kv
+from tier_helpers import multi_pool_config
 
 from kvxfer.cache import DiskTier, HostTier, KVCache, KVCacheManager, Removed, Updated
+from kvxfer.cache.cuda_utils import cuda_usable
 from kvxfer.cache.hashing import DEFAULT_SCOPE, block_keys
 from kvxfer.cache.manager import DISK_MEDIUM, HOST_MEDIUM
 from kvxfer.errors import CacheStateError, ManagerBusyError, TierError
@@ -389,4 +392,52 @@ def test_no_page_lost_or_duplicated_across_tiers(tmp_path: Path, ops: list[tuple
         acc = mgr.slot_accounting(0, t)
         assert acc.request_only == acc.shared == 0
         assert acc.free + acc.evictable == acc.total
+    mgr.shutdown()
+
+
+# --- several pool groups, CPU and CUDA primary --------------------------------------------------------------
+def _slot_rows(mgr: KVCacheManager, kv: KVCache) -> list[list[npt.NDArray[np.uint8]]]:
+    """The raw bytes of every page of ``kv``, per layer group, per pool of its pool group."""
+    out = []
+    for lgd in mgr.layout.layer_groups:
+        pg = mgr.layout.pool_groups[lgd.pool_group_index]
+        ids = torch.from_numpy(kv.block_ids(lgd.layer_group_id).astype(np.int64))
+        out.append([mgr.pool_tensor(pg.pool_group_index, p.pool_index).view(p.num_slots, p.slot_bytes)[
+            ids.to(mgr.device)].cpu().numpy() for p in pg.pools])
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_every_pool_group_round_trips_exact_bytes(tmp_path: Path, device: str) -> None:
+    """Two pool groups with aligned and unaligned pools (the tier helpers' config): a suspended
+    request's pages pushed through host and disk come back byte for byte, on a CPU or CUDA primary."""
+    if device.startswith("cuda") and not cuda_usable():
+        pytest.skip("needs CUDA: torch.cuda.is_available() is False or cuda-python (cuda.bindings) is missing")
+    mgr = KVCacheManager(multi_pool_config(str(tmp_path), primary_slots=24, host_slots=6, disk_slots=40,
+                                           device=device))
+    slots = mgr.layout.pool_groups[0].num_slots
+    assert [pg.num_slots for pg in mgr.layout.pool_groups] == [slots, slots]
+    a = mgr.create_kv_cache(None, "a")
+    assert a.resume()
+    assert a.resize(10 * 16)
+    gen = torch.Generator().manual_seed(7)
+    for pg in mgr.layout.pool_groups:
+        for p in pg.pools:
+            t = mgr.pool_tensor(pg.pool_group_index, p.pool_index)
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen).to(t.device))
+    expected = _slot_rows(mgr, a)
+    a.suspend()
+    b = mgr.create_kv_cache(None, "b")
+    assert b.resume()
+    assert b.resize(slots * 16)                          # every primary slot of both groups
+    for lg in range(len(mgr.layout.layer_groups)):       # 6 pages fit the host, 4 went on to disk
+        assert sorted(a.page_tiers(lg).tolist()) == [HOST] * 6 + [DISK] * 4
+    check_tier_references(mgr)
+    b.close()
+    assert a.resume()
+    for got_lg, exp_lg in zip(_slot_rows(mgr, a), expected, strict=True):
+        for got, exp in zip(got_lg, exp_lg, strict=True):
+            np.testing.assert_array_equal(got, exp)
+    a.close()
+    check_tier_references(mgr)
     mgr.shutdown()
