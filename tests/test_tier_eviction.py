@@ -230,6 +230,42 @@ def test_resume_respects_max_utilization(tmp_path: Path) -> None:
     mgr.shutdown()
 
 
+def test_resume_swaps_pages_through_full_tiers(tmp_path: Path) -> None:
+    """Every tier full of held pages: a resume is refused while no slot is free anywhere; with one
+    free slot it swaps the request's pages up and the displaced ones down, chunk by chunk."""
+    mgr = tiered_manager(tmp_path, 4, host=2, disk=2)
+    tokens_a, tokens_b = np.arange(16), np.arange(40, 52)
+    a = run_prefill(mgr, tokens_a, "a")
+    assert a is not None
+    a.suspend()
+    b = run_prefill(mgr, tokens_b, "b")                  # 3 blocks
+    assert b is not None
+    f = filler(mgr, 1)
+    b.suspend()
+    f.suspend()
+    assert sorted(tiers_of(a)) == [HOST, HOST, DISK, DISK]
+    assert all(mgr.allocator(0, t).num_free == 0 for t in range(3))
+    before = snapshot(mgr)
+    assert not a.resume()                                # nowhere to start a swap
+    assert snapshot(mgr) == before
+    f.close()
+    assert a.resume()
+    assert tiers_of(a) == [0] * 4
+    assert sorted(tiers_of(b)) == [HOST, HOST, DISK]
+    assert check_kv(mgr, a, tokens_a, 0, 16) == 16
+    check_tier_references(mgr)
+    a.suspend()
+    assert b.resume()
+    assert check_kv(mgr, b, tokens_b, 0, 12) == 12
+    assert a.resume() is False                           # B locks 3 of 4 primary slots
+    b.close()
+    assert a.resume()
+    assert check_kv(mgr, a, tokens_a, 0, 16) == 16
+    a.close()
+    check_tier_references(mgr)
+    mgr.shutdown()
+
+
 # --- prefix tree: events, drops, reuse from colder tiers --------------------------------------------------
 def test_events_for_moves_and_drops_and_reuse_from_disk(tmp_path: Path) -> None:
     mgr = tiered_manager(tmp_path, 4, host=2, disk=2)
@@ -379,13 +415,13 @@ def test_no_page_lost_or_duplicated_across_tiers(tmp_path: Path, ops: list[tuple
     for kv in mgr.open_caches:
         if kv.state.value == "active":
             kv.close()
-    # Resume, check and close the rest; when every tier is full of held pages a resume needs a swap
-    # the manager does not do (it returns False): then one request is closed unchecked to make room.
-    while mgr.open_caches:
-        for kv in mgr.open_caches:
-            if kv.resume():
-                assert check_kv(mgr, kv, tokens[kv.id], 0, tokens[kv.id].size) == tokens[kv.id].size
-                break
+    # Resume, check and close the rest. Nothing is locked now, so a resume can only be refused when no
+    # tier has a free slot to start swapping pages through (then the request is closed unchecked).
+    for kv in mgr.open_caches:
+        if kv.resume():
+            assert check_kv(mgr, kv, tokens[kv.id], 0, tokens[kv.id].size) == tokens[kv.id].size
+        else:
+            assert all(mgr.allocator(0, t).num_free == 0 for t in range(mgr.num_tiers))
         kv.close()
         check_tier_references(mgr)
     for t in range(mgr.num_tiers):

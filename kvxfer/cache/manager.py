@@ -48,6 +48,7 @@ DISK_MEDIUM = "DISK"
 # Victim ordering key: held pages (a suspended request's) after droppable ones, then priority, then LRU.
 _HELD_BIT = 60
 _PRIORITY_SHIFT = 48
+_LAST = (1 << _HELD_BIT) - 1
 
 
 @dataclass(frozen=True)
@@ -218,10 +219,11 @@ class KVCacheManager:
         self._tree_owner[tier][pool_group].pop(page, None)
 
     def _locked_mask(self, tier: int, pool_group: int) -> npt.NDArray[np.bool_]:
-        """Slots of ``tier`` that must not move: pages of ACTIVE requests and of requests being resumed."""
+        """Slots of ``tier`` that must not move: pages of ACTIVE requests, and the primary pages of a
+        request being resumed (its colder pages may still move down to let a swap through)."""
         mask = np.zeros(self._alloc_of(tier, pool_group).num_slots, dtype=bool)
         for cache in self._caches.values():
-            if cache.state is CacheState.ACTIVE or cache.id in self._pinned:
+            if cache.state is CacheState.ACTIVE or (tier == 0 and cache.id in self._pinned):
                 for lg in self._pg_layer_groups[pool_group]:
                     blocks, tiers = cache._blocks[lg], cache._tiers[lg]
                     mask[blocks[(blocks >= 0) & (tiers == tier)]] = True
@@ -237,11 +239,13 @@ class KVCacheManager:
         recency = np.zeros(alloc.num_slots, dtype=np.int64)
         held_stamp = np.int64(DEFAULT_PRIORITY) << _PRIORITY_SHIFT
         for cache in self._caches.values():
-            if cache.state is CacheState.ACTIVE or cache.id in self._pinned:
+            if cache.state is CacheState.ACTIVE:
                 continue
+            # A request being resumed moves last: its pages are about to come up.
+            stamp = _LAST if cache.id in self._pinned else held_stamp | cache._last_used
             for lg in self._pg_layer_groups[pool_group]:
                 blocks, tiers = cache._blocks[lg], cache._tiers[lg]
-                np.maximum.at(recency, blocks[(blocks >= 0) & (tiers == tier)], held_stamp | cache._last_used)
+                np.maximum.at(recency, blocks[(blocks >= 0) & (tiers == tier)], stamp)
         for slot, (node, _) in self._tree_owner[tier][pool_group].items():
             recency[slot] = max(int(recency[slot]), (node.priority << _PRIORITY_SHIFT) | node.last_used)
         held = alloc.refcount > self._in_tree_t[tier][pool_group]
@@ -427,22 +431,47 @@ class KVCacheManager:
                 needs[self._lg_pool_group[lg]] = needs.get(self._lg_pool_group[lg], 0) + 1
         return needs
 
-    def _can_take(self, pool_group: int, n: int) -> bool:
+    def _can_take(self, pool_group: int, n: int, swap: bool) -> bool:
         """Whether ``n`` more primary slots can be locked: within ``resume_max_utilization`` of the
-        pool group and obtainable (free, or freed by offloading/dropping unlocked pages)."""
+        pool group, and obtainable (free, or freed by offloading/dropping unlocked pages). With
+        ``swap`` (the slots are for onboarding pages from colder tiers) one slot to start with is
+        enough: every page brought up frees a slot below that a displaced page can take."""
         alloc = self._allocators[pool_group]
         limit = math.floor(self.config.resume_max_utilization * alloc.num_slots + 1e-9)
         if int(np.count_nonzero(self._locked_mask(0, pool_group))) + n > limit:
             return False
-        return alloc.num_free >= n or alloc.num_free + self._room_estimate(0, pool_group) >= n
+        start = min(n, 1) if swap else n
+        return alloc.num_free >= start or alloc.num_free + self._room_estimate(0, pool_group) >= start
 
-    def _onboard(self, cache: KVCache, offloaded: dict[int, dict[int, IntArray]]) -> None:
-        """Bring the cache's offloaded pages back to free primary slots (the slots must be free)."""
-        for pg, by_tier in offloaded.items():
-            jobs = [(t, src, 0, self._allocators[pg].alloc(src.size)) for t, src in by_tier.items()]
-            self._copy_pages(pg, jobs)
+    def _onboard(self, cache: KVCache, pool_group: int, n: int) -> bool:
+        """Bring the cache's offloaded pages of a pool group back to the primary tier (warmest tier
+        first) and leave ``n`` minus their count slots free for its partial-block copy. Room is made
+        as it goes: when the tiers are full, each chunk brought up frees the slots the pages it
+        displaces move down to. False when no room could be made (the cache must be pinned)."""
+        alloc = self._allocators[pool_group]
+        extra = n - sum(src.size for src in self._offloaded_pages(cache).get(pool_group, {}).values())
+        while True:
+            # Making room may move the cache's colder pages further down: read them afresh.
+            by_tier = self._offloaded_pages(cache).get(pool_group, {})
+            left = sum(src.size for src in by_tier.values())
+            want = left + extra
+            if alloc.num_free < want:
+                self._make_room_in(0, pool_group, want - alloc.num_free)
+                by_tier = self._offloaded_pages(cache).get(pool_group, {})
+            if left == 0:
+                return alloc.num_free >= want
+            take = min(alloc.num_free, left)
+            if take == 0:
+                return False
+            jobs: list[tuple[int, IntArray, int, IntArray]] = []
+            for t in sorted(by_tier):                        # warmest first
+                part = by_tier[t][:take]
+                if part.size:
+                    jobs.append((t, part, 0, alloc.alloc(part.size)))
+                    take -= part.size
+            self._copy_pages(pool_group, jobs)
             for t, src, _, dst in jobs:
-                self._relocate(pg, t, src, 0, dst)
+                self._relocate(pool_group, t, src, 0, dst)
 
     # --- KVCache lifecycle (called by KVCache) ------------------------------------------------
     def create_kv_cache(self, tokens: Sequence[int] | npt.ArrayLike | None = None, id: str | None = None, *,
@@ -933,13 +962,11 @@ class KVCacheManager:
             if needs:
                 self._pinned.add(cache.id)
                 try:
-                    if not all(self._can_take(pg, n) for pg, n in needs.items()):
+                    if not all(self._can_take(pg, n, pg in offloaded) for pg, n in needs.items()):
                         return False
                     for pg, n in needs.items():
-                        self._make_room_in(0, pg, n - self._allocators[pg].num_free)
-                        if self._allocators[pg].num_free < n:
+                        if not self._onboard(cache, pg, n):
                             return False
-                    self._onboard(cache, offloaded)
                 finally:
                     self._pinned.discard(cache.id)
             if not self._copy_on_write(cache):
