@@ -19,6 +19,7 @@ from kvxfer.cache.kv_cache import CacheState, KVCache
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.cache.stats import IterationStats, PoolGroupPeaks, RequestStats, SlotAccounting
+from kvxfer.cache.tiers import TierStats
 
 __all__ = [
     "HASH_V2_BLAKE3",
@@ -53,6 +54,7 @@ __all__ = [
     "SlotAccounting",
     "SlotDesc",
     "Stored",
+    "TierStats",
     "Updated",
     "block_keys",
 ]

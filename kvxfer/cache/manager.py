@@ -26,7 +26,14 @@ from kvxfer.cache.layout import place_layout, plan_layout
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode, PrefixTree
 from kvxfer.cache.stats import IterationStats, PoolGroupPeaks, SlotAccounting, StatsCollector
-from kvxfer.cache.tiers import DiskTierStorage, TierStats, TierStorage, open_host_tier, primary_tier_of
+from kvxfer.cache.tiers import (
+    DiskTierStorage,
+    MemoryTierStorage,
+    TierStats,
+    TierStorage,
+    open_host_tier,
+    primary_tier_of,
+)
 from kvxfer.errors import (
     CacheStateError,
     ConfigError,
@@ -959,18 +966,18 @@ class KVCacheManager:
             needs = self._cow_needs(cache)
             for pg, by_tier in offloaded.items():
                 needs[pg] = needs.get(pg, 0) + sum(src.size for src in by_tier.values())
-            if needs:
-                self._pinned.add(cache.id)
-                try:
-                    if not all(self._can_take(pg, n, pg in offloaded) for pg, n in needs.items()):
+            self._pinned.add(cache.id)   # its primary pages stay put while room is made
+            try:
+                if not all(self._can_take(pg, n, pg in offloaded) for pg, n in needs.items()):
+                    return False
+                for pg, n in needs.items():
+                    if not self._onboard(cache, pg, n):
                         return False
-                    for pg, n in needs.items():
-                        if not self._onboard(cache, pg, n):
-                            return False
-                finally:
-                    self._pinned.discard(cache.id)
-            if not self._copy_on_write(cache):
-                return False
+                if not self._copy_on_write(cache):
+                    return False
+            finally:
+                self._pinned.discard(cache.id)
+            cache._last_used = self._tree.tick()
             self._sample_usage()
             return True
 
@@ -1055,6 +1062,10 @@ class KVCacheManager:
             for tier in self._tiers[1:]:
                 tier.close()
             self._pools = [[] for _ in self._pools]
+            # The primary view must not keep the pools' memory alive either (allocators stay readable).
+            self._tiers[0] = MemoryTierStorage("primary", self._layout, [[] for _ in self._pools], self._allocators,
+                                               owns_pools=False)
+            self._tiers[0].close()
 
     def __repr__(self) -> str:
         pgs = ", ".join(f"pg{i}: {a.num_used}/{a.num_slots} used" for i, a in enumerate(self._allocators))
