@@ -323,6 +323,66 @@ def test_partial_reuse_of_an_offloaded_block(tmp_path: Path) -> None:
     mgr.shutdown()
 
 
+def test_priority_beats_recency_when_offloading(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 4, host=4)
+    p1, p2 = np.arange(0, 8), np.arange(20, 28)
+    kv1 = run_prefill(mgr, p1)
+    assert kv1 is not None
+    kv1.set_priority(90)                                 # older, but worth more
+    kv1.close()
+    kv2 = run_prefill(mgr, p2)
+    assert kv2 is not None
+    kv2.close()
+    mgr.drain_events()
+    filler(mgr, 2).close()
+    assert mgr.drain_events() == [Updated(keys_of(p2), HOST_MEDIUM)]
+    tiers = {n.key: n.tiers.tolist() for n in mgr.prefix_tree.nodes()}
+    assert [tiers[k] for k in keys_of(p1)] == [[0], [0]]
+    assert [tiers[k] for k in keys_of(p2)] == [[HOST], [HOST]]
+    mgr.shutdown()
+
+
+def test_reset_prefix_tree_frees_every_tier(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 4, host=2, disk=2)
+    for start in (0, 20, 40, 60):
+        kv = run_prefill(mgr, np.arange(start, start + 8))
+        assert kv is not None
+        kv.close()
+    assert [sum(mgr.storage_stats(t).slots_used) for t in range(3)] == [4, 2, 2]
+    mgr.drain_events()
+    assert mgr.reset_prefix_tree()
+    assert [sum(mgr.storage_stats(t).slots_used) for t in range(3)] == [0, 0, 0]
+    assert [type(e).__name__ for e in mgr.drain_events()] == ["AllCleared"]
+    check_tier_references(mgr)
+    mgr.shutdown()
+
+
+def test_failed_offload_leaves_pages_in_place(tmp_path: Path) -> None:
+    mgr = tiered_manager(tmp_path, 4, disk=4)
+    p = np.arange(0, 8)
+    kv = run_prefill(mgr, p)
+    assert kv is not None
+    kv.close()
+    for name in os.listdir(tmp_path):                    # the disk tier's files vanish behind its back
+        os.unlink(tmp_path / name)
+    mgr.drain_events()
+    before = snapshot(mgr)
+    f = mgr.create_kv_cache(None, "f")
+    assert f.resume()
+    with pytest.raises(TierError, match="was removed"):
+        f.resize(4 * TPB)
+    assert f.capacity == 0
+    assert mgr.drain_events() == []
+    f.close()
+    assert snapshot(mgr) == before                       # the tree's pages still primary, disk slots freed
+    check_tier_references(mgr)
+    kv = mgr.create_kv_cache(np.concatenate([p, [1]]), "again")
+    assert kv.resume()
+    assert check_kv(mgr, kv, p, 0, 8) == 8
+    kv.close()
+    mgr.shutdown()                                       # files already gone: still a clean shutdown
+
+
 # --- quotas and configuration -----------------------------------------------------------------------------
 def test_resize_quota_moves_surplus_down_and_keeps_bytes(tmp_path: Path) -> None:
     mgr = tiered_manager(tmp_path, 8, host=8, disk=8)
