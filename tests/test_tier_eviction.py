@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from reuse_support import TPB, check_kv, make_manager, write_kv
 from tier_helpers import multi_pool_config
 
-from kvxfer.cache import DiskTier, HostTier, KVCache, KVCacheManager, Removed, Updated
+from kvxfer.cache import DiskTier, HostTier, KVCache, KVCacheManager, Removed, TierTraffic, Updated
 from kvxfer.cache.cuda_utils import cuda_usable
 from kvxfer.cache.hashing import DEFAULT_SCOPE, block_keys
 from kvxfer.cache.manager import DISK_MEDIUM, HOST_MEDIUM
@@ -125,6 +125,8 @@ def test_held_pages_offload_to_host_and_come_back_exact(tmp_path: Path) -> None:
     assert mgr.storage_stats(HostTier).slots_used == (0,)
     assert check_kv(mgr, a, TOKENS_A, 0, TOKENS_A.size) == TOKENS_A.size
     assert mgr.drain_events() == [Updated(keys_of(TOKENS_A), "CPU")]   # back in the (CPU) primary tier
+    page = sum(p.slot_bytes for p in mgr.layout.pool_groups[0].pools)
+    assert mgr.tier_traffic() == TierTraffic((0, 5), (0, 5), 0, 10 * page)
     check_tier_references(mgr)
     a.close()
     mgr.shutdown()
@@ -289,6 +291,8 @@ def test_events_for_moves_and_drops_and_reuse_from_disk(tmp_path: Path) -> None:
                                   Updated(keys_of(p3), HOST_MEDIUM)]
     c.close()
     check_tier_references(mgr)
+    traffic = mgr.tier_traffic()
+    assert (traffic.offloaded_pages, traffic.onboarded_pages, traffic.dropped_blocks) == ((0, 6, 4), (0, 0, 0), 2)
     # p2 lives on disk now: a request with that prefix reuses it and onboards it at resume.
     prompt = np.concatenate([p2, [7, 7, 7]])
     assert mgr.probe_reuse(prompt) == 8

@@ -18,7 +18,7 @@ from kvxfer.cache.hashing import HASH_V2_BLAKE3, HASH_V2_BLAKE3_64, ReuseScope, 
 from kvxfer.cache.kv_cache import CacheState, KVCache
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.cache.stats import IterationStats, PoolGroupPeaks, RequestStats, SlotAccounting
+from kvxfer.cache.stats import IterationStats, PoolGroupPeaks, RequestStats, SlotAccounting, TierTraffic
 from kvxfer.cache.tiers import TierStats
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "SlotDesc",
     "Stored",
     "TierStats",
+    "TierTraffic",
     "Updated",
     "block_keys",
 ]

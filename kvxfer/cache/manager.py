@@ -25,7 +25,14 @@ from kvxfer.cache.kv_cache import CacheState, KVCache, _as_tokens
 from kvxfer.cache.layout import place_layout, plan_layout
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode, PrefixTree
-from kvxfer.cache.stats import IterationStats, PoolGroupPeaks, SlotAccounting, StatsCollector
+from kvxfer.cache.stats import (
+    IterationStats,
+    PoolGroupPeaks,
+    SlotAccounting,
+    StatsCollector,
+    TierTraffic,
+    TierTrafficCounter,
+)
 from kvxfer.cache.tiers import (
     DiskTierStorage,
     MemoryTierStorage,
@@ -128,6 +135,8 @@ class KVCacheManager:
             [np.zeros(pg.num_slots, dtype=bool) for pg in t.layout.pool_groups] for t in self._tiers[1:]]
         self._tree_owner: list[list[dict[int, tuple[BlockNode, int]]]] = [
             [{} for _ in self._layout.pool_groups] for _ in self._tiers]
+        self._traffic = TierTrafficCounter(len(self._tiers))
+        self._page_bytes = [sum(p.slot_bytes for p in pg.pools) for pg in self._layout.pool_groups]
 
     # --- published view ---------------------------------------------------------------------
     @property
@@ -204,6 +213,7 @@ class KVCacheManager:
                 self._alloc_of(tier, pg).decref(np.array([page], dtype=np.int32))
                 self._unmark_tree_page(tier, pg, page)
         self._events.put(Removed((node.key,), self._node_medium(node)))
+        self._traffic.dropped()
 
     def _release(self, layer_group: int, ids: IntArray, tiers: TierArray) -> None:
         """Drop one reference on each page ``ids[i]`` (>= 0) of tier ``tiers[i]``."""
@@ -414,6 +424,8 @@ class KVCacheManager:
                 blocks[pos[hit]] = sorted_dst[idx[hit]]
                 tiers[pos[hit]] = dst_tier
         src_alloc.decref(np.repeat(src, refs))
+        if src_tier != dst_tier:
+            self._traffic.moved(src_tier, dst_tier, int(src.size), int(src.size) * self._page_bytes[pool_group])
         if moved and src_tier != dst_tier:
             self._events.put(Updated(tuple(dict.fromkeys(moved)), self._media[dst_tier]))
 
@@ -880,6 +892,11 @@ class KVCacheManager:
     def _check_tier_index(self, tier: int) -> None:
         if isinstance(tier, bool) or not isinstance(tier, int | np.integer) or not 0 <= tier < len(self._tiers):
             raise TierError(f"no tier {tier!r} (have 0..{len(self._tiers) - 1})")
+
+    def tier_traffic(self) -> TierTraffic:
+        """Pages offloaded into / onboarded from each tier, blocks dropped, bytes moved (cumulative)."""
+        with self._lock:
+            return self._traffic.snapshot()
 
     def storage_stats(self, tier: int | type[PrimaryTier | HostTier | DiskTier] = 0) -> TierStats:
         """Capacity and occupancy (slots per pool group) of one tier."""
