@@ -17,6 +17,7 @@ scattered figures of the same pair are its baseline. Baselines measured in the s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # the engine copies on one thread: compare like with like
-    manager = KVCacheManager(cfg)
+    # The raw rows use standalone tiers: the manager contributes only its primary pools.
+    manager = KVCacheManager(dataclasses.replace(cfg, tiers=cfg.tiers[:1]))
     tiers: dict[str, TierStorage] = {"primary": primary_tier_of(manager), "host": open_host_tier(cfg),
                                      "disk": DiskTierStorage(cfg)}
     rng = np.random.default_rng(0)
