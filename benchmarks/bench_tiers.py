@@ -3,7 +3,10 @@
 For every pair (primary->host, host->primary, host->disk, disk->host, primary->disk, disk->primary; on
 CUDA the primary is the device, so the first two are device<->pinned) it copies ``--copy`` whole slots
 of an attention-shaped cache, scattered (random slot ids: nothing coalesces) and consecutive (one run
-per pool), and reports the median GB/s over ``--repeat`` runs. Baselines measured in the same run:
+per pool), and reports the median GB/s over ``--repeat`` runs. Then, at manager level, one suspended
+request of ``--copy`` blocks is offloaded (another request takes the whole primary tier) and onboarded
+by its ``resume``, once with a host tier and once with a disk tier below the primary; the engine's
+scattered figures of the same pair are its baseline. Baselines measured in the same run:
 - torch: one ``copy_`` per slot of the same slots between the same two memory tiers (for disk pairs,
   between their memory side and the host tier), and one contiguous ``copy_`` of the same byte count;
 - file: one sequential aligned write/read of the same number of bytes to/from the same pool file.
@@ -14,6 +17,7 @@ per pool), and reports the median GB/s over ``--repeat`` runs. Baselines measure
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -110,6 +114,44 @@ def _file_copy(disk: DiskTierStorage, nbytes: int, write: bool) -> Callable[[], 
     return run
 
 
+def _manager_round_trip(cfg: CacheConfig, copy: int, repeat: int, device: torch.device) -> dict[str, float]:
+    """Manager level: a suspended request of ``copy`` blocks is offloaded when another request takes
+    the whole primary tier (timed: that ``resize``), then onboarded by its ``resume`` (timed).
+    Median seconds over ``repeat`` rounds after one warm-up round."""
+    manager = KVCacheManager(cfg)
+    try:
+        tpb = cfg.tokens_per_block
+        primary = manager.layout.pool_groups[0].num_slots
+        req = manager.create_kv_cache(None, "request")
+        assert req.resume() and req.resize(copy * tpb)
+        for pg in manager.layout.pool_groups:
+            for p in pg.pools:
+                t = manager.pool_tensor(pg.pool_group_index, p.pool_index)
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8).to(t.device))
+        offload, onboard = [], []
+        for _ in range(repeat + 1):
+            req.suspend()
+            other = manager.create_kv_cache(None, "pressure")
+            assert other.resume()
+            _sync(device)
+            t0 = time.perf_counter()
+            assert other.resize(primary * tpb)
+            _sync(device)
+            offload.append(time.perf_counter() - t0)
+            assert int((req.page_tiers(0) > 0).sum()) == copy
+            other.close()
+            t0 = time.perf_counter()
+            assert req.resume()
+            _sync(device)
+            onboard.append(time.perf_counter() - t0)
+        req.close()
+        slot_bytes = sum(p.slot_bytes for p in manager.layout.pool_groups[0].pools)
+        return {"bytes": copy * slot_bytes, "offload_s": statistics.median(offload[1:]),
+                "onboard_s": statistics.median(onboard[1:])}
+    finally:
+        manager.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
@@ -129,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # the engine copies on one thread: compare like with like
-    manager = KVCacheManager(cfg)
+    # The raw rows use standalone tiers: the manager contributes only its primary pools.
+    manager = KVCacheManager(dataclasses.replace(cfg, tiers=cfg.tiers[:1]))
     tiers: dict[str, TierStorage] = {"primary": primary_tier_of(manager), "host": open_host_tier(cfg),
                                      "disk": DiskTierStorage(cfg)}
     rng = np.random.default_rng(0)
@@ -178,6 +221,23 @@ def main(argv: list[str] | None = None) -> int:
                     "file_seq_gbps": nbytes / t_file / 1e9 if t_file else None,
                 })
         stats = engine.stats
+        for tier in tiers.values():
+            tier.close()
+        # Manager level: suspend -> pressure -> resume of one request, per colder tier.
+        manager_rows = []
+        for below, kw in (("host", {"host_blocks": args.blocks}),
+                          ("disk", {"disk_blocks": args.blocks, "disk_path": disk_dir})):
+            mcfg = CacheConfig.for_model(args.layers, 8, 128, 32, "bfloat16", args.blocks, args.device, **kw)
+            got = _manager_round_trip(mcfg, args.copy, args.repeat, device)
+            engine_row = {r["pair"].split("(")[0] + "->" + r["pair"].split("->")[1].split("(")[0]: r
+                          for r in rows if r["pattern"] == "scattered"}
+            manager_rows.append({
+                "tiers": f"primary({tiers['primary'].memory_kind})<->{below}", "bytes": got["bytes"],
+                "offload_gbps": got["bytes"] / got["offload_s"] / 1e9,
+                "onboard_gbps": got["bytes"] / got["onboard_s"] / 1e9,
+                "engine_offload_gbps": engine_row[f"primary->{below}"]["engine_gbps"],
+                "engine_onboard_gbps": engine_row[f"{below}->primary"]["engine_gbps"],
+            })
     finally:
         engine.close()
         for tier in tiers.values():
@@ -198,6 +258,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['engine_gbps']:>12.2f} {torch_s:>11} {ratio:>6} {contig:>13} {file_s:>14}")
     print(f"cuda batched calls: {stats.cuda_batch_calls}, single calls: {stats.cuda_single_calls}, "
           f"fallback: {stats.cuda_fallback_reason}, ring wraps: {stats.ring_wraps}")
+    print()
+    mheader = f"{'manager round trip':<28} {'MiB':>6} {'offload GB/s':>13} {'engine GB/s':>12} " \
+              f"{'onboard GB/s':>13} {'engine GB/s':>12}"
+    print(mheader)
+    print("-" * len(mheader))
+    for m in manager_rows:
+        print(f"{m['tiers']:<28} {m['bytes'] / 2**20:>6.0f} {m['offload_gbps']:>13.2f} "
+              f"{m['engine_offload_gbps']:>12.2f} {m['onboard_gbps']:>13.2f} {m['engine_onboard_gbps']:>12.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
@@ -205,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
                     "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-        "args": vars(args), "slot_bytes": slot_bytes, "rows": rows,
+        "args": vars(args), "slot_bytes": slot_bytes, "rows": rows, "manager_rows": manager_rows,
         "cuda": {"batch_calls": stats.cuda_batch_calls, "single_calls": stats.cuda_single_calls,
                  "fallback_reason": stats.cuda_fallback_reason, "batch_supported": stats.cuda_batch_supported},
     }, indent=2))

@@ -18,7 +18,8 @@ from kvxfer.cache.hashing import HASH_V2_BLAKE3, HASH_V2_BLAKE3_64, ReuseScope, 
 from kvxfer.cache.kv_cache import CacheState, KVCache
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.cache.stats import IterationStats, PoolGroupPeaks, RequestStats, SlotAccounting
+from kvxfer.cache.stats import IterationStats, PoolGroupPeaks, RequestStats, SlotAccounting, TierTraffic
+from kvxfer.cache.tiers import TierStats
 
 __all__ = [
     "HASH_V2_BLAKE3",
@@ -53,6 +54,8 @@ __all__ = [
     "SlotAccounting",
     "SlotDesc",
     "Stored",
+    "TierStats",
+    "TierTraffic",
     "Updated",
     "block_keys",
 ]

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvxfer.cache.manager import KVCacheManager
 
 IntArray = npt.NDArray[np.int32]
+TierArray = npt.NDArray[np.int8]
 
 
 class CacheState(enum.Enum):
@@ -50,6 +51,9 @@ class KVCache:
         self.input_tokens = input_tokens
         n_groups = len(manager.layout.layer_groups)
         self._blocks: list[IntArray] = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
+        # Tier of each block's page (0 = primary); only a suspended cache has pages in colder tiers.
+        self._tiers: list[TierArray] = [np.empty(0, dtype=np.int8) for _ in range(n_groups)]
+        self._last_used = 0   # LRU stamp of the request's held pages (the prefix tree's clock)
         self._capacity = 0
         self._history = 0
         self._tokens = np.empty(0, dtype=np.int64)   # committed token ids
@@ -108,15 +112,33 @@ class KVCache:
         return out
 
     def block_ids(self, layer_group_id: int = 0) -> IntArray:
-        """Slot ids of this request's blocks in layer group ``layer_group_id`` (-1: no page)."""
-        if not 0 <= layer_group_id < len(self._blocks):
-            raise CacheStateError(f"KVCache {self.id}: no layer group {layer_group_id} "
-                                  f"(have 0..{len(self._blocks) - 1})")
+        """Primary-tier slot ids of this request's blocks in layer group ``layer_group_id`` (-1: no
+        page); CacheStateError while a suspended request has pages offloaded to a colder tier."""
+        self._check_layer_group(layer_group_id)
+        if (self._tiers[layer_group_id] != 0).any():
+            raise CacheStateError(f"KVCache {self.id}: layer group {layer_group_id} has pages offloaded to a "
+                                  f"colder tier; resume() before reading block ids")
         return self._blocks[layer_group_id].copy()
 
     def block_id_map(self) -> dict[int, IntArray]:
         """Block ids of every layer group: what the extractor takes."""
-        return {g: b.copy() for g, b in enumerate(self._blocks)}
+        return {g: self.block_ids(g) for g in range(len(self._blocks))}
+
+    def page_tiers(self, layer_group_id: int = 0) -> TierArray:
+        """Tier index (0 = primary, then the config's colder tiers in order) of each block's page."""
+        self._check_layer_group(layer_group_id)
+        return self._tiers[layer_group_id].copy()
+
+    def page_locations(self, layer_group_id: int = 0) -> tuple[IntArray, TierArray]:
+        """(slot id, tier index) of each block's page in layer group ``layer_group_id``, in whatever
+        tier it lives (slot -1: no page)."""
+        self._check_layer_group(layer_group_id)
+        return self._blocks[layer_group_id].copy(), self._tiers[layer_group_id].copy()
+
+    def _check_layer_group(self, layer_group_id: int) -> None:
+        if not 0 <= layer_group_id < len(self._blocks):
+            raise CacheStateError(f"KVCache {self.id}: no layer group {layer_group_id} "
+                                  f"(have 0..{len(self._blocks) - 1})")
 
     # --- lifecycle -----------------------------------------------------------------------------
     def _check_open(self, op: str) -> None:
@@ -129,8 +151,9 @@ class KVCache:
             raise CacheStateError(f"KVCache {self.id}: cannot {op} while {self.state.value}; call resume() first")
 
     def resume(self) -> bool:
-        """Make the cache usable (its pages in the primary tier); False, with no side effect, when
-        the primary tier cannot hold them now."""
+        """Make the cache usable: pages offloaded while suspended (or reused from a colder tier) are
+        brought back to the primary tier first. False, with no side effect, when the primary tier
+        cannot hold them now (``CacheConfig.resume_max_utilization``)."""
         self._check_open("resume")
         if self.state is CacheState.ACTIVE:
             return True
@@ -140,7 +163,8 @@ class KVCache:
         return True
 
     def suspend(self) -> None:
-        """Let the cache's pages be moved to colder tiers until ``resume``."""
+        """Let the cache's pages be offloaded to colder tiers under pressure until ``resume``
+        (they are held, never dropped)."""
         self._check_open("suspend")
         if self.state is CacheState.SUSPENDED:
             return
@@ -192,6 +216,7 @@ class KVCache:
         self._manager._close(self)
         self.state = CacheState.CLOSED
         self._blocks = [np.empty(0, dtype=np.int32) for _ in self._blocks]
+        self._tiers = [np.empty(0, dtype=np.int8) for _ in self._tiers]
         self._capacity = 0
 
     def __enter__(self) -> KVCache:

@@ -19,6 +19,7 @@ import numpy.typing as npt
 from kvxfer.errors import ConfigError, KVCacheError
 
 IntArray = npt.NDArray[np.int32]
+TierArray = npt.NDArray[np.int8]
 TokenArray = npt.NDArray[np.int64]
 
 MIN_PRIORITY = 0
@@ -38,7 +39,9 @@ def check_priority(priority: int, what: str) -> int:
 class BlockNode:
     """One committed block: its key, its tokens and the page holding it in each layer group.
 
-    A root node (``key`` = the scope's root key, ``depth`` -1) holds no tokens and no pages.
+    ``pages[lg]`` is a slot of tier ``tiers[lg]`` (0 = primary; the cache manager moves pages
+    between tiers and rewrites both). A root node (``key`` = the scope's root key, ``depth`` -1)
+    holds no tokens and no pages.
     """
 
     key: bytes
@@ -46,6 +49,7 @@ class BlockNode:
     depth: int
     tokens: TokenArray
     pages: IntArray
+    tiers: TierArray = field(default_factory=lambda: np.empty(0, dtype=np.int8))
     has_extra_key: bool = False
     priority: int = DEFAULT_PRIORITY
     last_used: int = 0
@@ -156,12 +160,22 @@ class PrefixTree:
         return parent._child_list[i], int(common[i])
 
     # --- updates --------------------------------------------------------------------------------
+    def tick(self) -> int:
+        """The next value of the tree's LRU clock (for ordering other pages against its blocks)."""
+        return next(self._clock)
+
     def touch(self, node: BlockNode) -> None:
         """Mark ``node`` used now (LRU) and make it an eviction candidate again."""
         if node.removed or node.is_root:
             return
         node.last_used = next(self._clock)
         self._push(node)
+
+    def requeue(self, node: BlockNode) -> None:
+        """Make ``node`` an eviction candidate again without marking it used (a candidate that
+        ``pop_leaf`` returned and the caller chose to keep)."""
+        if not node.removed and not node.is_root:
+            self._push(node)
 
     def set_priority(self, node: BlockNode, priority: int) -> bool:
         """Change a node's priority; True when it changed."""
@@ -190,7 +204,8 @@ class PrefixTree:
             raise KVCacheError(f"PrefixTree.insert: expected {self.tokens_per_block} tokens and "
                                f"{self.num_layer_groups} pages, got {tokens.shape} and {pages.shape}")
         node = BlockNode(key, parent, parent.depth + 1, tokens.astype(np.int64, copy=True),
-                         pages.astype(np.int32, copy=True), has_extra_key, priority)
+                         pages.astype(np.int32, copy=True), np.zeros(self.num_layer_groups, dtype=np.int8),
+                         has_extra_key, priority)
         parent.children[key] = node
         parent._child_tokens = parent._child_list = None
         self._num_blocks += 1

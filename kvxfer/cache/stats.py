@@ -101,6 +101,43 @@ class PoolGroupPeaks:
     max_used: int
 
 
+@dataclass(frozen=True)
+class TierTraffic:
+    """Pages moved between tiers since the manager started: pages offloaded into each tier, pages
+    onboarded from each tier (both indexed by tier, 0 = primary), tree blocks dropped, bytes copied."""
+
+    offloaded_pages: tuple[int, ...]
+    onboarded_pages: tuple[int, ...]
+    dropped_blocks: int
+    bytes_moved: int
+
+
+class TierTrafficCounter:
+    """Accumulates TierTraffic (always on: a few integer additions per batch)."""
+
+    def __init__(self, num_tiers: int) -> None:
+        self._offloaded = [0] * num_tiers
+        self._onboarded = [0] * num_tiers
+        self._dropped = 0
+        self._bytes = 0
+
+    def moved(self, src_tier: int, dst_tier: int, pages: int, nbytes: int) -> None:
+        """Count ``pages`` (``nbytes`` in all) moved from ``src_tier`` to ``dst_tier``."""
+        if dst_tier > src_tier:
+            self._offloaded[dst_tier] += pages
+        elif dst_tier < src_tier:
+            self._onboarded[src_tier] += pages
+        self._bytes += nbytes
+
+    def dropped(self, blocks: int = 1) -> None:
+        """Count tree blocks dropped."""
+        self._dropped += blocks
+
+    def snapshot(self) -> TierTraffic:
+        """The counters so far."""
+        return TierTraffic(tuple(self._offloaded), tuple(self._onboarded), self._dropped, self._bytes)
+
+
 class StatsCollector:
     """Merges request deltas into iteration counters and tracks peak usage; inert when disabled."""
 
