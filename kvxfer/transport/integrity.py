@@ -144,9 +144,9 @@ class TransferDigest:
             raise DecodeError(f"transfer digest: {len(data)} bytes exceed the limit of {MAX_DIGEST_BYTES}")
         try:
             obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True,
-                                  max_str_len=MAX_TRANSFER_NAME, max_bin_len=MAX_DIGEST_ENTRIES * 32,
+                                  max_str_len=MAX_TRANSFER_NAME, max_bin_len=min(MAX_DIGEST_ENTRIES * 32, len(data)),
                                   max_array_len=8, max_map_len=0, max_ext_len=0)
-        except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as exc:
+        except (ValueError, TypeError, OverflowError, RecursionError, MemoryError, msgpack.UnpackException) as exc:
             raise DecodeError(f"transfer digest: invalid msgpack ({type(exc).__name__}: {str(exc)[:80]})") from exc
         if not isinstance(obj, list) or len(obj) != 7:
             raise DecodeError(f"transfer digest: expected a 7-item array, got {_show(obj)}")
