@@ -267,7 +267,7 @@ def _entry_digests(table: PageTable, regions: Sequence[MemoryRegion],
     out: list[bytes] = [b""] * int(selected.size)
     host = np.flatnonzero(~cuda)
     if host.size:
-        views = {int(r): host_view(regions[int(r)]) for r in np.unique(region[host])}
+        views = {int(r): host_view(regions[int(r)]).data for r in np.unique(region[host])}
         bases = np.array([r.base_address for r in regions], dtype=np.uint64)
         offsets = (table.addr[selected[host]] - bases[region[host]]).tolist()
         lengths = table.nbytes[selected[host]].tolist()
@@ -276,18 +276,18 @@ def _entry_digests(table: PageTable, regions: Sequence[MemoryRegion],
     dev = np.flatnonzero(cuda)
     if dev.size:
         for ks, staged, starts in _stage_cuda(table, regions, selected, dev):
+            flat = staged.data
             ends = starts[1:].tolist()
             for k, a, b in zip(ks.tolist(), starts[:-1].tolist(), ends, strict=True):
-                out[k] = _hash(staged[a:b], b - a)
+                out[k] = _hash(flat[a:b], b - a)
     return out
 
 
-def _hash(data: npt.NDArray[np.uint8], n: int) -> bytes:
-    """blake3 of one entry's bytes (a view, no copy); long entries use blake3's threads."""
-    buf = data.data
+def _hash(data: memoryview, n: int) -> bytes:
+    """blake3 of one entry's bytes (a memoryview slice, no copy); long entries use blake3's threads."""
     if n >= PARALLEL_HASH_BYTES:
-        return blake3.blake3(buf, max_threads=blake3.blake3.AUTO).digest()
-    return blake3.blake3(buf).digest()
+        return blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
+    return blake3.blake3(data).digest()
 
 
 def _stage_cuda(table: PageTable, regions: Sequence[MemoryRegion], selected: npt.NDArray[np.int64],
