@@ -239,7 +239,7 @@ def tree_mutations(draw: st.DrawFn, seeds: list[bytes]) -> bytes | None:
 
 # --- part 1: decoders ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dec", DECODERS, ids=IDS)
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(data=st.data())
 def test_arbitrary_bytes_raise_only_the_documented_error(dec: Decoder, data: st.DataObject) -> None:
     raw = data.draw(st.binary(max_size=600) | st.builds(lambda b, s: s[:4] + b, st.binary(max_size=200),
@@ -248,14 +248,14 @@ def test_arbitrary_bytes_raise_only_the_documented_error(dec: Decoder, data: st.
 
 
 @pytest.mark.parametrize("dec", DECODERS, ids=IDS)
-@settings(max_examples=250)
+@settings(max_examples=150)
 @given(data=st.data())
 def test_mutated_valid_encodings_raise_only_the_documented_error(dec: Decoder, data: st.DataObject) -> None:
     decodes_or_refuses(dec, data.draw(byte_mutations(dec.seeds)))
 
 
 @pytest.mark.parametrize("dec", [d for d in DECODERS if d.is_msgpack], ids=[d.name for d in DECODERS if d.is_msgpack])
-@settings(max_examples=250)
+@settings(max_examples=150)
 @given(data=st.data())
 def test_mutated_structures_raise_only_the_documented_error(dec: Decoder, data: st.DataObject) -> None:
     raw = data.draw(tree_mutations(dec.seeds))
