@@ -35,5 +35,18 @@ lint: venv
 bench: venv
 	$(PY) benchmarks/bench_cache.py
 
+# Bounded atheris (libFuzzer) runs of every peer-bytes decoder; atheris is installed only here.
+FUZZ_SECONDS  ?= 60
+FUZZ_DECODERS ?= layout page_table transfer_plan metadata message digest
+FUZZ_CORPUS   ?= fuzz/corpus
+
+fuzz: venv
+	$(PIP) install -q atheris
+	for d in $(FUZZ_DECODERS); do \
+	  $(PY) fuzz/fuzz_decoders.py $$d --seed-corpus $(FUZZ_CORPUS)/$$d && \
+	  $(PY) fuzz/fuzz_decoders.py $$d -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 \
+	    -artifact_prefix=$(FUZZ_CORPUS)/$$d- $(FUZZ_CORPUS)/$$d || exit 1; \
+	done
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

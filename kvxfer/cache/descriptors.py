@@ -494,8 +494,9 @@ class CacheLayoutDesc:
             raise DecodeError(f"CacheLayoutDesc: expected <= {max_bytes} bytes of msgpack")
         try:
             d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True,
-                                max_array_len=1 << 18, max_map_len=64, max_str_len=1 << 12, max_bin_len=1 << 12)
-        except (ValueError, msgpack.UnpackException, TypeError) as exc:
+                                max_array_len=min(1 << 18, len(data)), max_map_len=64, max_str_len=1 << 12,
+                                max_bin_len=1 << 12)
+        except (ValueError, msgpack.UnpackException, TypeError, RecursionError, MemoryError) as exc:
             raise DecodeError(f"CacheLayoutDesc: invalid msgpack: {exc}") from exc
         return cls.from_dict(d)
 

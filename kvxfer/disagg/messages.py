@@ -164,9 +164,9 @@ def decode(data: bytes, versions: tuple[int, int] = SUPPORTED_VERSIONS,
         raise ProtocolError(f"message: {len(data)} bytes exceed the limit of {max_bytes}")
     try:
         obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True,
-                              max_str_len=1 << 16, max_bin_len=max_bytes,
-                              max_array_len=1 << 20, max_map_len=64, max_ext_len=0)
-    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as exc:
+                              max_str_len=min(1 << 16, len(data)), max_bin_len=min(max_bytes, len(data)),
+                              max_array_len=min(1 << 20, len(data)), max_map_len=64, max_ext_len=0)
+    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"message: invalid msgpack ({type(exc).__name__}: {_show(str(exc))})") from exc
     if not isinstance(obj, list) or len(obj) != 3:
         raise ProtocolError(f"message: expected [version, type, body], got {_show(obj)}")

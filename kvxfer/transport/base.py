@@ -155,6 +155,11 @@ class Transport(ABC):
         local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
         self._validate(local, self._regions, f"{op} with peer {peer!r}: local {'source' if op == 'write' else 'destination'}")
         self._validate(remote, md.regions, f"{op} with peer {peer!r}: remote {'destination' if op == 'write' else 'source'}")
+        src_regions, dst_regions = (self._regions, md.regions) if op == "write" else (md.regions, self._regions)
+        try:   # both sides are inside their regions now; this refuses destinations written twice
+            plan.validate(src_regions, dst_regions)
+        except PageTableError as exc:
+            raise PageTableError(f"{op} with peer {peer!r}: {exc}") from None
         return self._backend_post(op, peer, plan, notify, next(self._ids))
 
     @staticmethod

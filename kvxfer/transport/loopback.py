@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.errors import PeerUnreachable, TransferFailed, TransportError
+from kvxfer.errors import PageTableError, PeerUnreachable, TransferFailed, TransportError
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.copy import copy_plan, host_view
@@ -94,6 +94,12 @@ class LoopbackTransport(Transport):
                 return
             src_regions, dst_regions = ((self._regions, other._regions) if op == "write"
                                         else (other._regions, self._regions))
+            try:
+                # What a NIC does with remote keys: the peer's real registration, not what it advertised.
+                plan.validate(src_regions, dst_regions)
+            except PageTableError as exc:
+                handle._finish(TransferStatus.FAILED, f"peer refused: {exc}", TransferFailed)
+                return
             try:
                 copy_plan(plan, src_regions, dst_regions)
                 if self.faults.corrupt is not None:

@@ -52,7 +52,7 @@ class TransportMetadata:
         try:
             obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True,
                                   max_bin_len=MAX_METADATA_BYTES, max_str_len=MAX_NAME_CHARS,
-                                  max_array_len=MAX_REGIONS, max_map_len=16, max_ext_len=0)
+                                  max_array_len=min(MAX_REGIONS, len(data)), max_map_len=16, max_ext_len=0)
         except Exception as exc:
             raise DecodeError(f"transport metadata: not valid msgpack ({exc})") from exc
         if not isinstance(obj, dict):
