@@ -26,6 +26,7 @@ from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
 from kvxfer.transport.copy import merge_adjacent
+from kvxfer.transport.ucp_iov import iov_array, ucp_iov
 from kvxfer.transport.ucx_env import apply_ucx_defaults
 
 _ALIGN = 4096
@@ -63,8 +64,9 @@ def _stream(pool: npt.NDArray[np.uint8], base: int, table: PageTable) -> bytes:
 
 class _RawUcxx:
     """Plain ucxx without kvxfer: one worker polled by ``progress()``, one endpoint to the other
-    process (error handling off, as kvxfer does), a tagged message per page or one multi-buffer
-    message per transfer. Both processes of the benchmark hold one."""
+    process (error handling off, as kvxfer does), a tagged message per page, one multi-buffer message
+    per transfer, or one UCP scatter-gather message per transfer (the call kvxfer's ucx backend makes,
+    without its protocol). Both processes of the benchmark hold one."""
 
     def __init__(self) -> None:
         apply_ucx_defaults()
@@ -77,6 +79,7 @@ class _RawUcxx:
         self.worker = api.UCXWorker(self.context)
         self.address = bytes(self.worker.address.tobytes())
         self.endpoint: Any = None
+        self.iov = ucp_iov()
 
     def connect(self, address: bytes) -> None:
         self.endpoint = self.worker.create_endpoint_from_worker_address(
@@ -86,6 +89,13 @@ class _RawUcxx:
         view = pool.data
         offsets = (table.addr - np.uint64(base)).tolist()
         return [self.array(view[o:o + n]) for o, n in zip(offsets, table.nbytes.tolist(), strict=True)]
+
+    def post_iov(self, kind: str, table: PageTable, tag: int) -> list[Any]:
+        """Post one scatter-gather send or receive over the pages of ``table``."""
+        iov = iov_array(table.addr, table.nbytes)
+        if kind == "recv":
+            return [self.iov.recv(self.worker.handle, iov, tag)]
+        return [self.iov.send(self.endpoint.handle, iov, tag)]
 
     def post(self, kind: str, arrays: list[Any], tag: int) -> list[Any]:
         """Post one tagged send or receive per page (tags ``tag | i``), or one multi-buffer send."""
@@ -123,15 +133,21 @@ def _raw_peer_command(raw: _RawUcxx, pool: npt.NDArray[np.uint8], base: int, con
     elif cmd == "raw_recv_multi":
         conn.send("posted")
         raw.recv_multi(pool, base, table, tag)
+    elif cmd == "raw_recv_iov":
+        requests = raw.post_iov("recv", table, tag)
+        conn.send("posted")
+        raw.wait(requests)
+    elif cmd == "raw_send_iov":
+        raw.wait(raw.post_iov("send", table, tag))
     else:  # local reads: it already posted its receives
         raw.wait(raw.post("send" if cmd == "raw_send" else "multi", raw.arrays(pool, base, table), tag))
     conn.send("done")
 
 
-def _peer(conn: Connection, backend: str, nbytes: int, seed: int) -> None:
+def _peer(conn: Connection, backend: str, nbytes: int, seed: int, options: dict[str, Any]) -> None:
     """The remote side: a transport over one seeded pool, answering byte-dump requests."""
     pool = _pool(nbytes, seed)
-    transport = create(backend, "bench-peer")
+    transport = create(backend, "bench-peer", **options)
     region = MemoryRegion(int(pool.ctypes.data), nbytes)
     transport.register([region])
     conn.send(transport.metadata())
@@ -195,11 +211,15 @@ def _raw_nixl(transport: Transport, peer: str, op: str, plan: TransferPlan) -> A
     return run
 
 
+RAW_UCX_WAYS = ("tag_per_page", "tag_multi", "ucp_iov")
+
+
 def _raw_ucxx(conn: Connection, local_pool: npt.NDArray[np.uint8], local_base: int, mode: str,
-              plan: TransferPlan, multi: bool) -> Any:
+              plan: TransferPlan, way: str) -> Any:
     """Plain ucxx moving the plan's pages between the two processes, the receiver posting first:
-    a tagged message per page, or (``multi``) one ``tag_send_multi`` whose receiver copies the
-    buffers ucxx allocated into the pages. The pipe only orders the two sides."""
+    a tagged message per page, one ``tag_send_multi`` whose receiver copies the buffers ucxx
+    allocated into the pages, or one UCP scatter-gather message (``way``, one of RAW_UCX_WAYS).
+    The pipe only orders the two sides."""
     raw = _RawUcxx()
     conn.send(("raw_connect", raw.address))
     raw.connect(conn.recv())
@@ -207,9 +227,19 @@ def _raw_ucxx(conn: Connection, local_pool: npt.NDArray[np.uint8], local_base: i
     remote_runs = (remote.addr.tobytes(), remote.nbytes.tobytes())
     tags = itertools.count(1)
 
+    multi = way == "tag_multi"
+
     def run() -> None:
         tag = next(tags) << 32
-        if mode == "write":
+        if way == "ucp_iov" and mode == "write":
+            conn.send(("raw_recv_iov", *remote_runs, tag))
+            assert conn.recv() == "posted"
+            raw.wait(raw.post_iov("send", local, tag))
+        elif way == "ucp_iov":
+            requests = raw.post_iov("recv", local, tag)
+            conn.send(("raw_send_iov", *remote_runs, tag))
+            raw.wait(requests)
+        elif mode == "write":
             conn.send(("raw_recv_multi" if multi else "raw_recv", *remote_runs, tag))
             assert conn.recv() == "posted"
             raw.wait(raw.post("multi" if multi else "send", raw.arrays(local_pool, local_base, local), tag))
@@ -226,29 +256,31 @@ def _raw_ucxx(conn: Connection, local_pool: npt.NDArray[np.uint8], local_base: i
 
 
 def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str = "scattered",
-              iters: int = 5) -> dict[str, Any]:
-    """Measure one configuration; returns the JSON object ``--json`` prints."""
+              iters: int = 5, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure one configuration; returns the JSON object ``--json`` prints. ``options`` go to
+    ``create`` on both sides (e.g. ``scatter_gather=False`` for ucx)."""
+    options = dict(options or {})
     reason = available_backends().get(backend, f"unknown backend {backend!r}")
     if reason is not None:
         raise BackendUnavailable(f"backend {backend!r}: {reason}")
     nbytes = 2 * pages * page_bytes
     rng = np.random.default_rng(1234)
     local_pool = _pool(nbytes, 1)
-    local = create(backend, "bench-local")
+    local = create(backend, "bench-local", **options)
     local_region = MemoryRegion(int(local_pool.ctypes.data), nbytes)
     local.register([local_region])
     proc = conn = None
     try:
         if backend == "loopback":
             peer_pool = _pool(nbytes, 2)
-            remote = create(backend, "bench-peer")
+            remote = create(backend, "bench-peer", **options)
             remote.register([MemoryRegion(int(peer_pool.ctypes.data), nbytes)])
             local.connect("bench-peer", remote.metadata())
             remote.connect("bench-local", local.metadata())
         else:
             ctx = mp.get_context("spawn")
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_peer, args=(child, backend, nbytes, 2), daemon=True)
+            proc = ctx.Process(target=_peer, args=(child, backend, nbytes, 2, options), daemon=True)
             proc.start()
             local.connect("bench-peer", conn.recv())
             conn.send(("connect", "bench-local", local.metadata()))
@@ -278,22 +310,23 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
             t_raw = _timed(_raw_nixl(local, "bench-peer", mode, plan), iters)
         elif backend == "ucx":
             assert conn is not None
-            for way, multi in (("tag_per_page", False), ("tag_multi", True)):
+            for way in RAW_UCX_WAYS:
                 _clear_destination(conn, mode, local_pool, local_region.base_address, local_t, remote_t)
                 raw_ways[way] = total / _timed(_raw_ucxx(conn, local_pool, local_region.base_address, mode,
-                                                         plan, multi), iters) / 1e9
+                                                         plan, way), iters) / 1e9
                 verified &= _ask_stream(conn, remote_t) == _stream(local_pool, local_region.base_address, local_t)
             t_raw = total / max(raw_ways.values()) / 1e9
         return {
-            "backend": backend, "mode": mode, "layout": layout, "pages": pages, "page_bytes": page_bytes,
+            "backend": backend, "options": options, "mode": mode, "layout": layout, "pages": pages, "page_bytes": page_bytes,
             "bytes": total, "descriptors": len(plan), "verified": bool(verified), "iters": iters,
             "seconds": t_kvxfer, "gbps": total / t_kvxfer / 1e9,
             "memcpy_gbps": total / t_memcpy / 1e9,
             "raw_gbps": None if t_raw is None else total / t_raw / 1e9,
             "raw_ways_gbps": raw_ways,
             "raw": {"nixl": "NIXL make_prepped_xfer over the plan's own descriptors, prepared once",
-                    "ucx": "best of plain ucxx: a tagged message per page (receiver posts first, busy "
-                           "progress) or one tag_send_multi (receiver copies ucxx's buffers into the pages)",
+                    "ucx": "best of plain ucxx (receiver posts first, busy progress): a tagged message per "
+                           "page, one tag_send_multi (receiver copies ucxx's buffers into the pages), or one "
+                           "UCP scatter-gather message on the ucxx worker",
                     "loopback": "none: loopback is itself an in-process copy"}[backend],
         }
     finally:
@@ -336,11 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", choices=("scattered", "consecutive"), default="scattered")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--no-scatter-gather", action="store_true",
+                    help="ucx: one UCX message per run instead of one scatter-gather message per transfer")
     args = ap.parse_args(argv)
     if args.pages <= 0 or args.page_bytes <= 0 or args.iters <= 0:
         ap.error("--pages, --page-bytes and --iters must be > 0")
     try:
-        res = run_bench(args.backend, args.pages, args.page_bytes, args.mode, args.layout, args.iters)
+        options = {"scatter_gather": False} if args.no_scatter_gather else {}
+        if options and args.backend != "ucx":
+            ap.error("--no-scatter-gather applies to --backend ucx only")
+        res = run_bench(args.backend, args.pages, args.page_bytes, args.mode, args.layout, args.iters, options)
     except BackendUnavailable as exc:
         print(f"error: {exc}")
         return 2

@@ -61,6 +61,11 @@ _RUN_BITS = 24
 MAX_RUNS = 1 << _RUN_BITS  # runs per transfer (one tag each)
 MAX_CONTROL_BYTES = 64 << 20
 _SELECT_TIMEOUT_S = 0.05
+#: Plans with at least this many runs travel as one scatter-gather message. Fewer runs go one
+#: message each: their Python cost is small, and UCX's contiguous rendezvous moves big runs far
+#: faster than its scatter-gather one (measured: one 64 MiB run 1.5 GB/s contiguous, 0.13-0.4 GB/s
+#: as a one-entry scatter-gather message, shared-memory/CMA, docs/bench/transport.md).
+SCATTER_GATHER_MIN_RUNS = 32
 #: While transfers are in flight the service thread keeps polling this long after the last event
 #: before it blocks: a scattered plan completes thousands of requests, and one arm + select per
 #: completion costs more than the data movement of a small page.
@@ -363,7 +368,8 @@ class UcxTransport(Transport):
             raise TransportError(f"ucx {op} with peer {peer!r}: {len(plan)} runs exceeds {MAX_RUNS - 1}; "
                                  f"coalesce or split the plan")
         local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
-        iov = (self._iov is not None and self._peer_iov.get(peer, False) and self._host_only(local, self._regions)
+        iov = (self._iov is not None and len(plan) >= SCATTER_GATHER_MIN_RUNS and self._peer_iov.get(peer, False)
+               and self._host_only(local, self._regions)
                and self._host_only(remote, self.peer_regions(peer)))
         out = _Outgoing(TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=self._abort_from_caller),
                         op, peer, plan, notify, iov=iov)
