@@ -116,3 +116,25 @@ def test_many_small_runs_in_one_scatter_message(op: str) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_cancelled_scatter_read_writes_nothing_even_when_the_data_comes_later() -> None:
+    """A cancelled read withdraws its scatter-gather receive: data the peer sends afterwards (here: its
+    service thread is held busy until after the cancel) never lands in the pages."""
+    a, b, a_bufs, _ = _pair(True, True, [256 * 1024], seed=31)
+    try:
+        rng = np.random.default_rng(2)
+        dst = random_pages(rng, list(a.regions), 48, PAGE, coalesced=False)
+        src = random_pages(rng, list(b.regions), 48, PAGE, coalesced=False)
+        before = a_bufs[0].copy()
+        b._submit(lambda: time.sleep(0.5))  # type: ignore[attr-defined]
+        handle = a.read(b.name, TransferPlan(src, dst), notify=b"never")
+        time.sleep(0.05)
+        assert handle.cancel() is True
+        time.sleep(1.0)  # b answers the read and sends, into a withdrawn receive
+        np.testing.assert_array_equal(a_bufs[0], before)
+        assert a._draining == []  # type: ignore[attr-defined]
+        assert _drain(b, 0, timeout=0.1) == []
+    finally:
+        a.close()
+        b.close()

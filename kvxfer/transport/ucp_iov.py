@@ -130,6 +130,16 @@ class UcpIov:
         return self._request(ptr, iov, "tag receive")
 
 
+_orphans: list[Any] = []
+
+
+def keep_alive(requests: list[Any]) -> None:
+    """Keep the requests (and their iov arrays) of a closing transport alive for the life of the
+    process: UCX may still read an iov array while it tears an unfinished message down."""
+    with _lock:
+        _orphans.extend(r for r in requests if isinstance(r, UcpRequest) and r._handle is not None)
+
+
 def ucp_iov() -> UcpIov:
     """The process-wide binding on the UCP library ucxx uses (import ucxx first)."""
     global _binding

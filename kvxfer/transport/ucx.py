@@ -52,7 +52,7 @@ from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import MAX_NAME_CHARS, MAX_REGIONS, TransportMetadata
-from kvxfer.transport.ucp_iov import UcpIov, UcpRequest, iov_array, ucp_iov
+from kvxfer.transport.ucp_iov import UcpIov, UcpRequest, iov_array, keep_alive, ucp_iov
 from kvxfer.transport.ucx_env import apply_ucx_defaults
 
 CONTROL_TAG = 0x6B76_7866_0000_0001  # "kvxf" | 1: control messages
@@ -297,6 +297,7 @@ class UcxTransport(Transport):
             for out in [o for o in self._outgoing.values() if o.peer == peer]:
                 out.handle._finish(TransferStatus.FAILED, "peer disconnected", PeerUnreachable)
                 self._outgoing.pop(out.handle.id, None)
+                self._retire(out.batch, out.stage == "receiving")
 
         self._call(drop, f"disconnect {peer!r}")
 
@@ -304,7 +305,13 @@ class UcxTransport(Transport):
         def fail_all() -> None:
             for out in self._outgoing.values():
                 out.handle._finish(TransferStatus.FAILED, "transport closed", TransferFailed)
+                self._retire(out.batch, out.stage == "receiving")
+            for inc in self._incoming.values():
+                self._retire(inc.batch, inc.receiving)
             self._outgoing.clear()
+            self._incoming.clear()
+            self._worker.progress()
+            keep_alive([r for b in self._draining if not b.done() for r in b.requests])
 
         if self._thread.is_alive():
             self._call(fail_all, "close")
@@ -354,10 +361,11 @@ class UcxTransport(Transport):
         send, tag = ep.tag_send, self._api.UCXXTag
         return _Batch([send(b, tag(tag_base | i)) for i, b in enumerate(self._buffers(table))])
 
-    def _cancel_receives(self, batch: _Batch) -> None:
-        """Withdraw a dropped transfer's posted receives (scatter messages can be cancelled; per-page
-        ucxx receives cannot) and keep them until UCX releases them."""
-        batch.cancel(self._worker.handle)
+    def _retire(self, batch: _Batch, receives: bool) -> None:
+        """Let go of a dropped transfer's requests: withdraw posted receives (scatter-gather ones can
+        be cancelled; per-run ucxx receives cannot) and keep everything until UCX releases it."""
+        if receives:
+            batch.cancel(self._worker.handle)
         if not batch.done():
             self._draining.append(batch)
 
@@ -421,7 +429,7 @@ class UcxTransport(Transport):
         del self._outgoing[transfer_id]
         out.cancelled = True
         if out.stage == "receiving":
-            self._cancel_receives(out.batch)
+            self._retire(out.batch, True)
         self._send_control(out.peer, {"k": "abort", "id": transfer_id, "from": self.name})
         return True
 
@@ -524,7 +532,7 @@ class UcxTransport(Transport):
                 del self._incoming[key]
                 busy = True
                 if inc.receiving:
-                    self._cancel_receives(inc.batch)
+                    self._retire(inc.batch, True)
             elif inc.committed and inc.batch.done():
                 del self._incoming[key]
                 busy = True
