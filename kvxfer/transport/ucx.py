@@ -1,7 +1,9 @@
 """ucx backend: two-sided UCX tag transfers through ucxx, with a service thread on every endpoint.
 
-Every run of a plan travels as one tagged message, received straight into its destination pages
-(no staging): the receiving side posts its receives before it lets the sender send. Control
+A plan's data travels as one UCX scatter-gather message (host memory, >= SCATTER_GATHER_MIN_RUNS
+runs, both sides capable; ``ucp_iov.py``) or as one tagged message per run, received straight into
+its destination pages either way (no staging): the receiving side posts its receives before it
+lets the sender send. Control
 messages (msgpack, on one reserved tag) drive both directions, so ``read`` needs no help from the
 remote application - its service thread answers:
 
@@ -11,8 +13,9 @@ remote application - its service thread answers:
 - read A<-B: A posts receives under fresh tags, ``rreq`` (runs, tags, notify) -> B checks and sends
   the runs -> A's handle completes when every receive landed, then A sends ``commit`` -> B queues
   the notification.
-- A cancel sends ``abort`` instead of ``commit``: the peer drops the notification. Receives already
-  posted for a cancelled or refused transfer stay with UCX under tags that are never reused.
+- A cancel sends ``abort`` instead of ``commit``: the peer drops the notification. Scatter-gather
+  receives of a cancelled transfer are withdrawn; per-run receives already posted for a cancelled
+  or refused transfer stay with UCX under tags that are never reused.
 
 All UCX calls happen on the service thread (ucxx workers are not shared between threads); callers
 enqueue work and wake it through a pipe. Progress is event driven (``arm`` + ``select`` on the
