@@ -9,6 +9,7 @@ slots on each side, which coalesce into one descriptor. Loopback runs both sides
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import statistics
@@ -25,6 +26,8 @@ from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
 from kvxfer.transport.copy import merge_adjacent
+from kvxfer.transport.ucp_iov import iov_array, ucp_iov
+from kvxfer.transport.ucx_env import apply_ucx_defaults
 
 _ALIGN = 4096
 
@@ -59,18 +62,113 @@ def _stream(pool: npt.NDArray[np.uint8], base: int, table: PageTable) -> bytes:
                     for a, n in zip(table.addr, table.nbytes, strict=True))
 
 
-def _peer(conn: Connection, backend: str, nbytes: int, seed: int) -> None:
+class _RawUcxx:
+    """Plain ucxx without kvxfer: one worker polled by ``progress()``, one endpoint to the other
+    process (error handling off, as kvxfer does), a tagged message per page, one multi-buffer message
+    per transfer, or one UCP scatter-gather message per transfer (the call kvxfer's ucx backend makes,
+    without its protocol). Both processes of the benchmark hold one."""
+
+    def __init__(self) -> None:
+        apply_ucx_defaults()
+        from ucxx._lib import libucxx as api
+        from ucxx._lib.arr import Array
+
+        self.api: Any = api
+        self.array: Any = Array
+        self.context = api.UCXContext(feature_flags=(api.Feature.TAG,))
+        self.worker = api.UCXWorker(self.context)
+        self.address = bytes(self.worker.address.tobytes())
+        self.endpoint: Any = None
+        self.iov = ucp_iov()
+
+    def connect(self, address: bytes) -> None:
+        self.endpoint = self.worker.create_endpoint_from_worker_address(
+            self.api.UCXAddress.create_from_buffer(address), False)
+
+    def arrays(self, pool: npt.NDArray[np.uint8], base: int, table: PageTable) -> list[Any]:
+        view = pool.data
+        offsets = (table.addr - np.uint64(base)).tolist()
+        return [self.array(view[o:o + n]) for o, n in zip(offsets, table.nbytes.tolist(), strict=True)]
+
+    def post_iov(self, kind: str, table: PageTable, tag: int) -> list[Any]:
+        """Post one scatter-gather send or receive over the pages of ``table``."""
+        iov = iov_array(table.addr, table.nbytes)
+        if kind == "recv":
+            return [self.iov.recv(self.worker.handle, iov, tag)]
+        return [self.iov.send(self.endpoint.handle, iov, tag)]
+
+    def post(self, kind: str, arrays: list[Any], tag: int) -> list[Any]:
+        """Post one tagged send or receive per page (tags ``tag | i``), or one multi-buffer send."""
+        if kind == "recv":
+            return [self.worker.tag_recv(a, self.api.UCXXTag(tag | i)) for i, a in enumerate(arrays)]
+        if kind == "send":
+            return [self.endpoint.tag_send(a, self.api.UCXXTag(tag | i)) for i, a in enumerate(arrays)]
+        return [self.endpoint.tag_send_multi(tuple(arrays), self.api.UCXXTag(tag))]
+
+    def wait(self, requests: list[Any]) -> None:
+        for req in requests:
+            while not req.completed:
+                self.worker.progress()
+            req.check_error()
+
+    def recv_multi(self, pool: npt.NDArray[np.uint8], base: int, table: PageTable, tag: int) -> None:
+        """Receive one multi-buffer message (ucxx allocates its buffers) and copy it into the pages."""
+        req = self.endpoint.tag_recv_multi(self.api.UCXXTag(tag))
+        self.wait([req])
+        offsets = (table.addr - np.uint64(base)).tolist()
+        for o, n, buf in zip(offsets, table.nbytes.tolist(), req.py_buffers, strict=True):
+            pool[o:o + n] = np.frombuffer(buf, dtype=np.uint8, count=n)
+
+
+def _raw_peer_command(raw: _RawUcxx, pool: npt.NDArray[np.uint8], base: int, conn: Connection,
+                      cmd: str, args: list[Any]) -> None:
+    """The peer's half of one raw ucxx transfer; replies when its side completed."""
+    table = PageTable(np.frombuffer(args[0], np.uint64), np.frombuffer(args[1], np.uint64),
+                      np.zeros(len(args[0]) // 8, np.uint32))
+    tag = int(args[2])
+    if cmd == "raw_recv":  # local writes: receive each page straight into the pool
+        requests = raw.post("recv", raw.arrays(pool, base, table), tag)
+        conn.send("posted")
+        raw.wait(requests)
+    elif cmd == "raw_recv_multi":
+        conn.send("posted")
+        raw.recv_multi(pool, base, table, tag)
+    elif cmd == "raw_recv_iov":
+        requests = raw.post_iov("recv", table, tag)
+        conn.send("posted")
+        raw.wait(requests)
+    elif cmd == "raw_send_iov":
+        raw.wait(raw.post_iov("send", table, tag))
+    else:  # local reads: it already posted its receives
+        raw.wait(raw.post("send" if cmd == "raw_send" else "multi", raw.arrays(pool, base, table), tag))
+    conn.send("done")
+
+
+def _peer(conn: Connection, backend: str, nbytes: int, seed: int, options: dict[str, Any]) -> None:
     """The remote side: a transport over one seeded pool, answering byte-dump requests."""
     pool = _pool(nbytes, seed)
-    transport = create(backend, "bench-peer")
+    transport = create(backend, "bench-peer", **options)
     region = MemoryRegion(int(pool.ctypes.data), nbytes)
     transport.register([region])
     conn.send(transport.metadata())
+    raw: _RawUcxx | None = None
     while True:
         cmd, *args = conn.recv()
         if cmd == "connect":
             transport.connect(args[0], args[1])
             conn.send(None)
+        elif cmd == "clear":
+            offsets = np.frombuffer(args[0], np.uint64) - np.uint64(region.base_address)
+            for o, n in zip(offsets.tolist(), np.frombuffer(args[1], np.uint64).tolist(), strict=True):
+                pool[o:o + n] = 0
+            conn.send(None)
+        elif cmd == "raw_connect":
+            raw = _RawUcxx()
+            raw.connect(args[0])
+            conn.send(raw.address)
+        elif cmd.startswith("raw_"):
+            assert raw is not None
+            _raw_peer_command(raw, pool, region.base_address, conn, cmd, args)
         elif cmd == "stream":
             conn.send(_stream(pool, region.base_address, PageTable(
                 np.frombuffer(args[0], np.uint64), np.frombuffer(args[1], np.uint64),
@@ -113,30 +211,76 @@ def _raw_nixl(transport: Transport, peer: str, op: str, plan: TransferPlan) -> A
     return run
 
 
+RAW_UCX_WAYS = ("tag_per_page", "tag_multi", "ucp_iov")
+
+
+def _raw_ucxx(conn: Connection, local_pool: npt.NDArray[np.uint8], local_base: int, mode: str,
+              plan: TransferPlan, way: str) -> Any:
+    """Plain ucxx moving the plan's pages between the two processes, the receiver posting first:
+    a tagged message per page, one ``tag_send_multi`` whose receiver copies the buffers ucxx
+    allocated into the pages, or one UCP scatter-gather message (``way``, one of RAW_UCX_WAYS).
+    The pipe only orders the two sides."""
+    raw = _RawUcxx()
+    conn.send(("raw_connect", raw.address))
+    raw.connect(conn.recv())
+    local, remote = (plan.src, plan.dst) if mode == "write" else (plan.dst, plan.src)
+    remote_runs = (remote.addr.tobytes(), remote.nbytes.tobytes())
+    tags = itertools.count(1)
+
+    multi = way == "tag_multi"
+
+    def run() -> None:
+        tag = next(tags) << 32
+        if way == "ucp_iov" and mode == "write":
+            conn.send(("raw_recv_iov", *remote_runs, tag))
+            assert conn.recv() == "posted"
+            raw.wait(raw.post_iov("send", local, tag))
+        elif way == "ucp_iov":
+            requests = raw.post_iov("recv", local, tag)
+            conn.send(("raw_send_iov", *remote_runs, tag))
+            raw.wait(requests)
+        elif mode == "write":
+            conn.send(("raw_recv_multi" if multi else "raw_recv", *remote_runs, tag))
+            assert conn.recv() == "posted"
+            raw.wait(raw.post("multi" if multi else "send", raw.arrays(local_pool, local_base, local), tag))
+        elif multi:
+            conn.send(("raw_send_multi", *remote_runs, tag))
+            raw.recv_multi(local_pool, local_base, local, tag)
+        else:
+            requests = raw.post("recv", raw.arrays(local_pool, local_base, local), tag)
+            conn.send(("raw_send", *remote_runs, tag))
+            raw.wait(requests)
+        assert conn.recv() == "done"
+
+    return run
+
+
 def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str = "scattered",
-              iters: int = 5) -> dict[str, Any]:
-    """Measure one configuration; returns the JSON object ``--json`` prints."""
+              iters: int = 5, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure one configuration; returns the JSON object ``--json`` prints. ``options`` go to
+    ``create`` on both sides (e.g. ``scatter_gather=False`` for ucx)."""
+    options = dict(options or {})
     reason = available_backends().get(backend, f"unknown backend {backend!r}")
     if reason is not None:
         raise BackendUnavailable(f"backend {backend!r}: {reason}")
     nbytes = 2 * pages * page_bytes
     rng = np.random.default_rng(1234)
     local_pool = _pool(nbytes, 1)
-    local = create(backend, "bench-local")
+    local = create(backend, "bench-local", **options)
     local_region = MemoryRegion(int(local_pool.ctypes.data), nbytes)
     local.register([local_region])
     proc = conn = None
     try:
         if backend == "loopback":
             peer_pool = _pool(nbytes, 2)
-            remote = create(backend, "bench-peer")
+            remote = create(backend, "bench-peer", **options)
             remote.register([MemoryRegion(int(peer_pool.ctypes.data), nbytes)])
             local.connect("bench-peer", remote.metadata())
             remote.connect("bench-local", local.metadata())
         else:
             ctx = mp.get_context("spawn")
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_peer, args=(child, backend, nbytes, 2), daemon=True)
+            proc = ctx.Process(target=_peer, args=(child, backend, nbytes, 2, options), daemon=True)
             proc.start()
             local.connect("bench-peer", conn.recv())
             conn.send(("connect", "bench-local", local.metadata()))
@@ -159,18 +303,30 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
         dst = np.empty_like(src)
         t_memcpy = _timed(lambda: np.copyto(dst, src), iters)
 
+        total = pages * page_bytes
         t_raw: float | None = None
+        raw_ways: dict[str, float] = {}
         if backend == "nixl":
             t_raw = _timed(_raw_nixl(local, "bench-peer", mode, plan), iters)
-        total = pages * page_bytes
+        elif backend == "ucx":
+            assert conn is not None
+            for way in RAW_UCX_WAYS:
+                _clear_destination(conn, mode, local_pool, local_region.base_address, local_t, remote_t)
+                raw_ways[way] = total / _timed(_raw_ucxx(conn, local_pool, local_region.base_address, mode,
+                                                         plan, way), iters) / 1e9
+                verified &= _ask_stream(conn, remote_t) == _stream(local_pool, local_region.base_address, local_t)
+            t_raw = total / max(raw_ways.values()) / 1e9
         return {
-            "backend": backend, "mode": mode, "layout": layout, "pages": pages, "page_bytes": page_bytes,
+            "backend": backend, "options": options, "mode": mode, "layout": layout, "pages": pages, "page_bytes": page_bytes,
             "bytes": total, "descriptors": len(plan), "verified": bool(verified), "iters": iters,
             "seconds": t_kvxfer, "gbps": total / t_kvxfer / 1e9,
             "memcpy_gbps": total / t_memcpy / 1e9,
             "raw_gbps": None if t_raw is None else total / t_raw / 1e9,
+            "raw_ways_gbps": raw_ways,
             "raw": {"nixl": "NIXL make_prepped_xfer over the plan's own descriptors, prepared once",
-                    "ucx": "not measured (see docs/transport.md)",
+                    "ucx": "best of plain ucxx (receiver posts first, busy progress): a tagged message per "
+                           "page, one tag_send_multi (receiver copies ucxx's buffers into the pages), or one "
+                           "UCP scatter-gather message on the ucxx worker",
                     "loopback": "none: loopback is itself an in-process copy"}[backend],
         }
     finally:
@@ -183,6 +339,17 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
         local.close()
         if backend == "loopback":
             remote.close()
+
+
+def _clear_destination(conn: Connection, mode: str, local_pool: npt.NDArray[np.uint8], local_base: int,
+                       local_t: PageTable, remote_t: PageTable) -> None:
+    """Zero the pages a transfer writes, so that the next one's bytes can be verified."""
+    if mode == "read":
+        for o, n in zip((local_t.addr - np.uint64(local_base)).tolist(), local_t.nbytes.tolist(), strict=True):
+            local_pool[o:o + n] = 0
+    else:
+        conn.send(("clear", remote_t.addr.tobytes(), remote_t.nbytes.tobytes()))
+        conn.recv()
 
 
 def _ask_stream(conn: Connection | None, table: PageTable) -> bytes:
@@ -202,11 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", choices=("scattered", "consecutive"), default="scattered")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--no-scatter-gather", action="store_true",
+                    help="ucx: one UCX message per run instead of one scatter-gather message per transfer")
     args = ap.parse_args(argv)
     if args.pages <= 0 or args.page_bytes <= 0 or args.iters <= 0:
         ap.error("--pages, --page-bytes and --iters must be > 0")
     try:
-        res = run_bench(args.backend, args.pages, args.page_bytes, args.mode, args.layout, args.iters)
+        options = {"scatter_gather": False} if args.no_scatter_gather else {}
+        if options and args.backend != "ucx":
+            ap.error("--no-scatter-gather applies to --backend ucx only")
+        res = run_bench(args.backend, args.pages, args.page_bytes, args.mode, args.layout, args.iters, options)
     except BackendUnavailable as exc:
         print(f"error: {exc}")
         return 2

@@ -1,7 +1,9 @@
 """ucx backend: two-sided UCX tag transfers through ucxx, with a service thread on every endpoint.
 
-Every run of a plan travels as one tagged message, received straight into its destination pages
-(no staging): the receiving side posts its receives before it lets the sender send. Control
+A plan's data travels as one UCX scatter-gather message (host memory, >= SCATTER_GATHER_MIN_RUNS
+runs, both sides capable; ``ucp_iov.py``) or as one tagged message per run, received straight into
+its destination pages either way (no staging): the receiving side posts its receives before it
+lets the sender send. Control
 messages (msgpack, on one reserved tag) drive both directions, so ``read`` needs no help from the
 remote application - its service thread answers:
 
@@ -11,8 +13,9 @@ remote application - its service thread answers:
 - read A<-B: A posts receives under fresh tags, ``rreq`` (runs, tags, notify) -> B checks and sends
   the runs -> A's handle completes when every receive landed, then A sends ``commit`` -> B queues
   the notification.
-- A cancel sends ``abort`` instead of ``commit``: the peer drops the notification. Receives already
-  posted for a cancelled or refused transfer stay with UCX under tags that are never reused.
+- A cancel sends ``abort`` instead of ``commit``: the peer drops the notification. Scatter-gather
+  receives of a cancelled transfer are withdrawn; per-run receives already posted for a cancelled
+  or refused transfer stay with UCX under tags that are never reused.
 
 All UCX calls happen on the service thread (ucxx workers are not shared between threads); callers
 enqueue work and wake it through a pipe. Progress is event driven (``arm`` + ``select`` on the
@@ -30,6 +33,7 @@ import os
 import queue
 import select
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,11 +43,19 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.errors import BackendUnavailable, PageTableError, PeerUnreachable, TransferFailed, TransportError
+from kvxfer.errors import (
+    BackendUnavailable,
+    DecodeError,
+    PageTableError,
+    PeerUnreachable,
+    TransferFailed,
+    TransportError,
+)
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import MAX_NAME_CHARS, MAX_REGIONS, TransportMetadata
+from kvxfer.transport.ucp_iov import UcpIov, UcpRequest, iov_array, keep_alive, ucp_iov
 from kvxfer.transport.ucx_env import apply_ucx_defaults
 
 CONTROL_TAG = 0x6B76_7866_0000_0001  # "kvxf" | 1: control messages
@@ -52,6 +64,15 @@ _RUN_BITS = 24
 MAX_RUNS = 1 << _RUN_BITS  # runs per transfer (one tag each)
 MAX_CONTROL_BYTES = 64 << 20
 _SELECT_TIMEOUT_S = 0.05
+#: Plans with at least this many runs travel as one scatter-gather message. Fewer runs go one
+#: message each: their Python cost is small, and UCX's contiguous rendezvous moves big runs far
+#: faster than its scatter-gather one (measured: one 64 MiB run 1.5 GB/s contiguous, 0.13-0.4 GB/s
+#: as a one-entry scatter-gather message, shared-memory/CMA, docs/bench/transport.md).
+SCATTER_GATHER_MIN_RUNS = 32
+#: While transfers are in flight the service thread keeps polling this long after the last event
+#: before it blocks: a scattered plan completes thousands of requests, and one arm + select per
+#: completion costs more than the data movement of a small page.
+_SPIN_AFTER_EVENT_S = 0.002
 
 
 def ucx_unavailable_reason() -> str | None:
@@ -69,6 +90,37 @@ class _CudaRun:
                                          "version": 3, "strides": None}
 
 
+class _Batch:
+    """The UCX requests of one transfer's runs, checked from a cursor: runs complete roughly in
+    order, so each service-loop pass looks at a few requests instead of all of them."""
+
+    __slots__ = ("cursor", "failure", "requests")
+
+    def __init__(self, requests: list[Any] | None = None) -> None:
+        self.requests: list[Any] = requests if requests is not None else []
+        self.cursor = 0
+        self.failure: str | None = None
+
+    def done(self) -> bool:
+        """Whether every request completed (errors are kept in ``failure``)."""
+        reqs, i, n = self.requests, self.cursor, len(self.requests)
+        while i < n and reqs[i].completed:
+            if self.failure is None:
+                try:
+                    reqs[i].check_error()
+                except Exception as exc:
+                    self.failure = repr(exc)
+            i += 1
+        self.cursor = i
+        return i == n
+
+    def cancel(self, worker_handle: int) -> None:
+        """Cancel the requests that support it (scatter-gather ones)."""
+        for req in self.requests[self.cursor:]:
+            if isinstance(req, UcpRequest):
+                req.cancel(worker_handle)
+
+
 @dataclass
 class _Outgoing:
     """A transfer this endpoint initiated."""
@@ -78,9 +130,10 @@ class _Outgoing:
     peer: str
     plan: TransferPlan
     notify: bytes | None
-    requests: list[Any] = field(default_factory=list)
+    batch: _Batch = field(default_factory=_Batch)
     stage: str = "posted"  # posted -> sending -> committed (write) | receiving (read)
     cancelled: bool = False
+    iov: bool = False  # one scatter-gather message instead of one per run
 
 
 @dataclass
@@ -89,9 +142,10 @@ class _Incoming:
 
     key: tuple[str, int]
     notify: bytes | None
-    requests: list[Any] = field(default_factory=list)
+    batch: _Batch = field(default_factory=_Batch)
     committed: bool = False
     aborted: bool = False
+    receiving: bool = False  # its batch holds receives (a peer's write into us)
     acked: bool = False
 
 
@@ -100,7 +154,9 @@ class UcxTransport(Transport):
 
     backend = "ucx"
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, scatter_gather: bool = True) -> None:
+        """``scatter_gather=False`` sends one message per run even between host regions (the path
+        CUDA memory always takes), for comparison and tests."""
         super().__init__(name)
         reason = ucx_unavailable_reason()
         if reason is not None:
@@ -113,11 +169,21 @@ class UcxTransport(Transport):
             raise BackendUnavailable(f"ucxx is not importable: {exc}") from exc
         self._api = ucx_api
         self._array = Array
+        self._iov: UcpIov | None = None
+        self.iov_unavailable_reason: str | None = "turned off (scatter_gather=False)"
+        if scatter_gather:
+            try:
+                self._iov, self.iov_unavailable_reason = ucp_iov(), None
+            except BackendUnavailable as exc:  # per-run messages still work
+                self.iov_unavailable_reason = str(exc)
+        self._peer_iov: dict[str, bool] = {}
+        self._draining: list[_Batch] = []
         self._ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = bytes(self._worker.address.tobytes())
-        self._views: list[npt.NDArray[np.uint8] | None] = []
+        self._views: list[memoryview | None] = []
+        self._region_bases = np.zeros(0, dtype=np.uint64)
         self._endpoints: dict[str, Any] = {}
         self._outgoing: dict[int, _Outgoing] = {}
         self._incoming: dict[tuple[str, int], _Incoming] = {}
@@ -162,6 +228,7 @@ class UcxTransport(Transport):
 
     def _serve(self) -> None:
         epoll_fd = self._worker.epoll_file_descriptor
+        last_event = time.monotonic()
         try:
             while not self._stop.is_set():
                 busy = False
@@ -176,7 +243,12 @@ class UcxTransport(Transport):
                     busy = True
                 busy |= self._poll_control()
                 busy |= self._poll_transfers()
-                if not busy and self._worker.arm():
+                if busy:
+                    last_event = time.monotonic()
+                    continue
+                if (self._outgoing or self._incoming) and time.monotonic() - last_event < _SPIN_AFTER_EVENT_S:
+                    continue
+                if self._worker.arm():
                     ready, _, _ = select.select([epoll_fd, self._wake_r], [], [], _SELECT_TIMEOUT_S)
                     if self._wake_r in ready:
                         with contextlib.suppress(BlockingIOError):
@@ -191,14 +263,22 @@ class UcxTransport(Transport):
     def _backend_register(self, regions: tuple[MemoryRegion, ...]) -> None:
         from kvxfer.transport.copy import host_view
 
-        self._views = [None if r.memory_kind == "cuda" else host_view(r) for r in regions]
+        self._views = [None if r.memory_kind == "cuda" else host_view(r).data for r in regions]
+        self._region_bases = np.array([r.base_address for r in regions], dtype=np.uint64)
 
     def _backend_blob(self) -> bytes:
-        return self._address
+        """One capability byte (1: takes scatter-gather messages) then the worker address."""
+        return bytes([self._iov is not None]) + self._address
 
     def _backend_connect(self, peer: str, md: TransportMetadata) -> None:
+        blob = md.backend_blob
+        if len(blob) < 2 or blob[0] not in (0, 1):
+            raise DecodeError(f"ucx {self.name!r}: peer {peer!r} metadata blob is not a ucx one "
+                                  f"({len(blob)} bytes, first {blob[:1]!r})")
+        self._peer_iov[peer] = blob[0] == 1
+
         def make() -> None:
-            self._endpoint_for(peer, md.backend_blob)
+            self._endpoint_for(peer, blob[1:])
 
         try:
             self._call(make, f"connect {peer!r}")
@@ -220,6 +300,7 @@ class UcxTransport(Transport):
             for out in [o for o in self._outgoing.values() if o.peer == peer]:
                 out.handle._finish(TransferStatus.FAILED, "peer disconnected", PeerUnreachable)
                 self._outgoing.pop(out.handle.id, None)
+                self._retire(out.batch, out.stage == "receiving")
 
         self._call(drop, f"disconnect {peer!r}")
 
@@ -227,7 +308,13 @@ class UcxTransport(Transport):
         def fail_all() -> None:
             for out in self._outgoing.values():
                 out.handle._finish(TransferStatus.FAILED, "transport closed", TransferFailed)
+                self._retire(out.batch, out.stage == "receiving")
+            for inc in self._incoming.values():
+                self._retire(inc.batch, inc.receiving)
             self._outgoing.clear()
+            self._incoming.clear()
+            self._worker.progress()
+            keep_alive([r for b in self._draining if not b.done() for r in b.requests])
 
         if self._thread.is_alive():
             self._call(fail_all, "close")
@@ -239,17 +326,51 @@ class UcxTransport(Transport):
         self._endpoints.clear()
 
     # --- memory -------------------------------------------------------------------------------------
-    def _buffers(self, table: PageTable, regions: tuple[MemoryRegion, ...],
-                 views: list[npt.NDArray[np.uint8] | None]) -> list[Any]:
-        """One ucxx Array per entry: numpy slices of region views (host) or CUDA range wrappers."""
-        base = np.array([r.base_address for r in regions], dtype=np.uint64)[table.region]
-        offs = (table.addr - base).tolist()
-        ends = (table.addr - base + table.nbytes).tolist()
+    def _buffers(self, table: PageTable) -> list[Any]:
+        """One ucxx Array per entry of a local table: memoryview slices of the region (host) or CUDA
+        range wrappers. Offsets come out of numpy in one pass; the loop only builds the Arrays."""
+        base = self._region_bases[table.region]
+        offsets = (table.addr - base).tolist()
+        lengths = table.nbytes.tolist()
+        array, views = self._array, self._views
+        if len(views) == 1 and views[0] is not None:  # the common case: one host region
+            view = views[0]
+            return [array(view[o:o + n]) for o, n in zip(offsets, lengths, strict=True)]
         out = []
-        for r, o, e, a in zip(table.region.tolist(), offs, ends, table.addr.tolist(), strict=True):
-            view = views[r]
-            out.append(self._array(view[o:e] if view is not None else _CudaRun(a, e - o)))
+        for r, o, n, a in zip(table.region.tolist(), offsets, lengths, table.addr.tolist(), strict=True):
+            v = views[r]
+            out.append(array(v[o:o + n] if v is not None else _CudaRun(a, n)))
         return out
+
+    def _host_only(self, table: PageTable, regions: tuple[MemoryRegion, ...]) -> bool:
+        """Whether every entry of ``table`` lies in host memory of ``regions``."""
+        kinds = np.array([r.memory_kind != "cuda" for r in regions], dtype=bool)
+        return bool(kinds[np.unique(table.region)].all()) if len(table) else True
+
+    def _post_receives(self, table: PageTable, tag_base: int, iov: bool) -> _Batch:
+        """Receive straight into the pages of ``table``: one scatter message (``iov``) under ``tag_base``,
+        else one message per page under ``tag_base | i``."""
+        if iov:
+            assert self._iov is not None
+            return _Batch([self._iov.recv(self._worker.handle, iov_array(table.addr, table.nbytes), tag_base)])
+        recv, tag = self._worker.tag_recv, self._api.UCXXTag
+        return _Batch([recv(b, tag(tag_base | i)) for i, b in enumerate(self._buffers(table))])
+
+    def _post_sends(self, ep: Any, table: PageTable, tag_base: int, iov: bool) -> _Batch:
+        """Send the pages of ``table``: one gather message (``iov``) or one message per page."""
+        if iov:
+            assert self._iov is not None
+            return _Batch([self._iov.send(ep.handle, iov_array(table.addr, table.nbytes), tag_base)])
+        send, tag = ep.tag_send, self._api.UCXXTag
+        return _Batch([send(b, tag(tag_base | i)) for i, b in enumerate(self._buffers(table))])
+
+    def _retire(self, batch: _Batch, receives: bool) -> None:
+        """Let go of a dropped transfer's requests: withdraw posted receives (scatter-gather ones can
+        be cancelled; per-run ucxx receives cannot) and keep everything until UCX releases it."""
+        if receives:
+            batch.cancel(self._worker.handle)
+        if not batch.done():
+            self._draining.append(batch)
 
     # --- posting (caller thread) --------------------------------------------------------------------
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
@@ -257,8 +378,12 @@ class UcxTransport(Transport):
         if len(plan) >= MAX_RUNS:
             raise TransportError(f"ucx {op} with peer {peer!r}: {len(plan)} runs exceeds {MAX_RUNS - 1}; "
                                  f"coalesce or split the plan")
+        local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
+        iov = (self._iov is not None and len(plan) >= SCATTER_GATHER_MIN_RUNS and self._peer_iov.get(peer, False)
+               and self._host_only(local, self._regions)
+               and self._host_only(remote, self.peer_regions(peer)))
         out = _Outgoing(TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=self._abort_from_caller),
-                        op, peer, plan, notify)
+                        op, peer, plan, notify, iov=iov)
         self._submit(lambda: self._start(out))
         return out.handle
 
@@ -287,13 +412,12 @@ class UcxTransport(Transport):
             return
         self._outgoing[out.handle.id] = out
         header: dict[str, Any] = {"id": out.handle.id, "from": self.name, "addr": self._address,
-                                  "notify": out.notify}
+                                  "notify": out.notify, "iov": out.iov}
         if out.op == "write":
             header.update(k="wreq", runs=_pack_runs(out.plan.dst))
         else:
             base = self._fresh_tag_base()
-            bufs = self._buffers(out.plan.dst, self._regions, self._views)
-            out.requests = [self._worker.tag_recv(b, self._api.UCXXTag(base | i)) for i, b in enumerate(bufs)]
+            out.batch = self._post_receives(out.plan.dst, base, out.iov)
             out.stage = "receiving"
             header.update(k="rreq", runs=_pack_runs(out.plan.src), tag=base)
         self._send_control(out.peer, header)
@@ -307,6 +431,8 @@ class UcxTransport(Transport):
             return False
         del self._outgoing[transfer_id]
         out.cancelled = True
+        if out.stage == "receiving":
+            self._retire(out.batch, True)
         self._send_control(out.peer, {"k": "abort", "id": transfer_id, "from": self.name})
         return True
 
@@ -350,10 +476,7 @@ class UcxTransport(Transport):
         elif kind == "wready":
             out = self._outgoing.get(tid)
             if out is not None and out.peer == sender and out.stage == "posted":
-                base = int(msg["tag"])
-                ep = self._endpoints[out.peer]
-                bufs = self._buffers(out.plan.src, self._regions, self._views)
-                out.requests = [ep.tag_send(b, self._api.UCXXTag(base | i)) for i, b in enumerate(bufs)]
+                out.batch = self._post_sends(self._endpoints[out.peer], out.plan.src, int(msg["tag"]), out.iov)
                 out.stage = "sending"
         elif kind == "wdone":
             out = self._outgoing.pop(tid, None)
@@ -368,34 +491,39 @@ class UcxTransport(Transport):
         ep = self._endpoint_for(sender, bytes(msg["addr"]))
         notify = msg.get("notify")
         inc = _Incoming((sender, tid), bytes(notify) if notify is not None else None)
+        iov = msg.get("iov", False) is True
         try:
             runs = _unpack_runs(msg["runs"])
             runs.validate(self._regions)
+            if iov and (self._iov is None or not self._host_only(runs, self._regions)):
+                why = self.iov_unavailable_reason or "the runs touch CUDA memory"
+                raise PageTableError(f"scatter-gather message asked for, but {why}")
         except (PageTableError, ValueError) as exc:
             self._send_control(sender, {"k": "err", "id": tid, "from": self.name, "why": str(exc)[:500]})
             return
-        bufs = self._buffers(runs, self._regions, self._views)
         if kind == "wreq":
             base = self._fresh_tag_base()
-            inc.requests = [self._worker.tag_recv(b, self._api.UCXXTag(base | i)) for i, b in enumerate(bufs)]
+            inc.batch = self._post_receives(runs, base, iov)
+            inc.receiving = True
             self._send_control(sender, {"k": "wready", "id": tid, "from": self.name, "tag": base})
         else:
-            base = int(msg["tag"])
-            inc.requests = [ep.tag_send(b, self._api.UCXXTag(base | i)) for i, b in enumerate(bufs)]
+            inc.batch = self._post_sends(ep, runs, int(msg["tag"]), iov)
             inc.acked = True  # a read needs no answer beyond its data
         self._incoming[inc.key] = inc
 
     def _poll_transfers(self) -> bool:
         busy = False
+        if self._draining:
+            self._draining = [b for b in self._draining if not b.done()]
         for out in list(self._outgoing.values()):
-            if out.stage in ("sending", "receiving") and _all_done(out.requests):
+            if out.stage in ("sending", "receiving") and out.batch.done():
                 busy = True
-                failure = _first_error(out.requests)
+                failure = out.batch.failure
                 if failure is not None:
                     self._outgoing.pop(out.handle.id, None)
                     out.handle._finish(TransferStatus.FAILED, f"UCX error: {failure}", TransferFailed)
                     continue
-                out.requests = []
+                out.batch = _Batch()
                 self._send_control(out.peer, {"k": "commit", "id": out.handle.id, "from": self.name})
                 if out.stage == "receiving":
                     self._outgoing.pop(out.handle.id, None)
@@ -406,7 +534,9 @@ class UcxTransport(Transport):
             if inc.aborted:
                 del self._incoming[key]
                 busy = True
-            elif inc.committed and _all_done(inc.requests):
+                if inc.receiving:
+                    self._retire(inc.batch, True)
+            elif inc.committed and inc.batch.done():
                 del self._incoming[key]
                 busy = True
                 if inc.notify is not None:
@@ -414,19 +544,6 @@ class UcxTransport(Transport):
                 if not inc.acked:
                     self._send_control(key[0], {"k": "wdone", "id": key[1], "from": self.name})
         return busy
-
-
-def _all_done(requests: list[Any]) -> bool:
-    return all(r.completed for r in requests)
-
-
-def _first_error(requests: list[Any]) -> str | None:
-    for r in requests:
-        try:
-            r.check_error()
-        except Exception as exc:
-            return repr(exc)
-    return None
 
 
 def _pack_runs(table: PageTable) -> list[bytes]:

@@ -1,0 +1,140 @@
+"""ucx backend specifics: scatter-gather messages (one per transfer) against one message per run, the
+capability byte of the metadata, and large run counts."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
+
+from kvxfer.errors import DecodeError
+from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.transport import available_backends, create
+from kvxfer.transport.base import Transport
+from kvxfer.transport.metadata import TransportMetadata
+
+REASON = available_backends()["ucx"]
+pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+_names = iter(range(1_000_000))
+
+
+def _pair(sg_a: bool, sg_b: bool, sizes: list[int], seed: int
+          ) -> tuple[Transport, Transport, list[npt.NDArray[np.uint8]], list[npt.NDArray[np.uint8]]]:
+    n = next(_names)
+    a_bufs, b_bufs = make_buffers(sizes, seed), make_buffers(sizes, seed + 1)
+    a, b = create("ucx", f"ua{n}", scatter_gather=sg_a), create("ucx", f"ub{n}", scatter_gather=sg_b)
+    a.register(regions_of(a_bufs))
+    b.register(regions_of(b_bufs))
+    a.connect(b.name, b.metadata())
+    b.connect(a.name, a.metadata())
+    return a, b, a_bufs, b_bufs
+
+
+def _drain(t: Transport, want: int, timeout: float = 5.0) -> list[bytes]:
+    got: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        for v in t.notifications().values():
+            got.extend(v)
+        time.sleep(0.002)
+    time.sleep(0.05)
+    for v in t.notifications().values():
+        got.extend(v)
+    return got
+
+
+@pytest.mark.parametrize("modes", [(True, True), (False, False), (True, False), (False, True)],
+                         ids=["sg-sg", "runs-runs", "sg-runs", "runs-sg"])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_fragmented_plans_exact_bytes_in_every_mode_pair(modes: tuple[bool, bool], op: str) -> None:
+    """Either side may lack scatter-gather: the initiator falls back to one message per run."""
+    a, b, a_bufs, b_bufs = _pair(*modes, [256 * 1024, 128 * 1024], seed=11)
+    try:
+        rng = np.random.default_rng(5)
+        for i in range(3):
+            src_side, dst_side = (a, b) if op == "write" else (b, a)
+            src = random_pages(rng, list(src_side.regions), 40, PAGE, coalesced=False)
+            dst = random_pages(rng, list(dst_side.regions), 40, PAGE, coalesced=False)
+            plan = pair(src, dst)
+            src_bufs, dst_bufs = (a_bufs, b_bufs) if op == "write" else (b_bufs, a_bufs)
+            want = expected_after(plan, list(src_side.regions), src_bufs, list(dst_side.regions), dst_bufs)
+            getattr(a, op)(b.name, plan, notify=b"n%d" % i).wait(10.0)
+            for got, exp in zip(dst_bufs, want, strict=True):
+                np.testing.assert_array_equal(got, exp)
+        assert _drain(b, 3) == [b"n0", b"n1", b"n2"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_scatter_gather_is_negotiated_from_the_capability_byte() -> None:
+    a, b, _, _ = _pair(True, False, [64 * 1024], seed=3)
+    try:
+        assert TransportMetadata.decode(a.metadata()).backend_blob[0] == 1
+        assert TransportMetadata.decode(b.metadata()).backend_blob[0] == 0
+        assert a._peer_iov == {b.name: False} and b._peer_iov == {a.name: True}  # type: ignore[attr-defined]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_malformed_blob_is_refused() -> None:
+    t = create("ucx", "blobcheck")
+    try:
+        t.register(regions_of(make_buffers([PAGE], seed=1)))
+        md = TransportMetadata("ucx", "other", (), b"\x07abc").encode()
+        with pytest.raises(DecodeError, match="not a ucx one"):
+            t.connect("other", md)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_many_small_runs_in_one_scatter_message(op: str) -> None:
+    """20,000 runs of 64 bytes in random order, exact bytes, in one message each way."""
+    a, b, a_bufs, b_bufs = _pair(True, True, [4 << 20], seed=21)
+    try:
+        rng = np.random.default_rng(9)
+        n, unit = 20_000, 64
+        slots_a = rng.choice((4 << 20) // unit, n, replace=False).astype(np.uint64)
+        slots_b = rng.choice((4 << 20) // unit, n, replace=False).astype(np.uint64)
+        ta = PageTable(np.uint64(a.regions[0].base_address) + slots_a * np.uint64(unit),
+                       np.full(n, unit, np.uint64), np.zeros(n, np.uint32))
+        tb = PageTable(np.uint64(b.regions[0].base_address) + slots_b * np.uint64(unit),
+                       np.full(n, unit, np.uint64), np.zeros(n, np.uint32))
+        plan = TransferPlan(ta, tb) if op == "write" else TransferPlan(tb, ta)
+        src_bufs, dst_bufs = (a_bufs, b_bufs) if op == "write" else (b_bufs, a_bufs)
+        before = dst_bufs[0].copy()
+        src_slots, dst_slots = (slots_a, slots_b) if op == "write" else (slots_b, slots_a)
+        getattr(a, op)(b.name, plan).wait(20.0)
+        want = before.reshape(-1, unit)
+        want[dst_slots.astype(np.int64)] = src_bufs[0].reshape(-1, unit)[src_slots.astype(np.int64)]
+        np.testing.assert_array_equal(dst_bufs[0].reshape(-1, unit), want)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_cancelled_scatter_read_writes_nothing_even_when_the_data_comes_later() -> None:
+    """A cancelled read withdraws its scatter-gather receive: data the peer sends afterwards (here: its
+    service thread is held busy until after the cancel) never lands in the pages."""
+    a, b, a_bufs, _ = _pair(True, True, [256 * 1024], seed=31)
+    try:
+        rng = np.random.default_rng(2)
+        dst = random_pages(rng, list(a.regions), 48, PAGE, coalesced=False)
+        src = random_pages(rng, list(b.regions), 48, PAGE, coalesced=False)
+        before = a_bufs[0].copy()
+        b._submit(lambda: time.sleep(0.5))  # type: ignore[attr-defined]
+        handle = a.read(b.name, TransferPlan(src, dst), notify=b"never")
+        time.sleep(0.05)
+        assert handle.cancel() is True
+        time.sleep(1.0)  # b answers the read and sends, into a withdrawn receive
+        np.testing.assert_array_equal(a_bufs[0], before)
+        assert a._draining == []  # type: ignore[attr-defined]
+        assert _drain(b, 0, timeout=0.1) == []
+    finally:
+        a.close()
+        b.close()
