@@ -10,21 +10,27 @@ import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PageTableError
+from kvxfer.pagetable import ops, wire
 
 U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
+I64 = npt.NDArray[np.int64]
+
+TABLE_MAGIC = b"KVPT"
+_TABLE_COLUMNS: tuple[tuple[str, np.dtype[np.generic]], ...] = (("addr", np.dtype(np.uint64)), ("nbytes", np.dtype(np.uint64)), ("region", np.dtype(np.uint32)))
 
 
 @dataclass(frozen=True, eq=False)
 class PageTable:
     """Entries ``i``: ``nbytes[i]`` bytes at absolute address ``addr[i]`` inside registered region
     ``region[i]``. ``coords`` optionally carries the logical coordinates of each entry (equal-length
-    int arrays such as ``layer``, ``block``, ``head_start``...) while they are needed for pairing."""
+    int64 arrays such as ``layer``, ``block``, ``head_start``...) while they are needed for pairing;
+    operations that reshape entries (coalesce, split) drop them."""
 
     addr: U64
     nbytes: U64
     region: U32
-    coords: Mapping[str, npt.NDArray[np.int64]] = field(default_factory=dict)
+    coords: Mapping[str, I64] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         addr = np.ascontiguousarray(self.addr, dtype=np.uint64)
@@ -33,15 +39,27 @@ class PageTable:
         if not (addr.ndim == nbytes.ndim == region.ndim == 1) or not (addr.size == nbytes.size == region.size):
             raise PageTableError(f"PageTable arrays must be 1-D of equal length, got {addr.shape}, "
                                  f"{nbytes.shape}, {region.shape}")
+        coords: dict[str, I64] = {}
         for name, arr in self.coords.items():
+            if not isinstance(name, str) or not name.isidentifier() or len(name) > wire.MAX_NAME_LEN:
+                raise PageTableError(f"PageTable.coords: name {name!r} is not an identifier of <= "
+                                     f"{wire.MAX_NAME_LEN} chars")
             if np.shape(arr) != addr.shape:
                 raise PageTableError(f"PageTable.coords[{name!r}] has shape {np.shape(arr)}, expected {addr.shape}")
+            coords[name] = np.ascontiguousarray(arr, dtype=np.int64)
+        if len(coords) > wire.MAX_NAMED_COLUMNS:
+            raise PageTableError(f"PageTable.coords: {len(coords)} columns, at most {wire.MAX_NAMED_COLUMNS}")
         object.__setattr__(self, "addr", addr)
         object.__setattr__(self, "nbytes", nbytes)
         object.__setattr__(self, "region", region)
+        object.__setattr__(self, "coords", coords)
 
     def __len__(self) -> int:
         return int(self.addr.size)
+
+    def __repr__(self) -> str:
+        return (f"PageTable({len(self)} entries, {self.total_bytes} bytes, "
+                f"regions {sorted(set(self.region.tolist()))[:8]}, coords {sorted(self.coords)})")
 
     @property
     def total_bytes(self) -> int:
@@ -50,8 +68,47 @@ class PageTable:
 
     @classmethod
     def empty(cls) -> PageTable:
+        """A table with no entries."""
         return cls(np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint32))
 
+    @classmethod
+    def concat(cls, tables: Sequence[PageTable]) -> PageTable:
+        """The entries of ``tables`` one after the other; coords survive only when every table has the
+        same coordinate names."""
+        if not tables:
+            return cls.empty()
+        names = set(tables[0].coords)
+        keep = all(set(t.coords) == names for t in tables)
+        coords = {n: np.concatenate([t.coords[n] for t in tables]) for n in tables[0].coords} if keep else {}
+        return cls(np.concatenate([t.addr for t in tables]), np.concatenate([t.nbytes for t in tables]),
+                   np.concatenate([t.region for t in tables]), coords)
+
+    def take(self, index: npt.NDArray[np.integer] | slice) -> PageTable:
+        """The entries at ``index`` (an index array, boolean mask or slice), coords included."""
+        return PageTable(self.addr[index], self.nbytes[index], self.region[index],
+                         {n: c[index] for n, c in self.coords.items()})
+
+    # --- reshaping ------------------------------------------------------------------------------
+    def coalesce(self) -> PageTable:
+        """Merge each entry into its predecessor when it starts where that one ends in the same region.
+
+        Order is kept, so only consecutive entries merge (sort by address first to merge more)."""
+        starts = ops.run_starts(ops.joins_previous(self.addr, self.nbytes, self.region))
+        if starts.size == len(self):
+            return PageTable(self.addr, self.nbytes, self.region)
+        return PageTable(self.addr[starts], ops.run_lengths(self.nbytes, starts), self.region[starts])
+
+    def split(self, max_bytes: int) -> PageTable:
+        """Cut every entry longer than ``max_bytes`` into consecutive pieces of at most ``max_bytes``."""
+        entry, offset, length = ops.split_pieces(self.nbytes, max_bytes)
+        return PageTable(self.addr[entry] + offset, length, self.region[entry])
+
+    def chunks(self, n: int) -> list[PageTable]:
+        """At most ``n`` consecutive, non-empty parts of nearly equal bytes (entries are not cut: use
+        ``split`` first for finer parts); an empty table gives no part."""
+        return [self.take(slice(a, b)) for a, b in ops.balanced_cuts(self.nbytes, n)]
+
+    # --- checks ---------------------------------------------------------------------------------
     def validate(self, regions: Sequence[MemoryRegion]) -> None:
         """Raise PageTableError naming the first entry outside its region (or overflowing 64 bits)."""
         n = len(self)
@@ -72,25 +129,17 @@ class PageTable:
                 f"entry {i}: [{int(self.addr[i]):#x}, +{int(self.nbytes[i])}) lies outside region "
                 f"{int(self.region[i])} [{r.base_address:#x}, {r.end_address:#x})")
 
+    # --- wire format ----------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Versioned little-endian encoding (see ``kvxfer.pagetable.wire``), coords included."""
+        return wire.encode(TABLE_MAGIC, [(name, dt, getattr(self, name)) for name, dt in _TABLE_COLUMNS],
+                           self.coords)
 
-@dataclass(frozen=True, eq=False)
-class TransferPlan:
-    """Entry ``i`` of ``src`` moves to entry ``i`` of ``dst`` (equal counts, equal sizes)."""
-
-    src: PageTable
-    dst: PageTable
-
-    def __post_init__(self) -> None:
-        if len(self.src) != len(self.dst):
-            raise PageTableError(f"TransferPlan: {len(self.src)} source entries vs {len(self.dst)} destination")
-        if not np.array_equal(self.src.nbytes, self.dst.nbytes):
-            i = int(np.argmax(self.src.nbytes != self.dst.nbytes))
-            raise PageTableError(f"TransferPlan entry {i}: source {int(self.src.nbytes[i])} bytes vs "
-                                 f"destination {int(self.dst.nbytes[i])}")
-
-    def __len__(self) -> int:
-        return len(self.src)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.src.total_bytes
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> PageTable:
+        """Decode ``to_bytes`` output; malformed or hostile input raises PageTableError only."""
+        fixed, named = wire.decode(data, TABLE_MAGIC, "PageTable", _TABLE_COLUMNS)
+        addr, nbytes = fixed["addr"].astype(np.uint64), fixed["nbytes"].astype(np.uint64)
+        wire.check_no_wrap(addr, nbytes, "PageTable.from_bytes")
+        return cls(addr, nbytes, fixed["region"].astype(np.uint32),
+                   {k: v.astype(np.int64) for k, v in named.items()})

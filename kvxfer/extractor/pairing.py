@@ -1,0 +1,188 @@
+"""plan_transfer(): pair two published layouts by logical coordinates into one TransferPlan.
+
+A (layer, role) buffer holds, per block, a [heads x tokens] grid of rows (one row = head_dim
+elements). Both sides are cut into token segments that stay inside one block on each side
+(``tokens.token_segments``) and into the head range both hold. Inside a segment each side addresses
+row (head h, token t) affinely (HND: head stride tokens_per_block rows, token stride 1 row; NHD:
+head stride 1 row, token stride num_heads rows), so the largest pieces contiguous on BOTH sides
+follow from the strides: whole [heads x tokens] blocks, one run per head, one run per token, or
+single rows (HND against NHD). Runs are computed once per (format pair, segments) and broadcast
+over every buffer sharing them. Identical layouts (same fingerprint) move whole coalesced slot
+runs instead. Finally entries are ordered by source address and coalesced on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.cache.descriptors import BufferFormat, CacheLayoutDesc
+from kvxfer.extractor.block_ids import BlockIds, block_id_map, check_distinct
+from kvxfer.extractor.compat import buffer_pairs, check_layer_groups, paired_layers
+from kvxfer.extractor.regions import Placement, placements, region_indices
+from kvxfer.extractor.tokens import Segments, check_token_range, token_segments
+from kvxfer.pagetable import PageTable, TransferPlan
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+U32 = npt.NDArray[np.uint32]
+# One batch of entries: src_addr, src_region, dst_addr, dst_region, nbytes.
+Entries = tuple[U64, U32, U64, U32, U64]
+
+
+def plan_transfer(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_layout: CacheLayoutDesc,
+                  dst_block_ids: BlockIds | Any, *, layers: Iterable[int] | None = None,
+                  token_range: tuple[int, int] | None = None) -> TransferPlan:
+    """The plan moving the KV of ``layers`` (default: all) for the tokens both block lists cover (within
+    ``token_range`` when given) from the source request's pages to the destination request's pages.
+
+    Heads move where both sides hold them (one plan per source rank when tensor-parallel splits
+    differ). Raises LayoutMismatch naming the first incompatible field, BlockIdError for a block id
+    outside its pool group (or a destination slot listed twice). The plan is ordered by source
+    address and coalesced.
+    """
+    tr = check_token_range(token_range)
+    layer_ids = paired_layers(src_layout, dst_layout, layers)
+    identical = src_layout.fingerprint == dst_layout.fingerprint
+    if not identical:
+        check_layer_groups(src_layout, dst_layout, layer_ids)
+    src_place, dst_place = placements(src_layout), placements(dst_layout)
+    pairs = buffer_pairs(src_place, dst_place, layer_ids)
+    src_groups = sorted({s.layer_group for s, _ in pairs})
+    dst_groups = sorted({d.layer_group for _, d in pairs})
+    src_ids = block_id_map(src_layout, src_block_ids, src_groups, "source")
+    dst_ids = block_id_map(dst_layout, dst_block_ids, dst_groups, "destination")
+    check_distinct(dst_layout, dst_ids, "destination")
+
+    by_group_pair: dict[tuple[int, int], list[tuple[Placement, Placement]]] = {}
+    for s, d in pairs:
+        by_group_pair.setdefault((s.layer_group, d.layer_group), []).append((s, d))
+    batches: list[Entries] = []
+    for (gs, gd), group_pairs in by_group_pair.items():
+        segs = token_segments(src_ids[gs], src_layout.tokens_per_block, dst_ids[gd], dst_layout.tokens_per_block, tr)
+        if not len(segs):
+            continue
+        if identical:
+            full = segs.length == src_layout.tokens_per_block
+            batches.extend(_whole_buffer_runs(src_layout, dst_layout, gs, {s.buffer_id for s, _ in group_pairs},
+                                              segs.take(full)))
+            segs = segs.take(~full)
+            if not len(segs):
+                continue
+        batches.extend(_row_runs(group_pairs, segs))
+    if not batches:
+        return TransferPlan.empty()
+    src_addr, src_region, dst_addr, dst_region, nbytes = (np.concatenate(cols) for cols in zip(*batches, strict=True))
+    plan = TransferPlan(PageTable(src_addr, nbytes, src_region), PageTable(dst_addr, nbytes, dst_region))
+    return plan.sort_by_source().coalesce()
+
+
+def _whole_buffer_runs(src: CacheLayoutDesc, dst: CacheLayoutDesc, group: int, chosen: set[Any],
+                       segs: Segments) -> list[Entries]:
+    """Identical layouts, whole blocks: per pool, each run of consecutive chosen buffers of a slot (the
+    whole slot when all are chosen) moves as one entry per block."""
+    if not len(segs):
+        return []
+    src_regions, dst_regions = region_indices(src), region_indices(dst)
+    pgi = src.layer_groups[group].pool_group_index
+    pg_s, pg_d = src.pool_groups[pgi], dst.pool_groups[pgi]
+    pos = pg_s.layer_group_ids.index(group)
+    out: list[Entries] = []
+    for p, (pool_s, pool_d, slot) in enumerate(zip(pg_s.pools, pg_d.pools, pg_s.slots, strict=True)):
+        per, single = slot.buffers_per_slot, slot.coalesced.single_buffer_size
+        picked = np.array([b in chosen for b in slot.coalesced.buffer_ids[pos * per:(pos + 1) * per]], dtype=bool)
+        if not picked.any():
+            continue
+        edges = np.diff(np.concatenate([[False], picked, [False]]).astype(np.int8))
+        first, stop = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        offsets = (first * single).astype(np.uint64)
+        sizes = ((stop - first) * single).astype(np.uint64)
+        slot_bytes = np.uint64(pool_s.slot_bytes)
+        src_addr = (np.uint64(pool_s.base_address) + segs.src_slot.astype(np.uint64)[:, None] * slot_bytes
+                    + offsets[None, :]).ravel()
+        dst_addr = (np.uint64(pool_d.base_address) + segs.dst_slot.astype(np.uint64)[:, None] * slot_bytes
+                    + offsets[None, :]).ravel()
+        n = src_addr.size
+        out.append((src_addr, np.full(n, src_regions[pgi][p], np.uint32), dst_addr,
+                    np.full(n, dst_regions[pgi][p], np.uint32), np.tile(sizes, len(segs))))
+    return out
+
+
+def _strides(fmt: BufferFormat, row: int) -> tuple[int, int]:
+    """(head stride, token stride) in bytes inside one buffer."""
+    if fmt.order == "HND":
+        return fmt.tokens_per_block * row, row
+    return row, fmt.num_heads * row
+
+
+def _expand(count: I64) -> tuple[I64, I64]:
+    """For ``count[s]`` items per segment: (segment of each item, index of the item inside its segment)."""
+    seg = np.repeat(np.arange(count.size, dtype=np.int64), count)
+    first = np.cumsum(count) - count
+    return seg, np.arange(seg.size, dtype=np.int64) - first[seg]
+
+
+def row_run_template(fs: BufferFormat, fd: BufferFormat, segs: Segments) -> tuple[I64, I64, I64, I64] | None:
+    """Runs contiguous on both sides for one format pair: (segment, source byte offset in the buffer,
+    destination byte offset in the buffer, bytes) per run, or None when the head ranges do not meet."""
+    h0 = max(fs.head_start, fd.head_start)
+    k = min(fs.head_start + fs.num_heads, fd.head_start + fd.num_heads) - h0
+    if k <= 0:
+        return None
+    row = fs.head_dim * fs.itemsize
+    sh_s, st_s = _strides(fs, row)
+    sh_d, st_d = _strides(fd, row)
+    n = segs.length
+    base_s = (h0 - fs.head_start) * sh_s + segs.src_tok * st_s
+    base_d = (h0 - fd.head_start) * sh_d + segs.dst_tok * st_d
+    if st_s == row and st_d == row:
+        # Tokens contiguous on both sides: one run per head, or one for all heads when the segment
+        # is a whole block on both sides (head stride == segment bytes).
+        merged = np.asarray((k == 1) | ((n * row == sh_s) & (n * row == sh_d)))
+        count = np.where(merged, 1, k).astype(np.int64)
+        seg, j = _expand(count)
+        return seg, base_s[seg] + j * sh_s, base_d[seg] + j * sh_d, (np.where(merged, k * n, n) * row)[seg]
+    if sh_s == row and sh_d == row:
+        # Heads contiguous on both sides: one run per token, or one for the segment when the head
+        # slice is every head on both sides (token stride == head slice bytes).
+        merged = np.asarray((n == 1) | ((st_s == k * row) & (st_d == k * row)))
+        count = np.where(merged, 1, n).astype(np.int64)
+        seg, j = _expand(count)
+        return seg, base_s[seg] + j * st_s, base_d[seg] + j * st_d, (np.where(merged, k * n, k) * row)[seg]
+    # Transposed (HND against NHD): every row is its own run.
+    seg, j = _expand(n * k)
+    nn = n[seg]
+    head, tok = np.divmod(j, nn)
+    return (seg, base_s[seg] + head * sh_s + tok * st_s, base_d[seg] + head * sh_d + tok * st_d,
+            np.full(seg.size, row, np.int64))
+
+
+def _row_runs(pairs: list[tuple[Placement, Placement]], segs: Segments) -> list[Entries]:
+    """Entries of ``pairs`` (buffers of one layer-group pair) over ``segs``, grouped by format pair so
+    that each run template is computed once and broadcast over the buffers sharing it."""
+    by_format: dict[tuple[BufferFormat, BufferFormat], list[tuple[Placement, Placement]]] = {}
+    for s, d in pairs:
+        by_format.setdefault((s.fmt, d.fmt), []).append((s, d))
+    out: list[Entries] = []
+    for (fs, fd), members in by_format.items():
+        template = row_run_template(fs, fd, segs)
+        if template is None:
+            continue
+        seg, src_rel, dst_rel, length = template
+        src_slot = segs.src_slot[seg].astype(np.uint64)
+        dst_slot = segs.dst_slot[seg].astype(np.uint64)
+        src_base = np.array([s.base for s, _ in members], dtype=np.uint64)[:, None]
+        dst_base = np.array([d.base for _, d in members], dtype=np.uint64)[:, None]
+        src_step = np.array([s.slot_bytes for s, _ in members], dtype=np.uint64)[:, None]
+        dst_step = np.array([d.slot_bytes for _, d in members], dtype=np.uint64)[:, None]
+        runs = seg.size
+        out.append((
+            (src_base + src_slot[None, :] * src_step + src_rel.astype(np.uint64)[None, :]).ravel(),
+            np.repeat(np.array([s.region for s, _ in members], dtype=np.uint32), runs),
+            (dst_base + dst_slot[None, :] * dst_step + dst_rel.astype(np.uint64)[None, :]).ravel(),
+            np.repeat(np.array([d.region for _, d in members], dtype=np.uint32), runs),
+            np.tile(length.astype(np.uint64), len(members))))
+    return out

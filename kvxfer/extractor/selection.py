@@ -1,0 +1,36 @@
+"""Which buffers of a layout a caller selected (layers, roles), checked against the layout."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvxfer.cache.descriptors import BufferId, CacheLayoutDesc
+from kvxfer.errors import LayoutError
+
+
+def select_buffers(layout: CacheLayoutDesc, layers: Iterable[int] | None = None,
+                   roles: Iterable[str] | None = None) -> frozenset[BufferId]:
+    """The buffers of ``layers`` x ``roles`` (None: all); raises LayoutError naming an unknown layer or role."""
+    every = [bid for bid, _ in layout.formats]
+    if layers is not None:
+        wanted = {int(x) for x in layers}
+        known = set(layout.layer_ids)
+        missing = sorted(wanted - known)
+        if missing:
+            raise LayoutError(f"layers {missing} are not in this layout (layers {layer_span(layout.layer_ids)})")
+        every = [b for b in every if b.layer_id in wanted]
+    if roles is not None:
+        wanted_roles = set(roles)
+        known_roles = {bid.role for bid, _ in layout.formats}
+        unknown = sorted(wanted_roles - known_roles)
+        if unknown:
+            raise LayoutError(f"roles {unknown} are not in this layout (roles {sorted(known_roles)})")
+        every = [b for b in every if b.role in wanted_roles]
+    return frozenset(every)
+
+
+def layer_span(ids: tuple[int, ...]) -> str:
+    """A short text for a list of layer ids."""
+    if ids and list(ids) == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}..{ids[-1]}"
+    return str(list(ids[:16])) + ("..." if len(ids) > 16 else "")

@@ -1,0 +1,145 @@
+"""TransferPlan: paired source and destination page tables (entry ``i`` of src moves to entry ``i`` of dst)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.cache.memory import MemoryRegion
+from kvxfer.errors import PageTableError
+from kvxfer.pagetable import ops, wire
+from kvxfer.pagetable.table import PageTable
+
+PLAN_MAGIC = b"KVTP"
+_PLAN_COLUMNS: tuple[tuple[str, np.dtype[np.generic]], ...] = (("src_addr", np.dtype(np.uint64)), ("dst_addr", np.dtype(np.uint64)),
+                 ("nbytes", np.dtype(np.uint64)), ("src_region", np.dtype(np.uint32)),
+                 ("dst_region", np.dtype(np.uint32)))
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Entry ``i`` of ``src`` moves to entry ``i`` of ``dst`` (equal counts, equal sizes)."""
+
+    src: PageTable
+    dst: PageTable
+
+    def __post_init__(self) -> None:
+        if len(self.src) != len(self.dst):
+            raise PageTableError(f"TransferPlan: {len(self.src)} source entries vs {len(self.dst)} destination")
+        if not np.array_equal(self.src.nbytes, self.dst.nbytes):
+            i = int(np.argmax(self.src.nbytes != self.dst.nbytes))
+            raise PageTableError(f"TransferPlan entry {i}: source {int(self.src.nbytes[i])} bytes vs "
+                                 f"destination {int(self.dst.nbytes[i])}")
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __repr__(self) -> str:
+        return f"TransferPlan({len(self)} entries, {self.total_bytes} bytes)"
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the plan moves."""
+        return self.src.total_bytes
+
+    @classmethod
+    def empty(cls) -> TransferPlan:
+        """A plan that moves nothing."""
+        return cls(PageTable.empty(), PageTable.empty())
+
+    @classmethod
+    def concat(cls, plans: Sequence[TransferPlan]) -> TransferPlan:
+        """The entries of ``plans`` one after the other."""
+        return cls(PageTable.concat([p.src for p in plans]), PageTable.concat([p.dst for p in plans]))
+
+    def take(self, index: npt.NDArray[np.integer] | slice) -> TransferPlan:
+        """The entries at ``index`` (index array, boolean mask or slice) on both sides."""
+        return TransferPlan(self.src.take(index), self.dst.take(index))
+
+    # --- reshaping ------------------------------------------------------------------------------
+    def sort_by_source(self) -> TransferPlan:
+        """The same entries ordered by (source region, source address), stable; ``self`` when already so.
+
+        In that order every pair that is adjacent on the source side is consecutive, so ``coalesce``
+        afterwards yields the fewest entries the plan's granularity allows."""
+        region, addr = self.src.region, self.src.addr
+        if len(self) < 2:
+            return self
+        ordered = (region[1:] > region[:-1]) | ((region[1:] == region[:-1]) & (addr[1:] >= addr[:-1]))
+        if ordered.all():
+            return self
+        return self.take(np.lexsort((addr, region)))
+
+    def coalesce(self) -> TransferPlan:
+        """Merge entry ``i + 1`` into entry ``i`` when BOTH sides are memory-adjacent in the same region."""
+        joins = (ops.joins_previous(self.src.addr, self.src.nbytes, self.src.region)
+                 & ops.joins_previous(self.dst.addr, self.dst.nbytes, self.dst.region))
+        starts = ops.run_starts(joins)
+        if starts.size == len(self):
+            return TransferPlan(PageTable(self.src.addr, self.src.nbytes, self.src.region),
+                                PageTable(self.dst.addr, self.dst.nbytes, self.dst.region))
+        nbytes = ops.run_lengths(self.src.nbytes, starts)
+        return TransferPlan(PageTable(self.src.addr[starts], nbytes, self.src.region[starts]),
+                            PageTable(self.dst.addr[starts], nbytes, self.dst.region[starts]))
+
+    def split(self, max_bytes: int) -> TransferPlan:
+        """Cut every entry longer than ``max_bytes`` into pieces of at most ``max_bytes`` on both sides."""
+        entry, offset, length = ops.split_pieces(self.src.nbytes, max_bytes)
+        return TransferPlan(PageTable(self.src.addr[entry] + offset, length, self.src.region[entry]),
+                            PageTable(self.dst.addr[entry] + offset, length, self.dst.region[entry]))
+
+    def chunks(self, n: int) -> list[TransferPlan]:
+        """At most ``n`` consecutive, non-empty sub-plans of nearly equal bytes (entries are not cut)."""
+        return [self.take(slice(a, b)) for a, b in ops.balanced_cuts(self.src.nbytes, n)]
+
+    # --- checks ---------------------------------------------------------------------------------
+    def validate(self, src_regions: Sequence[MemoryRegion], dst_regions: Sequence[MemoryRegion]) -> None:
+        """Raise PageTableError when an entry lies outside its registered region on either side, or when
+        two destination entries overlap (no destination byte may be written twice)."""
+        try:
+            self.src.validate(src_regions)
+        except PageTableError as exc:
+            raise PageTableError(f"TransferPlan source {exc}") from exc
+        try:
+            self.dst.validate(dst_regions)
+        except PageTableError as exc:
+            raise PageTableError(f"TransferPlan destination {exc}") from exc
+        keep = np.flatnonzero(self.dst.nbytes > 0)
+        if keep.size < 2:
+            return
+        order = keep[np.argsort(self.dst.addr[keep], kind="stable")]
+        start = self.dst.addr[order]
+        end = start + self.dst.nbytes[order]
+        reach = np.maximum.accumulate(end)
+        clash = start[1:] < reach[:-1]
+        if clash.any():
+            j = int(np.argmax(clash)) + 1
+            i = int(order[int(np.argmax(end[:j] > start[j]))])
+            k = int(order[j])
+            raise PageTableError(
+                f"TransferPlan destination entries {i} [{int(self.dst.addr[i]):#x}, +{int(self.dst.nbytes[i])}) "
+                f"and {k} [{int(self.dst.addr[k]):#x}, +{int(self.dst.nbytes[k])}) overlap: a byte would be "
+                f"written twice")
+
+    # --- wire format ----------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Versioned little-endian encoding of both sides (coords are not sent)."""
+        cols: dict[str, wire.Column] = {"src_addr": self.src.addr, "dst_addr": self.dst.addr, "nbytes": self.src.nbytes,
+                "src_region": self.src.region, "dst_region": self.dst.region}
+        return wire.encode(PLAN_MAGIC, [(name, dt, cols[name]) for name, dt in _PLAN_COLUMNS], {})
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> TransferPlan:
+        """Decode ``to_bytes`` output; malformed or hostile input raises PageTableError only."""
+        fixed, named = wire.decode(data, PLAN_MAGIC, "TransferPlan", _PLAN_COLUMNS)
+        if named:
+            raise PageTableError(f"TransferPlan.from_bytes: unexpected named columns {sorted(named)}")
+        nbytes = fixed["nbytes"].astype(np.uint64)
+        src_addr, dst_addr = fixed["src_addr"].astype(np.uint64), fixed["dst_addr"].astype(np.uint64)
+        wire.check_no_wrap(src_addr, nbytes, "TransferPlan.from_bytes source")
+        wire.check_no_wrap(dst_addr, nbytes, "TransferPlan.from_bytes destination")
+        return cls(PageTable(src_addr, nbytes, fixed["src_region"].astype(np.uint32)),
+                   PageTable(dst_addr, nbytes, fixed["dst_region"].astype(np.uint32)))

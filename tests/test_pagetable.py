@@ -1,0 +1,230 @@
+"""PageTable and TransferPlan: coalesce, split, chunks, validate and the bounded wire codec."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.cache.memory import MemoryRegion
+from kvxfer.errors import PageTableError
+from kvxfer.pagetable import PLAN_MAGIC, TABLE_MAGIC, WIRE_VERSION, PageTable, TransferPlan
+
+
+def table(addr: list[int], nbytes: list[int], region: list[int] | None = None, **coords: list[int]) -> PageTable:
+    return PageTable(np.array(addr, np.uint64), np.array(nbytes, np.uint64),
+                     np.array(region if region is not None else [0] * len(addr), np.uint32),
+                     {k: np.array(v, np.int64) for k, v in coords.items()})
+
+
+def rows(t: PageTable) -> list[tuple[int, int, int]]:
+    return list(zip(t.addr.tolist(), t.nbytes.tolist(), t.region.tolist(), strict=True))
+
+
+# --- PageTable -----------------------------------------------------------------------------------
+def test_coalesce_merges_only_consecutive_adjacent_entries_of_one_region() -> None:
+    t = table([100, 110, 200, 250, 300, 50, 60], [10, 90, 50, 50, 8, 10, 4], [0, 0, 0, 0, 1, 1, 1], layer=[0] * 7)
+    c = t.coalesce()
+    # 100..200 and 200..300 touch but 300 is in region 1; 50 after 300 is not adjacent going forward
+    assert rows(c) == [(100, 200, 0), (300, 8, 1), (50, 14, 1)]
+    assert c.total_bytes == t.total_bytes and c.coords == {}
+    assert rows(table([10, 0], [5, 10]).coalesce()) == [(10, 5, 0), (0, 10, 0)]   # order is kept
+
+
+def test_split_cuts_long_entries_into_max_bytes_pieces() -> None:
+    t = table([0, 1000, 5000], [10, 4, 0], [0, 1, 2])
+    assert rows(t.split(4)) == [(0, 4, 0), (4, 4, 0), (8, 2, 0), (1000, 4, 1), (5000, 0, 2)]
+    assert rows(t.split(100)) == rows(t)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(PageTableError, match="max_bytes"):
+            t.split(bad)  # type: ignore[arg-type]
+
+
+def test_chunks_are_consecutive_balanced_and_never_cut_entries() -> None:
+    t = table(list(range(0, 800, 100)), [100] * 8, layer=list(range(8)))
+    parts = t.chunks(4)
+    assert [len(p) for p in parts] == [2, 2, 2, 2]
+    assert [p.coords["layer"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [len(p) for p in t.chunks(3)] == [3, 2, 3]
+    assert len(t.chunks(100)) == 8 and len(t.chunks(1)) == 1
+    assert PageTable.empty().chunks(3) == []
+    skewed = table([0, 1000, 2000, 3000], [1000, 10, 10, 10])
+    assert [len(p) for p in skewed.chunks(2)] == [1, 3]
+    with pytest.raises(PageTableError, match="n must be"):
+        t.chunks(0)
+
+
+def test_validate_names_the_first_bad_entry() -> None:
+    regions = [MemoryRegion(1000, 100), MemoryRegion(5000, 50)]
+    table([1000, 5040], [100, 10], [0, 1]).validate(regions)
+    with pytest.raises(PageTableError, match=r"entry 1: .* outside region 1"):
+        table([1000, 5041], [10, 10], [0, 1]).validate(regions)
+    with pytest.raises(PageTableError, match="entry 0: region 2 not registered"):
+        table([1000], [1], [2]).validate(regions)
+    with pytest.raises(PageTableError, match="entry 0"):
+        table([999], [2], [0]).validate(regions)
+    with pytest.raises(PageTableError, match="entry 0"):
+        table([2**64 - 8], [16], [0]).validate([MemoryRegion(2**64 - 32, 31)])
+
+
+def test_constructor_refuses_ragged_arrays_and_bad_coords() -> None:
+    with pytest.raises(PageTableError, match="equal length"):
+        PageTable(np.zeros(2, np.uint64), np.zeros(3, np.uint64), np.zeros(2, np.uint32))
+    with pytest.raises(PageTableError, match="coords"):
+        table([1, 2], [1, 1], layer=[1])
+    with pytest.raises(PageTableError, match="identifier"):
+        PageTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(1, np.uint32), {"bad name": np.zeros(1)})
+
+
+def test_concat_and_take_keep_coords() -> None:
+    a, b = table([0], [4], layer=[3]), table([8, 16], [4, 4], layer=[5, 6])
+    c = PageTable.concat([a, b])
+    assert rows(c) == [(0, 4, 0), (8, 4, 0), (16, 4, 0)] and c.coords["layer"].tolist() == [3, 5, 6]
+    assert c.take(np.array([2, 0])).coords["layer"].tolist() == [6, 3]
+    assert PageTable.concat([a, table([1], [1])]).coords == {}
+    assert len(PageTable.concat([])) == 0
+
+
+tables = st.integers(0, 40).flatmap(lambda n: st.tuples(
+    st.lists(st.integers(0, 2**63), min_size=n, max_size=n), st.lists(st.integers(0, 2**20), min_size=n, max_size=n),
+    st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n),
+    st.lists(st.integers(-(2**63), 2**63 - 1), min_size=n, max_size=n)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tables)
+def test_table_wire_round_trip(cols: tuple[list[int], list[int], list[int], list[int]]) -> None:
+    addr, nbytes, region, layer = cols
+    t = table(addr, nbytes, region, layer=layer, block=list(range(len(addr))))
+    back = PageTable.from_bytes(t.to_bytes())
+    assert rows(back) == rows(t)
+    assert {k: v.tolist() for k, v in back.coords.items()} == {k: v.tolist() for k, v in t.coords.items()}
+    assert list(back.coords) == ["layer", "block"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(tables, st.integers(2**14, 2**33))
+def test_split_then_coalesce_gives_back_the_coalesced_table(cols: tuple[list[int], ...], step: int) -> None:
+    addr, nbytes, region, _ = cols
+    t = table(addr, nbytes, region)
+    pieces = t.split(step)
+    assert pieces.total_bytes == t.total_bytes
+    assert int(pieces.nbytes.max(initial=0)) <= step
+    assert rows(pieces.coalesce()) == rows(t.coalesce().coalesce())
+
+
+def test_decoder_refuses_each_malformation_with_page_table_error() -> None:
+    good = table([1, 2], [3, 4], [0, 1], layer=[7, 8]).to_bytes()
+    assert len(good) == 16 + 1 + 5 + 2 * (8 + 8 + 4 + 8)
+    cases = {
+        "truncated header": good[:10],
+        "bad magic": b"XXXX" + good[4:],
+        "unsupported version": good[:4] + struct.pack("<H", WIRE_VERSION + 1) + good[6:],
+        "header says": good[:-1],
+        "payload has": good + b"\0",
+        "column name 0": good[:16] + b"\0" + good[17:],
+        "not ASCII": good[:17] + b"\xff" + good[18:],
+        "new identifier": good[:17] + b"1" + good[18:],
+        "named columns": good[:6] + struct.pack("<H", 65) + good[8:],
+        "overflows": table([2**64 - 1], [2]).to_bytes(),
+    }
+    for what, data in cases.items():
+        with pytest.raises(PageTableError, match=what):
+            PageTable.from_bytes(data)
+    with pytest.raises(PageTableError, match="expected bytes"):
+        PageTable.from_bytes("text")  # type: ignore[arg-type]
+
+
+def test_hostile_count_is_refused_without_allocating() -> None:
+    header = struct.pack("<4sHHQ", TABLE_MAGIC, WIRE_VERSION, 0, 2**62)
+    with pytest.raises(PageTableError, match=r"header says 4611686018427387904 entries"):
+        PageTable.from_bytes(header + b"\0" * 40)
+    with pytest.raises(PageTableError, match="header says"):
+        TransferPlan.from_bytes(struct.pack("<4sHHQ", PLAN_MAGIC, WIRE_VERSION, 0, 2**63) + b"\0" * 32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_decoder_fuzz_arbitrary_bytes_only_raise_page_table_error(data: bytes) -> None:
+    for cls in (PageTable, TransferPlan):
+        try:
+            out = cls.from_bytes(data)
+        except PageTableError:
+            continue
+        assert len(out) * 20 <= len(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_decoder_fuzz_mutated_valid_messages(data: st.DataObject) -> None:
+    """Valid encodings with bytes flipped, cut or appended decode or raise PageTableError, nothing else."""
+    t = table([1, 2, 3], [3, 4, 5], [0, 1, 2], layer=[7, 8, 9])
+    for good in (t.to_bytes(), TransferPlan(t, t).to_bytes()):
+        buf = bytearray(good)
+        for _ in range(data.draw(st.integers(1, 4))):
+            i = data.draw(st.integers(0, len(buf) - 1))
+            buf[i] = data.draw(st.integers(0, 255))
+        cut = data.draw(st.integers(0, len(buf)))
+        tail = data.draw(st.binary(max_size=8))
+        for cls in (PageTable, TransferPlan):
+            with contextlib.suppress(PageTableError):
+                cls.from_bytes(bytes(buf[:cut]) + tail)
+
+
+# --- TransferPlan --------------------------------------------------------------------------------
+def test_plan_refuses_unequal_sides() -> None:
+    with pytest.raises(PageTableError, match="2 source entries vs 1"):
+        TransferPlan(table([0, 8], [8, 8]), table([0], [8]))
+    with pytest.raises(PageTableError, match="entry 1: source 8 bytes vs destination 4"):
+        TransferPlan(table([0, 8], [8, 8]), table([0, 8], [8, 4]))
+
+
+def test_plan_coalesce_needs_both_sides_adjacent() -> None:
+    src = table([0, 10, 20, 30], [10, 10, 10, 10])
+    dst = table([100, 110, 500, 510], [10, 10, 10, 10])
+    c = TransferPlan(src, dst).coalesce()
+    assert rows(c.src) == [(0, 20, 0), (20, 20, 0)] and rows(c.dst) == [(100, 20, 0), (500, 20, 0)]
+    other_region = TransferPlan(src, table([100, 110, 120, 130], [10] * 4, [0, 1, 1, 1])).coalesce()
+    assert len(other_region) == 2
+
+
+def test_plan_sort_by_source_then_coalesce_finds_every_merge() -> None:
+    src = table([20, 0, 10], [10, 10, 10])
+    dst = table([520, 500, 510], [10, 10, 10])
+    plan = TransferPlan(src, dst)
+    assert len(plan.coalesce()) == 2
+    merged = plan.sort_by_source().coalesce()
+    assert rows(merged.src) == [(0, 30, 0)] and rows(merged.dst) == [(500, 30, 0)]
+    in_order = TransferPlan(table([0, 5], [5, 5]), table([0, 5], [5, 5]))
+    assert in_order.sort_by_source() is in_order
+
+
+def test_plan_split_chunks_and_wire() -> None:
+    plan = TransferPlan(table([0, 100], [10, 3], [0, 1]), table([1000, 50], [10, 3], [2, 0]))
+    s = plan.split(4)
+    assert rows(s.src) == [(0, 4, 0), (4, 4, 0), (8, 2, 0), (100, 3, 1)]
+    assert rows(s.dst) == [(1000, 4, 2), (1004, 4, 2), (1008, 2, 2), (50, 3, 0)]
+    assert [p.total_bytes for p in s.chunks(2)] == [8, 5]
+    back = TransferPlan.from_bytes(s.to_bytes())
+    assert rows(back.src) == rows(s.src) and rows(back.dst) == rows(s.dst)
+    assert len(s.to_bytes()) == 16 + 4 * 32
+    assert len(TransferPlan.from_bytes(TransferPlan.empty().to_bytes())) == 0
+
+
+def test_plan_validate_refuses_overlapping_destination_and_outside_entries() -> None:
+    regions = [MemoryRegion(0, 100), MemoryRegion(1000, 100)]
+    ok = TransferPlan(table([0, 10], [10, 10]), table([1000, 1010], [10, 10], [1, 1]))
+    ok.validate(regions, regions)
+    twice = TransferPlan(table([0, 10, 20], [10, 10, 10]), table([1050, 1000, 1005], [10, 10, 10], [1, 1, 1]))
+    with pytest.raises(PageTableError, match=r"destination entries 1 .* and 2 .* overlap"):
+        twice.validate(regions, regions)
+    # reads may overlap (one source byte to two places), writes may not
+    TransferPlan(table([0, 0], [10, 10]), table([1000, 1010], [10, 10], [1, 1])).validate(regions, regions)
+    with pytest.raises(PageTableError, match="source entry 0"):
+        TransferPlan(table([95], [10]), table([1000], [10], [1])).validate(regions, regions)
+    with pytest.raises(PageTableError, match="destination entry 0"):
+        TransferPlan(table([0], [10]), table([1095], [10], [1])).validate(regions, regions)
