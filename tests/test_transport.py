@@ -16,7 +16,7 @@ from transport_helpers.peer import serve, table_wire
 from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
 
 from kvxfer.errors import PageTableError, PeerUnreachable, TransferCancelled, TransferTimeout, TransportError
-from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import TransferStatus, Transport, available_backends, create
 
 AVAILABLE = available_backends()

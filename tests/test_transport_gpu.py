@@ -107,7 +107,7 @@ def test_device_plan_outside_peer_memory_is_refused(gpu_peer: GpuPeer) -> None:
     bad = PageTable(np.array([peer_end - PAGE], np.uint64), np.array([2 * PAGE], np.uint64), np.zeros(1, np.uint32))
     src = PageTable(np.array([p.local.regions[0].base_address], np.uint64), np.array([2 * PAGE], np.uint64),
                     np.zeros(1, np.uint32))
-    from kvxfer.pagetable.table import TransferPlan
+    from kvxfer.pagetable import TransferPlan
     with pytest.raises(PageTableError, match="outside region 0"):
         p.local.write(p.name, TransferPlan(src, bad))
     assert all(np.array_equal(np.frombuffer(a, np.uint8), b) for a, b in zip(p.call("dump"), before, strict=True))

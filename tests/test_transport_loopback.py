@@ -24,7 +24,7 @@ from kvxfer.errors import (
     TransferTimeout,
     TransportError,
 )
-from kvxfer.pagetable.table import TransferPlan
+from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import LoopbackFaults, TransferStatus, TransportMetadata, available_backends, create
 from kvxfer.transport.copy import GATHER_MIN_RUNS, copy_plan, merge_adjacent
 

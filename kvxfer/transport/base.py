@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PageTableError, PeerUnreachable, TransportError
-from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport.handle import TransferHandle
 from kvxfer.transport.metadata import MAX_NAME_CHARS, TransportMetadata, check_regions
 

@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable
-from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
 from kvxfer.transport.copy import merge_adjacent

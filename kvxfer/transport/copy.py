@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, TransferFailed
-from kvxfer.pagetable.table import TransferPlan
+from kvxfer.pagetable import TransferPlan
 
 U64 = npt.NDArray[np.uint64]
 

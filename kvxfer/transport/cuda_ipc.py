@@ -18,7 +18,7 @@ import numpy as np
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, DecodeError, PeerUnreachable, TransferFailed, TransportError
-from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PeerUnreachable, TransferFailed, TransportError
-from kvxfer.pagetable.table import TransferPlan
+from kvxfer.pagetable import TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.copy import copy_plan, host_view
 from kvxfer.transport.handle import TransferHandle, TransferStatus

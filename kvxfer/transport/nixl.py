@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, PeerUnreachable, TransferFailed, TransportError
-from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata

@@ -40,7 +40,7 @@ import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, PageTableError, PeerUnreachable, TransferFailed, TransportError
-from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import MAX_NAME_CHARS, MAX_REGIONS, TransportMetadata

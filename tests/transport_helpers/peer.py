@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.errors import TransportError
-from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import create
 from transport_helpers.plans import make_buffers, regions_of
 

@@ -6,7 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.pagetable.table import PageTable, TransferPlan
+from kvxfer.pagetable import PageTable, TransferPlan
 
 PAGE = 4096
 
