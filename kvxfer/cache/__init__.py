@@ -13,12 +13,18 @@ from kvxfer.cache.descriptors import (
     PoolGroupDesc,
     SlotDesc,
 )
+from kvxfer.cache.events import AllCleared, KVEvent, KVEventPublisher, Removed, Stored, Updated
+from kvxfer.cache.hashing import HASH_V2_BLAKE3, HASH_V2_BLAKE3_64, ReuseScope, block_keys
 from kvxfer.cache.kv_cache import CacheState, KVCache
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
+from kvxfer.cache.stats import IterationStats, PoolGroupPeaks, RequestStats, SlotAccounting
 
 __all__ = [
+    "HASH_V2_BLAKE3",
+    "HASH_V2_BLAKE3_64",
     "LAYOUT_VERSION",
+    "AllCleared",
     "BufferFormat",
     "BufferId",
     "CacheConfig",
@@ -28,14 +34,25 @@ __all__ = [
     "DiskTier",
     "ExpandedBuffer",
     "HostTier",
+    "IterationStats",
     "KVCache",
     "KVCacheManager",
+    "KVEvent",
+    "KVEventPublisher",
     "LayerGroupDesc",
     "LayerSpec",
     "MemoryRegion",
     "PoolDesc",
     "PoolGroupDesc",
+    "PoolGroupPeaks",
     "PrimaryTier",
+    "Removed",
+    "RequestStats",
+    "ReuseScope",
     "RoleSpec",
+    "SlotAccounting",
     "SlotDesc",
+    "Stored",
+    "Updated",
+    "block_keys",
 ]

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.cache.hashing import DEFAULT_SCOPE, ReuseScope, as_token_ids
+from kvxfer.cache.radix_tree import BlockNode, check_priority
+from kvxfer.cache.stats import RequestStats
 from kvxfer.errors import CacheClosedError, CacheStateError, CapacityError, OutOfSlotsError
 
 if TYPE_CHECKING:
@@ -32,20 +35,15 @@ class CacheState(enum.Enum):
 
 
 def _as_tokens(tokens: Sequence[int] | npt.ArrayLike, what: str) -> npt.NDArray[np.int64]:
-    arr = np.asarray(tokens)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise CapacityError(f"{what}: token ids must be a 1-D integer sequence, got shape {arr.shape} "
-                            f"dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
-        raise CapacityError(f"{what}: token ids must fit uint32, got range [{int(arr.min())}, {int(arr.max())}]")
-    return arr
+    """Token ids as int64 after the uint32 range check (CapacityError otherwise)."""
+    return as_token_ids(tokens, what)
 
 
 class KVCache:
     """Per-request paged KV storage handed out by ``KVCacheManager.create_kv_cache``."""
 
-    def __init__(self, manager: KVCacheManager, cache_id: str, input_tokens: npt.NDArray[np.int64] | None) -> None:
+    def __init__(self, manager: KVCacheManager, cache_id: str, input_tokens: npt.NDArray[np.int64] | None,
+                 reuse_scope: ReuseScope = DEFAULT_SCOPE, extra_keys: dict[int, bytes] | None = None) -> None:
         self._manager = manager
         self.id = cache_id
         self.state = CacheState.SUSPENDED
@@ -56,6 +54,16 @@ class KVCache:
         self._history = 0
         self._tokens = np.empty(0, dtype=np.int64)   # committed token ids
         self.num_reused_tokens = 0
+        self.reuse_scope = reuse_scope
+        # Prefix-reuse bookkeeping, kept by the manager: keys of the committed full blocks, the tree
+        # node tied to each of them (None once the chain could not be inserted), the tree block a
+        # partially reused block was taken from (until it is copied), the prompt's keys.
+        self._extra_keys: dict[int, bytes] = dict(extra_keys or {})
+        self._keys: list[bytes] = []
+        self._tree_nodes: list[BlockNode | None] = []
+        self._partial_src: BlockNode | None = None
+        self._prompt_keys: list[bytes] = []
+        self._pending = RequestStats()
 
     # --- properties ----------------------------------------------------------------------------
     @property
@@ -91,6 +99,13 @@ class KVCache:
     def num_blocks(self) -> int:
         """Blocks (of tokens_per_block tokens) covering the capacity."""
         return int(self._blocks[0].size) if self._blocks else 0
+
+    @property
+    def pending_stats(self) -> RequestStats:
+        """This request's statistics deltas not yet merged by ``commit_pending_stats`` (a copy)."""
+        out = RequestStats()
+        out.add(self._pending)
+        return out
 
     def block_ids(self, layer_group_id: int = 0) -> IntArray:
         """Slot ids of this request's blocks in layer group ``layer_group_id`` (-1: no page)."""
@@ -147,17 +162,29 @@ class KVCache:
         self._capacity = capacity
         return True
 
-    def commit(self, tokens: Sequence[int] | npt.ArrayLike) -> None:
-        """Declare the KV of ``tokens`` (appended after the committed ones) written and final."""
+    def commit(self, tokens: Sequence[int] | npt.ArrayLike, *, priority: int | None = None) -> None:
+        """Declare the KV of ``tokens`` (appended after the committed ones) written and final.
+
+        With prefix reuse, blocks this fills enter the prefix tree; ``priority`` (0-100, default 35)
+        is their eviction priority (lower goes first) and also updates blocks already there.
+        """
         self._check_active("commit")
+        if priority is not None:
+            priority = check_priority(priority, f"KVCache {self.id}.commit")
         arr = _as_tokens(tokens, f"KVCache {self.id}.commit")
         if self.num_committed_tokens + arr.size > self._capacity:
             raise CapacityError(f"KVCache {self.id}: commit of {arr.size} tokens past capacity "
                                 f"({self.num_committed_tokens} committed, capacity {self._capacity})")
         self._tokens = np.concatenate([self._tokens, arr])
         self._history = max(self._history, self.num_committed_tokens)
-        self._manager._on_commit(self)
+        self._manager._on_commit(self, priority)
         self._manager._release_out_of_window(self)
+
+    def set_priority(self, priority: int) -> None:
+        """Set the eviction priority (0-100, lower goes first) of every committed block of this
+        request that is in the prefix tree."""
+        self._check_open("set_priority")
+        self._manager._set_priority(self, check_priority(priority, f"KVCache {self.id}.set_priority"))
 
     def close(self) -> None:
         """Release every page this cache holds; a second close raises CacheClosedError."""
