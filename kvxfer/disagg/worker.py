@@ -212,21 +212,20 @@ class Engine:
         self._readers.append(t)
         t.start()
 
+    @property
+    def backlog(self) -> int:
+        """Events waiting (a tick with a backlog must not expire leases whose renewals may be queued)."""
+        return self._events.qsize()
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 wait = self._tick()    # periodic work (transfers, leases, deadlines); seconds until the next
                 try:
-                    ev = self._events.get(timeout=min(0.05, max(0.0005, wait)))
+                    ev = self._events.get(timeout=min(0.05, max(0.0005, wait)) if not self.backlog else 0)
                 except queue.Empty:
                     continue
                 self._dispatch(ev)
-                while True:    # drain what is queued before the next timer pass
-                    try:
-                        ev = self._events.get_nowait()
-                    except queue.Empty:
-                        break
-                    self._dispatch(ev)
         except BaseException as exc:
             log.exception("%s: engine thread failed", self.name)
             self.error = exc

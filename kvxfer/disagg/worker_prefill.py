@@ -268,7 +268,7 @@ class PrefillWorker:
 
     # --- completion and failure -------------------------------------------------------------------
     def _tick(self) -> float:
-        for key in self.leases.pop_expired():
+        for key in (self.leases.pop_expired() if not self.engine.backlog else []):
             job = self._jobs.get(key)   # type: ignore[arg-type]
             if job is not None:
                 self._end(job, SessionState.FAILED, "lease expired: decode stopped renewing it")
