@@ -39,6 +39,7 @@ from kvxfer.errors import (
     ConfigError,
     ControlTimeout,
     KvxferError,
+    LayoutMismatch,
     OutOfSlotsError,
     PeerUnreachable,
     ProtocolError,
@@ -246,6 +247,11 @@ class DecodeWorker:
             self.engine.read(conn)
 
     def _attach(self, conn: PeerConnection, layouts: list[CacheLayoutDesc]) -> None:
+        windowed = any(lg.window is not None for lg in self.layouts[0].layer_groups)
+        src_tpb, dst_tpb = layouts[0].tokens_per_block, self.layouts[0].tokens_per_block
+        if windowed and src_tpb % dst_tpb:
+            raise LayoutMismatch(f"sliding-window layers need prefill's tokens_per_block ({src_tpb}) to be a multiple "
+                                 f"of decode's ({dst_tpb}): otherwise decode keeps window blocks prefill has freed")
         old = self._prefill
         if old is not None:
             self._on_prefill_lost(old, "replaced by a new prefill connection")
@@ -267,7 +273,7 @@ class DecodeWorker:
                     self._on_client(a, b)
                 elif a is self._prefill:
                     self._on_prefill(b)
-            except ProtocolError as exc:
+            except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
                 log.warning("%s: %s sent a bad %s: %s", self.config.name, a.peer.name, b.type, exc)
                 a.close(f"protocol error: {exc}")
                 if a is self._prefill:
@@ -403,6 +409,9 @@ class DecodeWorker:
         self._jobs.pop(job.request_id, None)
         try:
             for cache in job.caches:
+                # Release the sliding-window pages the prompt no longer needs before they are committed:
+                # prefill released those too, so nothing was written there.
+                cache.history_length = int(job.tokens.size)
                 cache.commit(job.tokens[job.skip:])
             kv = self.model.bind(list(zip(self.managers, job.caches, strict=True)))
             first = int(job.pushed["first_token"])

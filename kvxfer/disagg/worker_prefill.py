@@ -143,7 +143,7 @@ class PrefillWorker:
         elif kind == "message":
             try:
                 self._on_message(conn, payload)
-            except ProtocolError as exc:
+            except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
                 log.warning("%s: %s sent a bad %s: %s", self.config.name, conn.peer.name, payload.type, exc)
                 conn.close(f"protocol error: {exc}")
                 self._on_lost(conn, f"protocol error: {exc}")
