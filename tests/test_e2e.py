@@ -114,10 +114,10 @@ def test_two_prefill_ranks_feed_one_decode_rank_with_sliding_windows() -> None:
 
 def test_refused_handshakes_fail_fast_with_the_reason(prefill: PrefillWorker) -> None:
     t0 = time.monotonic()
-    with pytest.raises(AuthenticationError, match="failed authentication .wrong secret"):
+    with pytest.raises(AuthenticationError, match=r"failed authentication \(wrong secret"):
         DecodeWorker(WorkerConfig(name("decode")), "a-wrong-secret-0123456789", prefill=prefill.address)
     other = ModelConfig(head_dim=16)
-    with pytest.raises(HandshakeRefused, match="incompatible layout.*head_dim"):
+    with pytest.raises(HandshakeRefused, match=r"incompatible layout.*head_dim"):
         DecodeWorker(WorkerConfig(name("decode"), model=other), SECRET, prefill=prefill.address)
     with pytest.raises(HandshakeRefused, match="version"):
         DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address, versions=(2, 2))
@@ -131,7 +131,7 @@ def test_stalled_push_fails_at_the_deadline_and_frees_both_sides() -> None:
             DecodeWorker(WorkerConfig(name("decode"), deadline_s=1.0), SECRET, prefill=prefill.address) as decode:
         tokens = prompts(5)[0]
         t0 = time.monotonic()
-        with pytest.raises(TransferTimeout, match="did not arrive within 1.0 s"):
+        with pytest.raises(TransferTimeout, match=r"did not arrive within 1\.0 s"):
             decode.generate(tokens, 4, timeout=30)
         assert time.monotonic() - t0 < 5
         deadline = time.monotonic() + 5    # decode frees its blocks once prefill confirms the cancel

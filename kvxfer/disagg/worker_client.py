@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass
 
-import numpy.typing as npt
 import numpy as np
+import numpy.typing as npt
 
 from kvxfer.disagg.control import PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
@@ -68,7 +69,5 @@ class GenerateClient:
 
     def close(self) -> None:
         """Close the connection."""
-        try:
+        with contextlib.suppress(KvxferError):
             self.conn.close("client done")
-        except KvxferError:
-            pass

@@ -30,9 +30,15 @@ from kvxfer.disagg.control import ControlServer, PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
 from kvxfer.disagg.session import Session, SessionState
-from kvxfer.disagg.worker import Engine, Event, held_slots, WorkerConfig, all_regions, now, plan_between
-from kvxfer.disagg.worker_protocol import MODES, decode_block_ids, decode_layouts, encode_block_ids, encode_layouts, \
-    encode_stats
+from kvxfer.disagg.worker import Engine, Event, WorkerConfig, all_regions, held_slots, now, plan_between
+from kvxfer.disagg.worker_protocol import (
+    MODES,
+    decode_block_ids,
+    decode_layouts,
+    encode_block_ids,
+    encode_layouts,
+    encode_stats,
+)
 from kvxfer.errors import (
     CacheStateError,
     CapacityError,
@@ -265,8 +271,7 @@ class DecodeWorker:
         if kind == "submit":
             self._start(a)
         elif kind == "lost":
-            if a is self._prefill:
-                self._on_prefill_lost(a, b)
+            self._on_prefill_lost(a, b)
         elif kind == "message":
             try:
                 if a.peer.role == "client":
@@ -276,8 +281,7 @@ class DecodeWorker:
             except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
                 log.warning("%s: %s sent a bad %s: %s", self.config.name, a.peer.name, b.type, exc)
                 a.close(f"protocol error: {exc}")
-                if a is self._prefill:
-                    self._on_prefill_lost(a, f"protocol error: {exc}")
+                self._on_prefill_lost(a, f"protocol error: {exc}")
 
     def _on_client(self, conn: PeerConnection, msg: Message) -> None:
         if msg.type != "generate":

@@ -70,8 +70,8 @@ def demo_prompts(families: int, per_family: int, seed: int, vocab: int) -> list[
     return out
 
 
-class _Child:
-    """A worker process started with ``kvxfer serve``; its first stdout line gives its address."""
+class WorkerProcess:
+    """A worker process started with ``kvxfer serve``; the line saying ``listening on`` gives its address."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str], timeout: float) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvxfer.cli", "serve", *args], env=env,
@@ -104,6 +104,11 @@ class _Child:
         for text in stream:
             self.stderr.append(text)
 
+    def kill(self) -> None:
+        """SIGKILL (a crash, for fault tests) and reap."""
+        self.proc.kill()
+        self.proc.wait(10)
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
         if self.proc.poll() is None:
@@ -129,16 +134,16 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     cfg = preset(MODEL)
     requests = demo_prompts(families, per_family, seed, cfg.vocab_size)
     started = time.monotonic()
-    prefill = _Child(["prefill", "--name", "demo-prefill", *common], env, timeout)
-    decode: _Child | None = None
+    prefill = WorkerProcess(["prefill", "--name", "demo-prefill", *common], env, timeout)
+    decode: WorkerProcess | None = None
     try:
-        decode = _Child(["decode", "--name", "demo-decode", "--prefill", prefill.address, "--mode", mode,
+        decode = WorkerProcess(["decode", "--name", "demo-decode", "--prefill", prefill.address, "--mode", mode,
                          *(["--layerwise"] if layerwise else []), *common], env, timeout)
         client = GenerateClient(decode.address, AuthKey.load(secret), name="demo-client")
         task = progress.add_task("requests", total=len(requests)) if progress is not None else None
         results: dict[int, ClientResult] = {}
         try:
-            first = {}
+            first: dict[int, int] = {}
             for i, r in enumerate(requests):
                 first.setdefault(r.family, i)
             waves = [sorted(first.values()), [i for i in range(len(requests)) if i not in first.values()]]

@@ -26,9 +26,32 @@ from kvxfer.disagg.control import ControlServer, PeerConnection, Secret
 from kvxfer.disagg.handshake import LocalIdentity, check_compatible
 from kvxfer.disagg.messages import Message
 from kvxfer.disagg.session import LeaseTable, Session, SessionState
-from kvxfer.disagg.worker import Engine, Event, held_slots, LayerwiseKV, WorkerConfig, all_regions, layer_groups, now, plan_between
-from kvxfer.disagg.worker_protocol import BlockIdMaps, decode_block_ids, decode_layouts, encode_block_ids, encode_layouts
-from kvxfer.errors import CacheStateError, ControlTimeout, KvxferError, OutOfSlotsError, ProtocolError, SessionError
+from kvxfer.disagg.worker import (
+    Engine,
+    Event,
+    LayerwiseKV,
+    WorkerConfig,
+    all_regions,
+    held_slots,
+    layer_groups,
+    now,
+    plan_between,
+)
+from kvxfer.disagg.worker_protocol import (
+    BlockIdMaps,
+    decode_block_ids,
+    decode_layouts,
+    encode_block_ids,
+    encode_layouts,
+)
+from kvxfer.errors import (
+    CacheStateError,
+    ControlTimeout,
+    KvxferError,
+    OutOfSlotsError,
+    ProtocolError,
+    SessionError,
+)
 from kvxfer.model import ReferenceModel, greedy
 from kvxfer.transport import TransferHandle, TransferStatus, Transport, create
 
@@ -269,7 +292,7 @@ class PrefillWorker:
     # --- completion and failure -------------------------------------------------------------------
     def _tick(self) -> float:
         for key in (self.leases.pop_expired() if not self.engine.backlog else []):
-            job = self._jobs.get(key)   # type: ignore[arg-type]
+            job = next((j for k, j in self._jobs.items() if k == key), None)
             if job is not None:
                 self._end(job, SessionState.FAILED, "lease expired: decode stopped renewing it")
         busy = False
