@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvxfer.cache.manager import KVCacheManager
+from kvxfer.cli import main as cli_main
 from kvxfer.disagg import LocalIdentity, connect
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
@@ -172,3 +173,8 @@ def test_pull_lease_expires_when_decode_stops_renewing(prefill: PrefillWorker) -
     finally:
         conn.close()
         transport.close()
+
+
+def test_demo_refuses_loopback_across_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["demo", "--backend", "loopback"]) == 2
+    assert "loopback moves bytes only between transports of one process" in capsys.readouterr().err
