@@ -28,6 +28,7 @@ from kvxfer.errors import ConfigError, ControlTimeout, KvxferError
 from kvxfer.extractor import layout_regions, plan_transfer
 from kvxfer.model import ModelConfig, PagedKV, preset
 from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.transport import Transport, create
 
 log = logging.getLogger("kvxfer.disagg.worker")
 
@@ -70,6 +71,15 @@ class WorkerConfig:
         return [KVCacheManager(self.model.cache_config(self.tokens_per_block, self.num_blocks, self.device,
                                                        head_order=self.head_order, tp_rank=r, tp_size=self.tp_size))
                 for r in range(self.tp_size)]
+
+
+def make_transport(config: WorkerConfig, options: Mapping[str, Any] | None) -> Transport:
+    """The worker's transport, registered with every rank's regions. The engine thread polls it, so NIXL
+    runs without its own progress thread (which spins a core the model needs) unless asked otherwise."""
+    opts = dict(options or {})
+    if config.backend == "nixl":
+        opts.setdefault("progress_thread", False)
+    return create(config.backend, config.name, **opts)
 
 
 def held_slots(managers: Sequence[KVCacheManager]) -> int:

@@ -30,7 +30,16 @@ from kvxfer.disagg.control import ControlServer, PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
 from kvxfer.disagg.session import Session, SessionState
-from kvxfer.disagg.worker import Engine, Event, WorkerConfig, all_regions, held_slots, now, plan_between
+from kvxfer.disagg.worker import (
+    Engine,
+    Event,
+    WorkerConfig,
+    all_regions,
+    held_slots,
+    make_transport,
+    now,
+    plan_between,
+)
 from kvxfer.disagg.worker_protocol import (
     MODES,
     decode_block_ids,
@@ -53,7 +62,7 @@ from kvxfer.errors import (
     TransferTimeout,
 )
 from kvxfer.model import ReferenceModel
-from kvxfer.transport import TransferHandle, TransferStatus, Transport, create
+from kvxfer.transport import TransferHandle, TransferStatus, Transport
 
 log = logging.getLogger("kvxfer.disagg.decode")
 
@@ -128,7 +137,7 @@ class DecodeWorker:
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
         self.model = ReferenceModel(config.model, config.device)
-        self.transport: Transport = create(config.backend, config.name, **(transport_options or {}))
+        self.transport: Transport = make_transport(config, transport_options)
         self.transport.register(all_regions(self.layouts))
         self._prefill: PeerConnection | None = None
         self._prefill_layouts: list[CacheLayoutDesc] = []
@@ -376,7 +385,8 @@ class DecodeWorker:
         for job in list(self._jobs.values()):
             if job.session.state is not SessionState.TRANSFERRING:
                 continue
-            busy = True
+            # Poll fast only once data is moving towards us; while prefill computes, its reply wakes us.
+            busy = busy or job.read is not None or job.pushed is not None
             if job.read is not None:
                 status = job.read.status
                 if status is TransferStatus.DONE:
@@ -403,7 +413,7 @@ class DecodeWorker:
                 log.warning("%s: freeing blocks of %s without prefill's confirmation", self.config.name,
                             zombie.request_id)
                 self._bury(zombie)
-        return 0.001 if busy or self._zombies else 0.05
+        return 0.001 if busy else 0.02
 
     def _arrived(self, job: _Job, transfer_s: float) -> None:
         """The KV is in place: commit the prompt, generate, answer, free."""

@@ -34,6 +34,7 @@ from kvxfer.disagg.worker import (
     all_regions,
     held_slots,
     layer_groups,
+    make_transport,
     now,
     plan_between,
 )
@@ -53,7 +54,7 @@ from kvxfer.errors import (
     SessionError,
 )
 from kvxfer.model import ReferenceModel, greedy
-from kvxfer.transport import TransferHandle, TransferStatus, Transport, create
+from kvxfer.transport import TransferHandle, TransferStatus, Transport
 
 log = logging.getLogger("kvxfer.disagg.prefill")
 
@@ -97,7 +98,7 @@ class PrefillWorker:
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
         self.model = ReferenceModel(config.model, config.device)
-        self.transport: Transport = create(config.backend, config.name, **(transport_options or {}))
+        self.transport: Transport = make_transport(config, transport_options)
         self.transport.register(all_regions(self.layouts))
         self.leases = LeaseTable()
         self.stats = PrefillStats()
