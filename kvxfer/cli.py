@@ -39,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench(args: argparse.Namespace) -> int:
     """Run ``kvxfer bench transport|e2e`` with the remaining options."""
     if args.which == "transport":
-        from kvxfer.transport import bench
-        return bench.main(list(args.args))
-    from kvxfer.disagg import worker_bench
-    return worker_bench.main(list(args.args))
+        from kvxfer.transport.bench import main as bench_transport
+        return bench_transport(list(args.args))
+    from kvxfer.disagg.worker_bench import main as bench_e2e
+    return bench_e2e(list(args.args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
