@@ -4,6 +4,7 @@ single-process generation; refused handshakes; leases, deadlines and cancels tha
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Iterator
 
@@ -19,7 +20,7 @@ from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.disagg.worker_protocol import encode_block_ids, encode_layouts
 from kvxfer.errors import AuthenticationError, HandshakeRefused, LayoutMismatch, TransferTimeout
-from kvxfer.model import ModelConfig, ReferenceModel, preset
+from kvxfer.model import ByteTokenizer, ModelConfig, ReferenceModel, preset
 from kvxfer.transport import LoopbackFaults, create
 
 SECRET = "e2e-test-secret-0123456789"
@@ -178,3 +179,34 @@ def test_pull_lease_expires_when_decode_stops_renewing(prefill: PrefillWorker) -
 def test_demo_refuses_loopback_across_processes(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["demo", "--backend", "loopback"]) == 2
     assert "loopback moves bytes only between transports of one process" in capsys.readouterr().err
+
+
+def test_stalled_pull_fails_at_the_deadline_and_prefill_frees_at_once() -> None:
+    stall = LoopbackFaults(never_complete=True)
+    with PrefillWorker(WorkerConfig(name("prefill"), lease_s=30.0), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), deadline_s=1.0), SECRET, prefill=prefill.address, mode="pull",
+                         transport_options={"faults": stall}) as decode:
+        tokens = prompts(10)[0]
+        with pytest.raises(TransferTimeout):
+            decode.generate(tokens, 4, timeout=30)
+        deadline = time.monotonic() + 5     # long before prefill's 30 s lease: decode's cancel frees it
+        while prefill.held_slots() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert_idle(prefill, decode)
+        stall.never_complete = False
+        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+
+
+def test_generate_client_through_a_serving_decode_worker(prefill: PrefillWorker, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVXFER_SECRET", SECRET)
+    with DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address,
+                      bind="tcp://127.0.0.1:0") as decode:
+        assert decode.address is not None
+        assert cli_main(["generate", "--decode", decode.address, "--max-new-tokens", "5", "--json",
+                         "hello, disaggregated world"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        ids = ByteTokenizer(512).encode("hello, disaggregated world")
+        assert out["tokens"] == reference(np.array(ids), 5)
+        assert out["prompt_tokens"] == len(ids) and out["bytes_moved"] > 0
+        assert_idle(prefill, decode)

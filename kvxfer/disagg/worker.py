@@ -142,6 +142,8 @@ class LayerwiseKV(PagedKV):
         """Store the KV, then report ``layer`` when this write reached the end of the prompt."""
         super().write(layer, key, value, start)
         if start + int(key.shape[0]) == self.end:
+            if key.is_cuda:   # the copy engine reads the pages: the kernels writing them must have run
+                torch.cuda.current_stream(key.device).synchronize()
             self.on_layer_done(layer)
 
 

@@ -106,6 +106,7 @@ class _Job:
     submitted: float
     deadline: float
     reply: PeerConnection | None = None
+    client_request_id: str = ""
     peer: str = ""
     caches: list[KVCache] = field(default_factory=list)
     skip: int = 0
@@ -299,7 +300,7 @@ class DecodeWorker:
         t = now()
         job = _Job(rid, np.asarray(msg["tokens"], dtype=np.int64), int(msg["max_new_tokens"]),
                    msg["mode"] or self.mode, msg["layerwise"] or self.layerwise, Future(), Session(rid), t,
-                   t + self.config.deadline_s, reply=conn)
+                   t + self.config.deadline_s, reply=conn, client_request_id=msg["request_id"])
         if not job.tokens.size:
             self._reply_failed(job, CapacityError("the prompt must hold at least one token"))
             return
@@ -444,24 +445,26 @@ class DecodeWorker:
                                   float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft)
         job.future.set_result(result)
         if job.reply is not None:
-            rid = job.request_id.split("/", 1)[1]
             with contextlib.suppress(KvxferError):
-                job.reply.send("generated", request_id=rid, tokens=tokens, stats=encode_stats(result.stats()))
+                job.reply.send("generated", request_id=job.client_request_id, tokens=tokens,
+                               stats=encode_stats(result.stats()))
 
     # --- failure ----------------------------------------------------------------------------------
     def _fail(self, job: _Job, error: KvxferError, *, remote_done: bool = False) -> None:
         """Fail one request now; its blocks are freed once nothing can still write into them."""
-        self._jobs.pop(job.request_id, None)
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
         if not job.session.terminal:
             job.session.fail(f"{type(error).__name__}: {error}")
         self._resolve_error(job, error)
-        remote_may_write = (not remote_done and job.mode == "push" and job.session.history[-2].state
-                            is SessionState.TRANSFERRING and self._prefill is not None and self._prefill.alive
-                            and self._prefill.peer.name == job.peer)
-        if job.read is not None and not job.read.done() and not job.read.cancel():
-            remote_may_write = True
-        if remote_may_write:
+        requested = (not remote_done and job.session.history[-2].state is SessionState.TRANSFERRING
+                     and self._prefill is not None and self._prefill.alive and self._prefill.peer.name == job.peer)
+        if requested:   # prefill still holds (pull) or may still write (push) this request: tell it
             self._send("kv_cancel", request_id=job.request_id, reason=str(error)[:1000])
+        remote_may_write = requested and job.mode == "push"
+        if job.read is not None and not job.read.done() and not job.read.cancel():
+            remote_may_write = True   # our own read could not be stopped: wait for it to end
+        if remote_may_write:
             job.zombie_until = now() + self.config.lease_s + self.config.deadline_s
             self._zombies[job.request_id] = job
         else:
@@ -478,9 +481,8 @@ class DecodeWorker:
 
     def _reply_failed(self, job: _Job, error: KvxferError) -> None:
         if job.reply is not None:
-            rid = job.request_id.split("/", 1)[1]
             with contextlib.suppress(KvxferError):
-                job.reply.send("generate_failed", request_id=rid, error=type(error).__name__, reason=str(error)[:1024])
+                job.reply.send("generate_failed", request_id=job.client_request_id, error=type(error).__name__, reason=str(error)[:1024])
 
     def _close_caches(self, job: _Job) -> None:
         for cache in job.caches:
