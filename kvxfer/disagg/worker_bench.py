@@ -15,6 +15,7 @@ import os
 import secrets
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,8 @@ def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: 
 
 
 def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int, chunk: int,
-        model_name: str = "tiny") -> dict[str, Any]:
-    """Measure every length; returns the rows and the set-up."""
+        model_name: str = "tiny", on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure every length; returns the rows and the set-up (``on_row`` sees each row as it is done)."""
     torch.set_num_threads(1)
     logging.getLogger("kvxfer").setLevel(logging.ERROR)
     backend = best_backend() if backend == "auto" else backend
@@ -87,6 +88,8 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                              "prefill_compute_ms": statistics.median(d_prefill) * 1e3,
                              "arrival_ms": statistics.median(d_arrival) * 1e3, "transfer_ms": xfer * 1e3,
                              "transfer_gbps": nbytes / xfer / 1e9 if xfer > 0 else 0.0})
+                if on_row is not None:
+                    on_row(rows[-1])
     finally:
         prefill.stop()
     return {"backend": backend, "mode": mode, "layerwise": layerwise, "model": model_name, "iters": iters,
@@ -94,16 +97,24 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
+HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'prefill ms':>11} "
+          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>6}")
+
+
+def format_row(r: dict[str, Any]) -> str:
+    """One table line."""
+    return (f"{r['prompt_tokens']:>7} {r['kv_bytes'] / 2**20:>7.2f} {r['single_ttft_ms']:>15.1f} "
+            f"{r['disagg_ttft_ms']:>15.1f} {r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
+            f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>6.2f}")
+
+
 def print_table(result: dict[str, Any]) -> None:
     """The figures as a plain table."""
     print(f"kvxfer bench e2e: model {result['model']}, {result['backend']} {result['mode']}"
           f"{' layer-wise' if result['layerwise'] else ''}, chunk {result['chunk_size']}, median of {result['iters']}")
-    print(f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'prefill ms':>11} "
-          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>6}")
+    print(HEADER)
     for r in result["rows"]:
-        print(f"{r['prompt_tokens']:>7} {r['kv_bytes'] / 2**20:>7.2f} {r['single_ttft_ms']:>15.1f} "
-              f"{r['disagg_ttft_ms']:>15.1f} {r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
-              f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>6.2f}")
+        print(format_row(r))
 
 
 def main(argv: list[str] | None = None) -> int:
