@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 from collections.abc import Iterator
 
@@ -25,11 +26,19 @@ from kvxfer.transport import LoopbackFaults, create
 
 SECRET = "e2e-test-secret-0123456789"
 _names = itertools.count()
+WORKER_THREADS = ("kvxfer-control-", "kvxfer-engine-", "kvxfer-reader-", "kvxfer-accept-")
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> None:
+def _one_thread() -> Iterator[None]:
+    """One torch thread; and no worker, reader or control thread outlives its test."""
     torch.set_num_threads(1)
+    yield
+    deadline = time.monotonic() + 5
+    while (left := [t.name for t in threading.enumerate() if t.name.startswith(WORKER_THREADS)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"threads left behind: {left}"
 
 
 def name(role: str) -> str:

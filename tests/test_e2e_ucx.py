@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -26,6 +27,7 @@ from tests.test_e2e import prompts, reference
 pytestmark = pytest.mark.ucx
 SECRET = "e2e-ucx-secret-0123456789abcdef"
 _names = itertools.count()
+WORKER_THREADS = ("kvxfer-control-", "kvxfer-engine-", "kvxfer-reader-", "kvxfer-accept-")
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,15 @@ def backend() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> None:
+def _one_thread() -> Iterator[None]:
+    """One torch thread; and no worker, reader or control thread outlives its test."""
     torch.set_num_threads(1)
+    yield
+    deadline = time.monotonic() + 5
+    while (left := [t.name for t in threading.enumerate() if t.name.startswith(WORKER_THREADS)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"threads left behind: {left}"
 
 
 def spawn_prefill(backend: str, *extra: str) -> WorkerProcess:

@@ -494,6 +494,7 @@ class DecodeWorker:
         if conn is not self._prefill:
             return
         self._prefill = None
+        conn.close(f"prefill lost: {reason}"[:1000])   # ends the client endpoint and its I/O thread
         peer = conn.peer.name
         for job in [j for j in self._jobs.values() if j.peer == peer]:
             if job.read is not None and not job.read.done():
