@@ -214,18 +214,27 @@ def test_sliding_window_reuse_locks_only_window_pages() -> None:
     mgr = make_manager(64, windows=[None, 8])
     assert [lg.pool_group_index for lg in mgr.layout.layer_groups] == [0, 0]   # one shared allocator
     p = toks(16, 24)
-    prefill(mgr, p)
-    q = np.concatenate([p[:20], toks(17, 5, 1000, 2000)])
-    kv = mgr.create_kv_cache(q)
-    assert kv.num_reused_tokens == 20
-    assert (kv.block_ids(0) >= 0).all() and kv.num_blocks == 5
-    np.testing.assert_array_equal(kv.block_ids(1)[:3], [-1, -1, -1])   # before the window of token 20
-    assert (kv.block_ids(1)[3:] >= 0).all()
-    check_kv(mgr, kv, q, 0, 20)
+    kv = prefill(mgr, p, close=False)
+    # history 24: the next token sees 17..24, so window blocks 0..3 went, from the request and the tree
+    np.testing.assert_array_equal(kv.block_ids(1)[:4], [-1] * 4)
+    tree_swa = [int(n.pages[1]) for n in sorted(mgr.prefix_tree.nodes(), key=lambda n: n.depth)]
+    assert tree_swa[:4] == [-1] * 4 and min(tree_swa[4:]) >= 0
+    kv.close()
     acc = mgr.slot_accounting(0)
-    assert (acc.shared, acc.evictable, acc.request_only) == (5 + 2, 6 + 6 - 7, 0)
+    assert (acc.evictable, acc.request_only, acc.shared) == (6 + 2, 0, 0)
+    # a follow-up turn reuses everything: its window pages are there
+    q = np.concatenate([p, toks(17, 5, 1000, 2000)])
+    kv = mgr.create_kv_cache(q)
+    assert kv.num_reused_tokens == 24
+    assert (kv.block_ids(0) >= 0).all() and kv.num_blocks == 6
+    np.testing.assert_array_equal(kv.block_ids(1) >= 0, [False] * 4 + [True] * 2)
+    check_kv(mgr, kv, q, 0, 24)
+    acc = mgr.slot_accounting(0)
+    assert (acc.shared, acc.evictable, acc.request_only) == (8, 0, 0)
     check_references(mgr)
     kv.close()
+    # an earlier cut point would need window pages that are gone: nothing is reused there
+    assert mgr.probe_reuse(np.concatenate([p[:20], toks(18, 5, 1000, 2000)])) == 0
 
 
 @pytest.mark.parametrize(("sink", "expected"), [(0, 0), (4, 4)])

@@ -418,6 +418,21 @@ class KVCacheManager:
                 node.pages[lg] = mine
                 self._mark_tree_pages(node.pages, [lg])
 
+    def _drop_window_pages(self, cache: KVCache, layer_group: int, start: int, released: IntArray) -> None:
+        """The tree lets go of the sliding-window pages a request just released for blocks
+        [start, start + len(released)) once no other request holds them (the node keeps -1 there),
+        so window memory is not pinned by the tree; a node left without pages is requeued."""
+        pg = self._lg_pool_group[layer_group]
+        rc, in_tree = self._allocators[pg].refcount, self._in_tree[pg]
+        for node, page in zip(cache._tree_nodes[start:start + released.size], released.tolist(), strict=False):
+            if node is None or node.removed or page < 0 or int(node.pages[layer_group]) != page:
+                continue
+            if in_tree[page] and rc[page] == 1:
+                self._allocators[pg].decref(np.array([page], dtype=np.int32))
+                in_tree[page] = False
+                node.pages[layer_group] = -1
+            self._tree.touch(node)
+
     def _set_priority(self, cache: KVCache, priority: int) -> None:
         with self._lock:
             for node in cache._tree_nodes:
@@ -566,9 +581,10 @@ class KVCacheManager:
             stale = blocks[sink_blocks:first_needed]
             if (stale >= 0).any():
                 with self._lock:
-                    self._release(lg.layer_group_id, stale.copy())
+                    released = stale.copy()
+                    self._release(lg.layer_group_id, released)
                     blocks[sink_blocks:first_needed] = -1
-                    self._touch_blocks(cache, sink_blocks, first_needed)
+                    self._drop_window_pages(cache, lg.layer_group_id, sink_blocks, released)
 
     def _close(self, cache: KVCache) -> None:
         with self._lock:
