@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: venv
-	$(VENV)/bin/kvxfer inspect
+	$(VENV)/bin/kvxfer demo
 
 test: venv
 	$(PY) -m pytest -q -ra

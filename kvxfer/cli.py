@@ -18,7 +18,31 @@ def build_parser() -> argparse.ArgumentParser:
     p_inspect = sub.add_parser("inspect", help="show the cache layout a model shape produces")
     inspect_layout.add_arguments(p_inspect)
     p_inspect.set_defaults(func=inspect_layout.main)
+
+    from kvxfer.disagg import worker_cli, worker_demo
+    p_serve = sub.add_parser("serve", help="run a prefill or decode worker until stopped")
+    worker_cli.add_serve_arguments(p_serve)
+    p_serve.set_defaults(func=worker_cli.serve)
+    p_gen = sub.add_parser("generate", help="ask a decode worker for one completion")
+    worker_cli.add_generate_arguments(p_gen)
+    p_gen.set_defaults(func=worker_cli.generate)
+    p_demo = sub.add_parser("demo", help="prefill + decode processes on 127.0.0.1, tokens checked end to end")
+    worker_demo.add_demo_arguments(p_demo)
+    p_demo.set_defaults(func=worker_demo.demo)
+    p_bench = sub.add_parser("bench", help="benchmarks: transport | e2e (options after the name: --help)")
+    p_bench.add_argument("which", choices=("transport", "e2e"))
+    p_bench.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark")
+    p_bench.set_defaults(func=_bench)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run ``kvxfer bench transport|e2e`` with the remaining options."""
+    if args.which == "transport":
+        from kvxfer.transport.bench import main as bench_transport
+        return bench_transport(list(args.args))
+    from kvxfer.disagg.worker_bench import main as bench_e2e
+    return bench_e2e(list(args.args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

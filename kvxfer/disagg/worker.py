@@ -1,0 +1,263 @@
+"""What prefill and decode workers share: configuration, tensor-parallel rank sets, cross-rank transfer
+plans, the layer-wise write hook, and the single engine thread that owns a worker's cache and model.
+
+A worker holds one or more tensor-parallel ranks in one process (one KVCacheManager each) and one
+transport that registers every rank's pools, in rank order; a layout's own region indices are shifted
+by the regions of the ranks before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.cache.manager import KVCacheManager
+from kvxfer.cache.memory import MemoryRegion
+from kvxfer.disagg.control import PeerConnection
+from kvxfer.errors import ConfigError, ControlTimeout, KvxferError
+from kvxfer.extractor import layout_regions, plan_transfer
+from kvxfer.model import ModelConfig, PagedKV, preset
+from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.transport import Transport, create
+
+log = logging.getLogger("kvxfer.disagg.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker: its model, cache shape, tensor-parallel ranks held here, transport and deadlines."""
+
+    name: str
+    model: ModelConfig = field(default_factory=lambda: preset("tiny"))
+    tokens_per_block: int = 16
+    num_blocks: int = 512
+    head_order: str = "HND"
+    tp_size: int = 1
+    device: str = "cpu"
+    backend: str = "loopback"
+    lease_s: float = 10.0
+    """How long prefill holds a request's source blocks without a renewal from decode."""
+    deadline_s: float = 30.0
+    """How long decode waits for one request's KV (reply + data) before failing it."""
+    heartbeat_interval: float = 0.5
+    chunk_size: int | None = None
+    """Prefill chunk size in tokens (None: the whole prompt in one forward)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_block", "num_blocks", "tp_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"WorkerConfig.{name} must be an int > 0, got {v!r}")
+        for name in ("lease_s", "deadline_s", "heartbeat_interval"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1e6:
+                raise ConfigError(f"WorkerConfig.{name} must be a number of seconds in (0, 1e6), got {v!r}")
+        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+                                            or self.chunk_size <= 0):
+            raise ConfigError(f"WorkerConfig.chunk_size must be None or an int > 0, got {self.chunk_size!r}")
+
+    def managers(self) -> list[KVCacheManager]:
+        """One cache manager per tensor-parallel rank held by this worker."""
+        return [KVCacheManager(self.model.cache_config(self.tokens_per_block, self.num_blocks, self.device,
+                                                       head_order=self.head_order, tp_rank=r, tp_size=self.tp_size))
+                for r in range(self.tp_size)]
+
+
+def make_transport(config: WorkerConfig, options: Mapping[str, Any] | None) -> Transport:
+    """The worker's transport, registered with every rank's regions. The engine thread polls it, so NIXL
+    runs without its own progress thread (which spins a core the model needs) unless asked otherwise."""
+    opts = dict(options or {})
+    if config.backend == "nixl":
+        opts.setdefault("progress_thread", False)
+    return create(config.backend, config.name, **opts)
+
+
+def held_slots(managers: Sequence[KVCacheManager]) -> int:
+    """Slots referenced by requests (alone or shared with the prefix tree) over every manager and pool group."""
+    total = 0
+    for m in managers:
+        for pg in range(len(m.layout.pool_groups)):
+            acc = m.slot_accounting(pg)
+            total += acc.request_only + acc.shared
+    return total
+
+
+def region_offsets(layouts: Sequence[CacheLayoutDesc]) -> list[int]:
+    """Index of each rank's first region in the concatenation of every rank's regions."""
+    counts = [sum(len(pg.pools) for pg in lay.pool_groups) for lay in layouts]
+    return [int(x) for x in np.cumsum([0, *counts[:-1]])]
+
+
+def all_regions(layouts: Sequence[CacheLayoutDesc]) -> list[MemoryRegion]:
+    """Every rank's regions in rank order: what a worker's transport registers and advertises."""
+    return [r for lay in layouts for r in layout_regions(lay)]
+
+
+def _shift(table: PageTable, offset: int) -> PageTable:
+    return PageTable(table.addr, table.nbytes, table.region + np.uint32(offset))
+
+
+def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Mapping[int, npt.ArrayLike]],
+                 dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Mapping[int, npt.ArrayLike]], *,
+                 token_range: tuple[int, int], layers: Sequence[int] | None = None) -> TransferPlan:
+    """One plan moving ``token_range`` of ``layers`` from every source rank to every destination rank.
+
+    Pairs each (source rank, destination rank) with ``plan_transfer`` (heads move where both hold
+    them, so a rank pair whose head ranges do not meet adds nothing); region indices are those of the
+    concatenated rank regions on each side.
+    """
+    src_off, dst_off = region_offsets(src_layouts), region_offsets(dst_layouts)
+    plans: list[TransferPlan] = []
+    for i, (sl, si) in enumerate(zip(src_layouts, src_ids, strict=True)):
+        for j, (dl, di) in enumerate(zip(dst_layouts, dst_ids, strict=True)):
+            plan = plan_transfer(sl, si, dl, di, layers=layers, token_range=token_range)
+            if len(plan):
+                plans.append(TransferPlan(_shift(plan.src, src_off[i]), _shift(plan.dst, dst_off[j])))
+    if not plans:
+        return TransferPlan.empty()
+    return plans[0] if len(plans) == 1 else TransferPlan.concat(plans)
+
+
+class LayerwiseKV(PagedKV):
+    """PagedKV that reports each layer once the KV of its last prompt token is in the pages, so that
+    layers can be sent while the model computes the next ones."""
+
+    def __init__(self, shards: Sequence[Any], model: ModelConfig, end: int,
+                 on_layer_done: Callable[[int], None]) -> None:
+        super().__init__(shards, model.num_layers, model.num_kv_heads, model.head_dim)
+        self.end = end
+        self.on_layer_done = on_layer_done
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
+        """Store the KV, then report ``layer`` when this write reached the end of the prompt."""
+        super().write(layer, key, value, start)
+        if start + int(key.shape[0]) == self.end:
+            if key.is_cuda:   # the copy engine reads the pages: the kernels writing them must have run
+                torch.cuda.current_stream(key.device).synchronize()
+            self.on_layer_done(layer)
+
+
+def layer_groups(num_layers: int, per_send: int) -> list[list[int]]:
+    """Consecutive layers in groups of ``per_send`` (the last may be shorter)."""
+    return [list(range(i, min(i + per_send, num_layers))) for i in range(0, num_layers, per_send)]
+
+
+Event = tuple[str, Any, Any]
+
+
+class Engine:
+    """One thread owning a worker's caches, model and transport; everything else talks to it through
+    ``post``. Connections get a reader thread each that turns messages and loss into events."""
+
+    def __init__(self, name: str, handle: Callable[[Event], None], tick: Callable[[], float]) -> None:
+        """``handle(event)`` runs each event; ``tick()`` does periodic work and returns how long the
+        engine may sleep before the next call."""
+        self.name = name
+        self._handle = handle
+        self._tick = tick
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._stop = threading.Event()
+        self._readers: list[threading.Thread] = []
+        self._thread = threading.Thread(target=self._run, name=f"kvxfer-engine-{name}", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop`` was called."""
+        return self._stop.is_set()
+
+    def post(self, kind: str, a: Any = None, b: Any = None) -> None:
+        """Queue an event for the engine thread."""
+        self._events.put((kind, a, b))
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run ``fn`` on the engine thread and return its result (re-raising its exception)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:
+                box["error"] = exc
+            finally:
+                done.set()
+
+        self.post("call", run)
+        if not done.wait(timeout):
+            raise ControlTimeout(f"{self.name}: engine did not answer within {timeout:.1f} s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def read(self, conn: PeerConnection) -> None:
+        """Start a reader thread turning ``conn``'s messages into ``("message", conn, msg)`` events and
+        its end into ``("lost", conn, reason)``."""
+        def run() -> None:
+            while not self._stop.is_set():
+                try:
+                    msg = conn.recv(0.2)
+                except ControlTimeout:
+                    continue
+                except KvxferError as exc:
+                    self.post("lost", conn, str(exc))
+                    return
+                self.post("message", conn, msg)
+
+        t = threading.Thread(target=run, name=f"kvxfer-reader-{self.name}-{conn.peer.name}", daemon=True)
+        self._readers.append(t)
+        t.start()
+
+    @property
+    def backlog(self) -> int:
+        """Events waiting (a tick with a backlog must not expire leases whose renewals may be queued)."""
+        return self._events.qsize()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                wait = self._tick()    # periodic work (transfers, leases, deadlines); seconds until the next
+                try:
+                    ev = self._events.get(timeout=min(0.05, max(0.0005, wait)) if not self.backlog else 0)
+                except queue.Empty:
+                    continue
+                self._dispatch(ev)
+        except BaseException as exc:
+            log.exception("%s: engine thread failed", self.name)
+            self.error = exc
+
+    def _dispatch(self, ev: Event) -> None:
+        if ev[0] == "call":
+            ev[1]()
+        else:
+            self._handle(ev)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine and reader threads (the caller closes connections first)."""
+        self._stop.set()
+        self.post("wake")
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        for t in self._readers:
+            t.join(timeout)
+
+
+def now() -> float:
+    """Monotonic seconds."""
+    return time.monotonic()

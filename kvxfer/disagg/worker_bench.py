@@ -1,0 +1,146 @@
+"""``kvxfer bench e2e``: time to first token and decode-side KV arrival, disaggregated (a prefill process
+started with ``kvxfer serve prefill``, a decode worker in this process, over a UCX transport on
+127.0.0.1) next to one process doing prefill itself, for each prompt length.
+
+Every request uses a fresh random prompt (no prefix hit anywhere) and one output token, so TTFT is
+prompt -> KV computed -> KV moved -> first token on decode. Figures are medians over ``--iters``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvxfer.cache.manager import KVCacheManager
+from kvxfer.disagg.auth import SECRET_ENV
+from kvxfer.disagg.worker import WorkerConfig
+from kvxfer.disagg.worker_cli import best_backend
+from kvxfer.disagg.worker_decode import DecodeWorker
+from kvxfer.disagg.worker_demo import WorkerProcess
+from kvxfer.errors import ConfigError
+from kvxfer.model import ReferenceModel, greedy, preset
+
+TOKENS_PER_BLOCK = 16
+
+
+def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: np.ndarray, chunk: int) -> float:
+    """Seconds from prompt to first token when one process prefills (the baseline)."""
+    t0 = time.perf_counter()
+    cache = manager.create_kv_cache()
+    try:
+        cache.resume()
+        kv = model.bind([(manager, cache)])
+        with torch.inference_mode():
+            greedy(model.prefill(kv, tokens, chunk)[-1])
+        return time.perf_counter() - t0
+    finally:
+        cache.close()
+
+
+def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int, chunk: int,
+        model_name: str = "tiny", on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure every length; returns the rows and the set-up (``on_row`` sees each row as it is done)."""
+    torch.set_num_threads(1)
+    logging.getLogger("kvxfer").setLevel(logging.ERROR)
+    backend = best_backend() if backend == "auto" else backend
+    cfg = preset(model_name)
+    blocks = -(-max(lengths) // TOKENS_PER_BLOCK) + 64
+    secret = secrets.token_hex(32)
+    env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    prefill = WorkerProcess(["prefill", "--backend", backend, "--model", model_name, "--blocks", str(blocks),
+                             "--tokens-per-block", str(TOKENS_PER_BLOCK), "--chunk-size", str(chunk),
+                             "--name", f"bench-prefill-{os.getpid()}"], env, 120.0)
+    rows: list[dict[str, Any]] = []
+    rng = np.random.default_rng(0)
+    try:
+        dcfg = WorkerConfig(f"bench-decode-{os.getpid()}", cfg, TOKENS_PER_BLOCK, blocks, backend=backend,
+                            deadline_s=600.0, lease_s=600.0)
+        ref_model = ReferenceModel(cfg)
+        ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, blocks, enable_prefix_reuse=False))
+        with DecodeWorker(dcfg, secret, prefill=prefill.address, mode=mode, layerwise=layerwise) as decode:
+            decode.generate(rng.integers(0, cfg.vocab_size, min(lengths)), 1)           # warm-up (connections)
+            single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, min(lengths)), chunk)
+            for n in lengths:
+                d_ttft, d_arrival, d_xfer, d_prefill, s_ttft, nbytes = [], [], [], [], [], 0
+                for _ in range(iters):
+                    res = decode.generate(rng.integers(0, cfg.vocab_size, n), 1)
+                    d_ttft.append(res.ttft_s)
+                    d_arrival.append(res.arrival_s)
+                    d_xfer.append(res.transfer_s)
+                    d_prefill.append(res.prefill_s)
+                    nbytes = res.bytes_moved
+                    s_ttft.append(single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, n),
+                                                      chunk))
+                xfer = statistics.median(d_xfer)
+                rows.append({"prompt_tokens": n, "kv_bytes": nbytes, "single_ttft_ms": statistics.median(s_ttft) * 1e3,
+                             "disagg_ttft_ms": statistics.median(d_ttft) * 1e3,
+                             "prefill_compute_ms": statistics.median(d_prefill) * 1e3,
+                             "arrival_ms": statistics.median(d_arrival) * 1e3, "transfer_ms": xfer * 1e3,
+                             "transfer_gbps": nbytes / xfer / 1e9 if xfer > 0 else 0.0})
+                if on_row is not None:
+                    on_row(rows[-1])
+    finally:
+        prefill.stop()
+    return {"backend": backend, "mode": mode, "layerwise": layerwise, "model": model_name, "iters": iters,
+            "chunk_size": chunk, "tokens_per_block": TOKENS_PER_BLOCK, "rows": rows,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'prefill ms':>11} "
+          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>6}")
+
+
+def format_row(r: dict[str, Any]) -> str:
+    """One table line."""
+    return (f"{r['prompt_tokens']:>7} {r['kv_bytes'] / 2**20:>7.2f} {r['single_ttft_ms']:>15.1f} "
+            f"{r['disagg_ttft_ms']:>15.1f} {r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
+            f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>6.2f}")
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The figures as a plain table."""
+    print(f"kvxfer bench e2e: model {result['model']}, {result['backend']} {result['mode']}"
+          f"{' layer-wise' if result['layerwise'] else ''}, chunk {result['chunk_size']}, median of {result['iters']}")
+    print(HEADER)
+    for r in result["rows"]:
+        print(format_row(r))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvxfer bench e2e``."""
+    ap = argparse.ArgumentParser(prog="kvxfer bench e2e", description=__doc__)
+    ap.add_argument("--lengths", default="1024,4096", help="comma-separated prompt lengths (e.g. 1024,...,32768)")
+    ap.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx"))
+    ap.add_argument("--mode", choices=("push", "pull"), default="push")
+    ap.add_argument("--layerwise", action="store_true")
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (bounds attention memory)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--out", default=None, help="also write the JSON to this file")
+    a = ap.parse_args(argv)
+    try:
+        lengths = [int(x) for x in a.lengths.split(",") if x]
+    except ValueError as exc:
+        raise ConfigError(f"--lengths must be comma-separated ints, got {a.lengths!r}") from exc
+    if not lengths or min(lengths) < 1 or a.iters < 1:
+        raise ConfigError("--lengths must be >= 1 each and --iters >= 1")
+    result = run(lengths, a.backend, a.mode, a.layerwise, a.iters, a.chunk_size)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2))
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0

@@ -1,0 +1,73 @@
+"""GenerateClient: the tiny client of a decode worker (``kvxfer generate`` and ``kvxfer demo`` use it)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.disagg.control import PeerConnection, Secret, connect
+from kvxfer.disagg.handshake import LocalIdentity
+from kvxfer.disagg.worker_protocol import decode_stats
+from kvxfer.errors import KvxferError, ProtocolError, TransferFailed
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """A decode worker's answer: the tokens and the request's figures, or why it failed."""
+
+    request_id: str
+    tokens: list[int]
+    stats: dict[str, int | float | str]
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the request succeeded."""
+        return not self.error
+
+
+class GenerateClient:
+    """An authenticated ``client`` connection to a decode worker."""
+
+    def __init__(self, address: str, secret: Secret = None, *, name: str | None = None, timeout: float = 10.0) -> None:
+        ident = LocalIdentity("client", name or f"client-{os.getpid()}")
+        self.conn: PeerConnection = connect(address, ident, secret, timeout=timeout, expect_role="decode")
+        self._ids = itertools.count(1)
+
+    def submit(self, tokens: npt.ArrayLike, max_new_tokens: int, *, mode: str = "", layerwise: bool = False) -> str:
+        """Send one request; returns its id (answers come back through ``recv``)."""
+        rid = f"r{next(self._ids)}"
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1).tolist()
+        self.conn.send("generate", request_id=rid, tokens=ids, max_new_tokens=max_new_tokens, mode=mode,
+                       layerwise=layerwise)
+        return rid
+
+    def recv(self, timeout: float) -> ClientResult:
+        """The next answer (ControlTimeout after ``timeout`` s, PeerUnreachable if decode went away)."""
+        msg = self.conn.recv(timeout)
+        if msg.type == "generated":
+            return ClientResult(msg["request_id"], list(msg["tokens"]), decode_stats(msg["stats"]))
+        if msg.type == "generate_failed":
+            return ClientResult(msg["request_id"], [], {}, f"{msg['error']}: {msg['reason']}")
+        raise ProtocolError(f"decode worker sent {msg.type!r} to a client")
+
+    def generate(self, tokens: npt.ArrayLike, max_new_tokens: int, timeout: float = 120.0, **kw: str | bool) -> ClientResult:
+        """Submit one request and wait for its answer; TransferFailed if it failed."""
+        rid = self.submit(tokens, max_new_tokens, **kw)  # type: ignore[arg-type]
+        while True:
+            res = self.recv(timeout)
+            if res.request_id != rid:
+                continue
+            if not res.ok:
+                raise TransferFailed(f"request {rid} failed: {res.error}")
+            return res
+
+    def close(self) -> None:
+        """Close the connection."""
+        with contextlib.suppress(KvxferError):
+            self.conn.close("client done")

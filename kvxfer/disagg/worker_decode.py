@@ -1,0 +1,520 @@
+"""DecodeWorker: takes requests (Python API or ``generate`` from clients), gets their KV from a prefill
+worker and continues generation.
+
+Per request: allocate caches on every rank, matching the local prefix tree first, so the request only
+asks for the tokens it lacks (``skip``); send ``kv_request`` with its destination block ids; then either
+wait for prefill's writes (push: ``kv_pushed`` plus one transport notification per part) or read the
+pages itself (pull: ``kv_pull`` -> ``transport.read`` -> ``kv_release``), renewing prefill's lease
+meanwhile. Once the KV is in place: commit the prompt, run ``continue_greedy``, return the tokens.
+A deadline, a failed transfer, or the prefill peer's loss fails only the affected requests; their
+blocks are freed once nothing can write into them any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.cache.kv_cache import KVCache
+from kvxfer.disagg.control import ControlServer, PeerConnection, Secret, connect
+from kvxfer.disagg.handshake import LocalIdentity
+from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
+from kvxfer.disagg.session import Session, SessionState
+from kvxfer.disagg.worker import (
+    Engine,
+    Event,
+    WorkerConfig,
+    all_regions,
+    held_slots,
+    make_transport,
+    now,
+    plan_between,
+)
+from kvxfer.disagg.worker_protocol import (
+    MODES,
+    decode_block_ids,
+    decode_layouts,
+    encode_block_ids,
+    encode_layouts,
+    encode_stats,
+)
+from kvxfer.errors import (
+    CacheStateError,
+    CapacityError,
+    ConfigError,
+    ControlTimeout,
+    KvxferError,
+    LayoutMismatch,
+    OutOfSlotsError,
+    PeerUnreachable,
+    ProtocolError,
+    TransferFailed,
+    TransferTimeout,
+)
+from kvxfer.model import ReferenceModel
+from kvxfer.transport import TransferHandle, TransferStatus, Transport
+
+log = logging.getLogger("kvxfer.disagg.decode")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One finished request: its tokens and where its KV came from."""
+
+    request_id: str
+    tokens: list[int]
+    prompt_tokens: int
+    reused_tokens_decode: int
+    """Prompt tokens decode already held (prefix hit): they did not travel."""
+    reused_tokens_prefill: int
+    """Prompt tokens prefill did not recompute (its own prefix hit)."""
+    bytes_moved: int
+    mode: str
+    layerwise: bool
+    prefill_s: float
+    transfer_s: float
+    """Data movement: prefill's first post to its last completion (push), or decode's read (pull)."""
+    arrival_s: float
+    """Submit -> the KV is in decode's pages."""
+    ttft_s: float
+    """Submit -> the first generated token is known with its KV in place on decode."""
+
+    def stats(self) -> dict[str, int | float | str]:
+        """The figures of this result without the tokens (what ``generated.stats`` carries)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("tokens", "request_id")}
+
+
+@dataclass(eq=False)
+class _Job:
+    request_id: str
+    tokens: npt.NDArray[np.int64]
+    max_new_tokens: int
+    mode: str
+    layerwise: bool
+    future: Future[GenerationResult]
+    session: Session
+    submitted: float
+    deadline: float
+    reply: PeerConnection | None = None
+    client_request_id: str = ""
+    peer: str = ""
+    caches: list[KVCache] = field(default_factory=list)
+    skip: int = 0
+    pushed: Message | None = None
+    parts: set[int] = field(default_factory=set)
+    read: TransferHandle | None = None
+    read_posted: float = 0.0
+    last_renew: float = 0.0
+    zombie_until: float = 0.0
+
+
+class DecodeWorker:
+    """Serves requests with KV from a prefill worker; see the module docstring."""
+
+    def __init__(self, config: WorkerConfig, secret: Secret = None, *, prefill: str | None = None,
+                 bind: str | None = None, mode: str = "push", layerwise: bool = False, layers_per_send: int = 1,
+                 transport_options: dict[str, Any] | None = None, versions: tuple[int, int] = SUPPORTED_VERSIONS,
+                 connect_timeout: float = 5.0) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"DecodeWorker.mode must be one of {MODES}, got {mode!r}")
+        if isinstance(layers_per_send, bool) or not isinstance(layers_per_send, int) or layers_per_send <= 0:
+            raise ConfigError(f"DecodeWorker.layers_per_send must be an int > 0, got {layers_per_send!r}")
+        self.config = config
+        self.mode, self.layerwise, self.layers_per_send = mode, layerwise, layers_per_send
+        self.versions = versions
+        self.connect_timeout = connect_timeout
+        self.prefill_address = prefill
+        self._secret = secret
+        self.managers = config.managers()
+        self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
+        self.model = ReferenceModel(config.model, config.device)
+        self.transport: Transport = make_transport(config, transport_options)
+        self.transport.register(all_regions(self.layouts))
+        self._prefill: PeerConnection | None = None
+        self._prefill_layouts: list[CacheLayoutDesc] = []
+        self._jobs: dict[str, _Job] = {}
+        self._zombies: dict[str, _Job] = {}
+        self._ids = itertools.count(1)
+        self._id_lock = threading.Lock()
+        self.engine = Engine(config.name, self._on_event, self._tick)
+        self.engine.start()
+        self.server: ControlServer | None = None
+        self.address: str | None = None
+        self._accepting: threading.Thread | None = None
+        if bind is not None:
+            identity = LocalIdentity("decode", config.name, self.layouts[0], config.backend, b"",
+                                     config.heartbeat_interval)
+            self.server = ControlServer(identity, secret, bind=bind, accept_roles=("client",))
+            self.address = self.server.address
+            self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}",
+                                               daemon=True)
+            self._accepting.start()
+        if prefill is not None:
+            try:
+                self.connect(prefill)
+            except BaseException:
+                self.close()
+                raise
+
+    # --- public -----------------------------------------------------------------------------------
+    def connect(self, address: str, timeout: float | None = None) -> None:
+        """Connect (or reconnect) to the prefill worker at ``address``; requests in flight with a previous
+        prefill fail. Raises AuthenticationError / HandshakeRefused (with the reason) / ControlTimeout."""
+        wait = self.connect_timeout if timeout is None else timeout
+        identity = LocalIdentity("decode", self.config.name, self.layouts[0], self.config.backend,
+                                 self.transport.metadata(), self.config.heartbeat_interval)
+        conn = connect(address, identity, self._secret, timeout=wait, expect_role="prefill", versions=self.versions)
+        try:
+            conn.send("kv_ranks", layouts=encode_layouts(self.layouts))
+            reply = conn.recv(wait)
+            if reply.type != "kv_ranks":
+                raise ProtocolError(f"prefill answered kv_ranks with {reply.type!r}")
+            layouts = decode_layouts(reply["layouts"])
+            self.engine.call(lambda: self._attach(conn, layouts), wait + 10.0)
+        except BaseException:
+            conn.close("decode could not finish connecting")
+            raise
+        self.prefill_address = address
+
+    @property
+    def connected(self) -> bool:
+        """Whether a prefill peer is connected and alive."""
+        return self._prefill is not None and self._prefill.alive
+
+    def submit(self, tokens: npt.ArrayLike, max_new_tokens: int, *, mode: str | None = None,
+               layerwise: bool | None = None, request_id: str | None = None) -> Future[GenerationResult]:
+        """Start a request; the future resolves to a GenerationResult or raises why it failed."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if not ids.size:
+            raise CapacityError("submit: the prompt must hold at least one token")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise CapacityError(f"submit: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        mode = self.mode if mode is None else mode
+        if mode not in MODES:
+            raise ConfigError(f"submit: mode must be one of {MODES}, got {mode!r}")
+        with self._id_lock:
+            rid = request_id or f"{self.config.name}-{next(self._ids)}"
+        fut: Future[GenerationResult] = Future()
+        t = now()
+        job = _Job(rid, ids, max_new_tokens, mode, self.layerwise if layerwise is None else layerwise, fut,
+                   Session(rid), t, t + self.config.deadline_s)
+        self.engine.post("submit", job)
+        return fut
+
+    def generate(self, tokens: npt.ArrayLike, max_new_tokens: int, timeout: float | None = None,
+                 **kw: Any) -> GenerationResult:
+        """``submit`` and wait for the result."""
+        wait = self.config.deadline_s * 2 + 60.0 if timeout is None else timeout
+        return self.submit(tokens, max_new_tokens, **kw).result(wait)
+
+    def held_slots(self) -> int:
+        """Slots held by open requests on every rank and pool group (0 when idle: nothing leaked;
+        blocks kept only by the prefix tree do not count). Checks the allocator accounting."""
+        return int(self.engine.call(lambda: held_slots(self.managers), 10.0))
+
+    def num_open_caches(self) -> int:
+        """Caches open on every rank together (0 when idle)."""
+        return int(self.engine.call(lambda: sum(len(m.open_caches) for m in self.managers), 10.0))
+
+
+    def close(self) -> None:
+        """Fail open requests, stop the threads, close connections and the transport."""
+        if self.engine.stopping:
+            return
+        with contextlib.suppress(KvxferError):
+            self.engine.call(lambda: self._fail_all(PeerUnreachable("decode worker shutting down")), 10.0)
+        if self.server is not None:
+            self.server.close("decode worker shutting down")
+        if self._prefill is not None:
+            self._prefill.close("decode worker shutting down")
+        self.engine.stop()
+        if self._accepting is not None:
+            self._accepting.join(5.0)
+        self.transport.close()
+        for m in self.managers:
+            m.shutdown()
+
+    def __enter__(self) -> DecodeWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- engine thread ----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self.server is not None
+        while not self.engine.stopping:
+            try:
+                conn = self.server.accept(0.2)
+            except ControlTimeout:
+                continue
+            except KvxferError:
+                return
+            self.engine.read(conn)
+
+    def _attach(self, conn: PeerConnection, layouts: list[CacheLayoutDesc]) -> None:
+        windowed = any(lg.window is not None for lg in self.layouts[0].layer_groups)
+        src_tpb, dst_tpb = layouts[0].tokens_per_block, self.layouts[0].tokens_per_block
+        if windowed and src_tpb % dst_tpb:
+            raise LayoutMismatch(f"sliding-window layers need prefill's tokens_per_block ({src_tpb}) to be a multiple "
+                                 f"of decode's ({dst_tpb}): otherwise decode keeps window blocks prefill has freed")
+        old = self._prefill
+        if old is not None:
+            self._on_prefill_lost(old, "replaced by a new prefill connection")
+            old.close("replaced by a new prefill connection")
+        self.transport.connect(conn.peer.name, conn.peer.metadata)
+        self._prefill, self._prefill_layouts = conn, layouts
+        self.engine.read(conn)
+
+    def _on_event(self, ev: Event) -> None:
+        kind, a, b = ev
+        if kind == "submit":
+            self._start(a)
+        elif kind == "lost":
+            self._on_prefill_lost(a, b)
+        elif kind == "message":
+            try:
+                if a.peer.role == "client":
+                    self._on_client(a, b)
+                elif a is self._prefill:
+                    self._on_prefill(b)
+            except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
+                log.warning("%s: %s sent a bad %s: %s", self.config.name, a.peer.name, b.type, exc)
+                a.close(f"protocol error: {exc}")
+                self._on_prefill_lost(a, f"protocol error: {exc}")
+
+    def _on_client(self, conn: PeerConnection, msg: Message) -> None:
+        if msg.type != "generate":
+            raise ProtocolError(f"unexpected message {msg.type!r} from a client")
+        rid = f"{conn.peer.name}/{msg['request_id']}"
+        t = now()
+        job = _Job(rid, np.asarray(msg["tokens"], dtype=np.int64), int(msg["max_new_tokens"]),
+                   msg["mode"] or self.mode, msg["layerwise"] or self.layerwise, Future(), Session(rid), t,
+                   t + self.config.deadline_s, reply=conn, client_request_id=msg["request_id"])
+        if not job.tokens.size:
+            self._reply_failed(job, CapacityError("the prompt must hold at least one token"))
+            return
+        self._start(job)
+
+    def _start(self, job: _Job) -> None:
+        if job.request_id in self._jobs or job.request_id in self._zombies:
+            self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
+            return
+        if not self.connected and self.prefill_address is not None:
+            with contextlib.suppress(KvxferError):
+                self.connect(self.prefill_address)   # a restarted prefill at the same address
+        conn = self._prefill
+        if conn is None or not conn.alive:
+            self._fail(job, PeerUnreachable("no prefill worker connected"))
+            return
+        job.peer = conn.peer.name
+        self._jobs[job.request_id] = job
+        try:
+            for i, m in enumerate(self.managers):
+                job.caches.append(m.create_kv_cache(job.tokens, id=f"{job.request_id}/{i}"))
+            for cache in job.caches:
+                if not cache.resume():
+                    raise OutOfSlotsError(f"decode cache {cache.id}: no free slot for copy-on-write")
+            reused = {c.num_reused_tokens for c in job.caches}
+            if len(reused) != 1:
+                raise CacheStateError(f"decode ranks reused different prefixes: {sorted(reused)} tokens")
+            job.skip = reused.pop()
+            for m, cache in zip(self.managers, job.caches, strict=True):
+                if not cache.resize(int(job.tokens.size)):
+                    raise OutOfSlotsError(f"decode cache {cache.id}: no free slots for {job.tokens.size} tokens "
+                                          f"({m.num_free_slots()} free)")
+            job.session.ready("destination blocks allocated")
+            conn.send("kv_request", request_id=job.request_id, tokens=job.tokens.tolist(), skip=job.skip,
+                      blocks=encode_block_ids([c.block_id_map() for c in job.caches]), mode=job.mode,
+                      layerwise=job.layerwise, layers_per_send=self.layers_per_send, lease_s=self.config.lease_s)
+            job.last_renew = now()
+            job.session.start_transfer("KV requested from prefill")
+        except KvxferError as exc:
+            self._fail(job, exc)
+
+    def _on_prefill(self, msg: Message) -> None:
+        rid = msg["request_id"]
+        zombie = self._zombies.get(rid)
+        if zombie is not None:
+            if msg.type == "kv_failed" or (msg.type == "kv_pushed" and zombie.read is None):
+                self._bury(zombie)   # prefill will not write there any more
+            elif msg.type == "kv_pull":
+                self._send("kv_release", request_id=rid)
+            return
+        job = self._jobs.get(rid)
+        if job is None or job.session.state is not SessionState.TRANSFERRING:
+            if msg.type == "kv_pull":
+                self._send("kv_release", request_id=rid)
+            return
+        if msg.type == "kv_pushed":
+            job.pushed = msg
+        elif msg.type == "kv_pull":
+            job.pushed = msg
+            src_ids = decode_block_ids(msg["blocks"], len(self._prefill_layouts), "kv_pull.blocks")
+            try:
+                plan = plan_between(self._prefill_layouts, src_ids, self.layouts, [c.block_id_map() for c in job.caches],
+                                    token_range=(job.skip, int(job.tokens.size)))
+                job.read_posted = now()
+                job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
+            except KvxferError as exc:
+                self._send("kv_release", request_id=rid)
+                self._fail(job, exc)
+        elif msg.type == "kv_failed":
+            self._fail(job, TransferFailed(f"prefill failed request {rid}: {msg['reason']}"), remote_done=True)
+        else:
+            raise ProtocolError(f"unexpected message {msg.type!r} from the prefill worker")
+
+    def _tick(self) -> float:
+        t = now()
+        for peer, notes in self.transport.notifications().items():
+            for note in notes:
+                rid, _, part = note.decode("utf-8", "replace").rpartition("#")
+                job = self._jobs.get(rid)
+                if job is not None and job.peer == peer and part.isdigit():
+                    job.parts.add(int(part))
+        busy = False
+        for job in list(self._jobs.values()):
+            if job.session.state is not SessionState.TRANSFERRING:
+                continue
+            # Poll fast only once data is moving towards us; while prefill computes, its reply wakes us.
+            busy = busy or job.read is not None or job.pushed is not None
+            if job.read is not None:
+                status = job.read.status
+                if status is TransferStatus.DONE:
+                    self._send("kv_release", request_id=job.request_id)
+                    self._arrived(job, now() - job.read_posted)
+                    continue
+                if status.terminal:
+                    self._send("kv_release", request_id=job.request_id)
+                    self._fail(job, TransferFailed(f"read of request {job.request_id}: {job.read.reason}"))
+                    continue
+            elif job.pushed is not None and job.pushed.type == "kv_pushed" and len(job.parts) >= job.pushed["parts"]:
+                self._arrived(job, float(job.pushed["transfer_s"]))
+                continue
+            if t >= job.deadline:
+                self._fail(job, TransferTimeout(f"request {job.request_id}: KV did not arrive within "
+                                                f"{self.config.deadline_s} s"))
+            elif t - job.last_renew >= self.config.lease_s / 3:
+                job.last_renew = t
+                self._send("lease_renew", request_id=job.request_id)
+        for zombie in list(self._zombies.values()):
+            if zombie.read is not None and zombie.read.done():
+                self._bury(zombie)
+            elif t >= zombie.zombie_until:
+                log.warning("%s: freeing blocks of %s without prefill's confirmation", self.config.name,
+                            zombie.request_id)
+                self._bury(zombie)
+        return 0.001 if busy else 0.02
+
+    def _arrived(self, job: _Job, transfer_s: float) -> None:
+        """The KV is in place: commit the prompt, generate, answer, free."""
+        assert job.pushed is not None
+        arrived = now()
+        job.session.done("KV in place")
+        self._jobs.pop(job.request_id, None)
+        try:
+            for cache in job.caches:
+                # Release the sliding-window pages the prompt no longer needs before they are committed:
+                # prefill released those too, so nothing was written there.
+                cache.history_length = int(job.tokens.size)
+                cache.commit(job.tokens[job.skip:])
+            kv = self.model.bind(list(zip(self.managers, job.caches, strict=True)))
+            first = int(job.pushed["first_token"])
+            ttft = now() - job.submitted
+            with torch.inference_mode():
+                tokens = self.model.continue_greedy(kv, first, job.max_new_tokens)
+        except KvxferError as exc:
+            self._close_caches(job)
+            self._resolve_error(job, exc)
+            return
+        self._close_caches(job)
+        nbytes = int(job.pushed["nbytes"]) if job.pushed.type == "kv_pushed" else \
+            (job.read.nbytes if job.read is not None else 0)
+        result = GenerationResult(job.request_id, tokens, int(job.tokens.size), job.skip,
+                                  int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
+                                  float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft)
+        job.future.set_result(result)
+        if job.reply is not None:
+            with contextlib.suppress(KvxferError):
+                job.reply.send("generated", request_id=job.client_request_id, tokens=tokens,
+                               stats=encode_stats(result.stats()))
+
+    # --- failure ----------------------------------------------------------------------------------
+    def _fail(self, job: _Job, error: KvxferError, *, remote_done: bool = False) -> None:
+        """Fail one request now; its blocks are freed once nothing can still write into them."""
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
+        if not job.session.terminal:
+            job.session.fail(f"{type(error).__name__}: {error}")
+        self._resolve_error(job, error)
+        requested = (not remote_done and job.session.history[-2].state is SessionState.TRANSFERRING
+                     and self._prefill is not None and self._prefill.alive and self._prefill.peer.name == job.peer)
+        if requested:   # prefill still holds (pull) or may still write (push) this request: tell it
+            self._send("kv_cancel", request_id=job.request_id, reason=str(error)[:1000])
+        remote_may_write = requested and job.mode == "push"
+        if job.read is not None and not job.read.done() and not job.read.cancel():
+            remote_may_write = True   # our own read could not be stopped: wait for it to end
+        if remote_may_write:
+            job.zombie_until = now() + self.config.lease_s + self.config.deadline_s
+            self._zombies[job.request_id] = job
+        else:
+            self._close_caches(job)
+
+    def _bury(self, job: _Job) -> None:
+        self._zombies.pop(job.request_id, None)
+        self._close_caches(job)
+
+    def _resolve_error(self, job: _Job, error: KvxferError) -> None:
+        if not job.future.done():
+            job.future.set_exception(error)
+        self._reply_failed(job, error)
+
+    def _reply_failed(self, job: _Job, error: KvxferError) -> None:
+        if job.reply is not None:
+            with contextlib.suppress(KvxferError):
+                job.reply.send("generate_failed", request_id=job.client_request_id, error=type(error).__name__, reason=str(error)[:1024])
+
+    def _close_caches(self, job: _Job) -> None:
+        for cache in job.caches:
+            with contextlib.suppress(KvxferError):
+                cache.close()
+        job.caches = []
+
+    def _on_prefill_lost(self, conn: PeerConnection, reason: str) -> None:
+        if conn is not self._prefill:
+            return
+        self._prefill = None
+        conn.close(f"prefill lost: {reason}"[:1000])   # ends the client endpoint and its I/O thread
+        peer = conn.peer.name
+        for job in [j for j in self._jobs.values() if j.peer == peer]:
+            if job.read is not None and not job.read.done():
+                job.read.cancel()
+            self._fail(job, PeerUnreachable(f"prefill {peer!r} lost: {reason}"), remote_done=True)
+        for zombie in [z for z in self._zombies.values() if z.peer == peer and z.read is None]:
+            self._bury(zombie)
+        self.transport.disconnect(peer)
+
+    def _fail_all(self, error: KvxferError) -> None:
+        for job in list(self._jobs.values()):
+            self._fail(job, error, remote_done=True)
+        for zombie in list(self._zombies.values()):
+            if zombie.read is not None and not zombie.read.done():
+                with contextlib.suppress(KvxferError):
+                    zombie.read.wait(self.config.lease_s)
+            self._bury(zombie)
+
+    def _send(self, type: str, **body: Any) -> None:
+        conn = self._prefill
+        if conn is not None:
+            with contextlib.suppress(KvxferError):
+                conn.send(type, **body)

@@ -1,0 +1,230 @@
+"""``kvxfer demo``: a prefill and a decode process on 127.0.0.1 over the best installed UCX transport,
+a batch of requests sharing prefixes, every request's tokens checked against single-process generation.
+
+The requests come in two waves: one per prompt family first (nothing cached anywhere), then the rest,
+which hit the prefix trees on both sides, so only the tokens decode lacks travel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvxfer.cache.manager import KVCacheManager
+from kvxfer.disagg.auth import SECRET_ENV, AuthKey
+from kvxfer.disagg.worker_cli import best_backend
+from kvxfer.disagg.worker_client import ClientResult, GenerateClient
+from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
+from kvxfer.model import ReferenceModel, preset
+
+MODEL = "tiny"
+TOKENS_PER_BLOCK = 16
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """``demo`` options."""
+    p.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx", "loopback"),
+                   help="transport between the two processes (auto: nixl, else ucx)")
+    p.add_argument("--mode", choices=("push", "pull"), default="push")
+    p.add_argument("--layerwise", action="store_true", help="send each layer as soon as it is computed")
+    p.add_argument("--families", type=int, default=3, help="prompt families sharing a prefix")
+    p.add_argument("--per-family", type=int, default=4, help="requests per family")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    """One prompt of the batch."""
+
+    family: int
+    tokens: list[int]
+
+
+def demo_prompts(families: int, per_family: int, seed: int, vocab: int) -> list[DemoRequest]:
+    """``per_family`` prompts per family: a shared 40-90 token prefix plus a 3-40 token suffix each."""
+    rng = np.random.default_rng(seed)
+    out: list[DemoRequest] = []
+    for f in range(families):
+        prefix = rng.integers(0, vocab, int(rng.integers(40, 90))).tolist()
+        out.extend(DemoRequest(f, prefix + rng.integers(0, vocab, int(rng.integers(3, 40))).tolist())
+                   for _ in range(per_family))
+    return out
+
+
+class WorkerProcess:
+    """A worker process started with ``kvxfer serve``; the line saying ``listening on`` gives its address."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str], timeout: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvxfer.cli", "serve", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stderr: list[str] = []
+        assert self.proc.stderr is not None and self.proc.stdout is not None
+        threading.Thread(target=self._drain, args=(self.proc.stderr,), daemon=True).start()
+        found: list[str] = []
+        ready = threading.Event()
+
+        def watch(stream: IO[str]) -> None:   # native libraries may log to stdout before our line
+            for text in stream:
+                if "listening on " in text and not ready.is_set():
+                    found.append(text)
+                    ready.set()
+                else:
+                    self.stderr.append(text)
+            ready.set()
+
+        threading.Thread(target=watch, args=(self.proc.stdout,), daemon=True).start()
+        ready.wait(timeout)
+        if not found:
+            self.stop()
+            raise KvxferError(f"worker {' '.join(args[:1])} did not start within {timeout:.0f} s: "
+                              f"{''.join(self.stderr[-20:]).strip() or 'no output'}")
+        line = found
+        self.address = line[0].split("listening on ", 1)[1].split()[0]
+
+    def _drain(self, stream: IO[str]) -> None:
+        for text in stream:
+            self.stderr.append(text)
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, for fault tests) and reap."""
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family: int, max_new_tokens: int,
+             seed: int, timeout: float, progress: Progress | None = None) -> dict[str, Any]:
+    """Run the demo and return its figures (``rows`` holds one dict per request)."""
+    torch.set_num_threads(1)
+    if backend == "loopback":
+        raise BackendUnavailable("loopback moves bytes only between transports of one process; the demo runs "
+                                 "two processes, so it needs nixl or ucx")
+    backend = best_backend() if backend == "auto" else backend
+    secret = secrets.token_hex(32)
+    env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    common = ["--backend", backend, "--model", MODEL, "--tokens-per-block", str(TOKENS_PER_BLOCK)]
+    cfg = preset(MODEL)
+    requests = demo_prompts(families, per_family, seed, cfg.vocab_size)
+    started = time.monotonic()
+    prefill = WorkerProcess(["prefill", "--name", "demo-prefill", *common], env, timeout)
+    decode: WorkerProcess | None = None
+    try:
+        decode = WorkerProcess(["decode", "--name", "demo-decode", "--prefill", prefill.address, "--mode", mode,
+                         *(["--layerwise"] if layerwise else []), *common], env, timeout)
+        client = GenerateClient(decode.address, AuthKey.load(secret), name="demo-client")
+        task = progress.add_task("requests", total=len(requests)) if progress is not None else None
+        results: dict[int, ClientResult] = {}
+        try:
+            first: dict[int, int] = {}
+            for i, r in enumerate(requests):
+                first.setdefault(r.family, i)
+            waves = [sorted(first.values()), [i for i in range(len(requests)) if i not in first.values()]]
+            for wave in waves:
+                ids = {client.submit(requests[i].tokens, max_new_tokens): i for i in wave}
+                while ids:
+                    res = client.recv(max(0.1, timeout - (time.monotonic() - started)))
+                    if res.request_id in ids:
+                        results[ids.pop(res.request_id)] = res
+                        if progress is not None and task is not None:
+                            progress.advance(task)
+        finally:
+            client.close()
+        elapsed = time.monotonic() - started
+    finally:
+        if decode is not None:
+            decode.stop()
+        prefill.stop()
+    model = ReferenceModel(cfg)
+    ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, 256, enable_prefix_reuse=False))
+    rows: list[dict[str, Any]] = []
+    for i, r in enumerate(requests):
+        res = results[i]
+        expected = model.generate(ref_manager, r.tokens, max_new_tokens)
+        s = res.stats
+        rows.append({"request": i, "family": r.family, "prompt_tokens": len(r.tokens), "ok": res.ok,
+                     "error": res.error, "match": res.ok and res.tokens == expected,
+                     "reused_blocks_decode": int(s.get("reused_tokens_decode", 0)) // TOKENS_PER_BLOCK,
+                     "reused_blocks_prefill": int(s.get("reused_tokens_prefill", 0)) // TOKENS_PER_BLOCK,
+                     "bytes_moved": int(s.get("bytes_moved", 0)), "transfer_s": float(s.get("transfer_s", 0.0)),
+                     "ttft_ms": float(s.get("ttft_s", 0.0)) * 1e3})
+    ok = [row for row in rows if row["ok"]]
+    moved = sum(row["bytes_moved"] for row in ok)
+    xfer_s = sum(row["transfer_s"] for row in ok)
+    ttfts = sorted(row["ttft_ms"] for row in ok)
+    return {
+        "requests": len(rows), "mismatches": sum(1 for row in rows if not row["match"]),
+        "failed": sum(1 for row in rows if not row["ok"]), "transport": backend, "mode": mode,
+        "layerwise": layerwise, "bytes_moved": moved,
+        "reused_blocks_decode": sum(row["reused_blocks_decode"] for row in ok),
+        "reused_blocks_prefill": sum(row["reused_blocks_prefill"] for row in ok),
+        "transfer_gbps": moved / xfer_s / 1e9 if xfer_s > 0 else 0.0,
+        "ttft_ms_p50": ttfts[len(ttfts) // 2] if ttfts else 0.0,
+        "generated_tokens": max_new_tokens * len(ok), "elapsed_s": elapsed, "rows": rows,
+    }
+
+
+def print_table(summary: dict[str, Any], console: Console) -> None:
+    """The per-request table and a summary line."""
+    t = Table(caption="reused D/P: prompt blocks reused from the decode/prefill prefix tree; tokens: "
+                      "checked against single-process generation",
+              title=f"kvxfer demo: prefill -> decode over {summary['transport']} ({summary['mode']}"
+                    f"{', layer-wise' if summary['layerwise'] else ''}) on 127.0.0.1")
+    for col in ("req", "fam", "prompt", "new", "reused D", "reused P", "bytes", "GB/s", "TTFT ms", "check"):
+        t.add_column(col, justify="right")
+    for row in summary["rows"]:
+        gbps = row["bytes_moved"] / row["transfer_s"] / 1e9 if row["transfer_s"] > 0 else 0.0
+        verdict = "[green]match[/]" if row["match"] else f"[red]{'MISMATCH' if row['ok'] else row['error'][:40]}[/]"
+        t.add_row(str(row["request"]), str(row["family"]), str(row["prompt_tokens"]),
+                  str(summary["generated_tokens"] // max(1, summary["requests"] - summary["failed"])),
+                  str(row["reused_blocks_decode"]), str(row["reused_blocks_prefill"]), f"{row['bytes_moved'] / 1024:.0f} KiB",
+                  f"{gbps:.3f}", f"{row['ttft_ms']:.1f}", verdict)
+    console.print(t)
+    console.print(f"{summary['requests']} requests, {summary['mismatches']} mismatches, {summary['failed']} failed; "
+                  f"{summary['bytes_moved']:,} bytes moved at {summary['transfer_gbps']:.3f} GB/s; blocks reused: "
+                  f"decode {summary['reused_blocks_decode']}, prefill {summary['reused_blocks_prefill']}; "
+                  f"TTFT p50 {summary['ttft_ms_p50']:.1f} ms; {summary['elapsed_s']:.1f} s in all")
+
+
+def demo(a: argparse.Namespace) -> int:
+    """Run the demo; 0 when every request matched single-process generation, 1 otherwise."""
+    if a.families < 1 or a.per_family < 1 or a.max_new_tokens < 1:
+        raise ConfigError("--families, --per-family and --max-new-tokens must be >= 1")
+    logging.getLogger("kvxfer").setLevel(logging.ERROR)   # peers closing at the end are expected
+    console = Console(stderr=a.json)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        summary = run_demo(a.backend, a.mode, a.layerwise, a.families, a.per_family, a.max_new_tokens, a.seed,
+                           a.timeout, progress)
+    if a.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "rows"} | {"rows": summary["rows"]}))
+    else:
+        print_table(summary, console)
+    return 0 if summary["mismatches"] == 0 and summary["failed"] == 0 else 1

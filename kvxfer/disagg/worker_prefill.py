@@ -1,0 +1,378 @@
+"""PrefillWorker: computes a request's KV (reusing its own prefix tree) and pushes it to decode, or holds
+it under a lease for decode to pull.
+
+Per request (``kv_request`` from an authenticated decode peer): allocate caches on every rank (prefix
+match), run the model on the tokens not reused, then either write the token range decode lacks into
+decode's blocks (push; layer-wise: one write per group of layers as soon as they are computed) and
+report ``kv_pushed``, or answer ``kv_pull`` with the source block ids and keep the blocks until
+``kv_release``. The source blocks are held under a lease decode renews; expiry, ``kv_cancel``, a failed
+transfer or a lost peer frees every block of the affected requests and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.cache.kv_cache import KVCache
+from kvxfer.disagg.control import ControlServer, PeerConnection, Secret
+from kvxfer.disagg.handshake import LocalIdentity, check_compatible
+from kvxfer.disagg.messages import Message
+from kvxfer.disagg.session import LeaseTable, Session, SessionState
+from kvxfer.disagg.worker import (
+    Engine,
+    Event,
+    LayerwiseKV,
+    WorkerConfig,
+    all_regions,
+    held_slots,
+    layer_groups,
+    make_transport,
+    now,
+    plan_between,
+)
+from kvxfer.disagg.worker_protocol import (
+    BlockIdMaps,
+    decode_block_ids,
+    decode_layouts,
+    encode_block_ids,
+    encode_layouts,
+)
+from kvxfer.errors import (
+    CacheStateError,
+    ControlTimeout,
+    KvxferError,
+    OutOfSlotsError,
+    ProtocolError,
+    SessionError,
+)
+from kvxfer.model import ReferenceModel, greedy
+from kvxfer.transport import TransferHandle, TransferStatus, Transport
+
+log = logging.getLogger("kvxfer.disagg.prefill")
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request being served to one decode peer."""
+
+    peer: str
+    request_id: str
+    conn: PeerConnection
+    session: Session
+    caches: list[KVCache]
+    mode: str
+    handles: list[TransferHandle] = field(default_factory=list)
+    first_token: int = -1
+    reused_tokens: int = 0
+    prefill_s: float = 0.0
+    posted_at: float = 0.0
+    freed: bool = False
+
+
+@dataclass
+class PrefillStats:
+    """Counters over the worker's life."""
+
+    requests: int = 0
+    completed: int = 0
+    failed: int = 0
+    bytes_sent: int = 0
+    reused_tokens: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+
+class PrefillWorker:
+    """Serves decode peers on ``address``; see the module docstring."""
+
+    def __init__(self, config: WorkerConfig, secret: Secret = None, *, bind: str = "tcp://127.0.0.1:0",
+                 transport_options: dict[str, Any] | None = None, versions: tuple[int, int] | None = None) -> None:
+        self.config = config
+        self.managers = config.managers()
+        self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
+        self.model = ReferenceModel(config.model, config.device)
+        self.transport: Transport = make_transport(config, transport_options)
+        self.transport.register(all_regions(self.layouts))
+        self.leases = LeaseTable()
+        self.stats = PrefillStats()
+        self._jobs: dict[tuple[str, str], _Job] = {}
+        self._peer_layouts: dict[str, list[CacheLayoutDesc]] = {}
+        self._peers: dict[str, PeerConnection] = {}
+        identity = LocalIdentity("prefill", config.name, self.layouts[0], config.backend, self.transport.metadata(),
+                                 config.heartbeat_interval)
+        kw: dict[str, Any] = {} if versions is None else {"versions": versions}
+        self.engine = Engine(config.name, self._on_event, self._tick)
+        self.server = ControlServer(identity, secret, bind=bind, accept_roles=("decode",), **kw)
+        self.address = self.server.address
+        self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}", daemon=True)
+        self.engine.start()
+        self._accepting.start()
+
+    # --- public -----------------------------------------------------------------------------------
+    @property
+    def num_jobs(self) -> int:
+        """Requests whose source blocks are held now."""
+        return int(self.engine.call(lambda: len(self._jobs), 10.0))
+
+    def held_slots(self) -> int:
+        """Slots held by open requests on every rank and pool group (0 when idle: nothing leaked;
+        blocks kept only by the prefix tree do not count). Checks the allocator accounting."""
+        return int(self.engine.call(lambda: held_slots(self.managers), 10.0))
+
+    def num_open_caches(self) -> int:
+        """Caches open on every rank together (0 when idle)."""
+        return int(self.engine.call(lambda: sum(len(m.open_caches) for m in self.managers), 10.0))
+
+    def close(self) -> None:
+        """Fail every open request, stop the threads, close the server and transport."""
+        if self.engine.stopping:
+            return
+        with contextlib.suppress(KvxferError):
+            self.engine.call(lambda: self._fail_all("prefill worker shutting down"), 10.0)
+        self.server.close("prefill worker shutting down")
+        self.engine.stop()
+        self._accepting.join(5.0)
+        self.transport.close()
+        for m in self.managers:
+            m.shutdown()
+
+    def __enter__(self) -> PrefillWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- threads ----------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self.engine.stopping:
+            try:
+                conn = self.server.accept(0.2)
+            except ControlTimeout:
+                continue
+            except KvxferError:
+                return
+            self.engine.read(conn)
+
+    def _on_event(self, ev: Event) -> None:
+        kind, conn, payload = ev
+        if kind == "lost":
+            self._on_lost(conn, payload)
+        elif kind == "message":
+            try:
+                self._on_message(conn, payload)
+            except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
+                log.warning("%s: %s sent a bad %s: %s", self.config.name, conn.peer.name, payload.type, exc)
+                conn.close(f"protocol error: {exc}")
+                self._on_lost(conn, f"protocol error: {exc}")
+
+    def _on_message(self, conn: PeerConnection, msg: Message) -> None:
+        peer = conn.peer.name
+        if msg.type == "kv_ranks":
+            self._on_ranks(conn, msg)
+            return
+        if peer not in self._peer_layouts:
+            raise ProtocolError(f"{msg.type!r} before kv_ranks")
+        rid = msg["request_id"]
+        job = self._jobs.get((peer, rid))
+        if msg.type == "kv_request":
+            self._on_request(conn, msg)
+        elif msg.type == "lease_renew":
+            if job is not None:
+                with contextlib.suppress(SessionError):
+                    self.leases.renew((peer, rid))
+        elif msg.type == "kv_release":
+            if job is not None:
+                self._finish(job, None)
+        elif msg.type == "kv_cancel":
+            if job is not None:
+                self._end(job, SessionState.CANCELLED, f"cancelled by decode: {msg['reason']}", tell=False)
+            # Acknowledge even unknown ids: decode may free its blocks once we will not write there.
+            self._send(conn, "kv_failed", request_id=rid, reason=f"cancelled: {msg['reason']}")
+        else:
+            raise ProtocolError(f"unexpected message {msg.type!r} from a decode peer")
+
+    def _on_ranks(self, conn: PeerConnection, msg: Message) -> None:
+        peer = conn.peer.name
+        layouts = decode_layouts(msg["layouts"])
+        for i, lay in enumerate(layouts):
+            try:
+                check_compatible(self.layouts[0], lay)
+            except KvxferError as exc:
+                raise ProtocolError(f"kv_ranks.layouts[{i}] incompatible: {exc}") from exc
+        if conn.peer.layout is None or layouts[0].fingerprint != conn.peer.layout.fingerprint:
+            raise ProtocolError("kv_ranks.layouts[0] differs from the layout of the handshake")
+        old = self._peers.get(peer)
+        if old is not None and old is not conn:
+            self._on_lost(old, "replaced by a new connection with the same name")
+        self.transport.connect(peer, conn.peer.metadata)
+        self._peer_layouts[peer] = layouts
+        self._peers[peer] = conn
+        self._send(conn, "kv_ranks", layouts=encode_layouts(self.layouts))
+
+    # --- requests ---------------------------------------------------------------------------------
+    def _on_request(self, conn: PeerConnection, msg: Message) -> None:
+        peer, rid = conn.peer.name, msg["request_id"]
+        self.stats.requests += 1
+        if (peer, rid) in self._jobs:
+            self._send(conn, "kv_failed", request_id=rid, reason="duplicate request id")
+            return
+        dst_layouts = self._peer_layouts[peer]
+        tokens = np.asarray(msg["tokens"], dtype=np.int64)
+        skip = int(msg["skip"])
+        if not 0 <= skip < tokens.size:
+            self._send(conn, "kv_failed", request_id=rid, reason=f"skip={skip} outside [0, {tokens.size})")
+            return
+        dst_ids = decode_block_ids(msg["blocks"], len(dst_layouts), "kv_request.blocks")
+        session = Session(rid, lease=self.leases.grant((peer, rid), float(msg["lease_s"])))
+        job = _Job(peer, rid, conn, session, [], msg["mode"])
+        self._jobs[(peer, rid)] = job
+        try:
+            self._compute(job, tokens, skip, dst_ids, msg)
+        except KvxferError as exc:
+            self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
+
+    def _compute(self, job: _Job, tokens: np.ndarray, skip: int, dst_ids: BlockIdMaps, msg: Message) -> None:
+        for i, m in enumerate(self.managers):
+            job.caches.append(m.create_kv_cache(tokens, id=f"{job.peer}/{job.request_id}/{i}"))
+        for cache in job.caches:
+            if not cache.resume():
+                raise OutOfSlotsError(f"prefill cache {cache.id}: no free slot for copy-on-write of a reused block")
+        reused = {c.num_reused_tokens for c in job.caches}
+        if len(reused) != 1:
+            raise CacheStateError(f"prefill ranks reused different prefixes: {sorted(reused)} tokens")
+        job.reused_tokens = reused.pop()
+        self.stats.reused_tokens += job.reused_tokens
+        job.session.ready("source blocks allocated")
+        shards = list(zip(self.managers, job.caches, strict=True))
+        dst_layouts = self._peer_layouts[job.peer]
+        span = (skip, int(tokens.size))
+        started = now()
+        if msg["mode"] == "push" and msg["layerwise"]:
+            groups = layer_groups(self.config.model.num_layers, int(msg["layers_per_send"]))
+            ends = {g[-1]: g for g in groups}
+            part = [0]
+
+            def on_layer(layer: int) -> None:
+                if layer not in ends:
+                    return
+                if job.session.state is SessionState.READY:
+                    job.session.start_transfer("layer-wise writes posted")
+                    job.posted_at = now()
+                plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
+                                    token_range=span, layers=ends[layer])
+                part[0] += 1
+                job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, part[0])))
+
+            kv: Any = LayerwiseKV(shards, self.config.model, int(tokens.size), on_layer)
+        else:
+            kv = self.model.bind(shards)
+        with torch.inference_mode():
+            logits = self.model.prefill(kv, tokens[job.reused_tokens:], self.config.chunk_size)
+        job.first_token = greedy(logits[-1])
+        job.prefill_s = now() - started
+        if msg["mode"] == "pull":
+            job.session.start_transfer("waiting for decode to read")
+            self._send(job.conn, "kv_pull", request_id=job.request_id, first_token=job.first_token,
+                       blocks=encode_block_ids([c.block_id_map() for c in job.caches]),
+                       reused_tokens=job.reused_tokens, prefill_s=job.prefill_s)
+            return
+        if not msg["layerwise"]:
+            plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
+                                token_range=span)
+            job.session.start_transfer("write posted")
+            job.posted_at = now()
+            job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, 1)))
+
+    # --- completion and failure -------------------------------------------------------------------
+    def _tick(self) -> float:
+        for key in (self.leases.pop_expired() if not self.engine.backlog else []):
+            job = next((j for k, j in self._jobs.items() if k == key), None)
+            if job is not None:
+                self._end(job, SessionState.FAILED, "lease expired: decode stopped renewing it")
+        busy = False
+        for job in list(self._jobs.values()):
+            if job.mode != "push" or not job.handles or job.session.state is not SessionState.TRANSFERRING:
+                continue
+            statuses = [h.status for h in job.handles]
+            failed = [h for h, s in zip(job.handles, statuses, strict=True)
+                      if s in (TransferStatus.FAILED, TransferStatus.CANCELLED)]
+            if failed:
+                self._end(job, SessionState.FAILED, f"transfer failed: {failed[0].reason}")
+            elif all(s is TransferStatus.DONE for s in statuses):
+                self._finish(job, now() - job.posted_at)
+            else:
+                busy = True
+        if busy:
+            return 0.001
+        nxt = self.leases.next_deadline()
+        return 0.05 if nxt is None else min(0.05, max(0.0, nxt - now()))
+
+    def _finish(self, job: _Job, transfer_s: float | None) -> None:
+        """The request's KV reached decode: report (push), free the source blocks, end the session."""
+        nbytes = sum(h.nbytes for h in job.handles)
+        if transfer_s is not None:
+            self._send(job.conn, "kv_pushed", request_id=job.request_id, first_token=job.first_token,
+                       parts=len(job.handles), nbytes=nbytes, reused_tokens=job.reused_tokens,
+                       prefill_s=job.prefill_s, transfer_s=transfer_s)
+        self.stats.bytes_sent += nbytes
+        self.stats.completed += 1
+        job.session.done("decode has the KV" if transfer_s is None else "written")
+        self._free(job)
+
+    def _end(self, job: _Job, state: SessionState, reason: str, *, tell: bool = True) -> None:
+        """Fail or cancel one request: stop its transfers, free its blocks, tell decode (when asked)."""
+        for h in job.handles:
+            h.cancel()
+        if not job.session.terminal:
+            job.session.transition(state, reason)
+        self.stats.failed += 1
+        self.stats.reasons.append(reason)
+        log.info("%s: request %s of %s ended: %s", self.config.name, job.request_id, job.peer, reason)
+        if tell:
+            self._send(job.conn, "kv_failed", request_id=job.request_id, reason=reason)
+        self._free(job)
+
+    def _free(self, job: _Job) -> None:
+        if job.freed:
+            return
+        pending = [h for h in job.handles if not h.done()]
+        if pending:   # a transfer that could not be cancelled still reads our pages: wait for it
+            for h in pending:
+                with contextlib.suppress(KvxferError):
+                    h.wait(self.config.lease_s)
+        job.freed = True
+        for cache in job.caches:
+            with contextlib.suppress(KvxferError):
+                cache.close()
+        self.leases.release((job.peer, job.request_id))
+        self._jobs.pop((job.peer, job.request_id), None)
+
+    def _on_lost(self, conn: PeerConnection, reason: str) -> None:
+        peer = conn.peer.name
+        if self._peers.get(peer) is not conn:
+            return
+        for job in [j for j in self._jobs.values() if j.peer == peer]:
+            self._end(job, SessionState.FAILED, f"decode peer lost: {reason}", tell=False)
+        self._peers.pop(peer, None)
+        self._peer_layouts.pop(peer, None)
+        self.transport.disconnect(peer)
+
+    def _fail_all(self, reason: str) -> None:
+        for job in list(self._jobs.values()):
+            self._end(job, SessionState.FAILED, reason)
+
+    def _send(self, conn: PeerConnection, type: str, **body: Any) -> None:
+        with contextlib.suppress(KvxferError):   # a lost peer is handled by its reader's "lost" event
+            conn.send(type, **body)
+
+
+def _notify(request_id: str, part: int) -> bytes:
+    """The transport notification that follows part ``part`` of a request's KV."""
+    return f"{request_id}#{part}".encode()

@@ -1,0 +1,140 @@
+"""Worker message types (registered with the control plane) and the bounded codecs of their payloads.
+
+Decode <-> prefill, after the authenticated handshake (see docs/disagg.md):
+``kv_ranks`` (both ways, once: every tensor-parallel rank's layout), ``kv_request`` (decode asks for a
+request's KV, saying which tokens it already holds and where the rest must go), ``kv_pushed`` (push:
+the pages are written), ``kv_pull`` (pull: where to read them from), ``kv_release`` (pull: read done),
+``lease_renew``, ``kv_cancel``, ``kv_failed``. Client <-> decode: ``generate``, ``generated``,
+``generate_failed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.disagg.messages import MAX_MESSAGE_BYTES, Field, MessageSpec, register
+from kvxfer.errors import DecodeError, LayoutError, ProtocolError
+
+MODES = ("push", "pull")
+MAX_RANKS = 64
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_LAYER_GROUPS = 1024
+_TOKEN_ID_MAX = (1 << 31) - 1
+
+_RID = Field("request_id", "str", min_len=1, max_len=128)
+_REASON = Field("reason", "str", max_len=1024)
+_SECONDS = (0.0, 1e6)
+
+KV_RANKS = register(MessageSpec("kv_ranks", (Field("layouts", "bytes", max_len=MAX_MESSAGE_BYTES // 2),)))
+KV_REQUEST = register(MessageSpec("kv_request", (
+    _RID,
+    Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=MAX_PROMPT_TOKENS),
+    Field("skip", "int", hi=MAX_PROMPT_TOKENS),
+    Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
+    Field("mode", "str", max_len=8, choices=MODES),
+    Field("layerwise", "bool"),
+    Field("layers_per_send", "int", lo=1, hi=1 << 16),
+    Field("lease_s", "float", lo=0.01, hi=3600.0),
+)))
+KV_PUSHED = register(MessageSpec("kv_pushed", (
+    _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("parts", "int", hi=1 << 16),
+    Field("nbytes", "int"), Field("reused_tokens", "int", hi=MAX_PROMPT_TOKENS),
+    Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
+    Field("transfer_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
+)))
+KV_PULL = register(MessageSpec("kv_pull", (
+    _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
+    Field("reused_tokens", "int", hi=MAX_PROMPT_TOKENS), Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
+)))
+KV_RELEASE = register(MessageSpec("kv_release", (_RID,)))
+LEASE_RENEW = register(MessageSpec("lease_renew", (_RID,)))
+KV_CANCEL = register(MessageSpec("kv_cancel", (_RID, _REASON)))
+KV_FAILED = register(MessageSpec("kv_failed", (_RID, _REASON)))
+GENERATE = register(MessageSpec("generate", (
+    _RID, Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=MAX_PROMPT_TOKENS),
+    Field("max_new_tokens", "int", hi=1 << 20), Field("mode", "str", max_len=8, choices=("", *MODES)),
+    Field("layerwise", "bool"),
+)))
+GENERATED = register(MessageSpec("generated", (
+    _RID, Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=1 << 20), Field("stats", "bytes", max_len=1 << 16),
+)))
+GENERATE_FAILED = register(MessageSpec("generate_failed", (_RID, Field("error", "str", max_len=64), _REASON)))
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True, max_str_len=1 << 10,
+                               max_bin_len=MAX_MESSAGE_BYTES // 2, max_array_len=MAX_PROMPT_TOKENS,
+                               max_map_len=MAX_LAYER_GROUPS, max_ext_len=0)
+    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"{what}: invalid msgpack ({type(exc).__name__})") from exc
+
+
+def encode_layouts(layouts: Sequence[CacheLayoutDesc]) -> bytes:
+    """The layouts of every rank, in rank order, as one msgpack list of layout encodings."""
+    return bytes(msgpack.packb([lay.to_msgpack() for lay in layouts], use_bin_type=True))
+
+
+def decode_layouts(data: bytes) -> list[CacheLayoutDesc]:
+    """Inverse of ``encode_layouts``; ProtocolError naming the bad rank."""
+    obj = _unpack(data, "kv_ranks.layouts")
+    if not isinstance(obj, list) or not 1 <= len(obj) <= MAX_RANKS or not all(isinstance(x, bytes) for x in obj):
+        raise ProtocolError(f"kv_ranks.layouts: expected a list of 1..{MAX_RANKS} layout encodings")
+    out: list[CacheLayoutDesc] = []
+    for i, raw in enumerate(obj):
+        try:
+            out.append(CacheLayoutDesc.from_msgpack(raw))
+        except (DecodeError, LayoutError) as exc:
+            raise ProtocolError(f"kv_ranks.layouts[{i}]: {exc}") from exc
+    return out
+
+
+BlockIdMaps = list[dict[int, npt.NDArray[np.int64]]]
+
+
+def encode_block_ids(maps: Sequence[Mapping[int, npt.ArrayLike]]) -> bytes:
+    """Per rank, layer group -> block ids (int32 little-endian bytes), as msgpack."""
+    return bytes(msgpack.packb([{int(g): np.asarray(ids, dtype="<i4").tobytes() for g, ids in m.items()}
+                                for m in maps], use_bin_type=True))
+
+
+def decode_block_ids(data: bytes, num_ranks: int, what: str) -> BlockIdMaps:
+    """Inverse of ``encode_block_ids`` for a peer with ``num_ranks`` ranks; ProtocolError when malformed.
+
+    Ids are only decoded here; ``plan_transfer`` checks each against its layout's pool groups."""
+    obj = _unpack(data, what)
+    if not isinstance(obj, list) or len(obj) != num_ranks:
+        raise ProtocolError(f"{what}: expected one block-id map per rank ({num_ranks}), got "
+                            f"{len(obj) if isinstance(obj, list) else type(obj).__name__}")
+    out: BlockIdMaps = []
+    for r, m in enumerate(obj):
+        if not isinstance(m, dict):
+            raise ProtocolError(f"{what}[{r}]: expected a map layer group -> ids")
+        ranked: dict[int, npt.NDArray[np.int64]] = {}
+        for g, raw in m.items():
+            if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < MAX_LAYER_GROUPS \
+                    or not isinstance(raw, bytes) or len(raw) % 4:
+                raise ProtocolError(f"{what}[{r}]: bad entry for layer group {g!r}")
+            ranked[g] = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+        out.append(ranked)
+    return out
+
+
+def encode_stats(stats: Mapping[str, int | float | str]) -> bytes:
+    """A flat map of per-request figures, as msgpack."""
+    return bytes(msgpack.packb(dict(stats), use_bin_type=True))
+
+
+def decode_stats(data: bytes) -> dict[str, int | float | str]:
+    """Inverse of ``encode_stats``; ProtocolError unless a flat map of numbers and strings."""
+    obj = _unpack(data, "generated.stats")
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, int | float | str)
+                                            for k, v in obj.items()):
+        raise ProtocolError("generated.stats: expected a map of names to numbers or strings")
+    return obj

@@ -1,0 +1,221 @@
+"""End to end in one process over loopback: prefill and decode workers, token for token against
+single-process generation; refused handshakes; leases, deadlines and cancels that free every block."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer.cache.manager import KVCacheManager
+from kvxfer.cli import main as cli_main
+from kvxfer.disagg import LocalIdentity, connect
+from kvxfer.disagg.worker import WorkerConfig
+from kvxfer.disagg.worker_decode import DecodeWorker
+from kvxfer.disagg.worker_prefill import PrefillWorker
+from kvxfer.disagg.worker_protocol import encode_block_ids, encode_layouts
+from kvxfer.errors import AuthenticationError, HandshakeRefused, LayoutMismatch, TransferTimeout
+from kvxfer.model import ByteTokenizer, ModelConfig, ReferenceModel, preset
+from kvxfer.transport import LoopbackFaults, create
+
+SECRET = "e2e-test-secret-0123456789"
+_names = itertools.count()
+WORKER_THREADS = ("kvxfer-control-", "kvxfer-engine-", "kvxfer-reader-", "kvxfer-accept-")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One torch thread; and no worker, reader or control thread outlives its test."""
+    torch.set_num_threads(1)
+    yield
+    deadline = time.monotonic() + 5
+    while (left := [t.name for t in threading.enumerate() if t.name.startswith(WORKER_THREADS)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"threads left behind: {left}"
+
+
+def name(role: str) -> str:
+    return f"e2e-{role}-{next(_names)}"
+
+
+def reference(tokens: np.ndarray, n: int, model: ModelConfig | None = None) -> list[int]:
+    """Greedy tokens of one process doing prefill and decode."""
+    cfg = model or preset("tiny")
+    manager = KVCacheManager(cfg.cache_config(16, 128, enable_prefix_reuse=False))
+    return ReferenceModel(cfg).generate(manager, tokens, n)
+
+
+def prompts(seed: int, prefix: int = 50, count: int = 3) -> list[np.ndarray]:
+    """``count`` prompts sharing a ``prefix``-token prefix."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 512, prefix)
+    return [np.concatenate([shared, rng.integers(0, 512, int(rng.integers(3, 30)))]) for _ in range(count)]
+
+
+@pytest.fixture
+def prefill() -> Iterator[PrefillWorker]:
+    with PrefillWorker(WorkerConfig(name("prefill"), num_blocks=256), SECRET) as worker:
+        yield worker
+
+
+def assert_idle(*workers: PrefillWorker | DecodeWorker) -> None:
+    """No request holds a slot or an open cache (tree-only blocks are fine)."""
+    for w in workers:
+        assert w.held_slots() == 0
+        assert w.num_open_caches() == 0
+
+
+@pytest.mark.parametrize(("mode", "layerwise", "per_send"), [("push", False, 1), ("pull", False, 1),
+                                                              ("push", True, 1), ("push", True, 3)])
+def test_tokens_match_single_process(prefill: PrefillWorker, mode: str, layerwise: bool, per_send: int) -> None:
+    with DecodeWorker(WorkerConfig(name("decode"), num_blocks=256), SECRET, prefill=prefill.address, mode=mode,
+                      layerwise=layerwise, layers_per_send=per_send) as decode:
+        for tokens in prompts(1):
+            res = decode.generate(tokens, 10, timeout=60)
+            assert res.tokens == reference(tokens, 10)
+            assert res.mode == mode and res.layerwise == layerwise
+        assert_idle(prefill, decode)
+
+
+def test_prefix_hit_on_decode_moves_only_missing_tokens(prefill: PrefillWorker) -> None:
+    cfg = WorkerConfig(name("decode"), num_blocks=256)
+    bytes_per_token = 4 * 2 * 2 * 32 * 4     # layers x roles x kv heads x head_dim x float32
+    with DecodeWorker(cfg, SECRET, prefill=prefill.address) as decode:
+        first, second = prompts(2, prefix=64, count=2)
+        a = decode.generate(first, 6, timeout=60)
+        assert a.reused_tokens_decode == 0 and a.bytes_moved == first.size * bytes_per_token
+        b = decode.generate(second, 6, timeout=60)
+        assert b.tokens == reference(second, 6)
+        assert b.reused_tokens_decode == 64          # the shared prefix (4 full blocks) stayed on decode
+        assert b.reused_tokens_prefill == 64
+        assert b.bytes_moved == (second.size - 64) * bytes_per_token
+        assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_heterogeneous_tp_block_size_and_head_order(mode: str) -> None:
+    """One prefill rank (16 tokens/block, HND) feeds two decode ranks (8 tokens/block, NHD, one KV head each)."""
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), tokens_per_block=8, head_order="NHD", tp_size=2), SECRET,
+                         prefill=prefill.address, mode=mode, layerwise=mode == "push") as decode:
+        for tokens in prompts(3):
+            assert decode.generate(tokens, 8, timeout=60).tokens == reference(tokens, 8)
+        assert_idle(prefill, decode)
+
+
+def test_two_prefill_ranks_feed_one_decode_rank_with_sliding_windows() -> None:
+    model = preset("tiny-swa")
+    with PrefillWorker(WorkerConfig(name("prefill"), model=model, tp_size=2, chunk_size=32), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), model=model, tokens_per_block=8), SECRET,
+                         prefill=prefill.address) as decode:
+        for tokens in prompts(4, prefix=70):
+            assert decode.generate(tokens, 8, timeout=60).tokens == reference(tokens, 8, model)
+        assert_idle(prefill, decode)
+    with PrefillWorker(WorkerConfig(name("prefill"), model=model), SECRET) as prefill, \
+            pytest.raises(LayoutMismatch, match="multiple of decode's"):
+        DecodeWorker(WorkerConfig(name("decode"), model=model, tokens_per_block=32), SECRET, prefill=prefill.address)
+
+
+def test_refused_handshakes_fail_fast_with_the_reason(prefill: PrefillWorker) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(AuthenticationError, match=r"failed authentication \(wrong secret"):
+        DecodeWorker(WorkerConfig(name("decode")), "a-wrong-secret-0123456789", prefill=prefill.address)
+    other = ModelConfig(head_dim=16)
+    with pytest.raises(HandshakeRefused, match=r"incompatible layout.*head_dim"):
+        DecodeWorker(WorkerConfig(name("decode"), model=other), SECRET, prefill=prefill.address)
+    with pytest.raises(HandshakeRefused, match="version"):
+        DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address, versions=(2, 2))
+    assert time.monotonic() - t0 < 10
+    assert_idle(prefill)
+
+
+def test_stalled_push_fails_at_the_deadline_and_frees_both_sides() -> None:
+    stall = LoopbackFaults(never_complete=True)
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET, transport_options={"faults": stall}) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), deadline_s=1.0), SECRET, prefill=prefill.address) as decode:
+        tokens = prompts(5)[0]
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match=r"did not arrive within 1\.0 s"):
+            decode.generate(tokens, 4, timeout=30)
+        assert time.monotonic() - t0 < 5
+        deadline = time.monotonic() + 5    # decode frees its blocks once prefill confirms the cancel
+        while (decode.held_slots() or prefill.held_slots()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert_idle(prefill, decode)
+        assert any("cancelled by decode" in r for r in prefill.stats.reasons)
+        stall.never_complete = False     # the same pair then serves the next request
+        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+        assert_idle(prefill, decode)
+
+
+def test_pull_lease_expires_when_decode_stops_renewing(prefill: PrefillWorker) -> None:
+    """A decode peer that asks for a pull and then goes quiet: prefill frees the blocks at lease expiry."""
+    cfg = WorkerConfig(name("decode"))
+    managers = cfg.managers()
+    transport = create("loopback", cfg.name)
+    transport.register(managers[0].memory_regions())
+    ident = LocalIdentity("decode", cfg.name, managers[0].layout, "loopback", transport.metadata(), 0.2)
+    conn = connect(prefill.address, ident, SECRET, expect_role="prefill")
+    try:
+        conn.send("kv_ranks", layouts=encode_layouts([m.layout for m in managers]))
+        assert conn.recv(5).type == "kv_ranks"
+        tokens = prompts(6)[0]
+        cache = managers[0].create_kv_cache(tokens)
+        cache.resume()
+        cache.resize(int(tokens.size))
+        conn.send("kv_request", request_id="q1", tokens=tokens.tolist(), skip=0,
+                  blocks=encode_block_ids([cache.block_id_map()]), mode="pull", layerwise=False,
+                  layers_per_send=1, lease_s=0.5)
+        pull = conn.recv(10)
+        assert pull.type == "kv_pull" and pull["request_id"] == "q1"
+        assert prefill.held_slots() > 0
+        failed = conn.recv(5)
+        assert failed.type == "kv_failed" and "lease expired" in failed["reason"]
+        assert_idle(prefill)
+        cache.close()
+    finally:
+        conn.close()
+        transport.close()
+
+
+def test_demo_refuses_loopback_across_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["demo", "--backend", "loopback"]) == 2
+    assert "loopback moves bytes only between transports of one process" in capsys.readouterr().err
+
+
+def test_stalled_pull_fails_at_the_deadline_and_prefill_frees_at_once() -> None:
+    stall = LoopbackFaults(never_complete=True)
+    with PrefillWorker(WorkerConfig(name("prefill"), lease_s=30.0), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), deadline_s=1.0), SECRET, prefill=prefill.address, mode="pull",
+                         transport_options={"faults": stall}) as decode:
+        tokens = prompts(10)[0]
+        with pytest.raises(TransferTimeout):
+            decode.generate(tokens, 4, timeout=30)
+        deadline = time.monotonic() + 5     # long before prefill's 30 s lease: decode's cancel frees it
+        while prefill.held_slots() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert_idle(prefill, decode)
+        stall.never_complete = False
+        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+
+
+def test_generate_client_through_a_serving_decode_worker(prefill: PrefillWorker, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVXFER_SECRET", SECRET)
+    with DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address,
+                      bind="tcp://127.0.0.1:0") as decode:
+        assert decode.address is not None
+        assert cli_main(["generate", "--decode", decode.address, "--max-new-tokens", "5", "--json",
+                         "hello, disaggregated world"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        ids = ByteTokenizer(512).encode("hello, disaggregated world")
+        assert out["tokens"] == reference(np.array(ids), 5)
+        assert out["prompt_tokens"] == len(ids) and out["bytes_moved"] > 0
+        assert_idle(prefill, decode)

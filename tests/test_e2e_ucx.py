@@ -1,0 +1,121 @@
+"""End to end across processes on 127.0.0.1 over the best installed UCX transport (nixl, else ucx): a
+prefill process started with ``kvxfer serve prefill``, a decode worker in this process; a SIGKILLed
+prefill fails the in-flight requests within the heartbeat deadline and decode serves on; ``kvxfer demo``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer.disagg.worker import WorkerConfig
+from kvxfer.disagg.worker_cli import best_backend
+from kvxfer.disagg.worker_decode import DecodeWorker
+from kvxfer.disagg.worker_demo import WorkerProcess
+from kvxfer.errors import BackendUnavailable, PeerUnreachable
+from tests.test_e2e import prompts, reference
+
+pytestmark = pytest.mark.ucx
+SECRET = "e2e-ucx-secret-0123456789abcdef"
+_names = itertools.count()
+WORKER_THREADS = ("kvxfer-control-", "kvxfer-engine-", "kvxfer-reader-", "kvxfer-accept-")
+
+
+@pytest.fixture(scope="module")
+def backend() -> str:
+    try:
+        return best_backend()
+    except BackendUnavailable as exc:
+        pytest.skip(f"needs a UCX transport: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One torch thread; and no worker, reader or control thread outlives its test."""
+    torch.set_num_threads(1)
+    yield
+    deadline = time.monotonic() + 5
+    while (left := [t.name for t in threading.enumerate() if t.name.startswith(WORKER_THREADS)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"threads left behind: {left}"
+
+
+def spawn_prefill(backend: str, *extra: str) -> WorkerProcess:
+    env = {**os.environ, "KVXFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    return WorkerProcess(["prefill", "--backend", backend, "--name", f"ucx-prefill-{os.getpid()}-{next(_names)}",
+                          *extra], env, 60.0)
+
+
+@pytest.fixture
+def prefill_process(backend: str) -> Iterator[WorkerProcess]:
+    proc = spawn_prefill(backend)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_push_pull_layerwise_prefix_hit_and_tp_across_processes(backend: str, prefill_process: WorkerProcess) -> None:
+    cfg = WorkerConfig(f"ucx-decode-{os.getpid()}-{next(_names)}", backend=backend, tokens_per_block=8,
+                       head_order="NHD", tp_size=2)
+    with DecodeWorker(cfg, SECRET, prefill=prefill_process.address) as decode:
+        cases = [("push", False), ("pull", False), ("push", True)]
+        for (mode, layerwise), tokens in zip(cases, prompts(7, prefix=48, count=3), strict=True):
+            res = decode.generate(tokens, 8, timeout=60, mode=mode, layerwise=layerwise)
+            assert res.tokens == reference(tokens, 8), (mode, layerwise)
+            assert res.bytes_moved > 0
+        assert res.reused_tokens_decode == 48     # the last two hit decode's prefix tree
+        assert decode.held_slots() == 0 and decode.num_open_caches() == 0
+
+
+def test_killed_prefill_fails_in_flight_requests_and_decode_serves_on(backend: str) -> None:
+    first = spawn_prefill(backend)
+    second: WorkerProcess | None = None
+    cfg = WorkerConfig(f"ucx-decode-{os.getpid()}-{next(_names)}", backend=backend, num_blocks=1024, deadline_s=60.0)
+    try:
+        with DecodeWorker(cfg, SECRET, prefill=first.address) as decode:
+            rng = np.random.default_rng(8)
+            long_prompts = [rng.integers(0, 512, 3000) for _ in range(2)]
+            futures = [decode.submit(p, 4) for p in long_prompts]
+            time.sleep(0.3)                 # prefill is computing the first one
+            t0 = time.monotonic()
+            first.kill()
+            for fut in futures:
+                with pytest.raises(PeerUnreachable, match="lost"):
+                    fut.result(timeout=30)
+            detected = time.monotonic() - t0
+            assert detected < 5.0, f"in-flight requests failed {detected:.1f} s after the kill"
+            assert decode.held_slots() == 0 and decode.num_open_caches() == 0
+            second = spawn_prefill(backend)
+            decode.connect(second.address)
+            tokens = prompts(9)[0]
+            assert decode.generate(tokens, 6, timeout=60).tokens == reference(tokens, 6)
+            assert decode.held_slots() == 0
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_demo_json_runs_two_processes_and_matches(backend: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--json", "--families", "2", "--per-family",
+                           "2", "--max-new-tokens", "6", "--mode", "pull"], capture_output=True, text=True, env=env,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"requests", "mismatches", "transport", "mode", "bytes_moved", "reused_blocks_decode",
+            "transfer_gbps"} <= set(out)
+    assert out["requests"] == 4 and out["mismatches"] == 0 and out["transport"] == backend and out["mode"] == "pull"
+    assert out["bytes_moved"] > 0 and out["reused_blocks_decode"] > 0

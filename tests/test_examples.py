@@ -1,0 +1,51 @@
+"""Every example runs: ``--help`` everywhere, the CPU ones for real over loopback, the GPU one on a GPU."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str) -> dict[str, Any]:
+    return runpy.run_path(str(EXAMPLES / name))
+
+
+@pytest.mark.parametrize("name", ["cpu_pair.py", "two_gpu_pair.py", "hetero_tp.py"])
+def test_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        load(name)["main"](["--help"])
+    assert exc.value.code == 0
+    assert "--backend" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["--mode", "push"], ["--mode", "pull", "--layerwise"]])
+def test_cpu_pair(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert load("cpu_pair.py")["main"](["--max-new-tokens", "6", *args]) == 0
+    out = capsys.readouterr().out
+    assert "tokens match single-process generation" in out
+
+
+def test_hetero_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert load("hetero_tp.py")["main"](["--requests", "2", "--max-new-tokens", "6", "--mode", "pull"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("-> match") == 2 and "heads [1, 2) of 2, 8 tokens/block, NHD" in out
+
+
+def test_two_gpu_pair_says_it_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the gpu-marked test runs the example")
+    assert load("two_gpu_pair.py")["main"]([]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nixl"])
+def test_two_gpu_pair(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load("two_gpu_pair.py")["main"](["--backend", backend, "--max-new-tokens", "8"]) == 0
+    assert "tokens match" in capsys.readouterr().out
