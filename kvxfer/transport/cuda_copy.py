@@ -44,6 +44,17 @@ def check(result: Any, what: str) -> Any:
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+def make_current(device_id: int) -> None:
+    """Make the device's primary context current in the calling thread: driver-API calls
+    (cuIpcOpenMemHandle, cuMemcpyBatchAsync) fail with CUDA_ERROR_INVALID_CONTEXT in threads where
+    no runtime call has run yet (workers call connect and post from their own threads)."""
+    torch.cuda.set_device(device_id)
+    dev = check(cu.cuDeviceGet(device_id), "cuDeviceGet")
+    ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    check(cu.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease")
+
+
 # --- CUDA IPC handles ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class IpcRegion:
@@ -65,7 +76,7 @@ def export_region(base_address: int, nbytes: int, device_id: int) -> IpcRegion:
     torch's caching allocator may place a tensor inside a larger cudaMalloc block; the handle names
     the whole block, so the offset of the region inside it travels along.
     """
-    torch.cuda.set_device(device_id)
+    make_current(device_id)
     alloc_base, alloc_size = check(cu.cuMemGetAddressRange(base_address), "cuMemGetAddressRange")
     alloc_base = int(alloc_base)
     if base_address + nbytes > alloc_base + int(alloc_size):
@@ -77,7 +88,8 @@ def export_region(base_address: int, nbytes: int, device_id: int) -> IpcRegion:
 class IpcMappings:
     """Opened peer allocations, one mapping per distinct handle, closed together."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_id: int) -> None:
+        self.device_id = device_id
         self._opened: dict[bytes, int] = {}
         self._lock = threading.Lock()
 
@@ -88,6 +100,7 @@ class IpcMappings:
         with self._lock:
             base = self._opened.get(region.handle)
             if base is None:
+                make_current(self.device_id)
                 h = cu.CUipcMemHandle()
                 h.reserved = region.handle
                 base = int(check(cu.cuIpcOpenMemHandle(h, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
@@ -97,6 +110,8 @@ class IpcMappings:
 
     def close(self) -> None:
         with self._lock:
+            if self._opened:
+                make_current(self.device_id)
             for base in self._opened.values():
                 cu.cuIpcCloseMemHandle(base)
             self._opened.clear()
@@ -167,6 +182,7 @@ class BatchedCopier:
     def copy(self, dst: U64, src: U64, nbytes: U64) -> torch.cuda.Event:
         """Enqueue the copies; returns an event recorded after them on the copier's stream."""
         n = int(dst.size)
+        make_current(self.device_id)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with torch.cuda.device(self.device_id), torch.cuda.stream(self.stream):
             # Pages written by the model on the default stream must be complete before we read them.

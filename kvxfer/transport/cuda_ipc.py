@@ -65,7 +65,7 @@ class CudaIpcTransport(Transport):
         self._cuda = cuda_copy
         self._device_id = torch.cuda.current_device() if device_id is None else device_id
         self._copier = cuda_copy.BatchedCopier(self._device_id, method)
-        self._mappings = cuda_copy.IpcMappings()
+        self._mappings = cuda_copy.IpcMappings(self._device_id)
         self._exports: list[list[Any]] = []
         self._peer_bases: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._zmq = zmq.Context()
