@@ -178,6 +178,15 @@ class BatchedCopier:
         if method == "batch" and self._batch is None:
             raise BackendUnavailable("method='batch' needs cuMemcpyBatchAsync (CUDA driver >= 12.8)")
         self.method = "kernel" if self._kernel is not None else ("batch" if self._batch is not None else "loop")
+        if self.method == "kernel":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the kernel now (Triton compiles on first launch: ~0.5 s that would otherwise
+        land on the first transfer of a request)."""
+        buf = torch.zeros(64, dtype=torch.uint8, device=f"cuda:{self.device_id}")
+        addr = int(buf.data_ptr())
+        self.copy(np.array([addr + 32], np.uint64), np.array([addr], np.uint64), np.array([32], np.uint64)).synchronize()
 
     def copy(self, dst: U64, src: U64, nbytes: U64) -> torch.cuda.Event:
         """Enqueue the copies; returns an event recorded after them on the copier's stream."""
