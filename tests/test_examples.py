@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import runpy
 import subprocess
 import sys
@@ -54,3 +55,16 @@ def test_two_gpu_pair(backend: str) -> None:
                            "--max-new-tokens", "8"], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tokens match" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nixl"])
+def test_demo_on_one_gpu(backend: str) -> None:
+    """`kvxfer demo` with both worker processes on cuda:0, checked against one process on cuda:0."""
+    done = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--device", "cuda:0", "--backend", backend,
+                           "--families", "2", "--per-family", "2", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["mismatches"] == 0 and summary["failed"] == 0 and summary["requests"] == 4
+    assert summary["device"] == "cuda:0" and summary["transport"] == backend

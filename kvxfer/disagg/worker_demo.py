@@ -39,7 +39,8 @@ TOKENS_PER_BLOCK = 16
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """``demo`` options."""
-    p.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx", "loopback"),
+    p.add_argument("--device", default="cpu", help="cpu, or cuda:N (both worker processes share that GPU)")
+    p.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx", "cuda_ipc", "loopback"),
                    help="transport between the two processes (auto: nixl, else ucx)")
     p.add_argument("--mode", choices=("push", "pull"), default="push")
     p.add_argument("--layerwise", action="store_true", help="send each layer as soon as it is computed")
@@ -121,7 +122,7 @@ class WorkerProcess:
 
 
 def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family: int, max_new_tokens: int,
-             seed: int, timeout: float, progress: Progress | None = None) -> dict[str, Any]:
+             seed: int, timeout: float, progress: Progress | None = None, device: str = "cpu") -> dict[str, Any]:
     """Run the demo and return its figures (``rows`` holds one dict per request)."""
     torch.set_num_threads(1)
     if backend == "loopback":
@@ -130,7 +131,8 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     backend = best_backend() if backend == "auto" else backend
     secret = secrets.token_hex(32)
     env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    common = ["--backend", backend, "--model", MODEL, "--tokens-per-block", str(TOKENS_PER_BLOCK)]
+    common = ["--backend", backend, "--model", MODEL, "--tokens-per-block", str(TOKENS_PER_BLOCK),
+              "--device", device]
     cfg = preset(MODEL)
     requests = demo_prompts(families, per_family, seed, cfg.vocab_size)
     started = time.monotonic()
@@ -162,8 +164,8 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
         if decode is not None:
             decode.stop()
         prefill.stop()
-    model = ReferenceModel(cfg)
-    ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, 256, enable_prefix_reuse=False))
+    model = ReferenceModel(cfg, device)   # the reference runs where the workers ran (same kernels)
+    ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, 256, device, enable_prefix_reuse=False))
     rows: list[dict[str, Any]] = []
     for i, r in enumerate(requests):
         res = results[i]
@@ -180,7 +182,7 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     xfer_s = sum(row["transfer_s"] for row in ok)
     ttfts = sorted(row["ttft_ms"] for row in ok)
     return {
-        "requests": len(rows), "mismatches": sum(1 for row in rows if not row["match"]),
+        "requests": len(rows), "device": device, "mismatches": sum(1 for row in rows if not row["match"]),
         "failed": sum(1 for row in rows if not row["ok"]), "transport": backend, "mode": mode,
         "layerwise": layerwise, "bytes_moved": moved,
         "reused_blocks_decode": sum(row["reused_blocks_decode"] for row in ok),
@@ -222,7 +224,7 @@ def demo(a: argparse.Namespace) -> int:
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         summary = run_demo(a.backend, a.mode, a.layerwise, a.families, a.per_family, a.max_new_tokens, a.seed,
-                           a.timeout, progress)
+                           a.timeout, progress, a.device)
     if a.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "rows"} | {"rows": summary["rows"]}))
     else:
