@@ -34,6 +34,11 @@ lint: venv
 
 bench: venv
 	$(PY) benchmarks/bench_cache.py
+	$(PY) benchmarks/bench_reuse.py
+	$(PY) benchmarks/bench_tiers.py
+	$(PY) benchmarks/bench_extractor.py
+	$(PY) benchmarks/bench_transport.py
+	$(PY) benchmarks/bench_integrity.py
 
 # Bounded atheris (libFuzzer) runs of every peer-bytes decoder; atheris is installed only here.
 FUZZ_SECONDS  ?= 60
