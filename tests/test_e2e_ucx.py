@@ -9,25 +9,22 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import torch
 
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_cli import best_backend
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_demo import WorkerProcess
 from kvxfer.errors import BackendUnavailable, PeerUnreachable
-from tests.test_e2e import prompts, reference
+from tests.test_e2e import _one_thread, prompts, reference  # noqa: F401 (_one_thread: autouse leak check)
 
 pytestmark = pytest.mark.ucx
 SECRET = "e2e-ucx-secret-0123456789abcdef"
 _names = itertools.count()
-WORKER_THREADS = ("kvxfer-control-", "kvxfer-engine-", "kvxfer-reader-", "kvxfer-accept-")
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +34,6 @@ def backend() -> str:
     except BackendUnavailable as exc:
         pytest.skip(f"needs a UCX transport: {exc}")
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One torch thread; and no worker, reader or control thread outlives its test."""
-    torch.set_num_threads(1)
-    yield
-    deadline = time.monotonic() + 5
-    while (left := [t.name for t in threading.enumerate() if t.name.startswith(WORKER_THREADS)]) \
-            and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"threads left behind: {left}"
 
 
 def spawn_prefill(backend: str, *extra: str) -> WorkerProcess:

@@ -23,7 +23,7 @@ import torch
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.disagg.control import PeerConnection
+from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.errors import ConfigError, ControlTimeout, KvxferError
 from kvxfer.extractor import layout_regions, plan_transfer
 from kvxfer.model import ModelConfig, PagedKV, preset
@@ -261,3 +261,31 @@ class Engine:
 def now() -> float:
     """Monotonic seconds."""
     return time.monotonic()
+
+
+def accept_loop(engine: Engine, server: ControlServer) -> None:
+    """Hand every accepted control connection to the engine until it stops (a worker thread's body)."""
+    while not engine.stopping:
+        try:
+            conn = server.accept(0.2)
+        except ControlTimeout:
+            continue
+        except KvxferError:
+            return
+        engine.read(conn)
+
+
+class WorkerCounts:
+    """Leak checks shared by both workers (need ``engine`` and ``managers``)."""
+
+    engine: Engine
+    managers: list[KVCacheManager]
+
+    def held_slots(self) -> int:
+        """Slots held by open requests on every rank and pool group (0 when idle: nothing leaked;
+        blocks kept only by the prefix tree do not count). Checks the allocator accounting."""
+        return int(self.engine.call(lambda: held_slots(self.managers), 10.0))
+
+    def num_open_caches(self) -> int:
+        """Caches open on every rank together (0 when idle)."""
+        return int(self.engine.call(lambda: sum(len(m.open_caches) for m in self.managers), 10.0))

@@ -34,8 +34,9 @@ from kvxfer.disagg.worker import (
     Engine,
     Event,
     WorkerConfig,
+    WorkerCounts,
+    accept_loop,
     all_regions,
-    held_slots,
     make_transport,
     now,
     plan_between,
@@ -52,7 +53,6 @@ from kvxfer.errors import (
     CacheStateError,
     CapacityError,
     ConfigError,
-    ControlTimeout,
     KvxferError,
     LayoutMismatch,
     OutOfSlotsError,
@@ -118,7 +118,7 @@ class _Job:
     zombie_until: float = 0.0
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerCounts):
     """Serves requests with KV from a prefill worker; see the module docstring."""
 
     def __init__(self, config: WorkerConfig, secret: Secret = None, *, prefill: str | None = None,
@@ -217,14 +217,6 @@ class DecodeWorker:
         wait = self.config.deadline_s * 2 + 60.0 if timeout is None else timeout
         return self.submit(tokens, max_new_tokens, **kw).result(wait)
 
-    def held_slots(self) -> int:
-        """Slots held by open requests on every rank and pool group (0 when idle: nothing leaked;
-        blocks kept only by the prefix tree do not count). Checks the allocator accounting."""
-        return int(self.engine.call(lambda: held_slots(self.managers), 10.0))
-
-    def num_open_caches(self) -> int:
-        """Caches open on every rank together (0 when idle)."""
-        return int(self.engine.call(lambda: sum(len(m.open_caches) for m in self.managers), 10.0))
 
 
     def close(self) -> None:
@@ -253,14 +245,7 @@ class DecodeWorker:
     # --- engine thread ----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         assert self.server is not None
-        while not self.engine.stopping:
-            try:
-                conn = self.server.accept(0.2)
-            except ControlTimeout:
-                continue
-            except KvxferError:
-                return
-            self.engine.read(conn)
+        accept_loop(self.engine, self.server)
 
     def _attach(self, conn: PeerConnection, layouts: list[CacheLayoutDesc]) -> None:
         windowed = any(lg.window is not None for lg in self.layouts[0].layer_groups)

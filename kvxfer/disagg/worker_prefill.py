@@ -31,8 +31,9 @@ from kvxfer.disagg.worker import (
     Event,
     LayerwiseKV,
     WorkerConfig,
+    WorkerCounts,
+    accept_loop,
     all_regions,
-    held_slots,
     layer_groups,
     make_transport,
     now,
@@ -47,7 +48,6 @@ from kvxfer.disagg.worker_protocol import (
 )
 from kvxfer.errors import (
     CacheStateError,
-    ControlTimeout,
     KvxferError,
     OutOfSlotsError,
     ProtocolError,
@@ -89,7 +89,7 @@ class PrefillStats:
     reasons: list[str] = field(default_factory=list)
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerCounts):
     """Serves decode peers on ``address``; see the module docstring."""
 
     def __init__(self, config: WorkerConfig, secret: Secret = None, *, bind: str = "tcp://127.0.0.1:0",
@@ -121,14 +121,6 @@ class PrefillWorker:
         """Requests whose source blocks are held now."""
         return int(self.engine.call(lambda: len(self._jobs), 10.0))
 
-    def held_slots(self) -> int:
-        """Slots held by open requests on every rank and pool group (0 when idle: nothing leaked;
-        blocks kept only by the prefix tree do not count). Checks the allocator accounting."""
-        return int(self.engine.call(lambda: held_slots(self.managers), 10.0))
-
-    def num_open_caches(self) -> int:
-        """Caches open on every rank together (0 when idle)."""
-        return int(self.engine.call(lambda: sum(len(m.open_caches) for m in self.managers), 10.0))
 
     def close(self) -> None:
         """Fail every open request, stop the threads, close the server and transport."""
@@ -151,14 +143,7 @@ class PrefillWorker:
 
     # --- threads ----------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        while not self.engine.stopping:
-            try:
-                conn = self.server.accept(0.2)
-            except ControlTimeout:
-                continue
-            except KvxferError:
-                return
-            self.engine.read(conn)
+        accept_loop(self.engine, self.server)
 
     def _on_event(self, ev: Event) -> None:
         kind, conn, payload = ev
