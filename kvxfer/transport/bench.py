@@ -68,8 +68,9 @@ class _RawUcxx:
     per transfer, or one UCP scatter-gather message per transfer (the call kvxfer's ucx backend makes,
     without its protocol). Both processes of the benchmark hold one."""
 
-    def __init__(self) -> None:
+    def __init__(self, error_handling: bool = True) -> None:
         apply_ucx_defaults()
+        self.error_handling = error_handling   # same endpoint mode as the kvxfer transport measured
         from ucxx._lib import libucxx as api
         from ucxx._lib.arr import Array
 
@@ -83,7 +84,7 @@ class _RawUcxx:
 
     def connect(self, address: bytes) -> None:
         self.endpoint = self.worker.create_endpoint_from_worker_address(
-            self.api.UCXAddress.create_from_buffer(address), False)
+            self.api.UCXAddress.create_from_buffer(address), self.error_handling)
 
     def arrays(self, pool: npt.NDArray[np.uint8], base: int, table: PageTable) -> list[Any]:
         view = pool.data
@@ -163,7 +164,7 @@ def _peer(conn: Connection, backend: str, nbytes: int, seed: int, options: dict[
                 pool[o:o + n] = 0
             conn.send(None)
         elif cmd == "raw_connect":
-            raw = _RawUcxx()
+            raw = _RawUcxx(bool(options.get("error_handling", True)))
             raw.connect(args[0])
             conn.send(raw.address)
         elif cmd.startswith("raw_"):
@@ -215,12 +216,12 @@ RAW_UCX_WAYS = ("tag_per_page", "tag_multi", "ucp_iov")
 
 
 def _raw_ucxx(conn: Connection, local_pool: npt.NDArray[np.uint8], local_base: int, mode: str,
-              plan: TransferPlan, way: str) -> Any:
+              plan: TransferPlan, way: str, error_handling: bool = True) -> Any:
     """Plain ucxx moving the plan's pages between the two processes, the receiver posting first:
     a tagged message per page, one ``tag_send_multi`` whose receiver copies the buffers ucxx
     allocated into the pages, or one UCP scatter-gather message (``way``, one of RAW_UCX_WAYS).
     The pipe only orders the two sides."""
-    raw = _RawUcxx()
+    raw = _RawUcxx(error_handling)
     conn.send(("raw_connect", raw.address))
     raw.connect(conn.recv())
     local, remote = (plan.src, plan.dst) if mode == "write" else (plan.dst, plan.src)
@@ -313,7 +314,8 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
             for way in RAW_UCX_WAYS:
                 _clear_destination(conn, mode, local_pool, local_region.base_address, local_t, remote_t)
                 raw_ways[way] = total / _timed(_raw_ucxx(conn, local_pool, local_region.base_address, mode,
-                                                         plan, way), iters) / 1e9
+                                                         plan, way, bool(options.get("error_handling", True))),
+                                               iters) / 1e9
                 verified &= _ask_stream(conn, remote_t) == _stream(local_pool, local_region.base_address, local_t)
             t_raw = total / max(raw_ways.values()) / 1e9
         return {
@@ -371,13 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--no-scatter-gather", action="store_true",
                     help="ucx: one UCX message per run instead of one scatter-gather message per transfer")
+    ap.add_argument("--no-error-handling", action="store_true",
+                    help="ucx: endpoints without peer-failure handling (faster on one host; a dead peer may "
+                         "abort the process)")
     args = ap.parse_args(argv)
     if args.pages <= 0 or args.page_bytes <= 0 or args.iters <= 0:
         ap.error("--pages, --page-bytes and --iters must be > 0")
     try:
-        options = {"scatter_gather": False} if args.no_scatter_gather else {}
+        options: dict[str, Any] = {}
+        if args.no_scatter_gather:
+            options["scatter_gather"] = False
+        if args.no_error_handling:
+            options["error_handling"] = False
         if options and args.backend != "ucx":
-            ap.error("--no-scatter-gather applies to --backend ucx only")
+            ap.error("--no-scatter-gather / --no-error-handling apply to --backend ucx only")
         res = run_bench(args.backend, args.pages, args.page_bytes, args.mode, args.layout, args.iters, options)
     except BackendUnavailable as exc:
         print(f"error: {exc}")

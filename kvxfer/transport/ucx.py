@@ -154,10 +154,17 @@ class UcxTransport(Transport):
 
     backend = "ucx"
 
-    def __init__(self, name: str, scatter_gather: bool = True) -> None:
+    def __init__(self, name: str, scatter_gather: bool = True, error_handling: bool = True) -> None:
         """``scatter_gather=False`` sends one message per run even between host regions (the path
-        CUDA memory always takes), for comparison and tests."""
+        CUDA memory always takes), for comparison and tests.
+
+        ``error_handling`` (default True) opens endpoints with UCX peer-failure handling, so a peer
+        that dies mid-transfer fails its transfers instead of aborting this process (seen: UCX
+        ``abort()`` inside ``progress`` after a SIGKILLed peer with handling off). On one host UCX
+        then avoids shared-memory/CMA paths; ``error_handling=False`` is faster there but a dead
+        peer may take this process down — only for trusted, supervised deployments and benchmarks."""
         super().__init__(name)
+        self.error_handling = bool(error_handling)
         reason = ucx_unavailable_reason()
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -291,7 +298,7 @@ class UcxTransport(Transport):
         ep = self._endpoints.get(peer)
         if ep is None:
             addr = self._api.UCXAddress.create_from_buffer(address)
-            ep = self._worker.create_endpoint_from_worker_address(addr, False)
+            ep = self._worker.create_endpoint_from_worker_address(addr, self.error_handling)
             self._endpoints[peer] = ep
         return ep
 
