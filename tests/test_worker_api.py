@@ -16,7 +16,7 @@ from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.disagg.worker_protocol import decode_checksum_policy, encode_checksum_policy
-from kvxfer.errors import IntegrityError, PeerUnreachable, ProtocolError, RequestCancelled
+from kvxfer.errors import IntegrityError, PeerUnreachable, ProtocolError, RequestCancelled, TransferFailed
 from kvxfer.transport import LoopbackFaults
 from kvxfer.transport.integrity import ChecksumPolicy
 from tests.test_e2e import SECRET, _one_thread, assert_idle, name, prompts, reference  # noqa: F401
@@ -136,3 +136,30 @@ def test_checksum_policy_codec_and_cli_parsing() -> None:
         with pytest.raises(argparse.ArgumentTypeError, match="--checksum"):
             parse_checksum(bad_text)
     np.testing.assert_equal(ChecksumPolicy.every(8).select(20), np.arange(0, 20, 8))
+
+
+def test_pulled_data_is_refused_when_decode_stalled_past_the_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's engine stalls (as under SIGSTOP or a long step) right after posting a read: prefill's
+    lease runs out and it frees the source pages, so the data read cannot be trusted; decode must fail
+    the request rather than commit it, and serve the next one."""
+    lease = 0.4
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), lease_s=lease), SECRET, prefill=prefill.address,
+                         mode="pull") as decode:
+        real_read = decode.transport.read
+        stalls = [1]
+
+        def stalling_read(*args: object, **kw: object) -> object:
+            handle = real_read(*args, **kw)  # type: ignore[arg-type]
+            if stalls:
+                stalls.pop()
+                time.sleep(lease * 3)         # on decode's engine thread: no renewal goes out
+            return handle
+
+        monkeypatch.setattr(decode.transport, "read", stalling_read)
+        tokens = prompts(24)[0]
+        with pytest.raises(TransferFailed, match="lease may have expired before the read completed"):
+            decode.generate(tokens, 4, timeout=30)
+        wait_idle(prefill, decode)
+        assert any("lease expired" in r for r in prefill.stats.reasons)
+        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
