@@ -136,6 +136,9 @@ def test_checksum_policy_codec_and_cli_parsing() -> None:
         with pytest.raises(argparse.ArgumentTypeError, match="--checksum"):
             parse_checksum(bad_text)
     np.testing.assert_equal(ChecksumPolicy.every(8).select(20), np.arange(0, 20, 8))
+    for text in ("full", "every:8", "sample:0.25"):
+        assert parse_checksum(text).describe() == text  # type: ignore[union-attr]
+    assert ChecksumPolicy.every(4, seed=3).describe() == "every:4 (seed=3)"
 
 
 def test_pulled_data_is_refused_when_decode_stalled_past_the_lease(monkeypatch: pytest.MonkeyPatch) -> None:

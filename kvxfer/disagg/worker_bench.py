@@ -25,11 +25,12 @@ import torch
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.auth import SECRET_ENV
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_cli import best_backend
+from kvxfer.disagg.worker_cli import best_backend, parse_checksum
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_demo import WorkerProcess
 from kvxfer.errors import ConfigError
 from kvxfer.model import ReferenceModel, greedy, preset
+from kvxfer.transport.integrity import ChecksumPolicy
 
 TOKENS_PER_BLOCK = 16
 
@@ -49,8 +50,10 @@ def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: 
 
 
 def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int, chunk: int,
-        model_name: str = "tiny", on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Measure every length; returns the rows and the set-up (``on_row`` sees each row as it is done)."""
+        model_name: str = "tiny", on_row: Callable[[dict[str, Any]], None] | None = None,
+        checksum: ChecksumPolicy | None = None) -> dict[str, Any]:
+    """Measure every length; returns the rows and the set-up (``on_row`` sees each row as it is done;
+    ``checksum``: decode verifies every request's pages, so TTFT and arrival include digest and check)."""
     torch.set_num_threads(1)
     logging.getLogger("kvxfer").setLevel(logging.ERROR)
     backend = best_backend() if backend == "auto" else backend
@@ -65,7 +68,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
     rng = np.random.default_rng(0)
     try:
         dcfg = WorkerConfig(f"bench-decode-{os.getpid()}", cfg, TOKENS_PER_BLOCK, blocks, backend=backend,
-                            deadline_s=600.0, lease_s=600.0)
+                            deadline_s=600.0, lease_s=600.0, checksum=checksum)
         ref_model = ReferenceModel(cfg)
         ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, blocks, enable_prefix_reuse=False))
         with DecodeWorker(dcfg, secret, prefill=prefill.address, mode=mode, layerwise=layerwise) as decode:
@@ -94,6 +97,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
         prefill.stop()
     return {"backend": backend, "mode": mode, "layerwise": layerwise, "model": model_name, "iters": iters,
             "chunk_size": chunk, "tokens_per_block": TOKENS_PER_BLOCK, "rows": rows,
+            "checksum": "off" if checksum is None else checksum.describe(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
@@ -111,7 +115,8 @@ def format_row(r: dict[str, Any]) -> str:
 def print_table(result: dict[str, Any]) -> None:
     """The figures as a plain table."""
     print(f"kvxfer bench e2e: model {result['model']}, {result['backend']} {result['mode']}"
-          f"{' layer-wise' if result['layerwise'] else ''}, chunk {result['chunk_size']}, median of {result['iters']}")
+          f"{' layer-wise' if result['layerwise'] else ''}, chunk {result['chunk_size']}, median of {result['iters']}, "
+          f"checksum {result.get('checksum', 'off')}")
     print(HEADER)
     for r in result["rows"]:
         print(format_row(r))
@@ -126,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layerwise", action="store_true")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (bounds attention memory)")
+    ap.add_argument("--checksum", type=parse_checksum, default=None, metavar="off|full|every:K|sample:F",
+                    help="decode verifies each request's pages against prefill's blake3 digest")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     a = ap.parse_args(argv)
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--lengths must be comma-separated ints, got {a.lengths!r}") from exc
     if not lengths or min(lengths) < 1 or a.iters < 1:
         raise ConfigError("--lengths must be >= 1 each and --iters >= 1")
-    result = run(lengths, a.backend, a.mode, a.layerwise, a.iters, a.chunk_size)
+    result = run(lengths, a.backend, a.mode, a.layerwise, a.iters, a.chunk_size, checksum=a.checksum)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2))

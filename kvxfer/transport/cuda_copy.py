@@ -145,7 +145,7 @@ def _triton_kernel() -> Any:
         return None
 
     # Triton resolves annotations as kernel globals: only constexpr parameters may be annotated.
-    @triton.jit  # type: ignore[misc,untyped-decorator]
+    @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
     def copy_runs(src_ptrs, dst_ptrs, sizes, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         i = tl.program_id(0)
         start = tl.program_id(1) * CHUNK

@@ -100,6 +100,13 @@ class ChecksumPolicy:
         chosen = index[mixed.astype(np.float64) < threshold] if self.fraction < 1.0 else index
         return chosen if chosen.size else index[[int(np.argmin(mixed))]]
 
+    def describe(self) -> str:
+        """Short text for tables and logs: ``full``, ``every:K`` or ``sample:F`` (seed and tag when not default)."""
+        text = {"full": "full", "stride": f"every:{self.stride}", "random": f"sample:{self.fraction:g}"}[self.mode]
+        extras = [f"seed={self.seed}"] * (self.seed != 0 and self.mode != "full")
+        extras += [f"tag={self.tag_bytes}B"] * (self.tag_bytes != 8)
+        return text + (f" ({', '.join(extras)})" if extras else "")
+
     def to_wire(self) -> list[Any]:
         """``[mode, stride, fraction, seed, tag_bytes]`` for the digest's encoding."""
         return [self.mode, self.stride, float(self.fraction), self.seed, self.tag_bytes]
