@@ -347,3 +347,17 @@ def test_cancel_while_a_pull_is_in_flight(monkeypatch: pytest.MonkeyPatch) -> No
         assert_serves_again(decode, requests["B"], requests["A"])
         assert_settled(prefill, decode)
 
+
+
+# --- notifications nobody reads --------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_no_notification_is_left_pending_after_requests(mode: str) -> None:
+    """Every transport notification a request causes is consumed (or dropped) by the side that gets it:
+    one left pending per request is memory a long-running worker never gets back. Read on the engine
+    threads, which drain in their periodic tick, after both sides settled."""
+    with pair(mode=mode) as (prefill, decode):
+        requests = three()
+        assert_survivors(submit_all(decode, requests), requests, ())
+        assert_settled(prefill, decode)
+        for worker in (prefill, decode):
+            assert worker.engine.call(worker.transport.notifications, 10.0) == {}, worker.config.name
