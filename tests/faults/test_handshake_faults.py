@@ -103,11 +103,20 @@ def test_half_open_handshake_is_dropped_at_the_timeout(prefill: PrefillWorker,
 
 # --- (b) a "prefill" that answers the hello with nothing or with garbage ---------------------------
 class FakePrefill:
-    """A ROUTER socket on a thread of its own: answers the first frame (a hello) as ``behaviour`` says,
-    then records what the client sends until stopped."""
+    """A ROUTER socket on a thread of its own that plays a broken prefill, as ``behaviour`` says:
+    ``silent`` never answers; ``garbage`` answers the hello with bytes that are not a message;
+    ``truncated`` with the first half of a real challenge; ``mute`` completes the handshake and then
+    never answers ``kv_ranks``; ``bad_ranks`` answers it with layouts that do not decode. Records
+    every frame the client sends until stopped."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], behaviour: str) -> None:
         self.behaviour = behaviour
+        managers = WorkerConfig("fake", num_blocks=8).managers()
+        layout = managers[0].layout
+        for m in managers:
+            m.shutdown()
+        self.handshake = ServerHandshake(LocalIdentity("prefill", "fake", layout, "loopback", b""), KEY)
+        self.version = 0
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("tcp://127.0.0.1:0")
@@ -117,16 +126,25 @@ class FakePrefill:
         self._thread = threading.Thread(target=self._run, name="fake-prefill", daemon=True)
         self._thread.start()
 
-    def _answer(self, hello: bytes) -> bytes | None:
-        if self.behaviour == "silent":
-            return None
-        if self.behaviour == "garbage":
-            return b"\xc1 this is not msgpack"
-        model = WorkerConfig("fake").managers()[0].layout
-        server = ServerHandshake(LocalIdentity("prefill", "fake", model, "loopback", b""), KEY)
-        reply, _ = server.on_message(decode(hello))
-        frame = encode(reply)
-        return frame[: len(frame) // 2]        # "truncated": the challenge cut in the middle
+    def messages(self) -> list[Message]:
+        """What the client sent, decoded."""
+        return [decode(f, (0, 1 << 16)) for f in list(self.received)]
+
+    def _answer(self, frame: bytes) -> bytes | None:
+        msg = decode(frame, (0, 1 << 16))
+        if msg.type in ("hello", "auth"):
+            if self.behaviour == "silent":
+                return None
+            if self.behaviour == "garbage":
+                return b"\xc1 this is not msgpack"
+            reply, peer = self.handshake.on_message(msg)
+            if peer is not None:
+                self.version = peer.version
+            out = encode(reply)
+            return out[: len(out) // 2] if self.behaviour == "truncated" else out
+        if msg.type == "kv_ranks" and self.behaviour == "bad_ranks":
+            return encode(Message("kv_ranks", {"layouts": b"\x01"}, self.version))
+        return None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -134,10 +152,9 @@ class FakePrefill:
                 continue
             route, frame = self.sock.recv_multipart()
             self.received.append(frame)
-            if len(self.received) == 1:
-                answer = self._answer(frame)
-                if answer is not None:
-                    self.sock.send_multipart([route, answer])
+            answer = self._answer(frame)
+            if answer is not None:
+                self.sock.send_multipart([route, answer])
 
     def close(self) -> None:
         self._stop.set()
@@ -149,7 +166,9 @@ class FakePrefill:
     ("silent", ControlTimeout, r"handshake with tcp://127\.0\.0\.1:\d+: no reply within 1\.000 s"),
     ("garbage", ProtocolError, r"message: invalid msgpack"),
     ("truncated", ProtocolError, r"message: invalid msgpack"),
-], ids=["silent", "garbage", "truncated"])
+    ("mute", ControlTimeout, r"no message from prefill 'fake' within 1\.000 s"),
+    ("bad_ranks", ProtocolError, r"kv_ranks\.layouts"),
+], ids=["silent", "garbage", "truncated", "mute", "bad_ranks"])
 def test_decode_fails_fast_against_a_broken_server(ctx: zmq.Context[zmq.Socket[bytes]], behaviour: str,
                                                    error: type[Exception], match: str) -> None:
     fake = FakePrefill(ctx, behaviour)
@@ -159,14 +178,18 @@ def test_decode_fails_fast_against_a_broken_server(ctx: zmq.Context[zmq.Socket[b
         with pytest.raises(error, match=match):
             DecodeWorker(cfg, SECRET, prefill=fake.address, connect_timeout=1.0)
         took = time.monotonic() - t0
-        assert took < 1.0 + MARGIN
-        if behaviour == "silent":
+        assert took < 2 * 1.0 + MARGIN           # at most the handshake's and kv_ranks' waits
+        if error is ControlTimeout:
             assert took >= 1.0
-        else:                                   # the server is told why, and nothing more follows
-            wait_for("decode's refusal", lambda: len(fake.received) >= 2, 5)
-            refusal = decode(fake.received[1], (0, 1 << 16))
-            assert refusal.type == "refuse" and refusal["code"] == "protocol"
-            assert "invalid msgpack" in refusal["reason"]
+        # The server is told why (refuse before the handshake completed, bye after), then nothing more.
+        expected = {"silent": None, "garbage": "refuse", "truncated": "refuse", "mute": "bye", "bad_ranks": "bye"}
+        last = expected[behaviour]
+        if last is not None:
+            wait_for(f"decode's {last}", lambda: fake.messages()[-1].type == last, 5)
+        if last == "refuse":
+            assert "invalid msgpack" in fake.messages()[-1]["reason"]
+        if last == "bye":
+            assert fake.messages()[-1]["reason"] == "decode could not finish connecting"
     finally:
         fake.close()
     assert not fake._thread.is_alive()
