@@ -289,11 +289,47 @@ def test_cancel_while_prefill_computes() -> None:
         assert decode.cancel("B", "user went away") is True
         exc = futures["B"].exception(5)
         assert isinstance(exc, RequestCancelled) and "request B: user went away" in str(exc)
+        # Prefill is about to write B's KV: decode keeps B's blocks until prefill confirms it will not.
+        assert decode.status()["zombies"] == 1
         release.set()
         assert_survivors(futures, requests, ("B",))
         assert_settled(prefill, decode)
         assert decode.cancel("B") is False and decode.cancel("A") is False and decode.cancel("nobody") is False
         assert_serves_again(decode, requests["B"], requests["A"])
+        assert_settled(prefill, decode)
+
+
+def test_prefill_busy_past_the_deadline() -> None:
+    """Prefill is stuck in one forward pass past decode's deadline with A and B queued behind it: both
+    fail at the deadline, but decode keeps their blocks (prefill will still write them) until prefill,
+    once free again, confirms; then everything is freed and the pair serves again."""
+    entered, release = threading.Event(), threading.Event()
+    with pair(deadline_s=1.5) as (prefill, decode):
+        real = prefill.model.prefill
+
+        def gated(*args: Any, **kw: Any) -> Any:
+            if not entered.is_set():
+                entered.set()
+                release.wait(10)
+            return real(*args, **kw)
+
+        prefill.model.prefill = gated           # type: ignore[method-assign]
+        requests = {"A": prompt(1, 20), "B": prompt(2, 60)}
+        t0 = time.monotonic()
+        futures = submit_all(decode, requests)
+        assert entered.wait(10)
+        for rid, fut in futures.items():
+            exc, took = failure(fut, t0)
+            assert isinstance(exc, TransferTimeout)
+            assert f"request {rid}: KV did not arrive within 1.5 s: no answer from prefill" in str(exc)
+            assert 1.5 <= took < 1.5 + MARGIN
+        status = decode.status()
+        assert status["zombies"] == 2 and decode.held_slots() > 0 and status["jobs"] == 0
+        release.set()
+        assert_settled(prefill, decode)
+        for tokens in requests.values():        # nothing of either was committed on decode
+            again = decode.generate(tokens, NEW, timeout=30)
+            assert again.tokens == reference(tokens, NEW) and again.reused_tokens_decode == 0
         assert_settled(prefill, decode)
 
 
