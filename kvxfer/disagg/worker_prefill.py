@@ -304,6 +304,9 @@ class PrefillWorker(WorkerCounts):
 
     # --- completion and failure -------------------------------------------------------------------
     def _tick(self) -> float:
+        # Prefill expects no notification, but each pull's read sends one (and any peer may send more):
+        # drop them, or the transport's inbox grows by one per request for the worker's whole life.
+        self.transport.notifications()
         for key in (self.leases.pop_expired() if not self.engine.backlog else []):
             job = next((j for k, j in self._jobs.items() if k == key), None)
             if job is not None:

@@ -1,0 +1,399 @@
+"""Worker-level faults over the loopback transport: a failed post, a lost or repeated notification, a
+stalled or late transfer, corrupted bytes and cancellations, each aimed at one request of several in
+flight. Every case checks the error (class, message, time), that the other requests get exact tokens,
+that both workers end holding nothing with balanced allocator accounting, and that the same pair then
+serves a fresh request (the no-thread-left check is the directory's autouse fixture)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvxfer.disagg.worker import WorkerConfig
+from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
+from kvxfer.disagg.worker_prefill import PrefillWorker
+from kvxfer.errors import IntegrityError, RequestCancelled, TransferFailed, TransferTimeout
+from kvxfer.model import preset
+from kvxfer.transport import LoopbackFaults
+from kvxfer.transport.integrity import ChecksumPolicy
+from tests.faults.conftest import assert_settled
+from tests.test_e2e import SECRET, name, reference
+
+NEW = 4                                      # tokens generated per request
+LAYERS = preset("tiny").num_layers
+BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4         # tiny: layers x (K, V) x kv heads x head_dim x float32
+MARGIN = 3.0                                 # seconds past a deadline a failure may take on a loaded machine
+
+
+def prompt(seed: int, length: int) -> npt.NDArray[np.int64]:
+    """A prompt of ``length`` tokens sharing no prefix with other seeds' prompts."""
+    return np.random.default_rng(1000 + seed).integers(0, 512, length).astype(np.int64)
+
+
+@contextlib.contextmanager
+def pair(*, prefill_faults: LoopbackFaults | None = None, decode_faults: LoopbackFaults | None = None,
+         mode: str = "push", layerwise: bool = False, deadline_s: float = 10.0,
+         checksum: ChecksumPolicy | None = None) -> Iterator[tuple[PrefillWorker, DecodeWorker]]:
+    """A prefill/decode pair over loopback (one layer per layer-wise part) with faults on either side."""
+    p_opts = None if prefill_faults is None else {"faults": prefill_faults}
+    d_opts = None if decode_faults is None else {"faults": decode_faults}
+    with PrefillWorker(WorkerConfig(name("prefill"), num_blocks=256), SECRET, transport_options=p_opts) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), num_blocks=256, deadline_s=deadline_s, checksum=checksum),
+                         SECRET, prefill=prefill.address, mode=mode, layerwise=layerwise, layers_per_send=1,
+                         transport_options=d_opts) as decode:
+        yield prefill, decode
+
+
+def submit_all(decode: DecodeWorker, requests: dict[str, npt.NDArray[np.int64]]) -> dict[str, Future[GenerationResult]]:
+    """Submit every request (in order, under its key as request id) without waiting."""
+    return {rid: decode.submit(tokens, NEW, request_id=rid) for rid, tokens in requests.items()}
+
+
+def failure(fut: Future[GenerationResult], t0: float, timeout: float = 30.0) -> tuple[BaseException, float]:
+    """The exception ``fut`` ends with and the seconds from ``t0`` until it did."""
+    exc = fut.exception(timeout)
+    assert exc is not None, f"request succeeded: {fut.result()}"
+    return exc, time.monotonic() - t0
+
+
+def assert_survivors(futures: dict[str, Future[GenerationResult]], requests: dict[str, npt.NDArray[np.int64]],
+                     victims: tuple[str, ...]) -> None:
+    """Every request but ``victims`` finished with the single-process tokens."""
+    for rid, fut in futures.items():
+        if rid not in victims:
+            assert fut.result(30).tokens == reference(requests[rid], NEW), rid
+
+
+def assert_serves_again(decode: DecodeWorker, victim: npt.NDArray[np.int64], survivor: npt.NDArray[np.int64]) -> None:
+    """The pair serves the failed prompt again from scratch (nothing of it was committed on decode), and
+    a survivor's prompt from decode's prefix tree (so the first check could have seen a kept block)."""
+    again = decode.generate(victim, NEW, timeout=30)
+    assert again.tokens == reference(victim, NEW)
+    assert again.reused_tokens_decode == 0 and again.bytes_moved == victim.size * BYTES_PER_TOKEN
+    kept = decode.generate(survivor, NEW, timeout=30)
+    assert kept.tokens == reference(survivor, NEW) and kept.reused_tokens_decode > 0
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``cond`` until it holds (AssertionError naming ``what`` after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def three() -> dict[str, npt.NDArray[np.int64]]:
+    """Requests A, B, C in submission order; B (the usual victim) is the longest, three full blocks."""
+    return {"A": prompt(1, 20), "B": prompt(2, 60), "C": prompt(3, 24)}
+
+
+# --- 1. the Nth post fails -----------------------------------------------------------------------
+@pytest.mark.parametrize(("mode", "layerwise", "post", "side"), [
+    ("push", False, 2, "prefill"),               # B's only write
+    ("push", True, LAYERS + 2, "prefill"),       # B's second layer, after its first landed on decode
+    ("pull", False, 2, "decode"),                # decode's read of B
+], ids=["push", "push-layerwise", "pull"])
+def test_nth_post_fails_only_its_request(mode: str, layerwise: bool, post: int, side: str) -> None:
+    faults = LoopbackFaults(fail_post=post)
+    sides: dict[str, Any] = {f"{side}_faults": faults}
+    with pair(mode=mode, layerwise=layerwise, **sides) as (prefill, decode):
+        requests = three()
+        t0 = time.monotonic()
+        futures = submit_all(decode, requests)
+        exc, took = failure(futures["B"], t0)
+        assert isinstance(exc, TransferFailed)
+        where = "read of request B" if mode == "pull" else "prefill failed request B: transfer failed"
+        assert f"{where}: injected fault: post #{post} fails" in str(exc)
+        assert took < decode.config.deadline_s                # failed at once, not at the deadline
+        assert_survivors(futures, requests, ("B",))
+        assert_settled(prefill, decode)
+        assert_serves_again(decode, requests["B"], requests["A"])
+        assert_settled(prefill, decode)
+
+
+# --- 2. a notification is lost ---------------------------------------------------------------------
+@pytest.mark.parametrize(("layerwise", "drop", "arrived"), [(False, 2, "0 of 1"), (True, LAYERS + 2, f"{LAYERS - 1} "
+                                                                                                  f"of {LAYERS}")],
+                         ids=["push", "push-layerwise"])
+def test_lost_notification_times_out_only_its_request(layerwise: bool, drop: int, arrived: str) -> None:
+    faults = LoopbackFaults(drop_notification=drop)
+    with pair(prefill_faults=faults, layerwise=layerwise, deadline_s=2.0) as (prefill, decode):
+        requests = three()
+        t0 = time.monotonic()
+        futures = submit_all(decode, requests)
+        exc, took = failure(futures["B"], t0)
+        assert isinstance(exc, TransferTimeout)
+        assert f"request B: KV did not arrive within 2.0 s: prefill reported kv_pushed but only {arrived} " \
+               f"transfer notifications arrived" in str(exc)
+        assert 2.0 <= took < 2.0 + MARGIN
+        assert_survivors(futures, requests, ("B",))
+        assert_settled(prefill, decode)
+        assert_serves_again(decode, requests["B"], requests["A"])
+        assert_settled(prefill, decode)
+
+
+# --- 3. a notification arrives twice ---------------------------------------------------------------
+def test_duplicated_notification_is_harmless_and_not_counted_for_a_later_request() -> None:
+    """B's notification is delivered twice: B is served. A later request reusing the id B loses its own
+    notification: if the stray copy had been kept for the id, it would complete that request with a
+    notification that was never sent for it; it must time out instead."""
+    faults = LoopbackFaults(duplicate_notification=2, drop_notification=4)
+    with pair(prefill_faults=faults, deadline_s=2.0) as (prefill, decode):
+        requests = three()
+        futures = submit_all(decode, requests)
+        assert_survivors(futures, requests, ())
+        assert_settled(prefill, decode)
+        later = {"B": prompt(4, 30), "D": prompt(5, 18)}    # notifications 4 (dropped) and 5
+        t0 = time.monotonic()
+        futures = submit_all(decode, later)
+        exc, took = failure(futures["B"], t0)
+        assert isinstance(exc, TransferTimeout) and "only 0 of 1 transfer notifications arrived" in str(exc)
+        assert 2.0 <= took < 2.0 + MARGIN
+        assert_survivors(futures, later, ("B",))
+        assert_settled(prefill, decode)
+        assert_serves_again(decode, later["B"], requests["C"])
+        assert_settled(prefill, decode)
+
+
+def test_duplicated_part_does_not_stand_in_for_a_lost_one() -> None:
+    """Layer-wise: B's part 1 arrives twice and its part 3 never: as many notifications as parts came,
+    but not every part, so B must time out rather than continue on a layer that may be missing."""
+    faults = LoopbackFaults(duplicate_notification=LAYERS + 1, drop_notification=LAYERS + 3)
+    with pair(prefill_faults=faults, layerwise=True, deadline_s=2.0) as (prefill, decode):
+        requests = three()
+        t0 = time.monotonic()
+        futures = submit_all(decode, requests)
+        exc, took = failure(futures["B"], t0)
+        assert isinstance(exc, TransferTimeout)
+        assert f"only {LAYERS - 1} of {LAYERS} transfer notifications arrived" in str(exc)
+        assert 2.0 <= took < 2.0 + MARGIN
+        assert_survivors(futures, requests, ("B",))
+        assert_settled(prefill, decode)
+        assert_serves_again(decode, requests["B"], requests["C"])
+        assert_settled(prefill, decode)
+
+
+# --- 4. a transfer never completes (layer-wise) ----------------------------------------------------
+def test_stalled_layerwise_push_fails_only_its_request() -> None:
+    """B's layer writes stall; A and C, submitted while B waits, are served; B fails at its deadline
+    and prefill cancels B's writes and frees its blocks when decode tells it."""
+    faults = LoopbackFaults(never_complete=True)
+    with pair(prefill_faults=faults, layerwise=True, deadline_s=2.0) as (prefill, decode):
+        requests = three()
+        t0 = time.monotonic()
+        stalled = decode.submit(requests["B"], NEW, request_id="B")
+        wait_for("prefill to post B's writes", lambda: prefill.status()["jobs"] == 1)
+        faults.never_complete = False          # read at each post: only B's writes stay stalled
+        futures = submit_all(decode, {k: v for k, v in requests.items() if k != "B"})
+        assert_survivors(futures, requests, ())
+        assert not stalled.done()
+        exc, took = failure(stalled, t0)
+        assert isinstance(exc, TransferTimeout) and "request B: KV did not arrive within 2.0 s" in str(exc)
+        assert 2.0 <= took < 2.0 + MARGIN
+        assert_settled(prefill, decode)
+        assert any(r.startswith("cancelled by decode") for r in prefill.stats.reasons)
+        assert_serves_again(decode, requests["B"], requests["A"])
+        assert_settled(prefill, decode)
+
+
+# --- 5. a transfer completes late ------------------------------------------------------------------
+def test_late_completion_within_the_deadline_succeeds_and_past_it_fails() -> None:
+    faults = LoopbackFaults(delay_s=0.3)
+    with pair(prefill_faults=faults, deadline_s=2.0) as (prefill, decode):
+        requests = three()
+        futures = submit_all(decode, requests)
+        assert_survivors(futures, requests, ())
+        assert all(f.result().transfer_s >= 0.3 for f in futures.values())   # the delay did apply
+        assert_settled(prefill, decode)
+
+        faults.delay_s = 5.0
+        late = {"D": prompt(4, 40), "E": prompt(5, 20)}
+        t0 = time.monotonic()
+        slow = decode.submit(late["D"], NEW, request_id="D")
+        wait_for("prefill to post D's write", lambda: prefill.status()["jobs"] == 1)
+        faults.delay_s = 0.0                    # read at each post: only D's write is late
+        futures = submit_all(decode, {"E": late["E"]})
+        assert_survivors(futures, late, ())
+        exc, took = failure(slow, t0)
+        assert isinstance(exc, TransferTimeout) and "request D: KV did not arrive within 2.0 s" in str(exc)
+        assert 2.0 <= took < 2.0 + MARGIN
+        assert_settled(prefill, decode)
+        assert_serves_again(decode, late["D"], late["E"])
+        assert_settled(prefill, decode)
+
+
+# --- 6. integrity ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("mode", "layerwise", "offset"), [("push", False, 50_000), ("pull", False, 50_000),
+                                                           ("push", True, 20_000)],
+                         ids=["push", "pull", "push-layerwise"])
+def test_corrupted_request_fails_integrity_and_is_not_committed(mode: str, layerwise: bool, offset: int) -> None:
+    """The byte at ``offset`` of a transfer's destination stream arrives inverted. Only B's transfers
+    reach that far (60 tokens: 122,880 bytes whole, 30,720 per layer; A and C, 20 and 24 tokens, at most
+    49,152 whole and 12,288 per layer), so A and C are checked intact and served while B fails and
+    leaves nothing in decode's prefix tree."""
+    faults = LoopbackFaults(corrupt=(offset, 1))
+    sides: dict[str, Any] = {"decode_faults" if mode == "pull" else "prefill_faults": faults}
+    with pair(mode=mode, layerwise=layerwise, checksum=ChecksumPolicy(), **sides) as (prefill, decode):
+        requests = three()
+        t0 = time.monotonic()
+        futures = submit_all(decode, requests)
+        exc, took = failure(futures["B"], t0)
+        assert isinstance(exc, IntegrityError)
+        assert exc.args[0].startswith("transfer '") and "/B': entry " in str(exc)
+        assert "differs from the source" in str(exc)
+        assert took < decode.config.deadline_s
+        assert_survivors(futures, requests, ("B",))
+        assert decode.status()["integrity_failures"] == 1
+        assert_settled(prefill, decode)
+        faults.corrupt = None
+        assert_serves_again(decode, requests["B"], requests["A"])
+        assert decode.status()["integrity_failures"] == 1
+        assert_settled(prefill, decode)
+
+
+def test_the_same_corruption_without_checksum_goes_unnoticed() -> None:
+    """The control case: B is served (wrongly) when nothing checks it, so the checksum is what fails it above."""
+    faults = LoopbackFaults(corrupt=(50_000, 1))
+    with pair(prefill_faults=faults) as (prefill, decode):
+        assert len(decode.generate(prompt(2, 60), NEW, timeout=30).tokens) == NEW
+        assert decode.status()["integrity_failures"] == 0
+        assert_settled(prefill, decode)
+
+
+# --- 7. cancellation -------------------------------------------------------------------------------
+def test_cancel_while_prefill_computes() -> None:
+    """B is cancelled while prefill is inside its forward pass; prefill then writes into blocks decode
+    must still hold, and frees its own; A and C wait behind B and are served."""
+    entered, release = threading.Event(), threading.Event()
+    with pair() as (prefill, decode):
+        real = prefill.model.prefill
+
+        def gated(*args: Any, **kw: Any) -> Any:
+            if not entered.is_set():
+                entered.set()
+                release.wait(10)
+            return real(*args, **kw)
+
+        prefill.model.prefill = gated           # type: ignore[method-assign]
+        requests = {"B": prompt(2, 60), "A": prompt(1, 20), "C": prompt(3, 24)}
+        futures = submit_all(decode, requests)
+        assert entered.wait(10)
+        assert decode.cancel("B", "user went away") is True
+        exc = futures["B"].exception(5)
+        assert isinstance(exc, RequestCancelled) and "request B: user went away" in str(exc)
+        # Prefill is about to write B's KV: decode keeps B's blocks until prefill confirms it will not.
+        assert decode.status()["zombies"] == 1
+        release.set()
+        assert_survivors(futures, requests, ("B",))
+        assert_settled(prefill, decode)
+        assert decode.cancel("B") is False and decode.cancel("A") is False and decode.cancel("nobody") is False
+        assert_serves_again(decode, requests["B"], requests["A"])
+        assert_settled(prefill, decode)
+
+
+def test_prefill_busy_past_the_deadline() -> None:
+    """Prefill is stuck in one forward pass past decode's deadline with A and B queued behind it: both
+    fail at the deadline, but decode keeps their blocks (prefill will still write them) until prefill,
+    once free again, confirms; then everything is freed and the pair serves again."""
+    entered, release = threading.Event(), threading.Event()
+    with pair(deadline_s=1.5) as (prefill, decode):
+        real = prefill.model.prefill
+
+        def gated(*args: Any, **kw: Any) -> Any:
+            if not entered.is_set():
+                entered.set()
+                release.wait(10)
+            return real(*args, **kw)
+
+        prefill.model.prefill = gated           # type: ignore[method-assign]
+        requests = {"A": prompt(1, 20), "B": prompt(2, 60)}
+        t0 = time.monotonic()
+        futures = submit_all(decode, requests)
+        assert entered.wait(10)
+        for rid, fut in futures.items():
+            exc, took = failure(fut, t0)
+            assert isinstance(exc, TransferTimeout)
+            assert f"request {rid}: KV did not arrive within 1.5 s: no answer from prefill" in str(exc)
+            assert 1.5 <= took < 1.5 + MARGIN
+        status = decode.status()
+        assert status["zombies"] == 2 and decode.held_slots() > 0 and status["jobs"] == 0
+        release.set()
+        assert_settled(prefill, decode)
+        for tokens in requests.values():        # nothing of either was committed on decode
+            again = decode.generate(tokens, NEW, timeout=30)
+            assert again.tokens == reference(tokens, NEW) and again.reused_tokens_decode == 0
+        assert_settled(prefill, decode)
+
+
+def test_cancel_while_a_push_stalls() -> None:
+    faults = LoopbackFaults(never_complete=True)
+    with pair(prefill_faults=faults, deadline_s=30.0) as (prefill, decode):
+        requests = three()
+        stalled = decode.submit(requests["B"], NEW, request_id="B")
+        wait_for("prefill to post B's write", lambda: prefill.status()["jobs"] == 1)
+        faults.never_complete = False
+        futures = submit_all(decode, {"A": requests["A"]})
+        assert_survivors(futures, requests, ())
+        t0 = time.monotonic()
+        assert decode.cancel("B", "user went away") is True
+        exc, took = failure(stalled, t0, 5)
+        assert isinstance(exc, RequestCancelled) and "request B: user went away" in str(exc)
+        assert took < 5
+        wait_for("prefill to free B", lambda: prefill.held_slots() == 0, 5)
+        assert_settled(prefill, decode)
+        assert any("cancelled by decode: request B: user went away" in r for r in prefill.stats.reasons)
+        assert decode.cancel("B") is False
+        assert_serves_again(decode, requests["B"], requests["A"])
+        assert_settled(prefill, decode)
+
+
+def test_cancel_while_a_pull_is_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    faults = LoopbackFaults(never_complete=True)
+    with pair(decode_faults=faults, mode="pull", deadline_s=30.0) as (prefill, decode):
+        posted = threading.Event()
+        real_read = decode.transport.read
+
+        def read(*args: Any, **kw: Any) -> Any:
+            handle = real_read(*args, **kw)
+            posted.set()
+            return handle
+
+        monkeypatch.setattr(decode.transport, "read", read)
+        requests = three()
+        inflight = decode.submit(requests["B"], NEW, request_id="B")
+        assert posted.wait(10)
+        faults.never_complete = False
+        futures = submit_all(decode, {"A": requests["A"]})
+        assert_survivors(futures, requests, ())
+        assert not inflight.done() and prefill.held_slots() > 0     # prefill holds B's pages for the read
+        assert decode.cancel("B", "user went away") is True
+        exc = inflight.exception(5)
+        assert isinstance(exc, RequestCancelled) and "request B: user went away" in str(exc)
+        wait_for("prefill to free B", lambda: prefill.held_slots() == 0, 5)
+        assert_settled(prefill, decode)
+        assert decode.cancel("B") is False
+        assert_serves_again(decode, requests["B"], requests["A"])
+        assert_settled(prefill, decode)
+
+
+
+# --- notifications nobody reads --------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_no_notification_is_left_pending_after_requests(mode: str) -> None:
+    """Every transport notification a request causes is consumed (or dropped) by the side that gets it:
+    one left pending per request is memory a long-running worker never gets back. Read on the engine
+    threads, which drain in their periodic tick, after both sides settled."""
+    with pair(mode=mode) as (prefill, decode):
+        requests = three()
+        assert_survivors(submit_all(decode, requests), requests, ())
+        assert_settled(prefill, decode)
+        for worker in (prefill, decode):
+            assert worker.engine.call(worker.transport.notifications, 10.0) == {}, worker.config.name
