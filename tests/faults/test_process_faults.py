@@ -24,11 +24,11 @@ import pytest
 
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_cli import best_backend
-from kvxfer.disagg.worker_client import GenerateClient
+from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.disagg.worker_demo import WorkerProcess
 from kvxfer.disagg.worker_prefill import PrefillWorker
-from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed
+from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed, TransferTimeout
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import TransferHandle
 from tests.test_e2e import _one_thread, prompts, reference  # noqa: F401 (_one_thread: autouse leak check)
@@ -349,3 +349,97 @@ def test_decode_killed_before_during_and_after_transfers_prefill_frees_everythin
             assert_holds_nothing(prefill)
         finally:
             reap(*decodes)
+
+
+def test_prefill_frozen_past_the_deadline_then_resumed(backend: str) -> None:
+    """Prefill SIGSTOPped with requests in flight: decode fails them (heartbeat loss or its 2 s deadline)
+    and frees their blocks; once resumed, prefill reports nothing held, and decode reconnects to it by
+    itself for the next request."""
+    deadline_s = 2.0
+    proc = spawn("prefill", backend)
+    try:
+        cfg = WorkerConfig(name("decode"), backend=backend, deadline_s=deadline_s)
+        with DecodeWorker(cfg, SECRET, prefill=proc.address, connect_timeout=30.0) as decode:
+            first, second = long_prompts(51, 2, 300)
+            assert decode.generate(first, 4, timeout=60).tokens == reference(first, 4)
+            proc.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            futures = [decode.submit(first, 4), decode.submit(second, 4, mode="pull")]
+            for fut in futures:
+                with pytest.raises((PeerUnreachable, TransferTimeout), match=r"lost: .*silent|did not arrive within"):
+                    fut.result(timeout=deadline_s + HEARTBEAT_LIMIT + MARGIN)
+            took = time.monotonic() - t0
+            assert took < min(deadline_s, HEARTBEAT_LIMIT) + MARGIN, f"requests failed after {took:.1f} s"
+            wait_until(lambda: decode.held_slots() == 0, cfg.lease_s + deadline_s + MARGIN, "decode frees its blocks")
+            assert_holds_nothing(decode)
+            assert decode.status()["jobs"] == 0 and decode.status()["zombies"] == 0
+            proc.proc.send_signal(signal.SIGCONT)
+
+            def prefill_idle() -> bool:
+                status = query_status(proc.address, SECRET)
+                return status["held_slots"] == 0 and status["jobs"] == 0 and status["open_caches"] == 0
+            wait_until(prefill_idle, HEARTBEAT_LIMIT + MARGIN, "the resumed prefill frees its blocks")
+            assert decode.generate(second, 6, timeout=60).tokens == reference(second, 6)
+            assert decode.connected
+            assert_holds_nothing(decode)
+    finally:
+        reap(proc)
+
+
+def test_decode_frozen_past_the_pull_lease_then_resumed(backend: str) -> None:
+    """A decode process (pull, 1 s lease) SIGSTOPped just before prefill offers a request's pages: prefill
+    frees them at lease expiry (or when the peer goes silent); once resumed, decode refuses to read
+    pages whose lease ran out, so the request fails clearly (or the client loses the frozen decode) and
+    never returns wrong tokens; decode then holds nothing and serves the next request."""
+    lease_s = 1.0
+    cfg = WorkerConfig(name("prefill"), backend=backend)
+    decode: WorkerProcess | None = None
+    with PrefillWorker(cfg, SECRET) as prefill:
+        try:
+            decode = spawn("decode", backend, "--prefill", prefill.address, "--listen", "tcp://127.0.0.1:0",
+                           "--mode", "pull", "--lease", str(lease_s))
+            frozen = decode
+            send = prefill._send
+            stopped: list[float] = []
+
+            def freeze_then_send(conn: object, type: str, **body: object) -> None:
+                if type == "kv_pull" and not stopped:
+                    frozen.proc.send_signal(signal.SIGSTOP)
+                    stopped.append(time.monotonic())
+                send(conn, type, **body)  # type: ignore[arg-type]
+            prefill._send = freeze_then_send  # type: ignore[method-assign]
+            client = GenerateClient(decode.address, SECRET, name=name("client"))
+            tokens, nxt = long_prompts(61, 2, 300)
+            try:
+                rid = client.submit(tokens, 6)
+                wait_until(lambda: bool(stopped), 60.0, "prefill offers the pages")
+                took = wait_until(lambda: prefill.held_slots() == 0, lease_s + HEARTBEAT_LIMIT + MARGIN,
+                                  "prefill frees the pages of the frozen decode")
+                assert any("lease expired" in r or "decode peer lost" in r for r in prefill.stats.reasons)
+                assert_holds_nothing(prefill)
+                decode.proc.send_signal(signal.SIGCONT)
+                try:
+                    res = client.recv(60.0)
+                except PeerUnreachable:      # frozen past the heartbeat limit: the client lost decode first
+                    res = None
+                if res is not None:
+                    assert res.request_id == rid
+                    assert res.ok is False or res.tokens == reference(tokens, 6), res
+                    if not res.ok:
+                        assert "lease may have expired" in res.error or "lost" in res.error, res.error
+            finally:
+                client.close()
+            prefill._send = send  # type: ignore[method-assign]
+
+            def decode_idle() -> bool:
+                status = query_status(frozen.address, SECRET)
+                return status["held_slots"] == 0 and status["jobs"] == 0 and status["zombies"] == 0
+            wait_until(decode_idle, HEARTBEAT_LIMIT + MARGIN, f"the resumed decode frees its blocks ({took:.1f} s)")
+            client = GenerateClient(decode.address, SECRET, name=name("client"))
+            try:
+                assert client.generate(nxt, 6, timeout=60).tokens == reference(nxt, 6)
+            finally:
+                client.close()
+            assert_holds_nothing(prefill)
+        finally:
+            reap(decode)
