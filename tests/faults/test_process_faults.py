@@ -443,3 +443,46 @@ def test_decode_frozen_past_the_pull_lease_then_resumed(backend: str) -> None:
             assert_holds_nothing(prefill)
         finally:
             reap(decode)
+
+
+def test_resumed_prefill_cannot_write_into_blocks_decode_gave_away(backend: str) -> None:
+    """Prefill is SIGSTOPped in the middle of a layer-wise push (the first layer group arrived); decode
+    loses it, fails the request and reuses its blocks for a request served by another prefill (kept in
+    decode's prefix tree). When the frozen prefill resumes, the rest of its writes must not reach those
+    blocks: a later request reusing the cached prefix still gets the exact tokens."""
+    frozen = spawn("prefill", backend)
+    other: WorkerProcess | None = None
+    try:
+        cfg = WorkerConfig(name("decode"), backend=backend, num_blocks=70, deadline_s=30.0)
+        with DecodeWorker(cfg, SECRET, prefill=frozen.address, layerwise=True, connect_timeout=30.0) as decode:
+            stale, kept = long_prompts(71, 2, 1000)      # 63 of the 70 blocks each: the second reuses the first's
+            poll_notes = decode.transport.notifications
+            stopped: list[float] = []
+
+            def notifications() -> dict[str, list[bytes]]:
+                notes = poll_notes()
+                if not stopped and any(notes.values()):
+                    frozen.proc.send_signal(signal.SIGSTOP)
+                    stopped.append(time.monotonic())
+                return notes
+            decode.transport.notifications = notifications  # type: ignore[method-assign]
+            with pytest.raises(PeerUnreachable, match="lost"):
+                decode.generate(stale, 4, timeout=60)
+            assert stopped
+            assert_holds_nothing(decode)
+            other = spawn("prefill", backend)
+            decode.connect(other.address, timeout=30.0)
+            assert decode.generate(kept, 4, timeout=60).tokens == reference(kept, 4)
+            frozen.proc.send_signal(signal.SIGCONT)
+
+            def frozen_done() -> bool:
+                status = query_status(frozen.address, SECRET)
+                return status["held_slots"] == 0 and status["jobs"] == 0
+            wait_until(frozen_done, HEARTBEAT_LIMIT + MARGIN, "the resumed prefill settles")
+            longer = np.concatenate([kept, long_prompts(72, 1, 5)[0]])
+            res = decode.generate(longer, 8, timeout=60)
+            assert res.reused_tokens_decode == 992       # 62 full blocks of the kept prompt stayed on decode
+            assert res.tokens == reference(longer, 8)
+            assert_holds_nothing(decode)
+    finally:
+        reap(frozen, other)
