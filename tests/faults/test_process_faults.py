@@ -173,6 +173,7 @@ def test_prefill_killed_while_idle_fails_the_next_submit_fast(backend: str) -> N
         reap(first, second)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pull", "push-layerwise"])
 def test_prefill_killed_during_transfers_fails_only_requests_in_flight(backend: str, mode: str) -> None:
     """Several long requests in flight; prefill is SIGKILLed at a transfer of the second one (pull: just
@@ -211,7 +212,7 @@ def test_prefill_killed_during_transfers_fails_only_requests_in_flight(backend: 
                     return notes
                 decode.transport.notifications = notifications  # type: ignore[method-assign]
 
-            served, victim, *queued = long_prompts(21, 4, 600)
+            served, victim, *queued = long_prompts(21, 3, 400)
             futures = [decode.submit(served, 6, request_id="served"), decode.submit(victim, 6, request_id="victim")]
             futures += [decode.submit(p, 6, request_id=f"queued-{i}") for i, p in enumerate(queued)]
             results = [outcome(f, 120.0) for f in futures]
