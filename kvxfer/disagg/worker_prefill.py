@@ -57,6 +57,7 @@ from kvxfer.errors import (
     OutOfSlotsError,
     ProtocolError,
     SessionError,
+    TransferFailed,
 )
 from kvxfer.model import ReferenceModel, greedy
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
@@ -279,6 +280,7 @@ class PrefillWorker(WorkerCounts):
                 plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
                                     token_range=span, layers=ends[layer])
                 part[0] += 1
+                self._check_may_write(job)
                 job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, part[0])))
 
             kv: Any = LayerwiseKV(shards, self.config.model, int(tokens.size), on_layer)
@@ -298,9 +300,20 @@ class PrefillWorker(WorkerCounts):
         if not msg["layerwise"]:
             plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
                                 token_range=span)
+            self._check_may_write(job)
             job.session.start_transfer("write posted")
             job.posted_at = now()
             job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, 1)))
+
+    def _check_may_write(self, job: _Job) -> None:
+        """Refuse to write into decode's blocks once decode may have given them away: it frees the push
+        destinations of a prefill it lost, and stops renewing the lease (e.g. while this process was frozen)."""
+        if not job.conn.alive:
+            raise TransferFailed(f"request {job.request_id}: not writing into the blocks of decode {job.peer!r}, "
+                                 f"its connection ended: {job.conn.lost_reason}")
+        if job.session.lease is not None and job.session.lease.expired:
+            raise TransferFailed(f"request {job.request_id}: not writing into the blocks of decode {job.peer!r}, "
+                                 f"its lease expired")
 
     # --- completion and failure -------------------------------------------------------------------
     def _tick(self) -> float:

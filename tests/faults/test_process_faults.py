@@ -1,0 +1,489 @@
+"""Faults of real worker processes over UCX on 127.0.0.1: a prefill or decode process SIGKILLed before,
+during or after a transfer, or frozen with SIGSTOP past a deadline or lease and then resumed.
+
+The surviving worker runs in this process wherever it can, so its slot accounting is read directly;
+a frozen-then-resumed worker process is asked for its own figures (``query_status``). Every case checks
+that the affected requests fail with a clear error in time, that the others still get the exact tokens
+of single-process generation, that the survivor holds nothing afterwards and serves the next request,
+and that no worker thread or child process is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from kvxfer.disagg.worker import WorkerConfig
+from kvxfer.disagg.worker_cli import best_backend
+from kvxfer.disagg.worker_client import GenerateClient, query_status
+from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
+from kvxfer.disagg.worker_demo import WorkerProcess
+from kvxfer.disagg.worker_prefill import PrefillWorker
+from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed, TransferTimeout
+from kvxfer.pagetable import TransferPlan
+from kvxfer.transport import TransferHandle
+from tests.test_e2e import _one_thread, prompts, reference  # noqa: F401 (_one_thread: autouse leak check)
+
+pytestmark = [pytest.mark.faults, pytest.mark.ucx]
+SECRET = "faults-proc-secret-0123456789abcdef"
+HEARTBEAT_LIMIT = 3 * WorkerConfig("defaults").heartbeat_interval
+"""A peer silent this long is lost (``kvxfer serve`` has no heartbeat option: the default applies)."""
+MARGIN = 6.0
+"""Slack for a loaded 2-core machine on every "within the limit" check."""
+RECONNECT_S = 1.0
+"""Decode's connect timeout: how long its automatic reconnect to a dead prefill address may try."""
+_names = itertools.count()
+_started: list[WorkerProcess] = []
+
+
+@pytest.fixture(scope="module")
+def backend() -> str:
+    try:
+        return best_backend()
+    except BackendUnavailable as exc:
+        pytest.skip(f"needs a UCX transport (nixl or ucx): {exc}")
+
+
+def _children() -> set[int]:
+    """Live (not yet reaped) child processes of this process."""
+    me, out = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            out.add(int(entry))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_child_left() -> Iterator[None]:
+    """Every worker process a test starts is reaped by the test itself."""
+    before = _children()
+    yield
+    alive = [p for p in _started if p.proc.returncode is None]
+    for p in alive:
+        reap(p)
+    _started.clear()
+    assert not alive, f"worker processes left running: {[p.proc.args for p in alive]}"
+    assert _children() <= before, f"child processes left behind: {_children() - before}"
+
+
+def name(role: str) -> str:
+    return f"faults-{role}-{os.getpid()}-{next(_names)}"
+
+
+def spawn(role: str, backend: str, *extra: str) -> WorkerProcess:
+    """``kvxfer serve ROLE`` with the test secret, one torch thread, and this checkout on the path."""
+    env = {**os.environ, "KVXFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = WorkerProcess([role, "--backend", backend, "--name", name(role), *extra], env, 60.0)
+    _started.append(proc)
+    return proc
+
+
+def reap(*procs: WorkerProcess | None) -> None:
+    """Resume (if frozen), stop and reap each process."""
+    for p in procs:
+        if p is None:
+            continue
+        if p.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.send_signal(signal.SIGCONT)
+        p.stop()
+
+
+def wait_until(cond: Callable[[], bool], limit: float, what: str) -> float:
+    """Poll ``cond`` until true; the seconds it took (AssertionError after ``limit`` s)."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > limit:
+            raise AssertionError(f"{what}: not within {limit:.1f} s")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def assert_holds_nothing(worker: PrefillWorker | DecodeWorker) -> None:
+    """No request holds a slot or an open cache, and every manager's accounting balances: each slot is
+    free or kept by the prefix tree alone (``slot_accounting`` raises when the counts contradict)."""
+    accounts = worker.engine.call(lambda: [m.slot_accounting(pg) for m in worker.managers
+                                           for pg in range(len(m.layout.pool_groups))], 10.0)
+    for acc in accounts:
+        assert acc.request_only == 0 and acc.shared == 0, acc
+        assert acc.free + acc.evictable == acc.total, acc
+    assert worker.held_slots() == 0
+    assert worker.num_open_caches() == 0
+
+
+def long_prompts(seed: int, count: int, length: int) -> list[np.ndarray]:
+    """``count`` distinct prompts of ``length`` tokens (no shared prefix)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, length) for _ in range(count)]
+
+
+def outcome(fut: Future[GenerationResult], timeout: float) -> GenerationResult | KvxferError:
+    """The request's result or the exception it failed with."""
+    try:
+        return fut.result(timeout=timeout)
+    except KvxferError as exc:
+        return exc
+
+
+def test_prefill_killed_while_idle_fails_the_next_submit_fast(backend: str) -> None:
+    """Connected and idle, prefill dies: the next request fails with PeerUnreachable (heartbeat loss, or
+    the automatic reconnect to the dead address failing); decode holds nothing and serves a new prefill."""
+    first = spawn("prefill", backend)
+    second: WorkerProcess | None = None
+    try:
+        with DecodeWorker(WorkerConfig(name("decode"), backend=backend), SECRET, connect_timeout=RECONNECT_S) as decode:
+            decode.connect(first.address, timeout=30.0)
+            tokens = prompts(11)[0]
+            assert decode.generate(tokens, 4, timeout=60).tokens == reference(tokens, 4)
+            first.kill()
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnreachable, match=r"lost: .*silent|no prefill worker connected"):
+                decode.generate(tokens, 4, timeout=60)
+            took = time.monotonic() - t0
+            assert took < HEARTBEAT_LIMIT + RECONNECT_S + MARGIN, f"failed {took:.1f} s after the kill"
+            wait_until(lambda: not decode.connected, HEARTBEAT_LIMIT + MARGIN, "decode notices the lost prefill")
+            t0 = time.monotonic()       # not connected: the submit tries the dead address once, then fails
+            with pytest.raises(PeerUnreachable, match="no prefill worker connected"):
+                decode.generate(tokens, 4, timeout=60)
+            assert time.monotonic() - t0 < RECONNECT_S + MARGIN
+            assert_holds_nothing(decode)
+            second = spawn("prefill", backend)
+            decode.connect(second.address, timeout=30.0)
+            other = prompts(12)[1]
+            assert decode.generate(other, 6, timeout=60).tokens == reference(other, 6)
+            assert_holds_nothing(decode)
+    finally:
+        reap(first, second)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pull", "push-layerwise"])
+def test_prefill_killed_during_transfers_fails_only_requests_in_flight(backend: str, mode: str) -> None:
+    """Several long requests in flight; prefill is SIGKILLed at a transfer of the second one (pull: just
+    before decode reads the offered pages, so the read runs against a dead process; layer-wise push:
+    once the first layer group arrived, the others still to come). The request served before still
+    has its exact tokens; the victim and those queued behind it fail with PeerUnreachable or
+    TransferFailed within the heartbeat limit; decode frees every block and serves a new prefill."""
+    pull = mode == "pull"
+    first = spawn("prefill", backend)
+    second: WorkerProcess | None = None
+    killed_at: list[float] = []
+    try:
+        cfg = WorkerConfig(name("decode"), backend=backend, num_blocks=512, deadline_s=60.0)
+        with DecodeWorker(cfg, SECRET, prefill=first.address, mode="pull" if pull else "push",
+                          layerwise=not pull, connect_timeout=30.0) as decode:
+            def kill_first() -> None:
+                if not killed_at:
+                    first.kill()         # SIGKILL and reap: the peer is gone before the engine goes on
+                    killed_at.append(time.monotonic())
+
+            if pull:
+                post_read = decode.transport.read
+
+                def read(peer: str, plan: TransferPlan, notify: bytes | None = None) -> TransferHandle:
+                    if notify is not None and notify.startswith(b"victim#"):
+                        kill_first()
+                    return post_read(peer, plan, notify)
+                decode.transport.read = read  # type: ignore[method-assign]
+            else:
+                poll_notes = decode.transport.notifications
+
+                def notifications() -> dict[str, list[bytes]]:
+                    notes = poll_notes()
+                    if any(n.startswith(b"victim#") for ns in notes.values() for n in ns):
+                        kill_first()
+                    return notes
+                decode.transport.notifications = notifications  # type: ignore[method-assign]
+
+            served, victim, *queued = long_prompts(21, 3, 400)
+            futures = [decode.submit(served, 6, request_id="served"), decode.submit(victim, 6, request_id="victim")]
+            futures += [decode.submit(p, 6, request_id=f"queued-{i}") for i, p in enumerate(queued)]
+            results = [outcome(f, 120.0) for f in futures]
+            assert killed_at, "the victim's transfer never started"
+            assert isinstance(results[0], GenerationResult) and results[0].tokens == reference(served, 6)
+            got = results[1]
+            if pull:                     # the pages' owner is dead before the read is posted: it cannot succeed
+                assert isinstance(got, TransferFailed | PeerUnreachable), got
+                assert "read of request victim" in str(got) or "lost" in str(got), got
+            elif isinstance(got, GenerationResult):   # every layer may have arrived before the kill
+                assert got.tokens == reference(victim, 6)
+            else:
+                assert isinstance(got, PeerUnreachable) and "lost" in str(got), got
+            for res in results[2:]:
+                assert isinstance(res, PeerUnreachable) and "lost" in str(res), res
+            took = time.monotonic() - killed_at[0]
+            assert took < HEARTBEAT_LIMIT + MARGIN, f"in-flight requests failed {took:.1f} s after the kill"
+            # Every block is freed once nothing can write into it (a pending read must end first).
+            wait_until(lambda: decode.held_slots() == 0, HEARTBEAT_LIMIT + MARGIN, "decode frees every block")
+            assert_holds_nothing(decode)
+            second = spawn("prefill", backend)
+            decode.connect(second.address, timeout=30.0)
+            assert decode.generate(victim, 6, timeout=60).tokens == reference(victim, 6)
+            assert_holds_nothing(decode)
+    finally:
+        reap(first, second)
+
+
+def test_prefill_killed_after_the_transfer_the_request_still_completes(backend: str) -> None:
+    """Prefill dies once a request's KV is in decode's pages (decode is about to generate): that request
+    completes with its exact tokens; one still being computed fails; later submits fail clearly until a
+    prefill listens again at the same address, which decode then reconnects to by itself."""
+    first = spawn("prefill", backend)
+    second: WorkerProcess | None = None
+    generating = threading.Event()
+    resume = threading.Event()
+    try:
+        cfg = WorkerConfig(name("decode"), backend=backend, deadline_s=60.0)
+        with DecodeWorker(cfg, SECRET, prefill=first.address, mode="pull", connect_timeout=RECONNECT_S) as decode:
+            greedy = decode.model.continue_greedy
+
+            def continue_greedy(*args: object, **kw: object) -> list[int]:
+                if not generating.is_set():   # hold the first generation until prefill is dead
+                    generating.set()
+                    assert resume.wait(60.0)
+                return greedy(*args, **kw)  # type: ignore[arg-type]
+            decode.model.continue_greedy = continue_greedy  # type: ignore[method-assign]
+
+            short, = prompts(31, count=1)
+            long, = long_prompts(32, 1, 1200)
+            done = decode.submit(short, 24)
+            computing = decode.submit(long, 4)
+            assert generating.wait(60.0), "the first request's KV never arrived"
+            first.kill()
+            resume.set()
+            assert done.result(timeout=60).tokens == reference(short, 24)
+            with pytest.raises(PeerUnreachable, match="lost"):
+                computing.result(timeout=HEARTBEAT_LIMIT + MARGIN)
+            with pytest.raises(PeerUnreachable, match="no prefill worker connected"):
+                decode.generate(short, 4, timeout=60)
+            assert_holds_nothing(decode)
+            second = spawn("prefill", backend, "--listen", first.address)
+            assert decode.generate(long, 4, timeout=60).tokens == reference(long, 4)   # reconnected by itself
+            assert decode.connected
+            assert_holds_nothing(decode)
+    finally:
+        resume.set()
+        reap(first, second)
+
+
+@pytest.mark.slow
+def test_decode_killed_before_during_and_after_transfers_prefill_frees_everything(backend: str) -> None:
+    """Prefill (this process) serving decode processes, each SIGKILLed at another point: idle; right after
+    prefill posted a request's KV write (others queued behind it, one held for a pull); while generating
+    after the transfer. Each time prefill drops the peer within the heartbeat limit and frees every
+    block; then a fresh decode process serves a client the exact tokens."""
+    cfg = WorkerConfig(name("prefill"), backend=backend, num_blocks=512)
+    decodes: list[WorkerProcess] = []
+    with PrefillWorker(cfg, SECRET) as prefill:
+        try:
+            def start_decode(*extra: str) -> tuple[WorkerProcess, GenerateClient]:
+                proc = spawn("decode", backend, "--prefill", prefill.address, "--listen", "tcp://127.0.0.1:0",
+                             *extra)
+                decodes.append(proc)
+                wait_until(lambda: len(prefill.server.peers) == 1, 30.0, "the decode process connects")
+                return proc, GenerateClient(proc.address, SECRET, name=name("client"))
+
+            def killed_and_freed(proc: WorkerProcess) -> None:
+                proc.kill()
+                wait_until(lambda: not prefill.server.peers, HEARTBEAT_LIMIT + MARGIN, "prefill drops the peer")
+                wait_until(lambda: prefill.held_slots() == 0, cfg.lease_s + MARGIN, "prefill frees every block")
+                assert_holds_nothing(prefill)
+
+            # Before: connected, idle.
+            proc, client = start_decode()
+            client.close()
+            killed_and_freed(proc)
+
+            # During: the decode process dies as soon as prefill posted the write of the first request.
+            proc, client = start_decode()
+            post_write = prefill.transport.write
+
+            def write(peer: str, plan: TransferPlan, notify: bytes | None = None) -> TransferHandle:
+                handle = post_write(peer, plan, notify)
+                if proc.proc.returncode is None:
+                    proc.kill()
+                return handle
+            prefill.transport.write = write  # type: ignore[method-assign]
+            held = long_prompts(41, 3, 500)
+            client.submit(held[0], 4)
+            client.submit(held[1], 4, mode="pull")
+            client.submit(held[2], 4)
+            with pytest.raises(PeerUnreachable):
+                while True:
+                    client.recv(60.0)
+            client.close()
+            prefill.transport.write = post_write  # type: ignore[method-assign]
+            killed_and_freed(proc)
+
+            # After: the KV is on decode (prefill finished the request), decode generates when killed.
+            proc, client = start_decode()
+            completed = prefill.stats.completed
+            client.submit(held[0], 400)
+            wait_until(lambda: prefill.stats.completed > completed, 60.0, "prefill finishes the request")
+            assert prefill.held_slots() == 0
+            client.close()
+            killed_and_freed(proc)
+
+            proc, client = start_decode()
+            try:
+                tokens = held[1]
+                assert client.generate(tokens, 6, timeout=60).tokens == reference(tokens, 6)
+            finally:
+                client.close()
+            assert_holds_nothing(prefill)
+        finally:
+            reap(*decodes)
+
+
+def test_prefill_frozen_past_the_deadline_then_resumed(backend: str) -> None:
+    """Prefill SIGSTOPped with requests in flight: decode fails them (heartbeat loss or its 2 s deadline)
+    and frees their blocks; once resumed, prefill reports nothing held, and decode reconnects to it by
+    itself for the next request."""
+    deadline_s = 2.0
+    proc = spawn("prefill", backend)
+    try:
+        cfg = WorkerConfig(name("decode"), backend=backend, deadline_s=deadline_s)
+        with DecodeWorker(cfg, SECRET, prefill=proc.address, connect_timeout=30.0) as decode:
+            first, second = long_prompts(51, 2, 300)
+            assert decode.generate(first, 4, timeout=60).tokens == reference(first, 4)
+            proc.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            futures = [decode.submit(first, 4), decode.submit(second, 4, mode="pull")]
+            for fut in futures:
+                with pytest.raises((PeerUnreachable, TransferTimeout), match=r"lost: .*silent|did not arrive within"):
+                    fut.result(timeout=deadline_s + HEARTBEAT_LIMIT + MARGIN)
+            took = time.monotonic() - t0
+            assert took < min(deadline_s, HEARTBEAT_LIMIT) + MARGIN, f"requests failed after {took:.1f} s"
+            wait_until(lambda: decode.held_slots() == 0, cfg.lease_s + deadline_s + MARGIN, "decode frees its blocks")
+            assert_holds_nothing(decode)
+            assert decode.status()["jobs"] == 0 and decode.status()["zombies"] == 0
+            proc.proc.send_signal(signal.SIGCONT)
+
+            def prefill_idle() -> bool:
+                status = query_status(proc.address, SECRET)
+                return status["held_slots"] == 0 and status["jobs"] == 0 and status["open_caches"] == 0
+            wait_until(prefill_idle, HEARTBEAT_LIMIT + MARGIN, "the resumed prefill frees its blocks")
+            assert decode.generate(second, 6, timeout=60).tokens == reference(second, 6)
+            assert decode.connected
+            assert_holds_nothing(decode)
+    finally:
+        reap(proc)
+
+
+def test_decode_frozen_past_the_pull_lease_then_resumed(backend: str) -> None:
+    """A decode process (pull, 1 s lease) SIGSTOPped just before prefill offers a request's pages: prefill
+    frees them at lease expiry (or when the peer goes silent); once resumed, decode refuses to read
+    pages whose lease ran out, so the request fails clearly (or the client loses the frozen decode) and
+    never returns wrong tokens; decode then holds nothing and serves the next request."""
+    lease_s = 1.0
+    cfg = WorkerConfig(name("prefill"), backend=backend)
+    decode: WorkerProcess | None = None
+    with PrefillWorker(cfg, SECRET) as prefill:
+        try:
+            decode = spawn("decode", backend, "--prefill", prefill.address, "--listen", "tcp://127.0.0.1:0",
+                           "--mode", "pull", "--lease", str(lease_s))
+            frozen = decode
+            send = prefill._send
+            stopped: list[float] = []
+
+            def freeze_then_send(conn: object, type: str, **body: object) -> None:
+                if type == "kv_pull" and not stopped:
+                    frozen.proc.send_signal(signal.SIGSTOP)
+                    stopped.append(time.monotonic())
+                send(conn, type, **body)  # type: ignore[arg-type]
+            prefill._send = freeze_then_send  # type: ignore[method-assign]
+            client = GenerateClient(decode.address, SECRET, name=name("client"))
+            tokens, nxt = long_prompts(61, 2, 300)
+            try:
+                rid = client.submit(tokens, 6)
+                wait_until(lambda: bool(stopped), 60.0, "prefill offers the pages")
+                took = wait_until(lambda: prefill.held_slots() == 0, lease_s + HEARTBEAT_LIMIT + MARGIN,
+                                  "prefill frees the pages of the frozen decode")
+                assert any("lease expired" in r or "decode peer lost" in r for r in prefill.stats.reasons)
+                assert_holds_nothing(prefill)
+                decode.proc.send_signal(signal.SIGCONT)
+                try:
+                    res = client.recv(60.0)
+                except PeerUnreachable:      # frozen past the heartbeat limit: the client lost decode first
+                    res = None
+                if res is not None:
+                    assert res.request_id == rid
+                    assert res.ok is False or res.tokens == reference(tokens, 6), res
+                    if not res.ok:
+                        assert "lease may have expired" in res.error or "lost" in res.error, res.error
+            finally:
+                client.close()
+            prefill._send = send  # type: ignore[method-assign]
+
+            def decode_idle() -> bool:
+                status = query_status(frozen.address, SECRET)
+                return status["held_slots"] == 0 and status["jobs"] == 0 and status["zombies"] == 0
+            wait_until(decode_idle, HEARTBEAT_LIMIT + MARGIN, f"the resumed decode frees its blocks ({took:.1f} s)")
+            client = GenerateClient(decode.address, SECRET, name=name("client"))
+            try:
+                assert client.generate(nxt, 6, timeout=60).tokens == reference(nxt, 6)
+            finally:
+                client.close()
+            assert_holds_nothing(prefill)
+        finally:
+            reap(decode)
+
+
+def test_resumed_prefill_cannot_write_into_blocks_decode_gave_away(backend: str) -> None:
+    """Prefill is SIGSTOPped in the middle of a layer-wise push (the first layer group arrived); decode
+    loses it, fails the request and reuses its blocks for a request served by another prefill (kept in
+    decode's prefix tree). When the frozen prefill resumes, the rest of its writes must not reach those
+    blocks: a later request reusing the cached prefix still gets the exact tokens."""
+    frozen = spawn("prefill", backend)
+    other: WorkerProcess | None = None
+    try:
+        cfg = WorkerConfig(name("decode"), backend=backend, num_blocks=70, deadline_s=30.0)
+        with DecodeWorker(cfg, SECRET, prefill=frozen.address, layerwise=True, connect_timeout=30.0) as decode:
+            stale, kept = long_prompts(71, 2, 1000)      # 63 of the 70 blocks each: the second reuses the first's
+            poll_notes = decode.transport.notifications
+            stopped: list[float] = []
+
+            def notifications() -> dict[str, list[bytes]]:
+                notes = poll_notes()
+                if not stopped and any(notes.values()):
+                    frozen.proc.send_signal(signal.SIGSTOP)
+                    stopped.append(time.monotonic())
+                return notes
+            decode.transport.notifications = notifications  # type: ignore[method-assign]
+            with pytest.raises(PeerUnreachable, match="lost"):
+                decode.generate(stale, 4, timeout=60)
+            assert stopped
+            assert_holds_nothing(decode)
+            other = spawn("prefill", backend)
+            decode.connect(other.address, timeout=30.0)
+            assert decode.generate(kept, 4, timeout=60).tokens == reference(kept, 4)
+            frozen.proc.send_signal(signal.SIGCONT)
+
+            def frozen_done() -> bool:
+                status = query_status(frozen.address, SECRET)
+                return status["held_slots"] == 0 and status["jobs"] == 0
+            wait_until(frozen_done, HEARTBEAT_LIMIT + MARGIN, "the resumed prefill settles")
+            longer = np.concatenate([kept, long_prompts(72, 1, 5)[0]])
+            res = decode.generate(longer, 8, timeout=60)
+            assert res.reused_tokens_decode == 992       # 62 full blocks of the kept prompt stayed on decode
+            assert res.tokens == reference(longer, 8)
+            assert_holds_nothing(decode)
+    finally:
+        reap(frozen, other)
