@@ -1,4 +1,4 @@
-"""The `kvxfer` command line: inspect, demo, bench, serve, generate."""
+"""The `kvxfer` command line: inspect, demo, bench, serve, generate, status."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen = sub.add_parser("generate", help="ask a decode worker for one completion")
     worker_cli.add_generate_arguments(p_gen)
     p_gen.set_defaults(func=worker_cli.generate)
+    p_status = sub.add_parser("status", help="a running worker's slot accounting and counters (JSON)")
+    worker_cli.add_status_arguments(p_status)
+    p_status.set_defaults(func=worker_cli.status)
     p_demo = sub.add_parser("demo", help="prefill + decode processes on 127.0.0.1, tokens checked end to end")
     worker_demo.add_demo_arguments(p_demo)
     p_demo.set_defaults(func=worker_demo.demo)

@@ -108,5 +108,9 @@ class IntegrityError(KvxferError):
     """Bytes that arrived differ from the bytes that were sent (checksum mismatch)."""
 
 
+class RequestCancelled(KvxferError):
+    """A request was cancelled by its caller (``DecodeWorker.cancel`` or a client's ``generate_cancel``)."""
+
+
 class SessionError(KvxferError):
     """A disaggregated-serving request failed; the message says which request and why."""

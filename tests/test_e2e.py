@@ -172,7 +172,7 @@ def test_pull_lease_expires_when_decode_stops_renewing(prefill: PrefillWorker) -
         cache.resize(int(tokens.size))
         conn.send("kv_request", request_id="q1", tokens=tokens.tolist(), skip=0,
                   blocks=encode_block_ids([cache.block_id_map()]), mode="pull", layerwise=False,
-                  layers_per_send=1, lease_s=0.5)
+                  layers_per_send=1, lease_s=0.5, checksum=b"")
         pull = conn.recv(10)
         assert pull.type == "kv_pull" and pull["request_id"] == "q1"
         assert prefill.held_slots() > 0

@@ -29,6 +29,7 @@ from kvxfer.extractor import layout_regions, plan_transfer
 from kvxfer.model import ModelConfig, PagedKV, preset
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import Transport, create
+from kvxfer.transport.integrity import ChecksumPolicy
 
 log = logging.getLogger("kvxfer.disagg.worker")
 
@@ -52,6 +53,9 @@ class WorkerConfig:
     heartbeat_interval: float = 0.5
     chunk_size: int | None = None
     """Prefill chunk size in tokens (None: the whole prompt in one forward)."""
+    checksum: ChecksumPolicy | None = None
+    """Decode: verify each request's pages against a blake3 digest from prefill before committing them
+    (None: no checksum). Prefill follows what each decode peer asks for."""
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "num_blocks", "tp_size"):
@@ -65,6 +69,8 @@ class WorkerConfig:
         if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
                                             or self.chunk_size <= 0):
             raise ConfigError(f"WorkerConfig.chunk_size must be None or an int > 0, got {self.chunk_size!r}")
+        if self.checksum is not None and not isinstance(self.checksum, ChecksumPolicy):
+            raise ConfigError(f"WorkerConfig.checksum must be None or a ChecksumPolicy, got {self.checksum!r}")
 
     def managers(self) -> list[KVCacheManager]:
         """One cache manager per tensor-parallel rank held by this worker."""

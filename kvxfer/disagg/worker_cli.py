@@ -15,10 +15,11 @@ import torch
 
 from kvxfer.disagg.auth import AuthKey
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_client import GenerateClient
-from kvxfer.errors import BackendUnavailable
+from kvxfer.disagg.worker_client import GenerateClient, query_status
+from kvxfer.errors import BackendUnavailable, ConfigError
 from kvxfer.model import PRESETS, ByteTokenizer, preset
 from kvxfer.transport import available_backends
+from kvxfer.transport.integrity import ChecksumPolicy
 
 UCX_BACKENDS = ("nixl", "ucx")
 
@@ -57,7 +58,8 @@ def worker_config(a: argparse.Namespace, role: str) -> WorkerConfig:
     import os
     backend = best_backend() if a.backend == "auto" else a.backend
     return WorkerConfig(a.name or f"{role}-{os.getpid()}", preset(a.model), a.tokens_per_block, a.blocks,
-                        a.head_order, a.tp_size, a.device, backend, a.lease, a.deadline, chunk_size=a.chunk_size)
+                        a.head_order, a.tp_size, a.device, backend, a.lease, a.deadline, chunk_size=a.chunk_size,
+                        checksum=getattr(a, "checksum", None))
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,6 +73,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     dec.add_argument("--mode", choices=("push", "pull"), default="push")
     dec.add_argument("--layerwise", action="store_true", help="send each group of layers as soon as computed")
     dec.add_argument("--layers-per-send", type=int, default=1)
+    dec.add_argument("--checksum", type=parse_checksum, default=None, metavar="off|full|every:K|sample:F",
+                     help="verify each request's pages against a blake3 digest from prefill (default off)")
+
+
+def parse_checksum(text: str) -> ChecksumPolicy | None:
+    """``off``, ``full``, ``every:K`` (every K-th plan entry) or ``sample:F`` (a seeded fraction F)."""
+    kind, _, arg = text.partition(":")
+    try:
+        if kind == "off" and not arg:
+            return None
+        if kind == "full" and not arg:
+            return ChecksumPolicy()
+        if kind == "every":
+            return ChecksumPolicy.every(int(arg))
+        if kind == "sample":
+            return ChecksumPolicy.sample(float(arg), seed=0)
+    except (ValueError, ConfigError) as exc:
+        raise argparse.ArgumentTypeError(f"--checksum {text!r}: {exc}") from exc
+    raise argparse.ArgumentTypeError(f"--checksum {text!r}: expected off, full, every:K or sample:F")
 
 
 def _wait_for_signal() -> None:
@@ -129,6 +150,19 @@ def generate(a: argparse.Namespace) -> int:
         print(f"text:   {tok.decode(res.tokens)!r}")
         print(f"ttft {float(res.stats['ttft_s']) * 1e3:.1f} ms, {res.stats['bytes_moved']} bytes moved, "
               f"{res.stats['reused_tokens_decode']} prompt tokens reused on decode")
+    return 0
+
+
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
+    """``status`` options."""
+    p.add_argument("address", help="control address of a prefill or decode worker")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--secret-file", default=None)
+
+
+def status(a: argparse.Namespace) -> int:
+    """Print a worker's slot accounting and counters as one JSON object."""
+    print(json.dumps(query_status(a.address, AuthKey.load(None, a.secret_file), a.timeout), sort_keys=True))
     return 0
 
 

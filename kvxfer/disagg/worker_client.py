@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +68,39 @@ class GenerateClient:
                 raise TransferFailed(f"request {rid} failed: {res.error}")
             return res
 
+    def cancel(self, request_id: str, reason: str = "cancelled by the client") -> None:
+        """Cancel one of this client's requests; decode answers it with ``generate_failed`` (RequestCancelled)."""
+        self.conn.send("generate_cancel", request_id=request_id, reason=reason[:1024])
+
+    def status(self, timeout: float = 10.0) -> dict[str, int | float | str]:
+        """The decode worker's slot accounting and counters."""
+        return _ask_status(self.conn, timeout)
+
     def close(self) -> None:
         """Close the connection."""
         with contextlib.suppress(KvxferError):
             self.conn.close("client done")
+
+
+def _ask_status(conn: PeerConnection, timeout: float) -> dict[str, int | float | str]:
+    conn.send("worker_status")
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = conn.recv(max(0.001, deadline - time.monotonic()))
+        if msg.type == "worker_status_reply":
+            return decode_stats(msg["stats"])
+
+
+def query_status(address: str, secret: Secret = None, timeout: float = 10.0) -> dict[str, int | float | str]:
+    """The slot accounting and counters of the worker (prefill or decode) at ``address``, over a
+    short-lived authenticated ``client`` connection: for operators and for fault checks across processes."""
+    ident = LocalIdentity("client", f"status-{os.getpid()}-{next(_status_ids)}")
+    conn = connect(address, ident, secret, timeout=timeout)
+    try:
+        return _ask_status(conn, timeout)
+    finally:
+        with contextlib.suppress(KvxferError):
+            conn.close("status read")
+
+
+_status_ids = itertools.count(1)

@@ -6,8 +6,10 @@ asks for the tokens it lacks (``skip``); send ``kv_request`` with its destinatio
 wait for prefill's writes (push: ``kv_pushed`` plus one transport notification per part) or read the
 pages itself (pull: ``kv_pull`` -> ``transport.read`` -> ``kv_release``), renewing prefill's lease
 meanwhile. Once the KV is in place: commit the prompt, run ``continue_greedy``, return the tokens.
-A deadline, a failed transfer, or the prefill peer's loss fails only the affected requests; their
-blocks are freed once nothing can write into them any more.
+A deadline, a failed transfer, a cancellation, or the prefill peer's loss fails only the affected
+requests; their blocks are freed once nothing can write into them any more. With ``WorkerConfig.checksum``
+set, the destination pages are checked against prefill's digest before they are committed: a mismatch
+fails the request with IntegrityError and nothing of it enters the prefix tree.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvxfer.disagg.worker import (
     WorkerCounts,
     accept_loop,
     all_regions,
+    held_slots,
     make_transport,
     now,
     plan_between,
@@ -46,6 +49,7 @@ from kvxfer.disagg.worker_protocol import (
     decode_block_ids,
     decode_layouts,
     encode_block_ids,
+    encode_checksum_policy,
     encode_layouts,
     encode_stats,
 )
@@ -53,16 +57,20 @@ from kvxfer.errors import (
     CacheStateError,
     CapacityError,
     ConfigError,
+    DecodeError,
+    IntegrityError,
     KvxferError,
     LayoutMismatch,
     OutOfSlotsError,
     PeerUnreachable,
     ProtocolError,
+    RequestCancelled,
     TransferFailed,
     TransferTimeout,
 )
 from kvxfer.model import ReferenceModel
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
+from kvxfer.transport.integrity import TransferDigest, verify_destination
 
 log = logging.getLogger("kvxfer.disagg.decode")
 
@@ -115,6 +123,8 @@ class _Job:
     read: TransferHandle | None = None
     read_posted: float = 0.0
     last_renew: float = 0.0
+    lease_until: float = 0.0
+    """Prefill's lease on the source blocks lasts at least until then (renewals sent in time extend it)."""
     zombie_until: float = 0.0
 
 
@@ -144,6 +154,7 @@ class DecodeWorker(WorkerCounts):
         self._prefill_layouts: list[CacheLayoutDesc] = []
         self._jobs: dict[str, _Job] = {}
         self._zombies: dict[str, _Job] = {}
+        self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0}
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
         self.engine = Engine(config.name, self._on_event, self._tick)
@@ -217,7 +228,27 @@ class DecodeWorker(WorkerCounts):
         wait = self.config.deadline_s * 2 + 60.0 if timeout is None else timeout
         return self.submit(tokens, max_new_tokens, **kw).result(wait)
 
+    def cancel(self, request_id: str, reason: str = "cancelled by the caller") -> bool:
+        """Cancel a request in flight: its future raises RequestCancelled, prefill is told, and its blocks
+        are freed once nothing can write into them. False when no such request is in flight."""
+        return bool(self.engine.call(lambda: self._cancel(request_id, reason), 10.0))
 
+    def status(self) -> dict[str, int | float | str]:
+        """Slot accounting and counters (what ``worker_status`` answers)."""
+        return dict(self.engine.call(self._status, 10.0))
+
+    def _status(self) -> dict[str, int | float | str]:
+        return {"role": "decode", "name": self.config.name, "held_slots": held_slots(self.managers),
+                "open_caches": sum(len(m.open_caches) for m in self.managers), "jobs": len(self._jobs),
+                "zombies": len(self._zombies), "connected": int(self.connected), **self.counts}
+
+    def _cancel(self, request_id: str, reason: str) -> bool:
+        job = self._jobs.get(request_id)
+        if job is None:
+            return False
+        self.counts["cancelled"] += 1
+        self._fail(job, RequestCancelled(f"request {request_id}: {reason}"))
+        return True
 
     def close(self) -> None:
         """Fail open requests, stop the threads, close connections and the transport."""
@@ -279,6 +310,13 @@ class DecodeWorker(WorkerCounts):
                 self._on_prefill_lost(a, f"protocol error: {exc}")
 
     def _on_client(self, conn: PeerConnection, msg: Message) -> None:
+        if msg.type == "worker_status":
+            with contextlib.suppress(KvxferError):
+                conn.send("worker_status_reply", stats=encode_stats(self._status()))
+            return
+        if msg.type == "generate_cancel":
+            self._cancel(f"{conn.peer.name}/{msg['request_id']}", msg["reason"] or "cancelled by the client")
+            return
         if msg.type != "generate":
             raise ProtocolError(f"unexpected message {msg.type!r} from a client")
         rid = f"{conn.peer.name}/{msg['request_id']}"
@@ -292,6 +330,7 @@ class DecodeWorker(WorkerCounts):
         self._start(job)
 
     def _start(self, job: _Job) -> None:
+        self.counts["requests"] += 1
         if job.request_id in self._jobs or job.request_id in self._zombies:
             self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
             return
@@ -321,8 +360,10 @@ class DecodeWorker(WorkerCounts):
             job.session.ready("destination blocks allocated")
             conn.send("kv_request", request_id=job.request_id, tokens=job.tokens.tolist(), skip=job.skip,
                       blocks=encode_block_ids([c.block_id_map() for c in job.caches]), mode=job.mode,
-                      layerwise=job.layerwise, layers_per_send=self.layers_per_send, lease_s=self.config.lease_s)
+                      layerwise=job.layerwise, layers_per_send=self.layers_per_send, lease_s=self.config.lease_s,
+                      checksum=encode_checksum_policy(self.config.checksum))
             job.last_renew = now()
+            job.lease_until = job.last_renew + self.config.lease_s
             job.session.start_transfer("KV requested from prefill")
         except KvxferError as exc:
             self._fail(job, exc)
@@ -346,6 +387,12 @@ class DecodeWorker(WorkerCounts):
         elif msg.type == "kv_pull":
             job.pushed = msg
             src_ids = decode_block_ids(msg["blocks"], len(self._prefill_layouts), "kv_pull.blocks")
+            if now() >= job.lease_until:
+                self._send("kv_release", request_id=rid)
+                self._fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease may "
+                                               f"have expired before decode could read (decode stalled)"),
+                           remote_done=True)
+                return
             try:
                 plan = plan_between(self._prefill_layouts, src_ids, self.layouts, [c.block_id_map() for c in job.caches],
                                     token_range=(job.skip, int(job.tokens.size)))
@@ -377,6 +424,12 @@ class DecodeWorker(WorkerCounts):
                 status = job.read.status
                 if status is TransferStatus.DONE:
                     self._send("kv_release", request_id=job.request_id)
+                    if t >= job.lease_until:   # prefill may have reused the pages before the read ended
+                        self._fail(job, TransferFailed(
+                            f"pull of request {job.request_id}: prefill's {self.config.lease_s} s lease may have "
+                            f"expired before the read completed (decode stalled {t - job.last_renew:.1f} s); "
+                            f"the data is not used"), remote_done=True)
+                        continue
                     self._arrived(job, now() - job.read_posted)
                     continue
                 if status.terminal:
@@ -387,9 +440,10 @@ class DecodeWorker(WorkerCounts):
                 self._arrived(job, float(job.pushed["transfer_s"]))
                 continue
             if t >= job.deadline:
-                self._fail(job, TransferTimeout(f"request {job.request_id}: KV did not arrive within "
-                                                f"{self.config.deadline_s} s"))
+                self._fail(job, TransferTimeout(self._late(job)))
             elif t - job.last_renew >= self.config.lease_s / 3:
+                if t < job.lease_until:   # renewals only extend a lease that has not run out
+                    job.lease_until = t + self.config.lease_s
                 job.last_renew = t
                 self._send("lease_renew", request_id=job.request_id)
         for zombie in list(self._zombies.values()):
@@ -401,9 +455,49 @@ class DecodeWorker(WorkerCounts):
                 self._bury(zombie)
         return 0.001 if busy else 0.02
 
+    def _late(self, job: _Job) -> str:
+        """What is missing when a request's deadline passes."""
+        what = f"request {job.request_id}: KV did not arrive within {self.config.deadline_s} s"
+        if job.pushed is not None and job.pushed.type == "kv_pushed":
+            return (f"{what}: prefill reported kv_pushed but only {len(job.parts)} of {job.pushed['parts']} "
+                    f"transfer notifications arrived")
+        if job.read is not None:
+            return f"{what}: decode's read from prefill did not complete"
+        return f"{what}: no answer from prefill"
+
+    def _verify(self, job: _Job) -> None:
+        """Check the destination pages against prefill's digest (IntegrityError on any difference)."""
+        policy = self.config.checksum
+        assert job.pushed is not None and policy is not None
+        raw = job.pushed["digest"]
+        if not raw:
+            raise IntegrityError(f"request {job.request_id}: decode asked for checksums, prefill sent no digest")
+        try:
+            digest = TransferDigest.from_bytes(raw)
+        except DecodeError as exc:
+            raise IntegrityError(f"request {job.request_id}: {exc}") from exc
+        if digest.policy != policy:
+            raise IntegrityError(f"request {job.request_id}: prefill's digest uses {digest.policy}, decode asked "
+                                 f"for {policy}")
+        try:
+            src_ids = decode_block_ids(job.pushed["blocks"], len(self._prefill_layouts), f"{job.pushed.type}.blocks")
+        except ProtocolError as exc:
+            raise IntegrityError(f"request {job.request_id}: {exc}") from exc
+        plan = plan_between(self._prefill_layouts, src_ids, self.layouts, [c.block_id_map() for c in job.caches],
+                            token_range=(job.skip, int(job.tokens.size)))
+        verify_destination(plan, self.transport.regions, digest)
+
     def _arrived(self, job: _Job, transfer_s: float) -> None:
-        """The KV is in place: commit the prompt, generate, answer, free."""
+        """The KV is in place: verify it (when asked), commit the prompt, generate, answer, free."""
         assert job.pushed is not None
+        if self.config.checksum is not None:
+            try:
+                self._verify(job)
+            except KvxferError as exc:
+                self.counts["integrity_failures"] += 1
+                error = exc if isinstance(exc, IntegrityError) else IntegrityError(f"request {job.request_id}: {exc}")
+                self._fail(job, error, remote_done=True)   # uncommitted: none of its pages enter the tree
+                return
         arrived = now()
         job.session.done("KV in place")
         self._jobs.pop(job.request_id, None)
@@ -419,12 +513,14 @@ class DecodeWorker(WorkerCounts):
             with torch.inference_mode():
                 tokens = self.model.continue_greedy(kv, first, job.max_new_tokens)
         except KvxferError as exc:
+            self.counts["failed"] += 1
             self._close_caches(job)
             self._resolve_error(job, exc)
             return
         self._close_caches(job)
         nbytes = int(job.pushed["nbytes"]) if job.pushed.type == "kv_pushed" else \
             (job.read.nbytes if job.read is not None else 0)
+        self.counts["completed"] += 1
         result = GenerationResult(job.request_id, tokens, int(job.tokens.size), job.skip,
                                   int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
                                   float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft)
@@ -439,6 +535,7 @@ class DecodeWorker(WorkerCounts):
         """Fail one request now; its blocks are freed once nothing can still write into them."""
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
+        self.counts["failed"] += 1
         if not job.session.terminal:
             job.session.fail(f"{type(error).__name__}: {error}")
         self._resolve_error(job, error)

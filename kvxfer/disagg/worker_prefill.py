@@ -6,7 +6,8 @@ match), run the model on the tokens not reused, then either write the token rang
 decode's blocks (push; layer-wise: one write per group of layers as soon as they are computed) and
 report ``kv_pushed``, or answer ``kv_pull`` with the source block ids and keep the blocks until
 ``kv_release``. The source blocks are held under a lease decode renews; expiry, ``kv_cancel``, a failed
-transfer or a lost peer frees every block of the affected requests and nothing else.
+transfer or a lost peer frees every block of the affected requests and nothing else. When decode asks
+for checksums, the reply carries a digest of the source pages (see ``worker_protocol``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,7 @@ from kvxfer.disagg.worker import (
     WorkerCounts,
     accept_loop,
     all_regions,
+    held_slots,
     layer_groups,
     make_transport,
     now,
@@ -42,9 +45,11 @@ from kvxfer.disagg.worker import (
 from kvxfer.disagg.worker_protocol import (
     BlockIdMaps,
     decode_block_ids,
+    decode_checksum_policy,
     decode_layouts,
     encode_block_ids,
     encode_layouts,
+    encode_stats,
 )
 from kvxfer.errors import (
     CacheStateError,
@@ -55,6 +60,7 @@ from kvxfer.errors import (
 )
 from kvxfer.model import ReferenceModel, greedy
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
+from kvxfer.transport.integrity import ChecksumPolicy, digest_source
 
 log = logging.getLogger("kvxfer.disagg.prefill")
 
@@ -69,6 +75,9 @@ class _Job:
     session: Session
     caches: list[KVCache]
     mode: str
+    dst_ids: BlockIdMaps = field(default_factory=list)
+    span: tuple[int, int] = (0, 0)
+    checksum: ChecksumPolicy | None = None
     handles: list[TransferHandle] = field(default_factory=list)
     first_token: int = -1
     reused_tokens: int = 0
@@ -86,7 +95,8 @@ class PrefillStats:
     failed: int = 0
     bytes_sent: int = 0
     reused_tokens: int = 0
-    reasons: list[str] = field(default_factory=list)
+    reasons: deque[str] = field(default_factory=lambda: deque(maxlen=256))
+    """The latest failure reasons (bounded: a long-running worker must not grow without limit)."""
 
 
 class PrefillWorker(WorkerCounts):
@@ -109,7 +119,7 @@ class PrefillWorker(WorkerCounts):
                                  config.heartbeat_interval)
         kw: dict[str, Any] = {} if versions is None else {"versions": versions}
         self.engine = Engine(config.name, self._on_event, self._tick)
-        self.server = ControlServer(identity, secret, bind=bind, accept_roles=("decode",), **kw)
+        self.server = ControlServer(identity, secret, bind=bind, accept_roles=("decode", "client"), **kw)
         self.address = self.server.address
         self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}", daemon=True)
         self.engine.start()
@@ -121,6 +131,16 @@ class PrefillWorker(WorkerCounts):
         """Requests whose source blocks are held now."""
         return int(self.engine.call(lambda: len(self._jobs), 10.0))
 
+    def status(self) -> dict[str, int | float | str]:
+        """Slot accounting and counters (what ``worker_status`` answers)."""
+        return dict(self.engine.call(self._status, 10.0))
+
+    def _status(self) -> dict[str, int | float | str]:
+        return {"role": "prefill", "name": self.config.name, "held_slots": held_slots(self.managers),
+                "open_caches": sum(len(m.open_caches) for m in self.managers), "jobs": len(self._jobs),
+                "peers": len(self._peers), "requests": self.stats.requests, "completed": self.stats.completed,
+                "failed": self.stats.failed, "bytes_sent": self.stats.bytes_sent,
+                "reused_tokens": self.stats.reused_tokens}
 
     def close(self) -> None:
         """Fail every open request, stop the threads, close the server and transport."""
@@ -159,6 +179,11 @@ class PrefillWorker(WorkerCounts):
 
     def _on_message(self, conn: PeerConnection, msg: Message) -> None:
         peer = conn.peer.name
+        if msg.type == "worker_status":
+            self._send(conn, "worker_status_reply", stats=encode_stats(self._status()))
+            return
+        if conn.peer.role != "decode":
+            raise ProtocolError(f"a {conn.peer.role} may only ask for worker_status, not send {msg.type!r}")
         if msg.type == "kv_ranks":
             self._on_ranks(conn, msg)
             return
@@ -215,8 +240,9 @@ class PrefillWorker(WorkerCounts):
             self._send(conn, "kv_failed", request_id=rid, reason=f"skip={skip} outside [0, {tokens.size})")
             return
         dst_ids = decode_block_ids(msg["blocks"], len(dst_layouts), "kv_request.blocks")
+        checksum = decode_checksum_policy(msg["checksum"])
         session = Session(rid, lease=self.leases.grant((peer, rid), float(msg["lease_s"])))
-        job = _Job(peer, rid, conn, session, [], msg["mode"])
+        job = _Job(peer, rid, conn, session, [], msg["mode"], dst_ids, (skip, int(tokens.size)), checksum)
         self._jobs[(peer, rid)] = job
         try:
             self._compute(job, tokens, skip, dst_ids, msg)
@@ -263,10 +289,11 @@ class PrefillWorker(WorkerCounts):
         job.first_token = greedy(logits[-1])
         job.prefill_s = now() - started
         if msg["mode"] == "pull":
+            digest = self._digest(job)   # before decode may read: the pages are final
             job.session.start_transfer("waiting for decode to read")
             self._send(job.conn, "kv_pull", request_id=job.request_id, first_token=job.first_token,
                        blocks=encode_block_ids([c.block_id_map() for c in job.caches]),
-                       reused_tokens=job.reused_tokens, prefill_s=job.prefill_s)
+                       reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest)
             return
         if not msg["layerwise"]:
             plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
@@ -299,13 +326,28 @@ class PrefillWorker(WorkerCounts):
         nxt = self.leases.next_deadline()
         return 0.05 if nxt is None else min(0.05, max(0.0, nxt - now()))
 
+    def _digest(self, job: _Job) -> bytes:
+        """The digest of the source pages of the request's whole token range, in the order of the plan
+        decode rebuilds from the same block ids (empty when decode asked for no checksum)."""
+        if job.checksum is None:
+            return b""
+        plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], self._peer_layouts[job.peer],
+                            job.dst_ids, token_range=job.span)
+        return digest_source(plan, self.transport.regions, job.checksum, f"{job.peer}/{job.request_id}").to_bytes()
+
     def _finish(self, job: _Job, transfer_s: float | None) -> None:
         """The request's KV reached decode: report (push), free the source blocks, end the session."""
         nbytes = sum(h.nbytes for h in job.handles)
         if transfer_s is not None:
+            try:
+                digest = self._digest(job)
+            except KvxferError as exc:
+                self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
+                return
             self._send(job.conn, "kv_pushed", request_id=job.request_id, first_token=job.first_token,
                        parts=len(job.handles), nbytes=nbytes, reused_tokens=job.reused_tokens,
-                       prefill_s=job.prefill_s, transfer_s=transfer_s)
+                       prefill_s=job.prefill_s, transfer_s=transfer_s, digest=digest,
+                       blocks=encode_block_ids([c.block_id_map() for c in job.caches]) if digest else b"")
         self.stats.bytes_sent += nbytes
         self.stats.completed += 1
         job.session.done("decode has the KV" if transfer_s is None else "written")

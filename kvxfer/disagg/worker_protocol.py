@@ -4,8 +4,14 @@ Decode <-> prefill, after the authenticated handshake (see docs/disagg.md):
 ``kv_ranks`` (both ways, once: every tensor-parallel rank's layout), ``kv_request`` (decode asks for a
 request's KV, saying which tokens it already holds and where the rest must go), ``kv_pushed`` (push:
 the pages are written), ``kv_pull`` (pull: where to read them from), ``kv_release`` (pull: read done),
-``lease_renew``, ``kv_cancel``, ``kv_failed``. Client <-> decode: ``generate``, ``generated``,
-``generate_failed``.
+``lease_renew``, ``kv_cancel``, ``kv_failed``. Client <-> decode: ``generate``, ``generate_cancel``,
+``generated``, ``generate_failed``. Any authenticated peer (clients included, on both workers):
+``worker_status`` -> ``worker_status_reply`` (slot accounting and counters, for operators and tests).
+
+Integrity (optional, decode decides): ``kv_request.checksum`` carries decode's ChecksumPolicy; prefill
+answers with a TransferDigest of the source pages of the whole request in ``kv_pushed.digest`` (plus its
+source block ids, so decode rebuilds the same plan) or ``kv_pull.digest``; decode verifies its
+destination pages before it commits them.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import numpy.typing as npt
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.disagg.messages import MAX_MESSAGE_BYTES, Field, MessageSpec, register
-from kvxfer.errors import DecodeError, LayoutError, ProtocolError
+from kvxfer.errors import ConfigError, DecodeError, LayoutError, ProtocolError
+from kvxfer.transport.integrity import ChecksumPolicy
 
 MODES = ("push", "pull")
 MAX_RANKS = 64
@@ -41,16 +48,20 @@ KV_REQUEST = register(MessageSpec("kv_request", (
     Field("layerwise", "bool"),
     Field("layers_per_send", "int", lo=1, hi=1 << 16),
     Field("lease_s", "float", lo=0.01, hi=3600.0),
+    Field("checksum", "bytes", max_len=64),
 )))
 KV_PUSHED = register(MessageSpec("kv_pushed", (
     _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("parts", "int", hi=1 << 16),
     Field("nbytes", "int"), Field("reused_tokens", "int", hi=MAX_PROMPT_TOKENS),
     Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
     Field("transfer_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
+    Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
+    Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
 )))
 KV_PULL = register(MessageSpec("kv_pull", (
     _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
     Field("reused_tokens", "int", hi=MAX_PROMPT_TOKENS), Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
+    Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
 )))
 KV_RELEASE = register(MessageSpec("kv_release", (_RID,)))
 LEASE_RENEW = register(MessageSpec("lease_renew", (_RID,)))
@@ -61,6 +72,9 @@ GENERATE = register(MessageSpec("generate", (
     Field("max_new_tokens", "int", hi=1 << 20), Field("mode", "str", max_len=8, choices=("", *MODES)),
     Field("layerwise", "bool"),
 )))
+GENERATE_CANCEL = register(MessageSpec("generate_cancel", (_RID, _REASON)))
+WORKER_STATUS = register(MessageSpec("worker_status", ()))
+WORKER_STATUS_REPLY = register(MessageSpec("worker_status_reply", (Field("stats", "bytes", max_len=1 << 16),)))
 GENERATED = register(MessageSpec("generated", (
     _RID, Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=1 << 20), Field("stats", "bytes", max_len=1 << 16),
 )))
@@ -126,6 +140,24 @@ def decode_block_ids(data: bytes, num_ranks: int, what: str) -> BlockIdMaps:
     return out
 
 
+def encode_checksum_policy(policy: ChecksumPolicy | None) -> bytes:
+    """``kv_request.checksum``: the policy's wire form as msgpack, or empty bytes for no checksum."""
+    return b"" if policy is None else bytes(msgpack.packb(policy.to_wire(), use_bin_type=True))
+
+
+def decode_checksum_policy(data: bytes) -> ChecksumPolicy | None:
+    """Inverse of ``encode_checksum_policy``; ProtocolError naming the field when malformed."""
+    if not data:
+        return None
+    obj = _unpack(data, "kv_request.checksum")
+    if not isinstance(obj, list) or len(obj) != 5:
+        raise ProtocolError("kv_request.checksum: expected [mode, stride, fraction, seed, tag_bytes]")
+    try:
+        return ChecksumPolicy(*obj)
+    except (ConfigError, TypeError) as exc:
+        raise ProtocolError(f"kv_request.checksum: {exc}") from exc
+
+
 def encode_stats(stats: Mapping[str, int | float | str]) -> bytes:
     """A flat map of per-request figures, as msgpack."""
     return bytes(msgpack.packb(dict(stats), use_bin_type=True))
@@ -133,8 +165,8 @@ def encode_stats(stats: Mapping[str, int | float | str]) -> bytes:
 
 def decode_stats(data: bytes) -> dict[str, int | float | str]:
     """Inverse of ``encode_stats``; ProtocolError unless a flat map of numbers and strings."""
-    obj = _unpack(data, "generated.stats")
+    obj = _unpack(data, "stats")
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, int | float | str)
                                             for k, v in obj.items()):
-        raise ProtocolError("generated.stats: expected a map of names to numbers or strings")
+        raise ProtocolError("stats: expected a map of names to numbers or strings")
     return obj

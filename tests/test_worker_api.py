@@ -1,0 +1,165 @@
+"""Worker API around the request path: checksums carried by the worker protocol, cancellation,
+``worker_status`` (in process, over a client connection, and ``kvxfer status``)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.cli import main as cli_main
+from kvxfer.disagg.worker import WorkerConfig
+from kvxfer.disagg.worker_cli import parse_checksum
+from kvxfer.disagg.worker_client import GenerateClient, query_status
+from kvxfer.disagg.worker_decode import DecodeWorker
+from kvxfer.disagg.worker_prefill import PrefillWorker
+from kvxfer.disagg.worker_protocol import decode_checksum_policy, encode_checksum_policy
+from kvxfer.errors import IntegrityError, PeerUnreachable, ProtocolError, RequestCancelled, TransferFailed
+from kvxfer.transport import LoopbackFaults
+from kvxfer.transport.integrity import ChecksumPolicy
+from tests.test_e2e import SECRET, _one_thread, assert_idle, name, prompts, reference  # noqa: F401
+
+
+def wait_idle(*workers: PrefillWorker | DecodeWorker, timeout: float = 5.0) -> None:
+    """Poll until no request holds anything (the peer's release/cancel may still be in flight), then assert."""
+    deadline = time.monotonic() + timeout
+    while any(w.held_slots() or w.num_open_caches() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert_idle(*workers)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_checksummed_requests_match_and_a_corrupted_one_is_not_committed(mode: str) -> None:
+    faults = LoopbackFaults()
+    decode_opts = {"faults": faults} if mode == "pull" else None   # the side whose transport writes
+    prefill_opts = {"faults": faults} if mode == "push" else None
+    policy = ChecksumPolicy()
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET, transport_options=prefill_opts) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), checksum=policy), SECRET, prefill=prefill.address, mode=mode,
+                         transport_options=decode_opts) as decode:
+        good, bad = prompts(21, prefix=0, count=2)
+        assert decode.generate(good, 6, timeout=60).tokens == reference(good, 6)
+        faults.corrupt = (100, 1)
+        with pytest.raises(IntegrityError, match=r"entry \d+ .*differs from the source"):
+            decode.generate(bad, 6, timeout=60)
+        faults.corrupt = None
+        wait_idle(prefill, decode)
+        again = decode.generate(bad, 6, timeout=60)    # nothing of the corrupted request was kept
+        assert again.reused_tokens_decode == 0 and again.tokens == reference(bad, 6)
+        status = decode.status()
+        assert status["integrity_failures"] == 1 and status["completed"] == 2 and status["failed"] == 1
+
+
+def test_without_checksum_the_same_corruption_goes_unnoticed() -> None:
+    """The control case: the checksum, not something else, catches the corruption above."""
+    faults = LoopbackFaults(corrupt=(100, 1))
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET, transport_options={"faults": faults}) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address) as decode:
+        tokens = prompts(21, prefix=0, count=2)[1]
+        assert len(decode.generate(tokens, 6, timeout=60).tokens) == 6
+        assert decode.status()["integrity_failures"] == 0
+
+
+def test_cancel_fails_the_future_and_frees_both_sides() -> None:
+    stall = LoopbackFaults(never_complete=True)
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET, transport_options={"faults": stall}) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), deadline_s=60.0), SECRET, prefill=prefill.address) as decode:
+        tokens = prompts(22)[0]
+        fut = decode.submit(tokens, 4, request_id="stuck")
+        deadline = time.monotonic() + 10
+        while prefill.status()["jobs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert decode.cancel("stuck", "user went away") is True
+        with pytest.raises(RequestCancelled, match="stuck: user went away"):
+            fut.result(5)
+        assert decode.cancel("stuck") is False and decode.cancel("never-seen") is False
+        wait_idle(prefill, decode)
+        assert any("cancelled by decode" in r for r in prefill.stats.reasons)
+        stall.never_complete = False
+        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+
+
+def test_status_in_process_over_a_client_connection_and_from_the_cli(capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVXFER_SECRET", SECRET)
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address,
+                         bind="tcp://127.0.0.1:0") as decode:
+        assert decode.address is not None
+        tokens = prompts(23)[0]
+        client = GenerateClient(decode.address, SECRET)
+        try:
+            rid = client.submit(tokens, 3)
+            client.cancel("r999")                       # not in flight: ignored
+            res = client.recv(60)
+            assert res.request_id == rid and res.tokens == reference(tokens, 3)
+            over_client = client.status()
+        finally:
+            client.close()
+        assert over_client["role"] == "decode" and over_client["completed"] == 1 and over_client["held_slots"] == 0
+        remote = query_status(prefill.address, SECRET)
+        assert remote == prefill.status()
+        assert remote["role"] == "prefill" and remote["completed"] == 1 and remote["jobs"] == 0
+        assert remote["held_slots"] == 0 and remote["open_caches"] == 0
+        assert cli_main(["status", prefill.address]) == 0
+        assert json.loads(capsys.readouterr().out)["completed"] == 1
+        assert_idle(prefill, decode)
+
+
+def test_a_status_client_cannot_ask_prefill_for_kv() -> None:
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill:
+        from kvxfer.disagg import LocalIdentity, connect
+        conn = connect(prefill.address, LocalIdentity("client", "nosy"), SECRET)
+        try:
+            conn.send("kv_release", request_id="x")
+            with pytest.raises(PeerUnreachable, match="may only ask for worker_status"):
+                for _ in range(50):
+                    conn.recv(0.2)
+        finally:
+            conn.close()
+        assert prefill.status()["jobs"] == 0
+
+
+def test_checksum_policy_codec_and_cli_parsing() -> None:
+    for policy in (None, ChecksumPolicy(), ChecksumPolicy.every(4, seed=1), ChecksumPolicy.sample(0.25, seed=9)):
+        assert decode_checksum_policy(encode_checksum_policy(policy)) == policy
+    for bad in (b"\x93\x01\x02\x03", b"\xc1", encode_checksum_policy(ChecksumPolicy())[:-1]):
+        with pytest.raises(ProtocolError, match=r"kv_request\.checksum"):
+            decode_checksum_policy(bad)
+    assert parse_checksum("off") is None and parse_checksum("full") == ChecksumPolicy()
+    assert parse_checksum("every:8") == ChecksumPolicy.every(8)
+    assert parse_checksum("sample:0.5") == ChecksumPolicy.sample(0.5, seed=0)
+    import argparse
+    for bad_text in ("every:0", "sample:2", "fast", "full:1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--checksum"):
+            parse_checksum(bad_text)
+    np.testing.assert_equal(ChecksumPolicy.every(8).select(20), np.arange(0, 20, 8))
+
+
+def test_pulled_data_is_refused_when_decode_stalled_past_the_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's engine stalls (as under SIGSTOP or a long step) right after posting a read: prefill's
+    lease runs out and it frees the source pages, so the data read cannot be trusted; decode must fail
+    the request rather than commit it, and serve the next one."""
+    lease = 0.4
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), lease_s=lease), SECRET, prefill=prefill.address,
+                         mode="pull") as decode:
+        real_read = decode.transport.read
+        stalls = [1]
+
+        def stalling_read(*args: object, **kw: object) -> object:
+            handle = real_read(*args, **kw)  # type: ignore[arg-type]
+            if stalls:
+                stalls.pop()
+                time.sleep(lease * 3)         # on decode's engine thread: no renewal goes out
+            return handle
+
+        monkeypatch.setattr(decode.transport, "read", stalling_read)
+        tokens = prompts(24)[0]
+        with pytest.raises(TransferFailed, match="lease may have expired before the read completed"):
+            decode.generate(tokens, 4, timeout=30)
+        wait_idle(prefill, decode)
+        assert any("lease expired" in r for r in prefill.stats.reasons)
+        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
