@@ -27,6 +27,7 @@ import resource
 import secrets
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -43,9 +44,10 @@ from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.auth import SECRET_ENV
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_cli import best_backend
+from kvxfer.disagg.worker_client import query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.disagg.worker_demo import WorkerProcess
-from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
+from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError, RequestCancelled
 from kvxfer.model import ReferenceModel, preset
 
 MODEL = "tiny"
@@ -261,6 +263,9 @@ class _Run:
     actions: list[tuple[float, int, str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     seq: Any = field(default_factory=itertools.count)
+    cancel_errors: Counter[str] = field(default_factory=Counter)
+    timers: list[threading.Timer] = field(default_factory=list)
+    cancel_error_times: list[float] = field(default_factory=list)
     finished: int = 0
     rss_mark: tuple[int, int] | None = None
     """(requests finished, decode VmRSS KiB) when the first ``rss_mark`` requests had finished."""
@@ -276,7 +281,7 @@ def _classify(rec: _Record, fut: Future[GenerationResult]) -> None:
     exc = fut.exception()
     if exc is None:
         rec.outcome, rec.result = "completed", fut.result()
-    elif type(exc).__name__ == "RequestCancelled":
+    elif isinstance(exc, RequestCancelled):
         rec.outcome, rec.reason = "cancelled", normalise_reason(exc)
     else:
         rec.outcome, rec.reason = "failed", normalise_reason(exc)
@@ -294,22 +299,31 @@ def _inject(run: _Run, kind: str, index: int) -> None:
         fault |= {"restart_s": round(time.monotonic() - t0, 3), "new_pid": run.prefill.pid,
                   "end_t_s": round(run.t(), 3)}
     else:
+        pid = run.prefill.pid
         run.prefill.send(signal.SIGSTOP)
-        run.schedule(time.monotonic() + a.freeze_s, "sigcont", run.prefill.pid)
+
+        def resume() -> None:   # on its own thread: a main loop waiting on decode must not stretch the freeze
+            if run.prefill.proc is not None and run.prefill.pid == pid:
+                run.prefill.send(signal.SIGCONT)
+            fault["end_t_s"] = round(run.t(), 3)
+
+        timer = threading.Timer(a.freeze_s, resume)
+        timer.daemon = True
+        run.timers.append(timer)
         fault |= {"frozen_s": a.freeze_s, "end_t_s": round(run.t() + a.freeze_s, 3)}
+        timer.start()
     run.faults.append(fault)
 
 
 def _run_action(run: _Run, kind: str, payload: Any) -> None:
-    if kind == "sigcont":
-        if run.prefill.proc is not None and run.prefill.pid == payload:
-            run.prefill.send(signal.SIGCONT)
-    elif kind == "cancel":
+    if kind == "cancel":
         rec: _Record = payload
         if not rec.outcome:
-            cancel: Callable[[str], bool] | None = getattr(run.decode, "cancel", None)
-            if cancel is not None:
-                rec.cancel_sent = bool(cancel(rec.rid))
+            try:
+                rec.cancel_sent = run.decode.cancel(rec.rid, "soak: random cancellation")
+            except KvxferError as exc:   # e.g. the engine did not answer in time: counted, the run goes on
+                run.cancel_errors[normalise_reason(exc)] += 1
+                run.cancel_error_times.append(round(run.t(), 3))
 
 
 def _reap(run: _Run, done: set[Future[GenerationResult]]) -> None:
@@ -376,12 +390,8 @@ def _loop(run: _Run, requests: list[SoakRequest], schedule: list[tuple[int, str]
             timeout = max(0.0, min(timeout, run.actions[0][0] - time.monotonic()))
         done, _ = wait(list(run.pending), timeout=timeout, return_when=FIRST_COMPLETED)
         _reap(run, done)
-    # the drain of the pending SIGCONT: a frozen prefill would never answer the status query
-    while run.actions:
-        at, _, kind, payload = heapq.heappop(run.actions)
-        if kind == "sigcont":
-            time.sleep(max(0.0, at - time.monotonic()))
-            _run_action(run, kind, payload)
+    for timer in run.timers:   # the pending SIGCONT: a frozen prefill would not answer the status query
+        timer.join()
     for fut, rec in list(run.pending.items()):
         rec.finished, rec.outcome, rec.reason = time.monotonic(), "hung", "no answer within the drain timeout"
         run.finished += 1
@@ -394,10 +404,8 @@ def _leaks(run: _Run, settle_s: float) -> dict[str, Any]:
     while True:
         out: dict[str, Any] = {"decode_held_slots": run.decode.held_slots(),
                                "decode_open_caches": run.decode.num_open_caches()}
-        status = getattr(run.decode, "status", None)
-        if status is not None:
-            st = status()
-            out["decode_jobs"], out["decode_zombies"] = int(st.get("jobs", 0)), int(st.get("zombies", 0))
+        st = run.decode.status()
+        out["decode_jobs"], out["decode_zombies"] = int(st["jobs"]), int(st["zombies"])
         out |= _prefill_status(run)
         held = sum(int(v) for k, v in out.items() if isinstance(v, int) and k != "prefill_status_error")
         if held == 0 or time.monotonic() >= deadline:
@@ -408,15 +416,11 @@ def _leaks(run: _Run, settle_s: float) -> dict[str, Any]:
 
 def _prefill_status(run: _Run) -> dict[str, Any]:
     try:
-        from kvxfer.disagg import worker_client
-        query: Callable[..., dict[str, Any]] | None = getattr(worker_client, "query_status", None)
-        if query is None:
-            return {"prefill_status_error": "query_status is not available"}
-        st = query(run.prefill.address, run.args.secret, timeout=10.0)
-    except KvxferError as exc:
-        return {"prefill_status_error": normalise_reason(exc)}
-    return {"prefill_held_slots": int(st.get("held_slots", 0)), "prefill_open_caches": int(st.get("open_caches", 0)),
-            "prefill_jobs": int(st.get("jobs", 0))}
+        st = query_status(run.prefill.address, run.args.secret, timeout=10.0)
+    except KvxferError as exc:   # counted as a leak: the prefill side could not be checked
+        return {"prefill_unchecked": 1, "prefill_status_error": normalise_reason(exc)}
+    return {"prefill_held_slots": int(st["held_slots"]), "prefill_open_caches": int(st["open_caches"]),
+            "prefill_jobs": int(st["jobs"])}
 
 
 def _check(records: list[_Record], max_new: int) -> tuple[int, float]:
@@ -458,6 +462,7 @@ def run_soak(a: argparse.Namespace, console: Console | None = None) -> dict[str,
     kv_log.propagate = False
     prefill: Prefill | None = None
     decode: DecodeWorker | None = None
+    run: _Run | None = None
     try:
         prefill = Prefill(backend, a.blocks, a.lease, a.secret)
         cfg = WorkerConfig(f"soak-decode-{os.getpid()}", preset(MODEL), TOKENS_PER_BLOCK, a.blocks, backend=backend,
@@ -479,6 +484,8 @@ def run_soak(a: argparse.Namespace, console: Console | None = None) -> dict[str,
         engine_error = repr(decode.engine.error) if decode.engine.error is not None else ""
         prefill.sample()
     finally:
+        for timer in run.timers if run is not None else []:
+            timer.cancel()
         if decode is not None:
             decode.close()
         if prefill is not None:
@@ -517,7 +524,8 @@ def summarise(run: _Run, schedule: list[tuple[int, str]], backend: str, duration
         "failed_by_reason": dict(failed.most_common()), "failed_outside_fault_windows": outside,
         "cancel": {"scheduled": len(cancels), "sent_in_flight": sum(1 for r in cancels if r.cancel_sent is True),
                    "too_late": sum(1 for r in cancels if r.cancel_sent is False),
-                   "cancelled": outcomes["cancelled"]},
+                   "cancelled": outcomes["cancelled"], "errors": dict(run.cancel_errors),
+                   "error_times_s": run.cancel_error_times},
         "modes": dict(Counter(f"{r.req.mode}{' layer-wise' if r.req.layerwise else ''}" for r in done)),
         "mismatches": mismatches, "check_s": round(check_s, 3),
         "faults_scheduled": [{"request_index": i, "kind": k} for i, k in schedule],
