@@ -106,23 +106,27 @@ def make_requests(n: int, seed: int, min_len: int, max_len: int, max_new: int, c
 
 
 def fault_schedule(n: int, faults: int, seed: int) -> list[tuple[int, str]]:
-    """``faults`` (request index, kind) pairs at distinct seeded indices in the middle 80 % of the run,
-    kinds alternating kill, stop, kill, ... (the index is the request submitted right after the fault)."""
-    if faults <= 0:
-        return []
+    """``faults`` (request index, kind) pairs, one at a seeded index in each of ``faults`` equal slices of
+    the middle 80 % of the run (so that the run recovers between them), kinds alternating kill, stop,
+    kill, ... (the index is the request submitted right after the fault)."""
     lo, hi = max(1, n // 10), max(2, n - n // 10)
+    faults = min(max(0, faults), hi - lo)
     rng = np.random.default_rng(seed + 1)
-    idx = sorted(int(i) for i in rng.choice(np.arange(lo, hi), size=min(faults, hi - lo), replace=False))
+    edges = np.linspace(lo, hi, faults + 1).astype(int)
+    idx = [int(rng.integers(edges[k], max(edges[k] + 1, edges[k + 1]))) for k in range(faults)]
     return [(i, FAULT_KINDS[k % len(FAULT_KINDS)]) for k, i in enumerate(idx)]
 
 
 _REASONS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"prefill .*lost"), "prefill lost"),
     (re.compile(r"no prefill worker connected"), "no prefill worker connected"),
+    (re.compile(r"did not arrive within.*no answer from prefill"), "KV did not arrive within the deadline (no answer)"),
+    (re.compile(r"did not arrive within.*notifications"), "KV did not arrive within the deadline (notifications missing)"),
+    (re.compile(r"did not arrive within.*read"), "KV did not arrive within the deadline (read did not complete)"),
     (re.compile(r"did not arrive within"), "KV did not arrive within the deadline"),
+    (re.compile(r"lease may have expired"), "pull lease may have expired (decode stalled)"),
     (re.compile(r"shutting down"), "worker shutting down"),
     (re.compile(r"RemoteDisconnect|remote agent .* disconnected"), "peer disconnected during the transfer"),
-    (re.compile(r"lease"), "lease expired"),
     (re.compile(r"no free slots?"), "out of slots"),
 ]
 
