@@ -269,6 +269,8 @@ class _Run:
     seq: Any = field(default_factory=itertools.count)
     cancel_errors: Counter[str] = field(default_factory=Counter)
     timers: list[threading.Timer] = field(default_factory=list)
+    probes: int = 0
+    """Requests submitted one a second while decode had no prefill connection."""
     cancel_error_times: list[float] = field(default_factory=list)
     finished: int = 0
     rss_mark: tuple[int, int] | None = None
@@ -369,6 +371,7 @@ def _loop(run: _Run, requests: list[SoakRequest], schedule: list[tuple[int, str]
     nxt = 0
     last_sample = 0.0
     drain_until: float | None = None
+    next_probe = 0.0
     while True:
         now = time.monotonic()
         while run.actions and run.actions[0][0] <= now:
@@ -379,12 +382,22 @@ def _loop(run: _Run, requests: list[SoakRequest], schedule: list[tuple[int, str]
             last_sample = now
             progress()
         out_of_time = run.t() >= a.max_seconds
-        while not out_of_time and nxt < len(requests) and len(run.pending) < a.concurrency:
+        # Without a prefill, requests fail at once: probe with one request a second (each submit lets decode
+        # try to reconnect) instead of running through the workload, as a router would.
+        probing = not run.decode.connected
+        limit = 1 if probing else a.concurrency
+        while (not out_of_time and nxt < len(requests) and len(run.pending) < limit
+               and (not probing or time.monotonic() >= next_probe)):
             while faults and faults[0][0] <= nxt:
+                for timer in run.timers:   # faults do not overlap: a freeze ends before the next fault
+                    timer.join()
                 idx, kind = faults.pop(0)
                 _inject(run, kind, idx)
             _submit(run, requests[nxt])
             nxt += 1
+            if probing:
+                run.probes += 1
+                next_probe = time.monotonic() + 1.0
         if out_of_time or nxt >= len(requests):
             drain_until = drain_until or time.monotonic() + a.drain_timeout
             if not run.pending or time.monotonic() >= drain_until:
@@ -526,6 +539,7 @@ def summarise(run: _Run, schedule: list[tuple[int, str]], backend: str, duration
         "requests_planned": a.requests, "submitted": len(recs), "completed": outcomes["completed"],
         "cancelled": outcomes["cancelled"], "failed": outcomes["failed"] + outcomes["hung"], "hung": outcomes["hung"],
         "failed_by_reason": dict(failed.most_common()), "failed_outside_fault_windows": outside,
+        "probes_while_disconnected": run.probes,
         "cancel": {"scheduled": len(cancels), "sent_in_flight": sum(1 for r in cancels if r.cancel_sent is True),
                    "too_late": sum(1 for r in cancels if r.cancel_sent is False),
                    "cancelled": outcomes["cancelled"], "errors": dict(run.cancel_errors),
