@@ -144,6 +144,8 @@ class DecodeWorker(WorkerCounts):
         self.versions = versions
         self.connect_timeout = connect_timeout
         self.prefill_address = prefill
+        self._reconnect_after = 0.0   # no automatic reconnect before (each try blocks the engine thread)
+        self._reconnect_error = ""
         self._secret = secret
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
@@ -196,6 +198,7 @@ class DecodeWorker(WorkerCounts):
             conn.close("decode could not finish connecting")
             raise
         self.prefill_address = address
+        self._reconnect_after, self._reconnect_error = 0.0, ""
 
     @property
     def connected(self) -> bool:
@@ -334,12 +337,15 @@ class DecodeWorker(WorkerCounts):
         if job.request_id in self._jobs or job.request_id in self._zombies:
             self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
             return
-        if not self.connected and self.prefill_address is not None:
-            with contextlib.suppress(KvxferError):
+        if not self.connected and self.prefill_address is not None and now() >= self._reconnect_after:
+            try:
                 self.connect(self.prefill_address)   # a restarted prefill at the same address
+            except KvxferError as exc:   # pause retries: queued requests must not each block connect_timeout
+                self._reconnect_after = now() + max(1.0, 2 * self.connect_timeout)
+                self._reconnect_error = f"; reconnecting failed: {type(exc).__name__}: {exc}"
         conn = self._prefill
         if conn is None or not conn.alive:
-            self._fail(job, PeerUnreachable("no prefill worker connected"))
+            self._fail(job, PeerUnreachable(f"no prefill worker connected{self._reconnect_error}"))
             return
         job.peer = conn.peer.name
         self._jobs[job.request_id] = job
