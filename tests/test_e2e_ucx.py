@@ -68,7 +68,9 @@ def test_push_pull_layerwise_prefix_hit_and_tp_across_processes(backend: str, pr
 def test_killed_prefill_fails_in_flight_requests_and_decode_serves_on(backend: str) -> None:
     first = spawn_prefill(backend)
     second: WorkerProcess | None = None
-    cfg = WorkerConfig(f"ucx-decode-{os.getpid()}-{next(_names)}", backend=backend, num_blocks=1024, deadline_s=60.0)
+    lease = 1.0   # decode quarantines the lost prefill's push destinations for up to about two leases
+    cfg = WorkerConfig(f"ucx-decode-{os.getpid()}-{next(_names)}", backend=backend, num_blocks=1024, deadline_s=60.0,
+                       lease_s=lease)
     try:
         with DecodeWorker(cfg, SECRET, prefill=first.address) as decode:
             rng = np.random.default_rng(8)
@@ -82,6 +84,8 @@ def test_killed_prefill_fails_in_flight_requests_and_decode_serves_on(backend: s
                     fut.result(timeout=30)
             detected = time.monotonic() - t0
             assert detected < 5.0, f"in-flight requests failed {detected:.1f} s after the kill"
+            while decode.status()["zombies"] and time.monotonic() - t0 < detected + 2 * lease + 5.0:
+                time.sleep(0.05)
             assert decode.held_slots() == 0 and decode.num_open_caches() == 0
             second = spawn_prefill(backend)
             decode.connect(second.address)

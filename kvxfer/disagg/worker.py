@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.disagg.control import ControlServer, PeerConnection
+from kvxfer.disagg.messages import Message
 from kvxfer.errors import ConfigError, ControlTimeout, KvxferError
 from kvxfer.extractor import layout_regions, plan_transfer
 from kvxfer.model import ModelConfig, PagedKV, preset
@@ -165,12 +167,16 @@ class Engine:
     """One thread owning a worker's caches, model and transport; everything else talks to it through
     ``post``. Connections get a reader thread each that turns messages and loss into events."""
 
-    def __init__(self, name: str, handle: Callable[[Event], None], tick: Callable[[], float]) -> None:
+    def __init__(self, name: str, handle: Callable[[Event], None], tick: Callable[[], float],
+                 on_receive: Callable[[PeerConnection, Message], bool] | None = None) -> None:
         """``handle(event)`` runs each event; ``tick()`` does periodic work and returns how long the
-        engine may sleep before the next call."""
+        engine may sleep before the next call. ``on_receive(conn, msg)`` runs on a reader thread as each
+        message arrives and returns True when it dealt with it (it is then not queued): for what must
+        take effect on arrival even while the engine computes, such as lease renewals."""
         self.name = name
         self._handle = handle
         self._tick = tick
+        self._on_receive = on_receive
         self._events: queue.Queue[Event] = queue.Queue()
         self._stop = threading.Event()
         self._readers: list[threading.Thread] = []
@@ -224,7 +230,8 @@ class Engine:
                 except KvxferError as exc:
                     self.post("lost", conn, str(exc))
                     return
-                self.post("message", conn, msg)
+                if self._on_receive is None or not self._on_receive(conn, msg):
+                    self.post("message", conn, msg)
 
         t = threading.Thread(target=run, name=f"kvxfer-reader-{self.name}-{conn.peer.name}", daemon=True)
         self._readers.append(t)
@@ -267,6 +274,61 @@ class Engine:
 def now() -> float:
     """Monotonic seconds."""
     return time.monotonic()
+
+
+class StallWatch:
+    """Notices when this whole process stopped running (SIGSTOP, a VM pause, swap storms) for longer
+    than ``threshold`` seconds: a thread ticks every ``period`` s, and a gap between ticks is a stall.
+
+    A peer that heard nothing from us for that long may have declared us lost and reused memory we were
+    about to write into, so a worker asks ``stalled_since(t)`` before each write of work begun at ``t``.
+    A stall still in progress (the ticker has not run for ``threshold`` s) counts too, so the answer
+    is right even when the asking thread resumes before the ticker does.
+    """
+
+    def __init__(self, threshold: float, period: float = 0.05, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < period < threshold:
+            raise ConfigError(f"StallWatch: need 0 < period < threshold, got period={period!r}, "
+                              f"threshold={threshold!r}")
+        self.threshold = threshold
+        self.period = period
+        self._clock = clock
+        self._last = clock()
+        self._stalls: deque[tuple[float, float]] = deque(maxlen=64)   # (ended at, length)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> StallWatch:
+        """Start the ticker thread (daemon); returns self."""
+        self._last = self._clock()
+        self._thread = threading.Thread(target=self._run, name="kvxfer-stall-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the ticker thread."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+
+    def tick(self) -> None:
+        """Record that the process ran now (the ticker calls this every ``period`` s)."""
+        t = self._clock()
+        gap = t - self._last
+        if gap > self.threshold:
+            self._stalls.append((t, gap))
+            log.warning("process stalled for %.2f s (threshold %.2f s)", gap, self.threshold)
+        self._last = t
+
+    def stalled_since(self, start: float) -> float:
+        """The longest stall over ``threshold`` that ended after ``start``, or is still going; 0.0 if none."""
+        ongoing = self._clock() - self._last
+        worst = ongoing if ongoing > self.threshold else 0.0
+        return max([worst] + [gap for ended, gap in list(self._stalls) if ended > start])
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.tick()
 
 
 def accept_loop(engine: Engine, server: ControlServer) -> None:

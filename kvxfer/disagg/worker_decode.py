@@ -456,8 +456,8 @@ class DecodeWorker(WorkerCounts):
             if zombie.read is not None and zombie.read.done():
                 self._bury(zombie)
             elif t >= zombie.zombie_until:
-                log.warning("%s: freeing blocks of %s without prefill's confirmation", self.config.name,
-                            zombie.request_id)
+                log.info("%s: freeing blocks of %s without prefill's confirmation (its lease has run out)",
+                         self.config.name, zombie.request_id)
                 self._bury(zombie)
         return 0.001 if busy else 0.02
 
@@ -469,6 +469,9 @@ class DecodeWorker(WorkerCounts):
                     f"transfer notifications arrived")
         if job.read is not None:
             return f"{what}: decode's read from prefill did not complete"
+        if job.parts:
+            return (f"{what}: {len(job.parts)} layer group(s) arrived but prefill never reported kv_pushed "
+                    f"(stalled or lost mid-push)")
         return f"{what}: no answer from prefill"
 
     def _verify(self, job: _Job) -> None:
@@ -537,8 +540,9 @@ class DecodeWorker(WorkerCounts):
                                stats=encode_stats(result.stats()))
 
     # --- failure ----------------------------------------------------------------------------------
-    def _fail(self, job: _Job, error: KvxferError, *, remote_done: bool = False) -> None:
-        """Fail one request now; its blocks are freed once nothing can still write into them."""
+    def _fail(self, job: _Job, error: KvxferError, *, remote_done: bool = False, quarantine_until: float = 0.0) -> None:
+        """Fail one request now; its blocks are freed once nothing can still write into them (not before
+        ``quarantine_until`` either: a lost prefill may still be writing)."""
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
         self.counts["failed"] += 1
@@ -554,6 +558,9 @@ class DecodeWorker(WorkerCounts):
             remote_may_write = True   # our own read could not be stopped: wait for it to end
         if remote_may_write:
             job.zombie_until = now() + self.config.lease_s + self.config.deadline_s
+            self._zombies[job.request_id] = job
+        elif quarantine_until > now():
+            job.zombie_until = quarantine_until
             self._zombies[job.request_id] = job
         else:
             self._close_caches(job)
@@ -579,17 +586,26 @@ class DecodeWorker(WorkerCounts):
         job.caches = []
 
     def _on_prefill_lost(self, conn: PeerConnection, reason: str) -> None:
+        """Fail the lost prefill's requests. Pushed-to blocks are quarantined, not freed: a prefill that is
+        only frozen or cut off may still write until its lease runs out (it checks before each write, but a
+        write posted just before the loss can land later), so they stay held until the lease plus one more
+        lease period (for writes already posted) has passed. Pull destinations are ours to free once our
+        read is stopped."""
         if conn is not self._prefill:
             return
         self._prefill = None
         conn.close(f"prefill lost: {reason}"[:1000])   # ends the client endpoint and its I/O thread
         peer = conn.peer.name
+        what = reason if reason.startswith(f"prefill {peer!r}") else f"prefill {peer!r} lost: {reason}"
         for job in [j for j in self._jobs.values() if j.peer == peer]:
             if job.read is not None and not job.read.done():
                 job.read.cancel()
-            self._fail(job, PeerUnreachable(f"prefill {peer!r} lost: {reason}"), remote_done=True)
+            pushing = job.mode == "push" and job.session.state is SessionState.TRANSFERRING and job.lease_until > 0
+            self._fail(job, PeerUnreachable(what), remote_done=True,
+                       quarantine_until=job.lease_until + self.config.lease_s if pushing else 0.0)
         for zombie in [z for z in self._zombies.values() if z.peer == peer and z.read is None]:
-            self._bury(zombie)
+            # No kv_failed will confirm these any more: hold them as long as the prefill's lease could last.
+            zombie.zombie_until = min(zombie.zombie_until, zombie.lease_until + self.config.lease_s)
         self.transport.disconnect(peer)
 
     def _fail_all(self, error: KvxferError) -> None:

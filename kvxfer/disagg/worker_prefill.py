@@ -32,6 +32,7 @@ from kvxfer.disagg.worker import (
     Engine,
     Event,
     LayerwiseKV,
+    StallWatch,
     WorkerConfig,
     WorkerCounts,
     accept_loop,
@@ -85,6 +86,8 @@ class _Job:
     prefill_s: float = 0.0
     posted_at: float = 0.0
     freed: bool = False
+    started: float = field(default_factory=now)
+    """When the request arrived: a process stall after this may have made decode give its blocks away."""
 
 
 @dataclass
@@ -104,7 +107,9 @@ class PrefillWorker(WorkerCounts):
     """Serves decode peers on ``address``; see the module docstring."""
 
     def __init__(self, config: WorkerConfig, secret: Secret = None, *, bind: str = "tcp://127.0.0.1:0",
-                 transport_options: dict[str, Any] | None = None, versions: tuple[int, int] | None = None) -> None:
+                 transport_options: dict[str, Any] | None = None, versions: tuple[int, int] | None = None,
+                 handshake_timeout: float = 5.0) -> None:
+        """``handshake_timeout``: how long a connecting peer may take to authenticate before it is dropped."""
         self.config = config
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
@@ -119,8 +124,12 @@ class PrefillWorker(WorkerCounts):
         identity = LocalIdentity("prefill", config.name, self.layouts[0], config.backend, self.transport.metadata(),
                                  config.heartbeat_interval)
         kw: dict[str, Any] = {} if versions is None else {"versions": versions}
-        self.engine = Engine(config.name, self._on_event, self._tick)
-        self.server = ControlServer(identity, secret, bind=bind, accept_roles=("decode", "client"), **kw)
+        self.engine = Engine(config.name, self._on_event, self._tick, on_receive=self._on_receive)
+        self.server = ControlServer(identity, secret, bind=bind, accept_roles=("decode", "client"),
+                                    handshake_timeout=handshake_timeout, **kw)
+        # Decode declares us lost after heartbeat_misses silent intervals; silence runs up to one interval
+        # longer than a stall, so a stall of (misses - 1) intervals may already have cost us the peer.
+        self.stall_watch = StallWatch(max(0.2, (self.server.heartbeat_misses - 1) * config.heartbeat_interval)).start()
         self.address = self.server.address
         self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}", daemon=True)
         self.engine.start()
@@ -151,6 +160,7 @@ class PrefillWorker(WorkerCounts):
             self.engine.call(lambda: self._fail_all("prefill worker shutting down"), 10.0)
         self.server.close("prefill worker shutting down")
         self.engine.stop()
+        self.stall_watch.stop()
         self._accepting.join(5.0)
         self.transport.close()
         for m in self.managers:
@@ -178,6 +188,15 @@ class PrefillWorker(WorkerCounts):
                 conn.close(f"protocol error: {exc}")
                 self._on_lost(conn, f"protocol error: {exc}")
 
+    def _on_receive(self, conn: PeerConnection, msg: Message) -> bool:
+        """Reader thread: a decode peer's lease renewal takes effect on arrival, even while the engine
+        computes a long prompt (queued, it would let the lease run out before the write is posted)."""
+        if msg.type != "lease_renew" or conn.peer.role != "decode":
+            return False
+        with contextlib.suppress(SessionError):   # unknown, released or expired: nothing to extend
+            self.leases.renew((conn.peer.name, msg["request_id"]))
+        return True
+
     def _on_message(self, conn: PeerConnection, msg: Message) -> None:
         peer = conn.peer.name
         if msg.type == "worker_status":
@@ -194,10 +213,6 @@ class PrefillWorker(WorkerCounts):
         job = self._jobs.get((peer, rid))
         if msg.type == "kv_request":
             self._on_request(conn, msg)
-        elif msg.type == "lease_renew":
-            if job is not None:
-                with contextlib.suppress(SessionError):
-                    self.leases.renew((peer, rid))
         elif msg.type == "kv_release":
             if job is not None:
                 self._finish(job, None)
@@ -306,14 +321,20 @@ class PrefillWorker(WorkerCounts):
             job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, 1)))
 
     def _check_may_write(self, job: _Job) -> None:
-        """Refuse to write into decode's blocks once decode may have given them away: it frees the push
-        destinations of a prefill it lost, and stops renewing the lease (e.g. while this process was frozen)."""
+        """Refuse to write into decode's blocks once decode may have given them away: after the connection
+        ended, after the lease ran out, or after this process stalled long enough for decode to declare it
+        lost (decode keeps a lost prefill's push destinations only until the lease could have run out)."""
         if not job.conn.alive:
             raise TransferFailed(f"request {job.request_id}: not writing into the blocks of decode {job.peer!r}, "
                                  f"its connection ended: {job.conn.lost_reason}")
         if job.session.lease is not None and job.session.lease.expired:
             raise TransferFailed(f"request {job.request_id}: not writing into the blocks of decode {job.peer!r}, "
                                  f"its lease expired")
+        stalled = self.stall_watch.stalled_since(job.started)
+        if stalled:
+            raise TransferFailed(f"request {job.request_id}: not writing into the blocks of decode {job.peer!r}: "
+                                 f"this process stalled {stalled:.1f} s (over {self.stall_watch.threshold:.1f} s) "
+                                 f"while serving it, so decode may have declared it lost and reused them")
 
     # --- completion and failure -------------------------------------------------------------------
     def _tick(self) -> float:

@@ -79,9 +79,13 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 
 # --- (a) a client that says hello and goes away ----------------------------------------------------
-def test_half_open_handshake_is_dropped_at_the_timeout(prefill: PrefillWorker,
-                                                       ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    prefill.server.handshake_timeout = 1.0     # read when a hello opens a handshake
+def test_half_open_handshake_is_dropped_at_the_timeout(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with PrefillWorker(WorkerConfig(name("prefill"), num_blocks=64), SECRET, handshake_timeout=1.0) as prefill:
+        _half_open_handshake_is_dropped(prefill, ctx)
+
+
+def _half_open_handshake_is_dropped(prefill: PrefillWorker, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    assert prefill.server.handshake_timeout == 1.0
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(prefill.address)

@@ -40,6 +40,9 @@ HEARTBEAT_LIMIT = 3 * WorkerConfig("defaults").heartbeat_interval
 MARGIN = 6.0
 """Slack for a loaded 2-core machine on every "within the limit" check."""
 RECONNECT_S = 1.0
+LEASE_S = 1.0
+"""Decode's lease in the cases that lose a prefill: decode quarantines a lost prefill's push destinations
+until the lease could have run out (about two leases), so a short one keeps the cases short."""
 """Decode's connect timeout: how long its automatic reconnect to a dead prefill address may try."""
 _names = itertools.count()
 _started: list[WorkerProcess] = []
@@ -118,7 +121,10 @@ def wait_until(cond: Callable[[], bool], limit: float, what: str) -> float:
 
 def assert_holds_nothing(worker: PrefillWorker | DecodeWorker) -> None:
     """No request holds a slot or an open cache, and every manager's accounting balances: each slot is
-    free or kept by the prefix tree alone (``slot_accounting`` raises when the counts contradict)."""
+    free or kept by the prefix tree alone (``slot_accounting`` raises when the counts contradict). A decode
+    first gets the time its quarantine of a lost prefill's push destinations may take."""
+    if isinstance(worker, DecodeWorker):
+        wait_until(lambda: worker.status()["zombies"] == 0, 2 * LEASE_S + MARGIN, "decode ends its quarantine")
     accounts = worker.engine.call(lambda: [m.slot_accounting(pg) for m in worker.managers
                                            for pg in range(len(m.layout.pool_groups))], 10.0)
     for acc in accounts:
@@ -148,7 +154,8 @@ def test_prefill_killed_while_idle_fails_the_next_submit_fast(backend: str) -> N
     first = spawn("prefill", backend)
     second: WorkerProcess | None = None
     try:
-        with DecodeWorker(WorkerConfig(name("decode"), backend=backend), SECRET, connect_timeout=RECONNECT_S) as decode:
+        cfg = WorkerConfig(name("decode"), backend=backend, lease_s=LEASE_S)
+        with DecodeWorker(cfg, SECRET, connect_timeout=RECONNECT_S) as decode:
             decode.connect(first.address, timeout=30.0)
             tokens = prompts(11)[0]
             assert decode.generate(tokens, 4, timeout=60).tokens == reference(tokens, 4)
@@ -186,7 +193,7 @@ def test_prefill_killed_during_transfers_fails_only_requests_in_flight(backend: 
     second: WorkerProcess | None = None
     killed_at: list[float] = []
     try:
-        cfg = WorkerConfig(name("decode"), backend=backend, num_blocks=512, deadline_s=60.0)
+        cfg = WorkerConfig(name("decode"), backend=backend, num_blocks=512, deadline_s=60.0, lease_s=LEASE_S)
         with DecodeWorker(cfg, SECRET, prefill=first.address, mode="pull" if pull else "push",
                           layerwise=not pull, connect_timeout=30.0) as decode:
             def kill_first() -> None:
@@ -231,7 +238,7 @@ def test_prefill_killed_during_transfers_fails_only_requests_in_flight(backend: 
             took = time.monotonic() - killed_at[0]
             assert took < HEARTBEAT_LIMIT + MARGIN, f"in-flight requests failed {took:.1f} s after the kill"
             # Every block is freed once nothing can write into it (a pending read must end first).
-            wait_until(lambda: decode.held_slots() == 0, HEARTBEAT_LIMIT + MARGIN, "decode frees every block")
+            wait_until(lambda: decode.held_slots() == 0, HEARTBEAT_LIMIT + 2 * LEASE_S + MARGIN, "decode frees every block")
             assert_holds_nothing(decode)
             second = spawn("prefill", backend)
             decode.connect(second.address, timeout=30.0)
@@ -250,7 +257,7 @@ def test_prefill_killed_after_the_transfer_the_request_still_completes(backend: 
     generating = threading.Event()
     resume = threading.Event()
     try:
-        cfg = WorkerConfig(name("decode"), backend=backend, deadline_s=60.0)
+        cfg = WorkerConfig(name("decode"), backend=backend, deadline_s=60.0, lease_s=LEASE_S)
         with DecodeWorker(cfg, SECRET, prefill=first.address, mode="pull", connect_timeout=RECONNECT_S) as decode:
             greedy = decode.model.continue_greedy
 
@@ -275,7 +282,18 @@ def test_prefill_killed_after_the_transfer_the_request_still_completes(backend: 
                 decode.generate(short, 4, timeout=60)
             assert_holds_nothing(decode)
             second = spawn("prefill", backend, "--listen", first.address)
-            assert decode.generate(long, 4, timeout=60).tokens == reference(long, 4)   # reconnected by itself
+            # Decode reconnects by itself on a submit, once its back-off after the failed attempt
+            # (2 x connect timeout) has passed: until then a submit fails fast.
+            t0 = time.monotonic()
+            while True:
+                try:
+                    res = decode.generate(long, 4, timeout=60)
+                    break
+                except PeerUnreachable as exc:
+                    assert "no prefill worker connected" in str(exc), exc
+                    assert time.monotonic() - t0 < 2 * RECONNECT_S + MARGIN, "decode never reconnected"
+                    time.sleep(0.2)
+            assert res.tokens == reference(long, 4)
             assert decode.connected
             assert_holds_nothing(decode)
     finally:
@@ -359,7 +377,7 @@ def test_prefill_frozen_past_the_deadline_then_resumed(backend: str) -> None:
     deadline_s = 2.0
     proc = spawn("prefill", backend)
     try:
-        cfg = WorkerConfig(name("decode"), backend=backend, deadline_s=deadline_s)
+        cfg = WorkerConfig(name("decode"), backend=backend, deadline_s=deadline_s, lease_s=LEASE_S)
         with DecodeWorker(cfg, SECRET, prefill=proc.address, connect_timeout=30.0) as decode:
             first, second = long_prompts(51, 2, 300)
             assert decode.generate(first, 4, timeout=60).tokens == reference(first, 4)
@@ -454,7 +472,7 @@ def test_resumed_prefill_cannot_write_into_blocks_decode_gave_away(backend: str)
     frozen = spawn("prefill", backend)
     other: WorkerProcess | None = None
     try:
-        cfg = WorkerConfig(name("decode"), backend=backend, num_blocks=70, deadline_s=30.0)
+        cfg = WorkerConfig(name("decode"), backend=backend, num_blocks=70, deadline_s=30.0, lease_s=LEASE_S)
         with DecodeWorker(cfg, SECRET, prefill=frozen.address, layerwise=True, connect_timeout=30.0) as decode:
             stale, kept = long_prompts(71, 2, 1000)      # 63 of the 70 blocks each: the second reuses the first's
             poll_notes = decode.transport.notifications
