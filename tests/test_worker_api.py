@@ -48,6 +48,7 @@ def test_checksummed_requests_match_and_a_corrupted_one_is_not_committed(mode: s
         wait_idle(prefill, decode)
         again = decode.generate(bad, 6, timeout=60)    # nothing of the corrupted request was kept
         assert again.reused_tokens_decode == 0 and again.tokens == reference(bad, 6)
+        assert again.verify_s > 0.0    # the check ran (and is reported)
         status = decode.status()
         assert status["integrity_failures"] == 1 and status["completed"] == 2 and status["failed"] == 1
 
@@ -58,7 +59,8 @@ def test_without_checksum_the_same_corruption_goes_unnoticed() -> None:
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET, transport_options={"faults": faults}) as prefill, \
             DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address) as decode:
         tokens = prompts(21, prefix=0, count=2)[1]
-        assert len(decode.generate(tokens, 6, timeout=60).tokens) == 6
+        res = decode.generate(tokens, 6, timeout=60)
+        assert len(res.tokens) == 6 and res.verify_s == 0.0
         assert decode.status()["integrity_failures"] == 0
 
 

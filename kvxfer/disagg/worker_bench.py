@@ -4,6 +4,8 @@ started with ``kvxfer serve prefill``, a decode worker in this process, over a U
 
 Every request uses a fresh random prompt (no prefix hit anywhere) and one output token, so TTFT is
 prompt -> KV computed -> KV moved -> first token on decode. Figures are medians over ``--iters``.
+"after prefill" is arrival minus prefill's compute: control messages, the transfer, and with
+``--checksum`` prefill's digest and decode's check ("verify", measured on decode).
 """
 
 from __future__ import annotations
@@ -75,13 +77,15 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
             decode.generate(rng.integers(0, cfg.vocab_size, min(lengths)), 1)           # warm-up (connections)
             single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, min(lengths)), chunk)
             for n in lengths:
-                d_ttft, d_arrival, d_xfer, d_prefill, s_ttft, nbytes = [], [], [], [], [], 0
+                d_ttft, d_arrival, d_xfer, d_prefill, d_tail, d_verify, s_ttft, nbytes = [], [], [], [], [], [], [], 0
                 for _ in range(iters):
                     res = decode.generate(rng.integers(0, cfg.vocab_size, n), 1)
                     d_ttft.append(res.ttft_s)
                     d_arrival.append(res.arrival_s)
                     d_xfer.append(res.transfer_s)
                     d_prefill.append(res.prefill_s)
+                    d_tail.append(res.arrival_s - res.prefill_s)
+                    d_verify.append(res.verify_s)
                     nbytes = res.bytes_moved
                     s_ttft.append(single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, n),
                                                       chunk))
@@ -90,7 +94,9 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                              "disagg_ttft_ms": statistics.median(d_ttft) * 1e3,
                              "prefill_compute_ms": statistics.median(d_prefill) * 1e3,
                              "arrival_ms": statistics.median(d_arrival) * 1e3, "transfer_ms": xfer * 1e3,
-                             "transfer_gbps": nbytes / xfer / 1e9 if xfer > 0 else 0.0})
+                             "transfer_gbps": nbytes / xfer / 1e9 if xfer > 0 else 0.0,
+                             "after_prefill_ms": statistics.median(d_tail) * 1e3,
+                             "verify_ms": statistics.median(d_verify) * 1e3})
                 if on_row is not None:
                     on_row(rows[-1])
     finally:
@@ -102,14 +108,15 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
 
 
 HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'prefill ms':>11} "
-          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>6}")
+          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>6} {'after prefill ms':>17} {'verify ms':>10}")
 
 
 def format_row(r: dict[str, Any]) -> str:
     """One table line."""
     return (f"{r['prompt_tokens']:>7} {r['kv_bytes'] / 2**20:>7.2f} {r['single_ttft_ms']:>15.1f} "
             f"{r['disagg_ttft_ms']:>15.1f} {r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
-            f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>6.2f}")
+            f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>6.2f} {r.get('after_prefill_ms', 0.0):>17.2f} "
+            f"{r.get('verify_ms', 0.0):>10.2f}")
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -96,6 +96,8 @@ class GenerationResult:
     """Submit -> the KV is in decode's pages."""
     ttft_s: float
     """Submit -> the first generated token is known with its KV in place on decode."""
+    verify_s: float = 0.0
+    """Checking the destination pages against prefill's digest (0 without a checksum policy)."""
 
     def stats(self) -> dict[str, int | float | str]:
         """The figures of this result without the tokens (what ``generated.stats`` carries)."""
@@ -499,9 +501,12 @@ class DecodeWorker(WorkerCounts):
     def _arrived(self, job: _Job, transfer_s: float) -> None:
         """The KV is in place: verify it (when asked), commit the prompt, generate, answer, free."""
         assert job.pushed is not None
+        verify_s = 0.0
         if self.config.checksum is not None:
+            started = now()
             try:
                 self._verify(job)
+                verify_s = now() - started
             except KvxferError as exc:
                 self.counts["integrity_failures"] += 1
                 error = exc if isinstance(exc, IntegrityError) else IntegrityError(f"request {job.request_id}: {exc}")
@@ -532,7 +537,7 @@ class DecodeWorker(WorkerCounts):
         self.counts["completed"] += 1
         result = GenerationResult(job.request_id, tokens, int(job.tokens.size), job.skip,
                                   int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
-                                  float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft)
+                                  float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft, verify_s)
         job.future.set_result(result)
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
