@@ -101,7 +101,8 @@ def test_killed_prefill_fails_in_flight_requests_and_decode_serves_on(backend: s
 def test_demo_json_runs_two_processes_and_matches(backend: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--json", "--families", "2", "--per-family",
-                           "2", "--max-new-tokens", "6", "--mode", "pull"], capture_output=True, text=True, env=env,
+                           "2", "--max-new-tokens", "6", "--mode", "pull", "--checksum", "full"], capture_output=True,
+                          text=True, env=env,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -109,3 +110,4 @@ def test_demo_json_runs_two_processes_and_matches(backend: str) -> None:
             "transfer_gbps"} <= set(out)
     assert out["requests"] == 4 and out["mismatches"] == 0 and out["transport"] == backend and out["mode"] == "pull"
     assert out["bytes_moved"] > 0 and out["reused_blocks_decode"] > 0
+    assert out["checksum"] == "full" and all(row["verify_ms"] > 0 for row in out["rows"])   # every request checked

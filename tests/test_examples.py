@@ -58,13 +58,17 @@ def test_two_gpu_pair(backend: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda_ipc", "nixl"])
-def test_demo_on_one_gpu(backend: str) -> None:
-    """`kvxfer demo` with both worker processes on cuda:0, checked against one process on cuda:0."""
+@pytest.mark.parametrize(("backend", "checksum"), [("cuda_ipc", "off"), ("nixl", "off"), ("nixl", "full"),
+                                                   ("cuda_ipc", "every:4")])
+def test_demo_on_one_gpu(backend: str, checksum: str) -> None:
+    """`kvxfer demo` with both worker processes on cuda:0, checked against one process on cuda:0; with a
+    checksum, prefill digests and decode verifies the pages in GPU memory (the CUDA path of the digest)."""
     done = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--device", "cuda:0", "--backend", backend,
-                           "--families", "2", "--per-family", "2", "--json"],
+                           "--families", "2", "--per-family", "2", "--checksum", checksum, "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["mismatches"] == 0 and summary["failed"] == 0 and summary["requests"] == 4
     assert summary["device"] == "cuda:0" and summary["transport"] == backend
+    assert summary["checksum"] == checksum
+    assert all((row["verify_ms"] > 0) == (checksum != "off") for row in summary["rows"])

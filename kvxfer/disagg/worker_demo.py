@@ -28,7 +28,7 @@ from rich.table import Table
 
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.auth import SECRET_ENV, AuthKey
-from kvxfer.disagg.worker_cli import best_backend
+from kvxfer.disagg.worker_cli import best_backend, parse_checksum
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient
 from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
 from kvxfer.model import ReferenceModel, preset
@@ -44,6 +44,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="transport between the two processes (auto: nixl, else ucx)")
     p.add_argument("--mode", choices=("push", "pull"), default="push")
     p.add_argument("--layerwise", action="store_true", help="send each layer as soon as it is computed")
+    p.add_argument("--checksum", default="off", type=_checked_policy_text, metavar="off|full|every:K|sample:F",
+                   help="decode verifies every request's pages against prefill's blake3 digest before commit")
     p.add_argument("--families", type=int, default=3, help="prompt families sharing a prefix")
     p.add_argument("--per-family", type=int, default=4, help="requests per family")
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -58,6 +60,12 @@ class DemoRequest:
 
     family: int
     tokens: list[int]
+
+
+def _checked_policy_text(text: str) -> str:
+    """``--checksum`` as given, once it parses (the decode process gets the same text)."""
+    parse_checksum(text)
+    return text
 
 
 def demo_prompts(families: int, per_family: int, seed: int, vocab: int) -> list[DemoRequest]:
@@ -122,7 +130,8 @@ class WorkerProcess:
 
 
 def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family: int, max_new_tokens: int,
-             seed: int, timeout: float, progress: Progress | None = None, device: str = "cpu") -> dict[str, Any]:
+             seed: int, timeout: float, progress: Progress | None = None, device: str = "cpu",
+             checksum: str = "off") -> dict[str, Any]:
     """Run the demo and return its figures (``rows`` holds one dict per request)."""
     torch.set_num_threads(1)
     if backend == "loopback":
@@ -140,7 +149,7 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     decode: WorkerProcess | None = None
     try:
         decode = WorkerProcess(["decode", "--name", "demo-decode", "--prefill", prefill.address, "--mode", mode,
-                         *(["--layerwise"] if layerwise else []), *common], env, timeout)
+                         *(["--layerwise"] if layerwise else []), "--checksum", checksum, *common], env, timeout)
         client = GenerateClient(decode.address, AuthKey.load(secret), name="demo-client")
         task = progress.add_task("requests", total=len(requests)) if progress is not None else None
         results: dict[int, ClientResult] = {}
@@ -176,7 +185,7 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
                      "reused_blocks_decode": int(s.get("reused_tokens_decode", 0)) // TOKENS_PER_BLOCK,
                      "reused_blocks_prefill": int(s.get("reused_tokens_prefill", 0)) // TOKENS_PER_BLOCK,
                      "bytes_moved": int(s.get("bytes_moved", 0)), "transfer_s": float(s.get("transfer_s", 0.0)),
-                     "ttft_ms": float(s.get("ttft_s", 0.0)) * 1e3})
+                     "ttft_ms": float(s.get("ttft_s", 0.0)) * 1e3, "verify_ms": float(s.get("verify_s", 0.0)) * 1e3})
     ok = [row for row in rows if row["ok"]]
     moved = sum(row["bytes_moved"] for row in ok)
     xfer_s = sum(row["transfer_s"] for row in ok)
@@ -184,7 +193,7 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     return {
         "requests": len(rows), "device": device, "mismatches": sum(1 for row in rows if not row["match"]),
         "failed": sum(1 for row in rows if not row["ok"]), "transport": backend, "mode": mode,
-        "layerwise": layerwise, "bytes_moved": moved,
+        "layerwise": layerwise, "checksum": checksum, "bytes_moved": moved,
         "reused_blocks_decode": sum(row["reused_blocks_decode"] for row in ok),
         "reused_blocks_prefill": sum(row["reused_blocks_prefill"] for row in ok),
         "transfer_gbps": moved / xfer_s / 1e9 if xfer_s > 0 else 0.0,
@@ -198,7 +207,8 @@ def print_table(summary: dict[str, Any], console: Console) -> None:
     t = Table(caption="reused D/P: prompt blocks reused from the decode/prefill prefix tree; tokens: "
                       "checked against single-process generation",
               title=f"kvxfer demo: prefill -> decode over {summary['transport']} ({summary['mode']}"
-                    f"{', layer-wise' if summary['layerwise'] else ''}) on 127.0.0.1")
+                    f"{', layer-wise' if summary['layerwise'] else ''}"
+                    f"{', checksum ' + summary['checksum'] if summary['checksum'] != 'off' else ''}) on 127.0.0.1")
     for col in ("req", "fam", "prompt", "new", "reused D", "reused P", "bytes", "GB/s", "TTFT ms", "check"):
         t.add_column(col, justify="right")
     for row in summary["rows"]:
@@ -224,7 +234,7 @@ def demo(a: argparse.Namespace) -> int:
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         summary = run_demo(a.backend, a.mode, a.layerwise, a.families, a.per_family, a.max_new_tokens, a.seed,
-                           a.timeout, progress, a.device)
+                           a.timeout, progress, a.device, a.checksum)
     if a.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "rows"} | {"rows": summary["rows"]}))
     else:
