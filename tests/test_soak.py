@@ -34,6 +34,8 @@ EXPECTED_REASONS = {
     "TransferTimeout: KV did not arrive within the deadline (no answer)",
     "TransferTimeout: KV did not arrive within the deadline (notifications missing)",
     "TransferTimeout: KV did not arrive within the deadline (read did not complete)",
+    "TransferTimeout: KV did not arrive within the deadline (layer groups arrived, no kv_pushed)",
+    "TransferTimeout: deadline passed in decode's queue (not sent)",
     "TransferFailed: peer disconnected during the transfer",
 }
 """Failures a prefill kill or freeze may cause; anything else is a finding."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -16,7 +17,14 @@ from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.disagg.worker_protocol import decode_checksum_policy, encode_checksum_policy
-from kvxfer.errors import IntegrityError, PeerUnreachable, ProtocolError, RequestCancelled, TransferFailed
+from kvxfer.errors import (
+    IntegrityError,
+    PeerUnreachable,
+    ProtocolError,
+    RequestCancelled,
+    TransferFailed,
+    TransferTimeout,
+)
 from kvxfer.transport import LoopbackFaults
 from kvxfer.transport.integrity import ChecksumPolicy
 from tests.test_e2e import SECRET, _one_thread, assert_idle, name, prompts, reference  # noqa: F401
@@ -168,3 +176,32 @@ def test_pulled_data_is_refused_when_decode_stalled_past_the_lease(monkeypatch: 
         wait_idle(prefill, decode)
         assert any("lease expired" in r for r in prefill.stats.reasons)
         assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+
+
+def test_a_request_whose_deadline_passed_in_decode_queue_is_not_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's engine is busy generating for longer than the deadline; the request queued behind it
+    fails with TransferTimeout naming the queue, and prefill never computes it."""
+    deadline = 0.5
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), deadline_s=deadline), SECRET, prefill=prefill.address) as decode:
+        real = decode.model.continue_greedy
+        slow = [1]
+        generating = threading.Event()
+
+        def continue_greedy(*args: object, **kw: object) -> list[int]:
+            if slow:
+                slow.pop()
+                generating.set()
+                time.sleep(3 * deadline)      # on decode's engine thread: the queue waits
+            return real(*args, **kw)  # type: ignore[arg-type]
+        monkeypatch.setattr(decode.model, "continue_greedy", continue_greedy)
+        first, second = prompts(25, count=2)
+        busy = decode.submit(first, 4)
+        assert generating.wait(30)
+        queued = decode.submit(second, 4)
+        assert busy.result(30).tokens == reference(first, 4)
+        with pytest.raises(TransferTimeout, match=r"deadline passed while it waited \d+\.\d s in decode's queue"):
+            queued.result(30)
+        assert prefill.status()["requests"] == 1
+        assert decode.generate(second, 4, timeout=30).tokens == reference(second, 4)
+        wait_idle(prefill, decode)

@@ -339,6 +339,11 @@ class DecodeWorker(WorkerCounts):
         if job.request_id in self._jobs or job.request_id in self._zombies:
             self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
             return
+        waited = now() - job.submitted
+        if waited >= self.config.deadline_s:   # asking prefill now would only waste its compute
+            self._fail(job, TransferTimeout(f"request {job.request_id}: its {self.config.deadline_s} s deadline "
+                                            f"passed while it waited {waited:.1f} s in decode's queue; not sent"))
+            return
         if not self.connected and self.prefill_address is not None and now() >= self._reconnect_after:
             try:
                 self.connect(self.prefill_address)   # a restarted prefill at the same address
