@@ -30,7 +30,7 @@ from kvxfer.disagg.worker_demo import WorkerProcess
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed, TransferTimeout
 from kvxfer.pagetable import TransferPlan
-from kvxfer.transport import TransferHandle
+from kvxfer.transport import TransferHandle, available_backends
 from tests.test_e2e import _one_thread, prompts, reference  # noqa: F401 (_one_thread: autouse leak check)
 
 pytestmark = [pytest.mark.faults, pytest.mark.ucx]
@@ -50,6 +50,13 @@ _started: list[WorkerProcess] = []
 
 @pytest.fixture(scope="module")
 def backend() -> str:
+    """The best UCX backend installed, or ``$KVXFER_FAULTS_BACKEND`` (nixl or ucx) to run the cases on another."""
+    wanted = os.environ.get("KVXFER_FAULTS_BACKEND")
+    if wanted:
+        reason = available_backends().get(wanted, f"unknown backend {wanted!r}")
+        if reason is not None:
+            pytest.skip(f"KVXFER_FAULTS_BACKEND={wanted}: {reason}")
+        return wanted
     try:
         return best_backend()
     except BackendUnavailable as exc:
