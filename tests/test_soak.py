@@ -22,7 +22,7 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_cli import best_backend
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
-from kvxfer.errors import BackendUnavailable, PeerUnreachable
+from kvxfer.errors import BackendUnavailable, PeerUnreachable, RequestCancelled
 from tests.test_e2e import _one_thread, reference  # noqa: F401 (_one_thread: autouse leak check)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -174,4 +174,47 @@ def test_submits_while_prefill_is_unresponsive_do_not_stall_decode() -> None:
                     assert time.monotonic() < deadline, "decode never reconnected to the restarted prefill"
                     time.sleep(0.2)
             assert res.tokens == reference(tokens, 3)
+            assert decode.held_slots() == 0 and again.held_slots() == 0
+
+
+def test_reconnect_runs_beside_the_engine_and_waiting_requests_follow_it() -> None:
+    """While decode retries a silent prefill address, its engine still answers ``status`` and ``cancel``
+    at once (the attempt runs on a thread of its own); the requests submitted meanwhile wait for the
+    attempt and fail with its reason. Once a prefill listens there again and the back-off has passed,
+    the next submit waits for the reconnect and is served."""
+    prefill = PrefillWorker(WorkerConfig(f"soak-prefill-{next(_names)}", num_blocks=64), SECRET)
+    address = prefill.address
+    cfg = WorkerConfig(f"soak-decode-{next(_names)}", num_blocks=64)
+    with DecodeWorker(cfg, SECRET, prefill=address, connect_timeout=1.5) as decode:
+        tokens = np.arange(30) % 512
+        assert decode.generate(tokens, 3, timeout=60).tokens == reference(tokens, 3)
+        prefill.close()
+        deadline = time.monotonic() + 10
+        while decode.connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not decode.connected
+        silent = _silent_listener(address)
+        try:
+            t0 = time.monotonic()
+            futures = [decode.submit(tokens, 3, request_id=f"w{i}") for i in range(3)]
+            status = decode.status()
+            assert status["jobs"] == 3 and status["held_slots"] == 0, status
+            assert decode.cancel("w0", "changed my mind")
+            assert time.monotonic() - t0 < 1.0, "status/cancel waited for the reconnect attempt"
+            with pytest.raises(RequestCancelled, match="changed my mind"):
+                futures[0].result(timeout=10)
+            for fut in futures[1:]:
+                with pytest.raises(PeerUnreachable, match="no prefill worker connected; reconnecting failed: "
+                                                          "ControlTimeout"):
+                    fut.result(timeout=30)
+            assert 1.5 <= time.monotonic() - t0 < 1.5 + 3.0
+            failed_at = time.monotonic()
+            assert decode.status()["jobs"] == 0
+        finally:
+            silent.close()
+        with PrefillWorker(WorkerConfig(f"soak-prefill-{next(_names)}", num_blocks=64), SECRET,
+                           bind=address) as again:
+            time.sleep(max(0.0, failed_at + 2 * 1.5 + 0.2 - time.monotonic()))   # past the back-off
+            res = decode.generate(tokens, 3, timeout=60)          # waits for the reconnect it starts
+            assert res.tokens == reference(tokens, 3) and decode.connected
             assert decode.held_slots() == 0 and again.held_slots() == 0

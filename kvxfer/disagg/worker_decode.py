@@ -146,8 +146,10 @@ class DecodeWorker(WorkerCounts):
         self.versions = versions
         self.connect_timeout = connect_timeout
         self.prefill_address = prefill
-        self._reconnect_after = 0.0   # no automatic reconnect before (each try blocks the engine thread)
+        self._reconnect_after = 0.0   # no automatic reconnect before (back-off after a failed one)
         self._reconnect_error = ""
+        self._reconnecting: threading.Thread | None = None   # an automatic reconnect in progress
+        self._waiting: list[_Job] = []   # requests waiting for that reconnect (engine thread only)
         self._secret = secret
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
@@ -244,13 +246,17 @@ class DecodeWorker(WorkerCounts):
 
     def _status(self) -> dict[str, int | float | str]:
         return {"role": "decode", "name": self.config.name, "held_slots": held_slots(self.managers),
-                "open_caches": sum(len(m.open_caches) for m in self.managers), "jobs": len(self._jobs),
+                "open_caches": sum(len(m.open_caches) for m in self.managers),
+                "jobs": len(self._jobs) + len(self._waiting),
                 "zombies": len(self._zombies), "connected": int(self.connected), **self.counts}
 
     def _cancel(self, request_id: str, reason: str) -> bool:
         job = self._jobs.get(request_id)
         if job is None:
-            return False
+            job = next((w for w in self._waiting if w.request_id == request_id), None)
+            if job is None:
+                return False
+            self._waiting.remove(job)
         self.counts["cancelled"] += 1
         self._fail(job, RequestCancelled(f"request {request_id}: {reason}"))
         return True
@@ -261,6 +267,9 @@ class DecodeWorker(WorkerCounts):
             return
         with contextlib.suppress(KvxferError):
             self.engine.call(lambda: self._fail_all(PeerUnreachable("decode worker shutting down")), 10.0)
+        reconnecting = self._reconnecting
+        if reconnecting is not None:   # bounded by connect_timeout; it attaches through the engine
+            reconnecting.join(self.connect_timeout + 15.0)
         if self.server is not None:
             self.server.close("decode worker shutting down")
         if self._prefill is not None:
@@ -301,6 +310,8 @@ class DecodeWorker(WorkerCounts):
         kind, a, b = ev
         if kind == "submit":
             self._start(a)
+        elif kind == "reconnected":
+            self._reconnected(a)
         elif kind == "lost":
             self._on_prefill_lost(a, b)
         elif kind == "message":
@@ -336,20 +347,52 @@ class DecodeWorker(WorkerCounts):
 
     def _start(self, job: _Job) -> None:
         self.counts["requests"] += 1
-        if job.request_id in self._jobs or job.request_id in self._zombies:
+        if job.request_id in self._jobs or job.request_id in self._zombies \
+                or any(w.request_id == job.request_id for w in self._waiting):
             self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
             return
+        if not self.connected and self.prefill_address is not None \
+                and (self._reconnecting is not None or now() >= self._reconnect_after):
+            self._waiting.append(job)   # served (or failed) when the reconnect ends
+            if self._reconnecting is None:
+                self._reconnect_in_background(self.prefill_address)
+            return
+        self._begin(job)
+
+    def _reconnect_in_background(self, address: str) -> None:
+        """Try the known prefill address again (a restarted prefill) on a thread of its own, so the engine
+        keeps serving ``cancel``, ``status`` and other requests; ends with a ``reconnected`` event."""
+        def run() -> None:
+            error: KvxferError | None = None
+            try:
+                self.connect(address)
+            except KvxferError as exc:
+                error = exc
+            except Exception as exc:   # reported to the waiting requests, not lost
+                error = PeerUnreachable(f"{type(exc).__name__}: {exc}")
+            self.engine.post("reconnected", error)
+
+        self._reconnecting = threading.Thread(target=run, name=f"kvxfer-reconnect-{self.config.name}", daemon=True)
+        self._reconnecting.start()
+
+    def _reconnected(self, error: KvxferError | None) -> None:
+        """The automatic reconnect ended: start the requests that waited for it (they fail with the reason
+        when it failed); after a failure, pause automatic reconnects for 2 x connect_timeout."""
+        self._reconnecting = None
+        if error is not None:
+            self._reconnect_after = now() + max(1.0, 2 * self.connect_timeout)
+            self._reconnect_error = f"; reconnecting failed: {type(error).__name__}: {error}"
+        waiting, self._waiting = self._waiting, []
+        for job in waiting:
+            self._begin(job)
+
+    def _begin(self, job: _Job) -> None:
+        """Allocate the request's destination blocks and ask the prefill peer for its KV."""
         waited = now() - job.submitted
         if waited >= self.config.deadline_s:   # asking prefill now would only waste its compute
             self._fail(job, TransferTimeout(f"request {job.request_id}: its {self.config.deadline_s} s deadline "
                                             f"passed while it waited {waited:.1f} s in decode's queue; not sent"))
             return
-        if not self.connected and self.prefill_address is not None and now() >= self._reconnect_after:
-            try:
-                self.connect(self.prefill_address)   # a restarted prefill at the same address
-            except KvxferError as exc:   # pause retries: queued requests must not each block connect_timeout
-                self._reconnect_after = now() + max(1.0, 2 * self.connect_timeout)
-                self._reconnect_error = f"; reconnecting failed: {type(exc).__name__}: {exc}"
         conn = self._prefill
         if conn is None or not conn.alive:
             self._fail(job, PeerUnreachable(f"no prefill worker connected{self._reconnect_error}"))
@@ -619,6 +662,9 @@ class DecodeWorker(WorkerCounts):
         self.transport.disconnect(peer)
 
     def _fail_all(self, error: KvxferError) -> None:
+        waiting, self._waiting = self._waiting, []
+        for job in waiting:
+            self._fail(job, error, remote_done=True)
         for job in list(self._jobs.values()):
             self._fail(job, error, remote_done=True)
         for zombie in list(self._zombies.values()):
