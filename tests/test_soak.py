@@ -4,6 +4,7 @@ stalling on serial reconnect attempts while its prefill does not answer)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -136,21 +137,29 @@ def _silent_listener(address: str) -> socket.socket:
     return sock
 
 
-def test_submits_while_prefill_is_unresponsive_do_not_stall_decode() -> None:
-    """Each request submitted while the prefill peer is lost used to retry the connection on decode's
-    engine thread, one after the other, each blocking ``connect_timeout``: with 8 queued requests the
-    engine (and ``cancel``/``status``) stalled 8 x connect_timeout. Reconnects now pause after a failure."""
+@contextlib.contextmanager
+def decode_that_lost_its_prefill(tokens: np.ndarray, connect_timeout: float) -> Iterator[tuple[DecodeWorker, str]]:
+    """A decode worker that served ``tokens`` through a prefill which then shut down; yields the decode
+    (knowing the prefill's address, now closed) and that address."""
     prefill = PrefillWorker(WorkerConfig(f"soak-prefill-{next(_names)}", num_blocks=64), SECRET)
     address = prefill.address
     cfg = WorkerConfig(f"soak-decode-{next(_names)}", num_blocks=64)
-    with DecodeWorker(cfg, SECRET, prefill=address, connect_timeout=1.0) as decode:
-        tokens = np.arange(40) % 512
+    with DecodeWorker(cfg, SECRET, prefill=address, connect_timeout=connect_timeout) as decode:
         assert decode.generate(tokens, 3, timeout=60).tokens == reference(tokens, 3)
         prefill.close()
         deadline = time.monotonic() + 10
         while decode.connected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not decode.connected
+        yield decode, address
+
+
+def test_submits_while_prefill_is_unresponsive_do_not_stall_decode() -> None:
+    """Each request submitted while the prefill peer is lost used to retry the connection on decode's
+    engine thread, one after the other, each blocking ``connect_timeout``: with 8 queued requests the
+    engine (and ``cancel``/``status``) stalled 8 x connect_timeout. Reconnects now pause after a failure."""
+    tokens = np.arange(40) % 512
+    with decode_that_lost_its_prefill(tokens, connect_timeout=1.0) as (decode, address):
         silent = _silent_listener(address)
         try:
             t0 = time.monotonic()
@@ -182,17 +191,8 @@ def test_reconnect_runs_beside_the_engine_and_waiting_requests_follow_it() -> No
     at once (the attempt runs on a thread of its own); the requests submitted meanwhile wait for the
     attempt and fail with its reason. Once a prefill listens there again and the back-off has passed,
     the next submit waits for the reconnect and is served."""
-    prefill = PrefillWorker(WorkerConfig(f"soak-prefill-{next(_names)}", num_blocks=64), SECRET)
-    address = prefill.address
-    cfg = WorkerConfig(f"soak-decode-{next(_names)}", num_blocks=64)
-    with DecodeWorker(cfg, SECRET, prefill=address, connect_timeout=1.5) as decode:
-        tokens = np.arange(30) % 512
-        assert decode.generate(tokens, 3, timeout=60).tokens == reference(tokens, 3)
-        prefill.close()
-        deadline = time.monotonic() + 10
-        while decode.connected and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not decode.connected
+    tokens = np.arange(30) % 512
+    with decode_that_lost_its_prefill(tokens, connect_timeout=1.5) as (decode, address):
         silent = _silent_listener(address)
         try:
             t0 = time.monotonic()
