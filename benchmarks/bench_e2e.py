@@ -9,7 +9,7 @@ import json
 import pathlib
 import sys
 
-from kvxfer.disagg.worker_bench import print_table, run
+from kvxfer.cli.bench_e2e import print_table, run
 
 
 def main() -> int:

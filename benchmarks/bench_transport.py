@@ -14,8 +14,8 @@ import statistics
 import sys
 from typing import Any
 
+from kvxfer.cli.bench_transport import run_bench
 from kvxfer.transport import available_backends
-from kvxfer.transport.bench import run_bench
 
 CASES = [(1024, 65536, "consecutive"), (4096, 16384, "scattered")]
 

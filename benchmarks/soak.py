@@ -41,12 +41,12 @@ from rich.console import Console
 from rich.table import Table
 
 from kvxfer.cache.manager import KVCacheManager
+from kvxfer.cli.demo import WorkerProcess
+from kvxfer.cli.serve import best_backend
 from kvxfer.disagg.auth import SECRET_ENV
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_cli import best_backend
 from kvxfer.disagg.worker_client import query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
-from kvxfer.disagg.worker_demo import WorkerProcess
 from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError, RequestCancelled
 from kvxfer.model import ReferenceModel, preset
 

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvxfer.cli.demo import WorkerProcess
+from kvxfer.cli.serve import best_backend
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_cli import best_backend
 from kvxfer.disagg.worker_decode import DecodeWorker
-from kvxfer.disagg.worker_demo import WorkerProcess
 from kvxfer.errors import BackendUnavailable, PeerUnreachable
 from tests.test_e2e import _one_thread, prompts, reference  # noqa: F401 (_one_thread: autouse leak check)
 

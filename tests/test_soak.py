@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvxfer.cli.serve import best_backend
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_cli import best_backend
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import BackendUnavailable, PeerUnreachable, RequestCancelled

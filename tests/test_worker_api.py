@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvxfer.cli import main as cli_main
+from kvxfer.cli.serve import parse_checksum
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_cli import parse_checksum
 from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker

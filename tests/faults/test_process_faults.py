@@ -22,11 +22,11 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
+from kvxfer.cli.demo import WorkerProcess
+from kvxfer.cli.serve import best_backend
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_cli import best_backend
 from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
-from kvxfer.disagg.worker_demo import WorkerProcess
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed, TransferTimeout
 from kvxfer.pagetable import TransferPlan

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from kvxfer.cache.manager import KVCacheManager
+from kvxfer.cli.demo import WorkerProcess
+from kvxfer.cli.serve import best_backend, parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_cli import best_backend, parse_checksum
 from kvxfer.disagg.worker_decode import DecodeWorker
-from kvxfer.disagg.worker_demo import WorkerProcess
 from kvxfer.errors import ConfigError
 from kvxfer.model import ReferenceModel, greedy, preset
 from kvxfer.transport.integrity import ChecksumPolicy

@@ -27,8 +27,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvxfer.cache.manager import KVCacheManager
+from kvxfer.cli.serve import best_backend, parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV, AuthKey
-from kvxfer.disagg.worker_cli import best_backend, parse_checksum
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient
 from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
 from kvxfer.model import ReferenceModel, preset

@@ -1,4 +1,7 @@
-"""The `kvxfer` command line: inspect, demo, bench, serve, generate, status."""
+"""The `kvxfer` command line: inspect, demo, bench, serve, generate, status.
+
+The application layer: it sits above `kvxfer.disagg` and nothing in the library imports it.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from kvxfer.errors import KvxferError
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    from kvxfer import inspect_layout
+    from kvxfer.cli import inspect as inspect_layout
 
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -19,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_layout.add_arguments(p_inspect)
     p_inspect.set_defaults(func=inspect_layout.main)
 
-    from kvxfer.disagg import worker_cli, worker_demo
+    from kvxfer.cli import demo as worker_demo
+    from kvxfer.cli import serve as worker_cli
     p_serve = sub.add_parser("serve", help="run a prefill or decode worker until stopped")
     worker_cli.add_serve_arguments(p_serve)
     p_serve.set_defaults(func=worker_cli.serve)
@@ -42,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench(args: argparse.Namespace) -> int:
     """Run ``kvxfer bench transport|e2e`` with the remaining options."""
     if args.which == "transport":
-        from kvxfer.transport.bench import main as bench_transport
+        from kvxfer.cli.bench_transport import main as bench_transport
         return bench_transport(list(args.args))
-    from kvxfer.disagg.worker_bench import main as bench_e2e
+    from kvxfer.cli.bench_e2e import main as bench_e2e
     return bench_e2e(list(args.args))
 
 

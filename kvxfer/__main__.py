@@ -1,0 +1,7 @@
+"""`python -m kvxfer`: the same entry point as the `kvxfer` console script."""
+
+import sys
+
+from kvxfer.cli import main
+
+sys.exit(main())
