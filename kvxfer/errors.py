@@ -53,6 +53,11 @@ class BlockIdError(KVCacheError, IndexError):
     """A block id outside a pool group's slots."""
 
 
+class ReadOnlyPageError(BlockIdError):
+    """A transfer would write a destination page that is read-only (committed, possibly shared with the
+    prefix tree); the message names the block, the slot and the tokens."""
+
+
 class TierError(KVCacheError):
     """A storage tier cannot be used (missing disk path, quota too small, ...)."""
 

@@ -1,256 +1,366 @@
-"""Per-transfer blake3 checksums over the loopback transport and its corruption hook."""
+"""Position-keyed digests: each side hashes its own pages by (layer, role, head, token chunk).
+
+A source request's KV is written logically (PagedKV), moved by a real plan into a destination with
+another layout, and verified there. Every pairing-bug class (block swap, token shift, head ranges
+swapped between TP ranks, a block of another request, a zeroed layer, a stale block) must fail
+verification naming the coordinates; the same content in other layouts must pass.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Sequence
+from typing import Any
 
-import blake3
 import msgpack
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
-from transport_helpers.plans import PAGE, make_buffers, pair, random_pages, regions_of
 
-from kvxfer.cache.memory import MemoryRegion
-from kvxfer.errors import ConfigError, DecodeError, IntegrityError, PageTableError
-from kvxfer.pagetable import PageTable, TransferPlan
-from kvxfer.transport import LoopbackFaults, LoopbackTransport, create
+from kvxfer.cache import CacheConfig, KVCacheManager
+from kvxfer.cache.kv_cache import KVCache
+from kvxfer.disagg.worker import all_regions, plan_between
+from kvxfer.errors import ConfigError, DecodeError, IntegrityError
+from kvxfer.model import PagedKV
+from kvxfer.transport.copy import copy_plan
 from kvxfer.transport.integrity import (
-    MAX_DIGEST_ENTRIES,
+    MAX_DIGEST_CELLS,
     ChecksumPolicy,
-    TransferDigest,
+    KVDigest,
     _splitmix64,
-    digest_source,
-    digest_table,
-    verify_destination,
+    digest_kv,
+    verify_kv,
 )
 
-_names = itertools.count()
+LAYERS, HEADS, DIM = 3, 4, 8
+PROMPT = 70                      # not a multiple of any block size used here
+FULL = ChecksumPolicy()
+_ids = itertools.count()
 
 
-class Pair:
-    """Two loopback transports over seeded host buffers; ``a`` pushes to ``b`` with ``a.faults``."""
+@dataclasses.dataclass
+class Side:
+    """One worker: a manager per tensor-parallel rank and one request's caches on them."""
 
-    def __init__(self, seed: int, corrupt: tuple[int, int] | None = None) -> None:
-        n = next(_names)
-        self.a_bufs = make_buffers([32 * PAGE, 16 * PAGE], seed)
-        self.b_bufs = make_buffers([24 * PAGE, 24 * PAGE], seed + 1)
-        self.a = LoopbackTransport(f"ia{n}", LoopbackFaults(corrupt=corrupt))
-        self.b = create("loopback", f"ib{n}")
-        self.a.register(regions_of(self.a_bufs))
-        self.b.register(regions_of(self.b_bufs))
-        self.a.connect(self.b.name, self.b.metadata())
-        self.b.connect(self.a.name, self.a.metadata())
+    managers: list[KVCacheManager]
+    caches: list[KVCache]
 
-    def plan(self, seed: int, pages: int = 12, page: int = PAGE, coalesced: bool = False) -> TransferPlan:
-        rng = np.random.default_rng(seed)
-        return pair(random_pages(rng, list(self.a.regions), pages, page, coalesced),
-                    random_pages(rng, list(self.b.regions), pages, page, coalesced))
+    @property
+    def layouts(self) -> list[Any]:
+        return [m.layout for m in self.managers]
 
-    def push(self, plan: TransferPlan, policy: ChecksumPolicy, name: str = "req-1") -> TransferDigest:
-        """Digest on a's side, write, and return the digest as the wire carries it."""
-        digest = digest_source(plan, self.a.regions, policy, name)
-        self.a.write(self.b.name, plan).wait(5.0)
-        return TransferDigest.from_bytes(digest.to_bytes())
+    @property
+    def ids(self) -> list[dict[int, npt.NDArray[np.int32]]]:
+        return [c.block_id_map() for c in self.caches]
 
     def close(self) -> None:
-        self.a.close()
-        self.b.close()
+        for c in self.caches:
+            c.close()
+        for m in self.managers:
+            m.shutdown()
+
+    def kv(self) -> PagedKV:
+        return PagedKV(list(zip(self.managers, self.caches, strict=True)), LAYERS, HEADS, DIM)
 
 
-def entry_of(plan: TransferPlan, offset: int) -> int:
-    """The plan entry holding byte ``offset`` of the transfer's byte stream."""
-    return int(np.searchsorted(np.cumsum(plan.dst.nbytes.astype(np.int64)), offset, side="right"))
+def side(tpb: int = 16, tp: int = 1, order: str = "HND", coalesce: bool = True, tokens: int = PROMPT,
+         windows: Sequence[int | None] | None = None) -> Side:
+    """A side holding one fresh request of ``tokens`` tokens (pools filled with noise first)."""
+    managers = [KVCacheManager(CacheConfig.for_model(LAYERS, HEADS, DIM, tpb, "float32", 64, windows=windows,
+                                                     head_order=order, tp_rank=r, tp_size=tp, coalesce=coalesce))
+                for r in range(tp)]
+    caches = []
+    for m in managers:
+        for t in (m.pool_tensor(pg.pool_group_index, p.pool_index) for pg in m.layout.pool_groups for p in pg.pools):
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(next(_ids))))
+        c = m.create_kv_cache(id=f"r{next(_ids)}")
+        c.resume()
+        c.resize(tokens)
+        caches.append(c)
+    return Side(managers, caches)
 
 
-POLICIES = [ChecksumPolicy(), ChecksumPolicy.every(3, seed=1), ChecksumPolicy.sample(0.4, seed=7),
-            ChecksumPolicy(tag_bytes=32)]
+def fill(s: Side, seed: int, tokens: int = PROMPT) -> None:
+    """Random KV for every layer, written by logical position."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = s.kv()
+    for layer in range(LAYERS):
+        k, v = (torch.randn(tokens, HEADS, DIM, generator=gen) for _ in range(2))
+        kv.write(layer, k, v, 0)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=["full", "every3", "random40", "tag32"])
-@pytest.mark.parametrize("coalesced", [False, True])
-def test_intact_transfer_verifies(policy: ChecksumPolicy, coalesced: bool) -> None:
-    p = Pair(seed=1)
+def move(src: Side, dst: Side, token_range: tuple[int, int] = (0, PROMPT), *, src_ids: Any = None,
+         dst_ids: Any = None) -> None:
+    """Copy ``token_range`` from src to dst by a real plan (block ids overridable to inject a pairing bug)."""
+    plan = plan_between(src.layouts, src.ids if src_ids is None else src_ids, dst.layouts,
+                        dst.ids if dst_ids is None else dst_ids, token_range=token_range)
+    copy_plan(plan, all_regions(src.layouts), all_regions(dst.layouts))
+
+
+def check(src: Side, dst: Side, policy: ChecksumPolicy = FULL, token_range: tuple[int, int] = (0, PROMPT),
+          **kw: Any) -> KVDigest:
+    """Digest on src, round-trip the wire form, verify on dst."""
+    digest = KVDigest.from_bytes(digest_kv(src.layouts, src.ids, token_range, policy, "req-1", **kw).to_bytes())
+    verify_kv(dst.layouts, dst.ids, digest, token_range=token_range)
+    return digest
+
+
+@pytest.fixture
+def pair() -> Any:
+    made: list[Side] = []
+
+    def make(src_kw: dict[str, Any] | None = None, dst_kw: dict[str, Any] | None = None) -> tuple[Side, Side]:
+        src, dst = side(**(src_kw or {})), side(**(dst_kw or {}))
+        made.extend((src, dst))
+        fill(src, seed=1)
+        return src, dst
+
+    yield make
+    for s in made:
+        s.close()
+
+
+# --- identical content in other layouts verifies -----------------------------------------------
+@pytest.mark.parametrize(("src_kw", "dst_kw"), [
+    ({}, {}),
+    ({"tpb": 16}, {"tpb": 32}),
+    ({"tpb": 32}, {"tpb": 8, "order": "NHD"}),
+    ({"tp": 1}, {"tp": 2}),
+    ({"tp": 2, "order": "NHD"}, {"tp": 1, "tpb": 32}),
+    ({"coalesce": True}, {"coalesce": False, "order": "NHD", "tp": 4}),
+], ids=["same", "tpb16-32", "tpb32-8-hnd-nhd", "tp1-2", "tp2-1-nhd-hnd", "coalesced-expanded-tp4"])
+def test_same_kv_in_other_layouts_verifies(pair: Any, src_kw: dict[str, Any], dst_kw: dict[str, Any]) -> None:
+    src, dst = pair(src_kw, dst_kw)
+    move(src, dst)
+    digest = check(src, dst)
+    assert digest.num_cells == digest.checked_cells == LAYERS * 2 * HEADS * 3   # 70 tokens: chunks of 32
+    for policy in (ChecksumPolicy.every(5, seed=2), ChecksumPolicy.sample(0.3, seed=7)):
+        assert check(src, dst, policy).checked_cells < digest.num_cells
+
+
+def test_prefix_range_and_chunks_that_cut_blocks(pair: Any) -> None:
+    """Decode holding a prefix: only [skip, end) travels and is checked; chunks of 5 tokens cross blocks."""
+    src, dst = pair({"tpb": 16}, {"tpb": 8, "order": "NHD"})
+    move(src, dst, (21, PROMPT))
+    digest = check(src, dst, token_range=(21, PROMPT), chunk_tokens=5)
+    assert digest.buffers[0].spans == ((21, PROMPT),) and digest.chunk_tokens == 5
+    with pytest.raises(IntegrityError, match=r"covers tokens \[21, 70\), the destination expects \[0, 70\)"):
+        verify_kv(dst.layouts, dst.ids, digest, token_range=(0, PROMPT))
+
+
+# --- every pairing bug fails, naming where ------------------------------------------------------
+def _swap_blocks(ids: dict[int, Any], a: int, b: int) -> dict[int, Any]:
+    out = {g: np.array(v, copy=True) for g, v in ids.items()}
+    out[0][[a, b]] = out[0][[b, a]]
+    return out
+
+
+def test_swapped_blocks_fail_naming_layer_head_and_tokens(pair: Any) -> None:
+    src, dst = pair({"tpb": 16}, {"tpb": 16})
+    move(src, dst, dst_ids=[_swap_blocks(dst.ids[0], 1, 2)])
+    with pytest.raises(IntegrityError, match=r"transfer 'req-1': KV differs from the source at layer 0 role 'key' "
+                                             r"head 0 tokens \[0, 32\) \(destination rank 0\): blake3 tag [0-9a-f]{16} "
+                                             r"!= source's [0-9a-f]{16}; \d+ of 72 checked cells differ"):
+        check(src, dst)
+
+
+def test_token_shift_by_one_fails(pair: Any) -> None:
+    """The destination holds every token one position late (what an off-by-one token range does)."""
+    src, dst = pair({"tpb": 16}, {"tpb": 32, "order": "NHD"})
+    kv = dst.kv()
+    for layer in range(LAYERS):
+        k, v, _ = src.kv().gather(layer, PROMPT)          # [heads, tokens, dim]
+        kv.write(layer, k[:, :-1].transpose(0, 1), v[:, :-1].transpose(0, 1), 1)
+    with pytest.raises(IntegrityError, match=r"layer 0 role 'key' head 0 tokens \[0, 32\).* 72 of 72 checked"):
+        check(src, dst)
+
+
+def test_head_ranges_swapped_between_tp_ranks_fail_on_the_rank_that_holds_them(pair: Any) -> None:
+    src, dst = pair({"tp": 1}, {"tp": 2})
+    move(src, dst)
+    rank0, rank1 = (m.buffer_view(0, "key") for m in dst.managers)
+    s0, s1 = (torch.from_numpy(c.block_ids(0).astype(np.int64)) for c in dst.caches)
+    a, b = rank0[s0].clone(), rank1[s1].clone()
+    rank0[s0], rank1[s1] = b, a          # rank 0 got heads 2-3, rank 1 heads 0-1 (layer 0 keys)
+    with pytest.raises(IntegrityError, match=r"layer 0 role 'key' head 0 tokens \[0, 32\) \(destination rank 0\).*"
+                                             r"12 of 72 checked cells differ"):
+        check(src, dst)
+    # A rank checks the heads it holds: rank 1 alone names head 2.
+    digest = digest_kv(src.layouts, src.ids, (0, PROMPT), ChecksumPolicy(), "req-1")
+    with pytest.raises(IntegrityError, match=r"head 2 tokens \[0, 32\) \(destination rank 0\).* 6 of 72"):
+        verify_kv(dst.layouts[1:], dst.ids[1:], digest, token_range=(0, PROMPT))
+
+
+def test_a_block_of_another_request_fails(pair: Any) -> None:
+    """The source side of the plan read one block of another request held by the same worker."""
+    src, dst = pair()
+    other = src.managers[0].create_kv_cache(id="other")
+    other.resume()
+    other.resize(PROMPT)
     try:
-        plan = p.plan(seed=2, coalesced=coalesced)
-        digest = p.push(plan, policy)
-        assert digest.entry_count == len(plan)
-        assert digest.checked_entries == policy.select(len(plan)).size > 0
-        verify_destination(plan, p.b.regions, digest)
+        fill(Side(src.managers, [other]), seed=99)
+        wrong = {g: np.array(v, copy=True) for g, v in src.ids[0].items()}
+        wrong[0][3] = other.block_ids(0)[3]
+        move(src, dst, src_ids=[wrong])
+        with pytest.raises(IntegrityError, match=r"layer 0 role 'key' head 0 tokens \[32, 64\)"):
+            check(src, dst)
     finally:
-        p.close()
+        other.close()
 
 
-def test_full_mode_names_the_corrupted_entry_and_its_address() -> None:
-    offset = 5 * PAGE + 17
-    p = Pair(seed=3, corrupt=(offset, 1))
+def test_one_layer_zeroed_fails_naming_the_layer(pair: Any) -> None:
+    src, dst = pair({"tpb": 16}, {"tpb": 16, "order": "NHD"})
+    move(src, dst)
+    dst.managers[0].buffer_view(2, "value")[torch.from_numpy(dst.caches[0].block_ids(0).astype(np.int64))] = 0
+    with pytest.raises(IntegrityError, match=r"at layer 2 role 'value' head 0 tokens \[0, 32\).* 12 of 72"):
+        check(src, dst)
+
+
+def test_stale_block_fails(pair: Any) -> None:
+    """The last block is not written (stale bytes of an earlier request stay there)."""
+    src, dst = pair({"tpb": 16}, {"tpb": 16})
+    move(src, dst, (0, 64))
+    with pytest.raises(IntegrityError, match=r"layer 0 role 'key' head 0 tokens \[64, 70\)"):
+        check(src, dst)
+
+
+def test_sampled_policy_sees_only_its_cells() -> None:
+    """every:K checks the cells it selects; a corruption elsewhere passes by design (documented)."""
+    src, dst = side(), side()
     try:
-        plan = p.plan(seed=4)
-        digest = p.push(plan, ChecksumPolicy(), name="req-42")
-        i = entry_of(plan, offset)
-        addr = int(plan.dst.addr[i])
-        with pytest.raises(IntegrityError, match=rf"transfer 'req-42': entry {i} \(destination {addr:#x}, "
-                                                 rf"{PAGE} bytes, region {int(plan.dst.region[i])}\)"):
-            verify_destination(plan, p.b.regions, digest)
+        fill(src, 3)
+        move(src, dst)
+        policy = ChecksumPolicy.every(2, seed=1)    # odd ordinals: chunk 1 of head 0 of layer 0 key, ...
+        digest = digest_kv(src.layouts, src.ids, (0, PROMPT), policy, "r")
+        dst.managers[0].buffer_view(0, "key")[int(dst.caches[0].block_ids(0)[0]), 0] += 1   # head 0, tokens 0-15
+        verify_kv(dst.layouts, dst.ids, digest, token_range=(0, PROMPT))             # ordinal 0: not checked
+        dst.managers[0].buffer_view(0, "key")[int(dst.caches[0].block_ids(0)[2]), 0] += 1   # tokens 32-47
+        with pytest.raises(IntegrityError, match=r"layer 0 role 'key' head 0 tokens \[32, 64\)"):
+            verify_kv(dst.layouts, dst.ids, digest, token_range=(0, PROMPT))
     finally:
-        p.close()
+        src.close()
+        dst.close()
 
 
-def test_sampled_mode_detects_corruption_only_where_the_sample_covers_it() -> None:
-    policy = ChecksumPolicy.every(2, seed=0)          # entries 0, 2, 4, ...
-    for entry, detected in ((4, True), (5, False)):
-        p = Pair(seed=5, corrupt=(entry * PAGE + 100, 8))
-        try:
-            plan = p.plan(seed=6)
-            digest = p.push(plan, policy)
-            if detected:
-                with pytest.raises(IntegrityError, match=f"entry {entry} "):
-                    verify_destination(plan, p.b.regions, digest)
-            else:
-                verify_destination(plan, p.b.regions, digest)   # unsampled entry: not seen, by design
-        finally:
-            p.close()
-
-
-@given(seed=st.integers(0, 2**32 - 1), pages=st.integers(1, 20), coalesced=st.booleans(),
-       offset=st.integers(0, 20 * 1024 - 1), length=st.integers(1, 3000),
-       policy=st.sampled_from(POLICIES[:3]), corrupt=st.booleans())
-def test_random_plans_detect_exactly_the_covered_corruptions(seed: int, pages: int, coalesced: bool, offset: int,
-                                                             length: int, policy: ChecksumPolicy,
-                                                             corrupt: bool) -> None:
-    page = 1024
-    p = Pair(seed=seed % 1000, corrupt=(offset, length) if corrupt else None)
+# --- sliding windows -----------------------------------------------------------------------------
+def test_sliding_window_covers_what_the_source_kept_and_the_destination_needs() -> None:
+    src = side(tpb=16, windows=[None, 24])
+    dst = side(tpb=8, windows=[None, 24], order="NHD")
     try:
-        plan = p.plan(seed=seed, pages=pages, page=page, coalesced=coalesced)
-        digest = p.push(plan, policy)
-        hit = np.zeros(len(plan), dtype=bool)
-        if corrupt and offset < plan.total_bytes:
-            ends = np.cumsum(plan.dst.nbytes.astype(np.int64))
-            hit = (ends - plan.dst.nbytes.astype(np.int64) < offset + length) & (ends > offset)
-        covered = np.flatnonzero(hit[policy.select(len(plan))] if hit.any() else [])
-        if covered.size:
-            first = int(policy.select(len(plan))[covered[0]])
-            with pytest.raises(IntegrityError, match=f"entry {first} "):
-                verify_destination(plan, p.b.regions, digest)
-        else:
-            verify_destination(plan, p.b.regions, digest)
+        fill(src, 4)
+        for c in src.caches:
+            c.commit(list(range(PROMPT)))      # releases the window's old blocks on the source
+        assert (src.caches[0].block_ids(1) < 0).any()
+        move(src, dst)
+        digest = check(src, dst)
+        window = next(b for b in digest.buffers if b.layer_id == 1)
+        assert window.spans == ((32, PROMPT),)
+        short = dataclasses.replace(digest, buffers=tuple(
+            dataclasses.replace(b, spans=((60, PROMPT),)) if b.layer_id == 1 else b for b in digest.buffers))
+        with pytest.raises(IntegrityError, match=r"layer 1 role 'key' does not cover token 47"):
+            verify_kv(dst.layouts, dst.ids, short, token_range=(0, PROMPT))
     finally:
-        p.close()
+        src.close()
+        dst.close()
 
 
-def test_digest_is_small_and_round_trips() -> None:
-    bufs = make_buffers([8192 * 256], seed=11)
-    regions = regions_of(bufs)
-    base = regions[0].base_address
-    table = PageTable(base + np.arange(8192, dtype=np.uint64) * np.uint64(256), np.full(8192, 256, np.uint64),
-                      np.zeros(8192, np.uint32))
-    full = digest_table(table, regions, ChecksumPolicy(), "big")
-    assert TransferDigest.from_bytes(full.to_bytes()) == full
-    assert len(full.to_bytes()) < 8192 * 8 + 128                   # 8-byte tags + a 32-byte root
-    assert full.checked_bytes == 8192 * 256 and full.checked_entries == 8192
-    every = digest_table(table, regions, ChecksumPolicy.every(64), "big")
-    assert every.checked_entries == 128 and len(every.to_bytes()) < 128 * 8 + 128
-    # The tags are the leading bytes of each entry's blake3 digest.
-    assert full.tags[:8] == blake3.blake3(bufs[0][:256]).digest()[:8]
+# --- digest shape, bounds, codec -----------------------------------------------------------------
+def test_verifier_refuses_a_digest_of_other_buffers_or_a_tampered_root(pair: Any) -> None:
+    src, dst = pair()
+    move(src, dst)
+    digest = digest_kv(src.layouts, src.ids, (0, PROMPT), ChecksumPolicy(), "req-1")
+    with pytest.raises(IntegrityError, match=r"buffers differ from the destination's: missing \[\(2, 'key'\)"):
+        verify_kv(dst.layouts, dst.ids, dataclasses.replace(digest, buffers=digest.buffers[:4]), token_range=(0, PROMPT))
+    wrong = tuple(dataclasses.replace(b, head_dim=16) if b.layer_id == 1 else b for b in digest.buffers)
+    with pytest.raises(IntegrityError, match="layer 1 role 'key' head_dim is 16 in the digest, 8 on the destination"):
+        verify_kv(dst.layouts, dst.ids, dataclasses.replace(digest, buffers=wrong), token_range=(0, PROMPT))
+    flipped = dataclasses.replace(digest, root=bytes([digest.root[0] ^ 1]) + digest.root[1:])
+    with pytest.raises(IntegrityError, match="root differs although every cell tag matches"):
+        verify_kv(dst.layouts, dst.ids, flipped, token_range=(0, PROMPT))
+    verify_kv(dst.layouts, dst.ids, digest, token_range=(0, PROMPT))
 
 
-def test_policy_selection_is_specified_and_deterministic() -> None:
-    # splitmix64's first output for seed 0 (a published test vector).
-    assert int(_splitmix64(np.array([0], np.uint64))[0]) == 0xE220A8397B1DCDAF
+def test_policy_choices_depend_only_on_the_grid() -> None:
     assert ChecksumPolicy().select(5).tolist() == [0, 1, 2, 3, 4]
     assert ChecksumPolicy.every(3, seed=4).select(10).tolist() == [1, 4, 7]
-    a = ChecksumPolicy.sample(0.25, seed=99).select(4000)
-    assert np.array_equal(a, ChecksumPolicy.sample(0.25, seed=99).select(4000))
-    assert 850 < a.size < 1150 and np.all(np.diff(a) > 0)
-    assert not np.array_equal(a[:50], ChecksumPolicy.sample(0.25, seed=100).select(4000)[:50])
-    assert ChecksumPolicy.sample(1e-9, seed=1).select(3).size == 1      # never an empty sample
-    assert ChecksumPolicy.sample(0.5, seed=1).select(0).size == 0
+    sample = ChecksumPolicy.sample(0.25, seed=9)
+    chosen = sample.select(4000)
+    assert np.array_equal(chosen, sample.select(4000)) and 800 < chosen.size < 1200
+    assert ChecksumPolicy.sample(1e-9, seed=1).select(10).size == 1
+    assert int(_splitmix64(np.array([0], np.uint64))[0]) == 0xE220A8397B1DCDAF   # the reference value
+    for bad in ({"mode": "all"}, {"stride": 0}, {"fraction": 0.0}, {"seed": -1}, {"tag_bytes": 3}):
+        with pytest.raises(ConfigError, match="ChecksumPolicy"):
+            ChecksumPolicy(**bad)
+    assert ChecksumPolicy.every(4, seed=1).describe() == "every:4 (seed=1)"
 
 
-@pytest.mark.parametrize("kwargs", [{"mode": "some"}, {"stride": 0}, {"fraction": 0.0}, {"fraction": float("nan")},
-                                    {"seed": -1}, {"tag_bytes": 3}, {"tag_bytes": 33}, {"stride": True}])
-def test_bad_policies_are_config_errors(kwargs: dict[str, object]) -> None:
-    field = next(iter(kwargs))
-    with pytest.raises(ConfigError, match=f"ChecksumPolicy.{field}"):
-        ChecksumPolicy(**kwargs)  # type: ignore[arg-type]
-
-
-def test_verifier_refuses_a_digest_of_another_plan_or_a_tampered_digest() -> None:
-    p = Pair(seed=12)
-    try:
-        plan = p.plan(seed=13)
-        digest = p.push(plan, ChecksumPolicy())
-        with pytest.raises(IntegrityError, match="digest covers a plan of 12 entries, the destination table has 11"):
-            verify_destination(plan.take(slice(0, 11)), p.b.regions, digest)
-        bigger = TransferPlan(plan.src.split(PAGE // 2), plan.dst.split(PAGE // 2)).take(slice(0, 12))
-        with pytest.raises(IntegrityError, match="plans differ"):
-            verify_destination(bigger, p.b.regions, digest)
-        flipped = bytes([digest.root[0] ^ 1]) + digest.root[1:]
-        bad_root = TransferDigest(digest.transfer, digest.policy, digest.entry_count, digest.checked_bytes,
-                                  flipped, digest.tags)
-        with pytest.raises(IntegrityError, match="root differs although every entry tag matches"):
-            verify_destination(plan, p.b.regions, bad_root)
-        outside = TransferPlan(plan.src, PageTable(plan.dst.addr, plan.dst.nbytes, np.full(12, 7, np.uint32)))
-        with pytest.raises(IntegrityError, match="cannot be checked: entry 0: region 7 not registered"):
-            verify_destination(outside, p.b.regions, digest)
-    finally:
-        p.close()
-
-
-def test_source_side_refuses_bad_tables_and_oversized_digests() -> None:
-    bufs = make_buffers([4 * PAGE], seed=14)
-    regions = regions_of(bufs)
-    past = PageTable(np.array([regions[0].end_address - 8], np.uint64), np.array([16], np.uint64),
-                     np.zeros(1, np.uint32))
-    with pytest.raises(PageTableError, match="entry 0"):
-        digest_table(past, regions, ChecksumPolicy(), "t")
-    n = MAX_DIGEST_ENTRIES + 1
-    many = PageTable(np.full(n, regions[0].base_address, np.uint64), np.ones(n, np.uint64), np.zeros(n, np.uint32))
-    with pytest.raises(ConfigError, match="coalesce the plan or sample"):
-        digest_table(many, regions, ChecksumPolicy(), "t")
-    assert digest_table(many, regions, ChecksumPolicy.every(1024), "t").checked_entries == 1025
+def test_digest_grid_is_bounded_and_the_chunk_grows_to_fit(pair: Any) -> None:
+    src, _ = pair()
+    digest = digest_kv(src.layouts, src.ids, (0, PROMPT), ChecksumPolicy(), "r", chunk_tokens=1)
+    assert digest.num_cells == LAYERS * 2 * HEADS * PROMPT <= MAX_DIGEST_CELLS
     with pytest.raises(ConfigError, match="transfer name"):
-        digest_table(past, regions, ChecksumPolicy(), "x" * 300)
+        digest_kv(src.layouts, src.ids, (0, PROMPT), ChecksumPolicy(), "x" * 300)
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        digest_kv(src.layouts, src.ids, (0, PROMPT), ChecksumPolicy(), "r", chunk_tokens=0)
+    with pytest.raises(ConfigError, match="heads \\[2, 3\\] of layer 0 role 'key' are held by no rank"):
+        half = side(tp=2)
+        try:
+            digest_kv(half.layouts[:1], half.ids[:1], (0, PROMPT), ChecksumPolicy(), "r")
+        finally:
+            half.close()
 
 
-def test_digest_decoder_names_the_bad_field() -> None:
-    good = digest_table(PageTable.empty(), [], ChecksumPolicy.every(2), "t").to_bytes()
+def test_digest_decoder_names_the_bad_field(pair: Any) -> None:
+    src, _ = pair()
+    good = digest_kv(src.layouts, src.ids, (0, 40), ChecksumPolicy.every(2), "t").to_bytes()
+    assert KVDigest.from_bytes(good).to_bytes() == good
     obj = msgpack.unpackb(good)
+    buf = obj[5][0]
     cases = {
-        "version": [2, *obj[1:]],
+        "version": [1, *obj[1:]],
         "transfer": [obj[0], 5, *obj[2:]],
         "policy": [*obj[:2], ["full", 1, 1.0, 0], *obj[3:]],
         "policy: ChecksumPolicy.stride": [*obj[:2], ["stride", 0, 1.0, 0, 8], *obj[3:]],
-        "entry_count": [*obj[:3], -1, *obj[4:]],
-        "root": [*obj[:5], b"short", obj[6]],
-        "tags: 1 tags, the policy selects 0": [*obj[:6], b"12345678"],
+        "chunk_tokens": [*obj[:3], 0, *obj[4:]],
+        "token_range stop": [*obj[:4], [10, 5], *obj[5:]],
+        r"buffers\[0\].dtype": [*obj[:5], [[*buf[:2], "float99", *buf[3:]], *obj[5][1:]], *obj[6:]],
+        r"buffers\[0\].spans start": [*obj[:5], [[*buf[:5], [[50, 60]]], *obj[5][1:]], *obj[6:]],
+        "buffers: expected distinct": [*obj[:5], [buf, buf], *obj[6:]],
+        "root": [*obj[:6], b"short", obj[7]],
+        "tags: 1 tags, the policy selects": [*obj[:7], b"12345678"],
     }
     for field, value in cases.items():
-        with pytest.raises(DecodeError, match=f"transfer digest.{field}"):
-            TransferDigest.from_bytes(msgpack.packb(value))
+        with pytest.raises(DecodeError, match=f"kv digest.{field}"):
+            KVDigest.from_bytes(msgpack.packb(value))
     with pytest.raises(DecodeError, match="invalid msgpack"):
-        TransferDigest.from_bytes(b"\xc1")
+        KVDigest.from_bytes(b"\xc1")
+    huge = [*obj[:4], [0, 1 << 30], [[*buf[:4], 1 << 16, [[0, 1 << 30]]]], *obj[6:]]
+    with pytest.raises(DecodeError, match="cells exceed the limit"):
+        KVDigest.from_bytes(msgpack.packb(huge))
 
 
 @pytest.mark.gpu
-def test_cuda_source_and_destination_verify_and_detect_corruption() -> None:
+def test_cuda_pages_verify_and_detect_a_swapped_block() -> None:
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA: checksums of device memory read it through torch")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    src = torch.randint(0, 256, (64 * PAGE,), dtype=torch.uint8, device="cuda", generator=gen)
-    dst = torch.zeros(64 * PAGE, dtype=torch.uint8, device="cuda")
-    sreg, dreg = MemoryRegion.of_tensor(src), MemoryRegion.of_tensor(dst)
-    rng = np.random.default_rng(1)
-    plan = pair(random_pages(rng, [sreg], 40, PAGE, False), random_pages(rng, [dreg], 40, PAGE, False))
-    digest = digest_source(plan, [sreg], ChecksumPolicy(), "gpu")
-    for s, d, n in zip(plan.src.addr.tolist(), plan.dst.addr.tolist(), plan.src.nbytes.tolist(), strict=True):
-        dst[d - dreg.base_address:d - dreg.base_address + n] = src[s - sreg.base_address:s - sreg.base_address + n]
-    torch.cuda.synchronize()
-    verify_destination(plan, [dreg], digest)
-    bad = int(plan.dst.addr[7]) - dreg.base_address + 5
-    dst[bad] ^= 0xFF
-    torch.cuda.synchronize()
-    with pytest.raises(IntegrityError, match="entry 7 "):
-        verify_destination(plan, [dreg], digest)
+        pytest.skip("needs CUDA: digests of device pages stage them through torch")
+    def cuda_side(tpb: int, order: str) -> Side:
+        m = KVCacheManager(CacheConfig.for_model(LAYERS, HEADS, DIM, tpb, "float32", 64, "cuda", head_order=order))
+        c = m.create_kv_cache(id=f"g{next(_ids)}")
+        c.resume()
+        c.resize(PROMPT)
+        return Side([m], [c])
+    src, dst = cuda_side(16, "HND"), cuda_side(32, "NHD")
+    try:
+        fill(src, 5)
+        move(src, dst)
+        torch.cuda.synchronize()
+        check(src, dst)
+        move(src, dst, dst_ids=[_swap_blocks(dst.ids[0], 0, 1)])
+        torch.cuda.synchronize()
+        with pytest.raises(IntegrityError, match=r"tokens \[0, 32\)"):
+            check(src, dst)
+    finally:
+        src.close()
+        dst.close()

@@ -50,7 +50,7 @@ def test_checksummed_requests_match_and_a_corrupted_one_is_not_committed(mode: s
         good, bad = prompts(21, prefix=0, count=2)
         assert decode.generate(good, 6, timeout=60).tokens == reference(good, 6)
         faults.corrupt = (100, 1)
-        with pytest.raises(IntegrityError, match=r"entry \d+ .*differs from the source"):
+        with pytest.raises(IntegrityError, match=r"KV differs from the source at layer \d+ role '\w+' head \d+ tokens \[\d+, \d+\)"):
             decode.generate(bad, 6, timeout=60)
         faults.corrupt = None
         wait_idle(prefill, decode)

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +24,7 @@ from kvxfer.cache.hashing import DEFAULT_SCOPE, ExtraKeys, ReuseScope, block_key
 from kvxfer.cache.kv_cache import CacheState, KVCache, _as_tokens
 from kvxfer.cache.layout import place_layout, plan_layout
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
+from kvxfer.cache.pins import PinnedPages
 from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode, PrefixTree
 from kvxfer.cache.stats import (
     IterationStats,
@@ -665,6 +666,27 @@ class KVCacheManager:
         cache._partial_src = None
         self._tree.touch(src_node)
         return True
+
+    def pin_pages(self, block_ids: Mapping[int, npt.ArrayLike]) -> PinnedPages:
+        """Hold one more reference on each primary-tier page ``block_ids`` lists (layer group -> slot ids;
+        -1 skipped) until the returned pin is released, so that no page a transfer still reads is freed
+        or reused, even when its request lets it go (commit adopting the tree's copy, sliding windows)."""
+        with self._lock:
+            parts: dict[int, list[IntArray]] = {}
+            for lg, ids in block_ids.items():
+                check_layer_group(self._layout, lg)
+                arr = np.asarray(ids).astype(np.int32).ravel()
+                parts.setdefault(self._lg_pool_group[lg], []).append(arr[arr >= 0])
+            slots = {pg: np.concatenate(p) for pg, p in parts.items()}
+            for pg, arr in slots.items():
+                self._allocators[pg].incref(arr)
+            return PinnedPages(slots, self._unpin_pages)
+
+    def _unpin_pages(self, slots: Mapping[int, IntArray]) -> None:
+        with self._lock:
+            for pg, arr in slots.items():
+                self._allocators[pg].decref(arr)
+            self._sample_usage()
 
     def copy_slots(self, pool_group: int, src: npt.ArrayLike, dst: npt.ArrayLike) -> None:
         """Copy whole slots ``src[i] -> dst[i]`` in every pool of a pool group (one batched copy

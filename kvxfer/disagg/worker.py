@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
@@ -27,7 +26,7 @@ from kvxfer.cache.memory import MemoryRegion
 from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.disagg.messages import Message
 from kvxfer.errors import ConfigError, ControlTimeout, KvxferError
-from kvxfer.extractor import layout_regions, plan_transfer
+from kvxfer.extractor import BlockIds, layout_regions, plan_transfer
 from kvxfer.model import ModelConfig, PagedKV, preset
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import Transport, create
@@ -115,20 +114,23 @@ def _shift(table: PageTable, offset: int) -> PageTable:
     return PageTable(table.addr, table.nbytes, table.region + np.uint32(offset))
 
 
-def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Mapping[int, npt.ArrayLike]],
-                 dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Mapping[int, npt.ArrayLike]], *,
-                 token_range: tuple[int, int], layers: Sequence[int] | None = None) -> TransferPlan:
+def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[BlockIds | Any],
+                 dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[BlockIds | Any], *,
+                 token_range: tuple[int, int], layers: Sequence[int] | None = None,
+                 dst_committed: Sequence[int | None] | None = None) -> TransferPlan:
     """One plan moving ``token_range`` of ``layers`` from every source rank to every destination rank.
 
     Pairs each (source rank, destination rank) with ``plan_transfer`` (heads move where both hold
     them, so a rank pair whose head ranges do not meet adds nothing); region indices are those of the
-    concatenated rank regions on each side.
+    concatenated rank regions on each side. ``dst_committed[j]`` (default: from a KVCache destination)
+    makes rank ``j``'s committed blocks read-only (``plan_transfer`` refuses to write them).
     """
     src_off, dst_off = region_offsets(src_layouts), region_offsets(dst_layouts)
+    committed = [None] * len(dst_layouts) if dst_committed is None else list(dst_committed)
     plans: list[TransferPlan] = []
     for i, (sl, si) in enumerate(zip(src_layouts, src_ids, strict=True)):
-        for j, (dl, di) in enumerate(zip(dst_layouts, dst_ids, strict=True)):
-            plan = plan_transfer(sl, si, dl, di, layers=layers, token_range=token_range)
+        for j, (dl, di, dc) in enumerate(zip(dst_layouts, dst_ids, committed, strict=True)):
+            plan = plan_transfer(sl, si, dl, di, layers=layers, token_range=token_range, dst_committed=dc)
             if len(plan):
                 plans.append(TransferPlan(_shift(plan.src, src_off[i]), _shift(plan.dst, dst_off[j])))
     if not plans:

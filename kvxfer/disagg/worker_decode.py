@@ -8,8 +8,11 @@ pages itself (pull: ``kv_pull`` -> ``transport.read`` -> ``kv_release``), renewi
 meanwhile. Once the KV is in place: commit the prompt, run ``continue_greedy``, return the tokens.
 A deadline, a failed transfer, a cancellation, or the prefill peer's loss fails only the affected
 requests; their blocks are freed once nothing can write into them any more. With ``WorkerConfig.checksum``
-set, the destination pages are checked against prefill's digest before they are committed: a mismatch
-fails the request with IntegrityError and nothing of it enters the prefix tree.
+set, decode digests its own destination pages by logical position (layer, role, head, token chunk) and
+compares them with prefill's digest of its source pages before committing: a mismatch fails the request
+with IntegrityError naming the cell, and nothing of it enters the prefix tree. Blocks decode already
+holds from its prefix tree are read-only: ``kv_request`` names them as -1 (no page), so prefill cannot
+plan a write there, and a pull's plan reaching into one is refused before the read is posted.
 """
 
 from __future__ import annotations
@@ -68,9 +71,10 @@ from kvxfer.errors import (
     TransferFailed,
     TransferTimeout,
 )
+from kvxfer.extractor import check_writable, writable_block_ids
 from kvxfer.model import ReferenceModel
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
-from kvxfer.transport.integrity import TransferDigest, verify_destination
+from kvxfer.transport.integrity import KVDigest, verify_kv
 
 log = logging.getLogger("kvxfer.disagg.decode")
 
@@ -414,8 +418,9 @@ class DecodeWorker(WorkerCounts):
                     raise OutOfSlotsError(f"decode cache {cache.id}: no free slots for {job.tokens.size} tokens "
                                           f"({m.num_free_slots()} free)")
             job.session.ready("destination blocks allocated")
+            writable = [writable_block_ids(m.layout, c) for m, c in zip(self.managers, job.caches, strict=True)]
             conn.send("kv_request", request_id=job.request_id, tokens=job.tokens.tolist(), skip=job.skip,
-                      blocks=encode_block_ids([c.block_id_map() for c in job.caches]), mode=job.mode,
+                      blocks=encode_block_ids(writable), mode=job.mode,
                       layerwise=job.layerwise, layers_per_send=self.layers_per_send, lease_s=self.config.lease_s,
                       checksum=encode_checksum_policy(self.config.checksum))
             job.last_renew = now()
@@ -450,8 +455,9 @@ class DecodeWorker(WorkerCounts):
                            remote_done=True)
                 return
             try:
-                plan = plan_between(self._prefill_layouts, src_ids, self.layouts, [c.block_id_map() for c in job.caches],
+                plan = plan_between(self._prefill_layouts, src_ids, self.layouts, job.caches,
                                     token_range=(job.skip, int(job.tokens.size)))
+                check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
                 job.read_posted = now()
                 job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
             except KvxferError as exc:
@@ -525,26 +531,21 @@ class DecodeWorker(WorkerCounts):
         return f"{what}: no answer from prefill"
 
     def _verify(self, job: _Job) -> None:
-        """Check the destination pages against prefill's digest (IntegrityError on any difference)."""
+        """Digest the destination pages by logical position and compare with prefill's digest of its source
+        pages (IntegrityError naming the first differing cell)."""
         policy = self.config.checksum
         assert job.pushed is not None and policy is not None
         raw = job.pushed["digest"]
         if not raw:
             raise IntegrityError(f"request {job.request_id}: decode asked for checksums, prefill sent no digest")
         try:
-            digest = TransferDigest.from_bytes(raw)
+            digest = KVDigest.from_bytes(raw)
         except DecodeError as exc:
             raise IntegrityError(f"request {job.request_id}: {exc}") from exc
         if digest.policy != policy:
             raise IntegrityError(f"request {job.request_id}: prefill's digest uses {digest.policy}, decode asked "
                                  f"for {policy}")
-        try:
-            src_ids = decode_block_ids(job.pushed["blocks"], len(self._prefill_layouts), f"{job.pushed.type}.blocks")
-        except ProtocolError as exc:
-            raise IntegrityError(f"request {job.request_id}: {exc}") from exc
-        plan = plan_between(self._prefill_layouts, src_ids, self.layouts, [c.block_id_map() for c in job.caches],
-                            token_range=(job.skip, int(job.tokens.size)))
-        verify_destination(plan, self.transport.regions, digest)
+        verify_kv(self.layouts, job.caches, digest, token_range=(job.skip, int(job.tokens.size)))
 
     def _arrived(self, job: _Job, transfer_s: float) -> None:
         """The KV is in place: verify it (when asked), commit the prompt, generate, answer, free."""

@@ -7,7 +7,11 @@ decode's blocks (push; layer-wise: one write per group of layers as soon as they
 report ``kv_pushed``, or answer ``kv_pull`` with the source block ids and keep the blocks until
 ``kv_release``. The source blocks are held under a lease decode renews; expiry, ``kv_cancel``, a failed
 transfer or a lost peer frees every block of the affected requests and nothing else. When decode asks
-for checksums, the reply carries a digest of the source pages (see ``worker_protocol``).
+for checksums, the reply carries a position-keyed digest of the source pages decode needs (see
+``kvxfer.transport.integrity``). The pages a transfer reads stay pinned until it completed or was
+stopped, and the digest describes exactly those pages: a layer-wise push reads the request's own copy
+of its last block, which the commit at the end of the prompt may swap for the prefix tree's identical
+block (freeing the request's copy but for the pin).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.kv_cache import KVCache
+from kvxfer.cache.pins import PinnedPages
 from kvxfer.disagg.control import ControlServer, PeerConnection, Secret
 from kvxfer.disagg.handshake import LocalIdentity, check_compatible
 from kvxfer.disagg.messages import Message
@@ -62,7 +67,7 @@ from kvxfer.errors import (
 )
 from kvxfer.model import ReferenceModel, greedy
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
-from kvxfer.transport.integrity import ChecksumPolicy, digest_source
+from kvxfer.transport.integrity import ChecksumPolicy, digest_kv
 
 log = logging.getLogger("kvxfer.disagg.prefill")
 
@@ -81,6 +86,9 @@ class _Job:
     span: tuple[int, int] = (0, 0)
     checksum: ChecksumPolicy | None = None
     handles: list[TransferHandle] = field(default_factory=list)
+    src_ids: BlockIdMaps = field(default_factory=list)
+    """Per rank, the block ids the request's transfers read (fixed at the first post, pinned until freed)."""
+    pins: list[PinnedPages] = field(default_factory=list)
     first_token: int = -1
     reused_tokens: int = 0
     prefill_s: float = 0.0
@@ -292,8 +300,8 @@ class PrefillWorker(WorkerCounts):
                 if job.session.state is SessionState.READY:
                     job.session.start_transfer("layer-wise writes posted")
                     job.posted_at = now()
-                plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
-                                    token_range=span, layers=ends[layer])
+                plan = plan_between(self.layouts, self._source_ids(job), dst_layouts, dst_ids, token_range=span,
+                                    layers=ends[layer])
                 part[0] += 1
                 self._check_may_write(job)
                 job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, part[0])))
@@ -306,19 +314,31 @@ class PrefillWorker(WorkerCounts):
         job.first_token = greedy(logits[-1])
         job.prefill_s = now() - started
         if msg["mode"] == "pull":
+            src_ids = self._source_ids(job)
             digest = self._digest(job)   # before decode may read: the pages are final
             job.session.start_transfer("waiting for decode to read")
             self._send(job.conn, "kv_pull", request_id=job.request_id, first_token=job.first_token,
-                       blocks=encode_block_ids([c.block_id_map() for c in job.caches]),
+                       blocks=encode_block_ids(src_ids),
                        reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest)
             return
         if not msg["layerwise"]:
-            plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
-                                token_range=span)
+            plan = plan_between(self.layouts, self._source_ids(job), dst_layouts, dst_ids, token_range=span)
             self._check_may_write(job)
             job.session.start_transfer("write posted")
             job.posted_at = now()
             job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, 1)))
+
+    def _source_ids(self, job: _Job) -> BlockIdMaps:
+        """The block ids the request's transfers read: taken (and pinned on every rank) at the first post;
+        a later post must read the same pages, or its digest could not describe them all."""
+        now_ids = [{g: np.asarray(ids, dtype=np.int64) for g, ids in c.block_id_map().items()} for c in job.caches]
+        if not job.src_ids:
+            job.pins = [m.pin_pages(ids) for m, ids in zip(self.managers, now_ids, strict=True)]
+            job.src_ids = now_ids
+        elif any(not np.array_equal(a[g], b[g]) for a, b in zip(job.src_ids, now_ids, strict=True) for g in a):
+            raise CacheStateError(f"request {job.request_id}: its block ids changed between two posts of its "
+                                  f"transfer (a commit in the middle of a layer-wise push)")
+        return job.src_ids
 
     def _check_may_write(self, job: _Job) -> None:
         """Refuse to write into decode's blocks once decode may have given them away: after the connection
@@ -364,13 +384,12 @@ class PrefillWorker(WorkerCounts):
         return 0.05 if nxt is None else min(0.05, max(0.0, nxt - now()))
 
     def _digest(self, job: _Job) -> bytes:
-        """The digest of the source pages of the request's whole token range, in the order of the plan
-        decode rebuilds from the same block ids (empty when decode asked for no checksum)."""
+        """The position-keyed digest of the pages the request's transfers read (pinned), over the tokens
+        decode asked for (empty when decode asked for no checksum)."""
         if job.checksum is None:
             return b""
-        plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], self._peer_layouts[job.peer],
-                            job.dst_ids, token_range=job.span)
-        return digest_source(plan, self.transport.regions, job.checksum, f"{job.peer}/{job.request_id}").to_bytes()
+        return digest_kv(self.layouts, job.src_ids, job.span, job.checksum,
+                         f"{job.peer}/{job.request_id}").to_bytes()
 
     def _finish(self, job: _Job, transfer_s: float | None) -> None:
         """The request's KV reached decode: report (push), free the source blocks, end the session."""
@@ -383,8 +402,7 @@ class PrefillWorker(WorkerCounts):
                 return
             self._send(job.conn, "kv_pushed", request_id=job.request_id, first_token=job.first_token,
                        parts=len(job.handles), nbytes=nbytes, reused_tokens=job.reused_tokens,
-                       prefill_s=job.prefill_s, transfer_s=transfer_s, digest=digest,
-                       blocks=encode_block_ids([c.block_id_map() for c in job.caches]) if digest else b"")
+                       prefill_s=job.prefill_s, transfer_s=transfer_s, digest=digest)
         self.stats.bytes_sent += nbytes
         self.stats.completed += 1
         job.session.done("decode has the KV" if transfer_s is None else "written")
@@ -415,6 +433,9 @@ class PrefillWorker(WorkerCounts):
         for cache in job.caches:
             with contextlib.suppress(KvxferError):
                 cache.close()
+        for pin in job.pins:   # after every transfer reading the pages ended (or was given up on above)
+            with contextlib.suppress(KvxferError):
+                pin.release()
         self.leases.release((job.peer, job.request_id))
         self._jobs.pop((job.peer, job.request_id), None)
 

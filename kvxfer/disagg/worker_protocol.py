@@ -9,9 +9,10 @@ the pages are written), ``kv_pull`` (pull: where to read them from), ``kv_releas
 ``worker_status`` -> ``worker_status_reply`` (slot accounting and counters, for operators and tests).
 
 Integrity (optional, decode decides): ``kv_request.checksum`` carries decode's ChecksumPolicy; prefill
-answers with a TransferDigest of the source pages of the whole request in ``kv_pushed.digest`` (plus its
-source block ids, so decode rebuilds the same plan) or ``kv_pull.digest``; decode verifies its
-destination pages before it commits them.
+answers with a position-keyed KVDigest of the source pages over the tokens decode asked for in
+``kv_pushed.digest`` or ``kv_pull.digest``; decode digests its own destination pages the same way and
+compares before it commits them (no plan is involved, so a mispaired plan cannot agree with itself).
+``kv_request.blocks`` names decode's read-only blocks (committed, shared with its prefix tree) as -1.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ KV_PUSHED = register(MessageSpec("kv_pushed", (
     Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
     Field("transfer_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
     Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
-    Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
 )))
 KV_PULL = register(MessageSpec("kv_pull", (
     _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),

@@ -4,16 +4,21 @@ from kvxfer.extractor.block_ids import BlockIds, HasBlockIdMap
 from kvxfer.extractor.extract import COORDS, extract
 from kvxfer.extractor.pairing import plan_transfer
 from kvxfer.extractor.regions import Placement, layout_regions, layout_roles, placements, region_indices
+from kvxfer.extractor.writable import HasCommittedTokens, check_writable, committed_tokens, writable_block_ids
 
 __all__ = [
     "COORDS",
     "BlockIds",
     "HasBlockIdMap",
+    "HasCommittedTokens",
     "Placement",
+    "check_writable",
+    "committed_tokens",
     "extract",
     "layout_regions",
     "layout_roles",
     "placements",
     "plan_transfer",
     "region_indices",
+    "writable_block_ids",
 ]

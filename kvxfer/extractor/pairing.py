@@ -23,7 +23,8 @@ from kvxfer.cache.descriptors import BufferFormat, CacheLayoutDesc
 from kvxfer.extractor.block_ids import BlockIds, block_id_map, check_distinct
 from kvxfer.extractor.compat import buffer_pairs, check_layer_groups, paired_layers
 from kvxfer.extractor.regions import Placement, placements, region_indices
-from kvxfer.extractor.tokens import Segments, check_token_range, token_segments
+from kvxfer.extractor.tokens import MAX_TOKEN, Segments, check_token_range, refuse_read_only, token_segments
+from kvxfer.extractor.writable import committed_tokens
 from kvxfer.pagetable import PageTable, TransferPlan
 
 I64 = npt.NDArray[np.int64]
@@ -35,16 +36,25 @@ Entries = tuple[U64, U32, U64, U32, U64]
 
 def plan_transfer(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_layout: CacheLayoutDesc,
                   dst_block_ids: BlockIds | Any, *, layers: Iterable[int] | None = None,
-                  token_range: tuple[int, int] | None = None) -> TransferPlan:
+                  token_range: tuple[int, int] | None = None, dst_committed: int | None = None) -> TransferPlan:
     """The plan moving the KV of ``layers`` (default: all) for the tokens both block lists cover (within
     ``token_range`` when given) from the source request's pages to the destination request's pages.
 
+    ``dst_committed`` (default: ``num_committed_tokens`` of a KVCache destination, else 0) is what the
+    destination already holds as final: its blocks before ``dst_committed // tokens_per_block`` are
+    read-only (they may be shared with its prefix tree), so without ``token_range`` the plan covers the
+    tokens from ``dst_committed`` on (what the destination lacks), and a range reaching into a
+    read-only block raises ReadOnlyPageError naming the layer group, block, slot and tokens.
     Heads move where both sides hold them (one plan per source rank when tensor-parallel splits
     differ). Raises LayoutMismatch naming the first incompatible field, BlockIdError for a block id
     outside its pool group (or a destination slot listed twice). The plan is ordered by source
     address and coalesced.
     """
     tr = check_token_range(token_range)
+    committed = committed_tokens(dst_block_ids, dst_committed)
+    if tr is None and committed:
+        tr = (committed, MAX_TOKEN)
+    read_only = committed // dst_layout.tokens_per_block * dst_layout.tokens_per_block
     layer_ids = paired_layers(src_layout, dst_layout, layers)
     batches: list[Entries] = []
     if src_layout.fingerprint == dst_layout.fingerprint:
@@ -57,6 +67,7 @@ def plan_transfer(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, ds
         tpb = src_layout.tokens_per_block
         for g in groups:
             segs = token_segments(src_ids[g], tpb, dst_ids[g], tpb, tr)
+            refuse_read_only(segs, g, read_only, tpb)
             full = segs.length == tpb
             batches.extend(_whole_buffer_runs(src_layout, dst_layout, g, wanted, segs.take(full)))
             if not full.all():   # a token range cutting blocks: the cut blocks go row by row
@@ -75,6 +86,7 @@ def plan_transfer(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, ds
         for (gs, gd), group_pairs in by_group_pair.items():
             segs = token_segments(src_ids[gs], src_layout.tokens_per_block, dst_ids[gd],
                                   dst_layout.tokens_per_block, tr)
+            refuse_read_only(segs, gd, read_only, dst_layout.tokens_per_block)
             if len(segs):
                 batches.extend(_row_runs(group_pairs, segs))
     if not batches:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import PageTableError
+from kvxfer.errors import PageTableError, ReadOnlyPageError
 
 I64 = npt.NDArray[np.int64]
+MAX_TOKEN = 1 << 62
+"""An open token range's stop."""
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,17 @@ def token_segments(src_ids: I64, src_tpb: int, dst_ids: I64, dst_tpb: int,
     keep = (src_slot >= 0) & (dst_slot >= 0)
     segs = Segments(start, length, src_slot, src_tok, dst_slot, dst_tok)
     return segs if keep.all() else segs.take(keep)
+
+
+def refuse_read_only(segs: Segments, layer_group: int, read_only: int, dst_tpb: int) -> None:
+    """Raise ReadOnlyPageError when a segment lands in a destination block before token ``read_only``
+    (blocks the destination committed and may share with its prefix tree)."""
+    bad = segs.start < read_only
+    if bad.any():
+        i = int(np.argmax(bad))
+        start = int(segs.start[i])
+        raise ReadOnlyPageError(
+            f"destination layer group {layer_group} block {start // dst_tpb} (slot {int(segs.dst_slot[i])}) is "
+            f"committed and may be shared with its prefix tree, yet the plan writes tokens [{start}, "
+            f"{start + int(segs.length[i])}) there ({int(bad.sum())} segments do; the destination holds tokens "
+            f"before {read_only} read-only: plan from there)")

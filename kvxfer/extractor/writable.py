@@ -1,0 +1,115 @@
+"""Read-only destination pages: no transfer writes a page its destination shares.
+
+A destination's committed blocks are read-only and may be shared with its prefix tree (docs/reuse.md,
+"Writers"): a block before ``num_committed_tokens // tokens_per_block`` of a KVCache. A recomputed
+prefix is not bit-identical, so writing one would silently change KV other requests use. These helpers
+let the side that knows its committed tokens keep plans out of those pages: ``writable_block_ids``
+hides them from a peer that plans (they become -1: no page), ``check_writable`` refuses a page table
+that reaches into one, naming the block and slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.errors import BlockIdError, ReadOnlyPageError
+from kvxfer.extractor.block_ids import BlockIds, block_id_map
+from kvxfer.extractor.regions import region_indices
+from kvxfer.pagetable import PageTable
+
+I64 = npt.NDArray[np.int64]
+
+
+@runtime_checkable
+class HasCommittedTokens(Protocol):
+    """A destination that knows how many of its tokens are final, such as a KVCache."""
+
+    @property
+    def num_committed_tokens(self) -> int: ...
+
+
+def committed_tokens(block_ids: BlockIds | Any, committed: int | None = None) -> int:
+    """``committed`` when given, else a KVCache's ``num_committed_tokens``, else 0 (nothing read-only)."""
+    if committed is None:
+        committed = block_ids.num_committed_tokens if isinstance(block_ids, HasCommittedTokens) else 0
+    if isinstance(committed, bool) or not isinstance(committed, int | np.integer) or committed < 0:
+        raise BlockIdError(f"committed tokens must be an int >= 0, got {committed!r}")
+    return int(committed)
+
+
+def writable_block_ids(layout: CacheLayoutDesc, block_ids: BlockIds | Any,
+                       committed: int | None = None) -> dict[int, I64]:
+    """The block ids of every layer group with the read-only blocks (before ``committed //
+    tokens_per_block``) replaced by -1, so a peer planning writes from them cannot name those pages."""
+    ids = block_id_map(layout, block_ids, range(len(layout.layer_groups)), "destination")
+    n = committed_tokens(block_ids, committed) // layout.tokens_per_block
+    for arr in ids.values():
+        arr[:n] = -1
+    return ids
+
+
+def check_writable(table: PageTable, layouts: Sequence[CacheLayoutDesc], block_ids: Sequence[BlockIds | Any],
+                   committed: Sequence[int | None] | None = None) -> None:
+    """Raise ReadOnlyPageError when an entry of ``table`` (regions numbered over every rank's pools in
+    rank order, as a worker registers them) overlaps a read-only page of ``block_ids[rank]``."""
+    if len(layouts) != len(block_ids):
+        raise BlockIdError(f"check_writable: {len(layouts)} layouts for {len(block_ids)} block-id maps")
+    limits = [None] * len(layouts) if committed is None else list(committed)
+    starts: list[I64] = []
+    ends: list[I64] = []
+    region: list[I64] = []
+    label: list[I64] = []   # rank, layer group, block, slot
+    offset = 0
+    for rank, (layout, ids_in, limit) in enumerate(zip(layouts, block_ids, limits, strict=True)):
+        n = committed_tokens(ids_in, limit) // layout.tokens_per_block
+        ids = block_id_map(layout, ids_in, range(len(layout.layer_groups)), "destination")
+        regions = region_indices(layout)
+        for g, arr in ids.items():
+            head = arr[:n]
+            blocks = np.flatnonzero(head >= 0)
+            slots = head[blocks]
+            pg = layout.pool_groups[layout.layer_groups[g].pool_group_index]
+            for pool in pg.pools:
+                first = pool.base_address + slots * pool.slot_bytes
+                starts.append(first)
+                ends.append(first + pool.slot_bytes)
+                region.append(np.full(slots.size, offset + regions[pg.pool_group_index][pool.pool_index], np.int64))
+                label.append(np.stack([np.full(slots.size, rank), np.full(slots.size, g), blocks, slots], axis=1))
+        offset += sum(len(pg.pools) for pg in layout.pool_groups)
+    if not starts or not len(table):
+        return
+    lo, hi, reg = np.concatenate(starts), np.concatenate(ends), np.concatenate(region)
+    labels = np.concatenate(label)
+    if not lo.size:
+        return
+    addr = table.addr.astype(np.int64)
+    stop = addr + table.nbytes.astype(np.int64)
+    # Ranges of one region never overlap (distinct slots), so the last range starting before an entry's
+    # end is the only one that can overlap it.
+    order = np.lexsort((lo, reg))
+    lo, hi, reg, labels = lo[order], hi[order], reg[order], labels[order]
+    bad = np.zeros(len(table), bool)
+    hit = np.full(len(table), -1, np.int64)
+    for r in np.unique(reg).tolist():
+        sel = np.flatnonzero(reg == r)
+        entries = np.flatnonzero(table.region.astype(np.int64) == r)
+        if not entries.size:
+            continue
+        cand = np.searchsorted(lo[sel], stop[entries], side="left") - 1
+        ok = cand >= 0
+        over = np.zeros(entries.size, bool)
+        over[ok] = hi[sel][cand[ok]] > addr[entries][ok]
+        bad[entries[over]] = True
+        hit[entries[over]] = sel[cand[over]]
+    if bad.any():
+        i = int(np.argmax(bad))
+        rank, g, block, slot = labels[hit[i]].tolist()
+        raise ReadOnlyPageError(
+            f"destination entry {i} ({int(table.addr[i]):#x}, {int(table.nbytes[i])} bytes, region "
+            f"{int(table.region[i])}) writes rank {rank} layer group {g} block {block} (slot {slot}), a committed "
+            f"page the destination may share with its prefix tree; {int(bad.sum())} entries do")
