@@ -1,9 +1,11 @@
-"""Integrity benchmark: blake3 digest + verify of a plan's pages (full, every 8th, 5 % sample) next to
-the in-process copy of the same plan (kvxfer.transport.copy.copy_plan), measured in the same run.
+"""Integrity benchmark: the position-keyed digest of one request's KV (source side) and its check on a
+destination with another layout, next to the in-process copy of the same request's plan
+(kvxfer.transport.copy.copy_plan), measured in the same run; every statistic is a median.
 
-Host memory only (this is where the hash runs: CUDA entries are staged to host first).
+Source: tokens_per_block 16, HND, one rank; destination: tokens_per_block 32, NHD, two tensor-parallel
+ranks. Host memory (this is where the hash runs: CUDA pages are staged to host first).
 
-    PYTHONPATH=$PWD python benchmarks/bench_integrity.py [--pages 8192] [--page-kib 16] [--repeat 3]
+    PYTHONPATH=$PWD python benchmarks/bench_integrity.py [--tokens 2048] [--layers 16] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -13,82 +15,103 @@ import datetime
 import json
 import pathlib
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+import torch
 
-from kvxfer.cache.memory import MemoryRegion
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.cache import CacheConfig, KVCacheManager
+from kvxfer.disagg.worker import all_regions, plan_between
+from kvxfer.errors import IntegrityError
 from kvxfer.transport.copy import copy_plan
-from kvxfer.transport.integrity import ChecksumPolicy, digest_source, verify_destination
+from kvxfer.transport.integrity import ChecksumPolicy, digest_kv, verify_kv
 
 
-def best(fn: Callable[[], Any], repeat: int) -> float:
-    """Best wall time of ``repeat`` runs, in seconds."""
+def median_time(fn: Callable[[], Any], repeat: int) -> float:
+    """Median wall time of ``repeat`` runs, in seconds."""
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def plans(pages: int, page: int, rng: np.random.Generator, src: np.ndarray, dst: np.ndarray) -> dict[str, TransferPlan]:
-    """Scattered pages (one entry each, shuffled) and the same bytes as 64 coalesced runs."""
-    s0, d0 = int(src.ctypes.data), int(dst.ctypes.data)
-    perm_s, perm_d = rng.permutation(pages), rng.permutation(pages)
-    size = np.full(pages, page, np.uint64)
-    zero = np.zeros(pages, np.uint32)
-    scattered = TransferPlan(PageTable(s0 + perm_s.astype(np.uint64) * np.uint64(page), size, zero),
-                             PageTable(d0 + perm_d.astype(np.uint64) * np.uint64(page), size, zero))
-    runs = 64
-    run = pages * page // runs
-    starts = np.arange(runs, dtype=np.uint64) * np.uint64(run)
-    rsize, rzero = np.full(runs, run, np.uint64), np.zeros(runs, np.uint32)
-    coalesced = TransferPlan(PageTable(s0 + starts, rsize, rzero), PageTable(d0 + starts, rsize, rzero))
-    return {f"{pages} x {page // 1024} KiB scattered": scattered, f"{runs} x {run >> 20} MiB runs": coalesced}
+    return statistics.median(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--pages", type=int, default=8192)
-    ap.add_argument("--page-kib", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--chunk", type=int, default=32, help="tokens per digest cell")
+    ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    page = args.page_kib * 1024
-    nbytes = args.pages * page
-    rng = np.random.default_rng(0)
-    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, np.uint8)
-    sreg = [MemoryRegion(int(src.ctypes.data), nbytes)]
-    dreg = [MemoryRegion(int(dst.ctypes.data), nbytes)]
+    blocks = -(-args.tokens // 16) + 2
+
+    def managers(tpb: int, order: str, tp: int) -> list[KVCacheManager]:
+        return [KVCacheManager(CacheConfig.for_model(args.layers, args.heads, args.head_dim, tpb, args.dtype, blocks,
+                                                     head_order=order, tp_rank=r, tp_size=tp)) for r in range(tp)]
+
+    src_m, dst_m = managers(16, "HND", 1), managers(32, "NHD", 2)
+    src_c = [m.create_kv_cache(id="src") for m in src_m]
+    dst_c = [m.create_kv_cache(id="dst") for m in dst_m]
+    for c in src_c + dst_c:
+        c.resume()
+        c.resize(args.tokens)
+    gen = torch.Generator().manual_seed(0)
+    for m in src_m:
+        for pg in m.layout.pool_groups:
+            for p in pg.pools:
+                t = m.pool_tensor(pg.pool_group_index, p.pool_index)
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+    src_l, dst_l = [m.layout for m in src_m], [m.layout for m in dst_m]
+    span = (0, args.tokens)
+    plan = plan_between(src_l, src_c, dst_l, dst_c, token_range=span)
+    src_r, dst_r = all_regions(src_l), all_regions(dst_l)
+    t_copy = median_time(lambda: copy_plan(plan, src_r, dst_r), args.repeat)
     policies = {"full": ChecksumPolicy(), "every 8th": ChecksumPolicy.every(8),
                 "5 % sample": ChecksumPolicy.sample(0.05, seed=1)}
     rows: list[dict[str, Any]] = []
-    print(f"{'plan':<28} {'policy':<11} {'copy GB/s':>10} {'digest GB/s':>12} {'verify GB/s':>12} "
-          f"{'digest/copy':>12} {'digest bytes':>13}")
-    for pname, plan in plans(args.pages, page, rng, src, dst).items():
-        t_copy = best(lambda plan=plan: copy_plan(plan, sreg, dreg), args.repeat)
-        for name, policy in policies.items():
-            digest = digest_source(plan, sreg, policy, "bench")
-            t_digest = best(lambda plan=plan, policy=policy: digest_source(plan, sreg, policy, "bench"), args.repeat)
-            t_verify = best(lambda plan=plan, digest=digest: verify_destination(plan, dreg, digest), args.repeat)
-            row = {"plan": pname, "policy": name, "bytes": plan.total_bytes, "entries": len(plan),
-                   "checked_bytes": digest.checked_bytes, "copy_s": t_copy, "digest_s": t_digest,
-                   "verify_s": t_verify, "digest_wire_bytes": len(digest.to_bytes())}
-            rows.append(row)
-            print(f"{pname:<28} {name:<11} {plan.total_bytes / t_copy / 1e9:>10.2f} "
-                  f"{plan.total_bytes / t_digest / 1e9:>12.2f} {plan.total_bytes / t_verify / 1e9:>12.2f} "
-                  f"{t_digest / t_copy:>12.2f} {row['digest_wire_bytes']:>13}")
+    kv_bytes = plan.total_bytes
+    print(f"request: {args.tokens} tokens x {args.layers} layers x {args.heads} heads x {args.head_dim} "
+          f"{args.dtype} = {kv_bytes / 2**20:.0f} MiB; plan {len(plan)} entries (tpb 16 HND -> tpb 32 NHD, TP 1 -> 2)")
+    print(f"{'policy':<11} {'cells':>9} {'copy GB/s':>10} {'digest GB/s':>12} {'verify GB/s':>12} "
+          f"{'digest/copy':>12} {'wire bytes':>11}")
+    for name, policy in policies.items():
+        digest = digest_kv(src_l, src_c, span, policy, "bench", chunk_tokens=args.chunk)
+        verify_kv(dst_l, dst_c, digest, token_range=span)     # the copy above put the same KV there
+        t_digest = median_time(lambda p=policy: digest_kv(src_l, src_c, span, p, "bench", chunk_tokens=args.chunk),
+                               args.repeat)
+        t_verify = median_time(lambda d=digest: verify_kv(dst_l, dst_c, d, token_range=span), args.repeat)
+        share = digest.checked_cells / max(digest.num_cells, 1)
+        row = {"policy": name, "bytes": kv_bytes, "cells": digest.num_cells, "checked_cells": digest.checked_cells,
+               "chunk_tokens": digest.chunk_tokens, "copy_s": t_copy, "digest_s": t_digest, "verify_s": t_verify,
+               "digest_wire_bytes": len(digest.to_bytes())}
+        rows.append(row)
+        print(f"{name:<11} {digest.checked_cells:>9} {kv_bytes / t_copy / 1e9:>10.2f} "
+              f"{kv_bytes * share / t_digest / 1e9:>12.2f} {kv_bytes * share / t_verify / 1e9:>12.2f} "
+              f"{t_digest / t_copy:>12.2f} {row['digest_wire_bytes']:>11}")
+    # The check sees a mispairing: swap two destination blocks' contents and verify again.
+    view = dst_m[0].buffer_view(0, "key")
+    ids = dst_c[0].block_ids(0)
+    view[int(ids[0])], view[int(ids[1])] = view[int(ids[1])].clone(), view[int(ids[0])].clone()
+    try:
+        verify_kv(dst_l, dst_c, digest_kv(src_l, src_c, span, ChecksumPolicy(), "bench"), token_range=span)
+        raise SystemExit("a swapped destination block passed verification")
+    except IntegrityError as exc:
+        print(f"swapped block caught: {str(exc)[:120]}...")
     out = pathlib.Path("benchmarks/results")
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC)
     path = out / f"integrity-{stamp:%Y%m%dT%H%M%S}.json"
-    path.write_text(json.dumps({"date": stamp.isoformat(), "machine": platform.platform(),
-                                "args": vars(args), "rows": rows}, indent=2))
+    path.write_text(json.dumps({"date": stamp.isoformat(), "machine": platform.platform(), "statistic": "median",
+                                "args": vars(args), "plan_entries": len(plan), "rows": rows}, indent=2))
     print(f"wrote {path}")
+    for c in src_c + dst_c:
+        c.close()
 
 
 if __name__ == "__main__":

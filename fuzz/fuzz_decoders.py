@@ -29,7 +29,7 @@ with atheris.instrument_imports(include=["kvxfer"]):
     from kvxfer.disagg.messages import MESSAGE_SPECS, Message
     from kvxfer.errors import DecodeError, PageTableError, ProtocolError
     from kvxfer.pagetable import PageTable, TransferPlan
-    from kvxfer.transport.integrity import ChecksumPolicy, TransferDigest
+    from kvxfer.transport.integrity import ChecksumPolicy, DigestBuffer, KVDigest
     from kvxfer.transport.metadata import TransportMetadata
 
 
@@ -80,9 +80,11 @@ def _message_seeds() -> list[bytes]:
 
 def _digest_seeds() -> list[bytes]:
     policy = ChecksumPolicy.every(3, seed=2)
-    count = 10
-    tags = bytes(range(policy.tag_bytes)) * policy.select(count).size
-    return [TransferDigest("req-1", policy, count, 40960, bytes(32), tags).to_bytes()]
+    buffers = (DigestBuffer(0, "key", "float16", 32, 4, ((0, 40),)),
+               DigestBuffer(1, "value", "float16", 32, 4, ((8, 16), (24, 40))))
+    cells = KVDigest("req-1", policy, 16, (0, 40), buffers, bytes(32), b"").num_cells
+    tags = bytes(range(policy.tag_bytes)) * policy.count(cells)
+    return [KVDigest("req-1", policy, 16, (0, 40), buffers, bytes(32), tags).to_bytes()]
 
 
 def _consistent(decode: Callable[[bytes], Any], encode: Callable[[Any], bytes]) -> Callable[[Any], bool]:
@@ -106,8 +108,8 @@ DECODERS: dict[str, tuple[Callable[[bytes], Any], type[Exception], Callable[[], 
     "metadata": (TransportMetadata.decode, DecodeError, _metadata_seeds,
                  _consistent(TransportMetadata.decode, lambda v: v.encode())),
     "message": (messages.decode, ProtocolError, _message_seeds, _consistent(messages.decode, messages.encode)),
-    "digest": (TransferDigest.from_bytes, DecodeError, _digest_seeds,
-               _consistent(TransferDigest.from_bytes, lambda v: v.to_bytes())),
+    "digest": (KVDigest.from_bytes, DecodeError, _digest_seeds,
+               _consistent(KVDigest.from_bytes, lambda v: v.to_bytes())),
 }
 
 

@@ -34,7 +34,7 @@ from kvxfer.disagg.messages import MESSAGE_SPECS, Message
 from kvxfer.errors import DecodeError, PageTableError, ProtocolError, TransferFailed, TransportError
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import Transport, TransportMetadata, available_backends, create
-from kvxfer.transport.integrity import ChecksumPolicy, TransferDigest, digest_table
+from kvxfer.transport.integrity import ChecksumPolicy, DigestBuffer, KVDigest
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -95,12 +95,15 @@ def _messages() -> list[bytes]:
 
 
 def _digests() -> list[bytes]:
-    bufs = make_buffers([16 * PAGE], seed=1)
-    regions = regions_of(bufs)
-    table = PageTable(regions[0].base_address + np.arange(0, 16 * PAGE, PAGE, dtype=np.uint64),
-                      np.full(16, PAGE, np.uint64), np.zeros(16, np.uint32))
-    return [digest_table(table, regions, p, "req-7").to_bytes()
-            for p in (ChecksumPolicy(), ChecksumPolicy.every(3, seed=2), ChecksumPolicy.sample(0.3, seed=5))]
+    buffers = (DigestBuffer(0, "key", "bfloat16", 64, 8, ((0, 70),)),
+               DigestBuffer(0, "value", "bfloat16", 64, 8, ((0, 70),)),
+               DigestBuffer(1, "key", "float32", 32, 2, ((5, 20), (40, 70))))
+    out = []
+    for p in (ChecksumPolicy(), ChecksumPolicy.every(3, seed=2), ChecksumPolicy.sample(0.3, seed=5)):
+        n = KVDigest("req-7", p, 16, (0, 70), buffers, bytes(32), b"").num_cells
+        out.append(KVDigest("req-7", p, 16, (0, 70), buffers, bytes(range(32)),
+                            bytes(range(p.tag_bytes)) * p.count(n)).to_bytes())
+    return out
 
 
 def _same_table(a: PageTable, b: PageTable) -> bool:
@@ -134,8 +137,8 @@ DECODERS = [
             lambda v: TransportMetadata.decode(v.encode()) == v),
     Decoder("disagg.messages.decode", messages.decode, ProtocolError, _messages(), True,
             lambda v: messages.decode(messages.encode(v)) == v),
-    Decoder("TransferDigest.from_bytes", TransferDigest.from_bytes, DecodeError, _digests(), True,
-            lambda v: TransferDigest.from_bytes(v.to_bytes()) == v),
+    Decoder("KVDigest.from_bytes", KVDigest.from_bytes, DecodeError, _digests(), True,
+            lambda v: KVDigest.from_bytes(v.to_bytes()) == v),
 ]
 IDS = [d.name for d in DECODERS]
 

@@ -289,6 +289,9 @@ def test_policy_choices_depend_only_on_the_grid() -> None:
     chosen = sample.select(4000)
     assert np.array_equal(chosen, sample.select(4000)) and 800 < chosen.size < 1200
     assert ChecksumPolicy.sample(1e-9, seed=1).select(10).size == 1
+    for policy in (ChecksumPolicy(), ChecksumPolicy.every(7, seed=3), sample, ChecksumPolicy.sample(1e-9, seed=1)):
+        for n in (0, 1, 10, 70_001):
+            assert policy.count(n) == policy.select(n).size
     assert int(_splitmix64(np.array([0], np.uint64))[0]) == 0xE220A8397B1DCDAF   # the reference value
     for bad in ({"mode": "all"}, {"stride": 0}, {"fraction": 0.0}, {"seed": -1}, {"tag_bytes": 3}):
         with pytest.raises(ConfigError, match="ChecksumPolicy"):

@@ -119,6 +119,22 @@ class ChecksumPolicy:
         chosen = index[mixed.astype(np.float64) < threshold] if self.fraction < 1.0 else index
         return chosen if chosen.size else index[[int(np.argmin(mixed))]]
 
+    def count(self, count: int) -> int:
+        """``select(count).size`` without materialising the selection (a peer's header may claim a large
+        grid: decoding it must not allocate in proportion to the claim)."""
+        if self.mode == "full" or count == 0:
+            return count
+        if self.mode == "stride":
+            return len(range(self.seed % self.stride, count, self.stride))
+        if self.fraction >= 1.0:
+            return count
+        step, total = 1 << 16, 0
+        threshold = self.fraction * 2.0**64
+        for lo in range(0, count, step):
+            index = np.arange(lo, min(lo + step, count), dtype=np.uint64)
+            total += int(np.count_nonzero(_splitmix64(index ^ np.uint64(self.seed)).astype(np.float64) < threshold))
+        return max(total, 1)
+
     def describe(self) -> str:
         """Short text for tables and logs: ``full``, ``every:K`` or ``sample:F`` (seed and tag when not default)."""
         text = {"full": "full", "stride": f"every:{self.stride}", "random": f"sample:{self.fraction:g}"}[self.mode]
@@ -263,7 +279,7 @@ class KVDigest:
         cells = digest.num_cells
         if cells > MAX_DIGEST_CELLS:
             raise DecodeError(f"kv digest.buffers: {cells} cells exceed the limit of {MAX_DIGEST_CELLS}")
-        expected = policy.select(cells).size
+        expected = policy.count(cells)
         if digest.checked_cells != expected:
             raise DecodeError(f"kv digest.tags: {digest.checked_cells} tags, the policy selects {expected} of "
                               f"{cells} cells")
@@ -464,9 +480,13 @@ def _gather_rows(region: MemoryRegion, offsets: I64, row: int) -> npt.NDArray[np
     if offsets.size and (int(offsets.min()) < 0 or int(offsets.max()) + row > region.nbytes):
         raise IntegrityError(f"digest rows fall outside the region at {region.base_address:#x} "
                              f"({region.nbytes} bytes): the layout and block ids disagree")
-    rows = raw.as_strided((region.nbytes - row + 1, row), (1, 1))
-    index = torch.from_numpy(offsets).to(raw.device)
-    staged: npt.NDArray[np.uint8] = rows[index].cpu().numpy().reshape(-1)
+    if not (offsets % row).any():    # rows on a row grid (every layout kvxfer builds): a plain row gather
+        rows = raw[:region.nbytes // row * row].view(-1, row)
+        index = torch.from_numpy(offsets // row).to(raw.device)
+    else:                             # any byte offset: an overlapping view with one row per byte
+        rows = raw.as_strided((region.nbytes - row + 1, row), (1, 1))
+        index = torch.from_numpy(offsets).to(raw.device)
+    staged: npt.NDArray[np.uint8] = rows.index_select(0, index).cpu().numpy().reshape(-1)
     return staged
 
 
