@@ -423,7 +423,7 @@ def test_sliding_window_gaps_from_a_real_kv_cache() -> None:
         src, dst = Side(sm, sc.block_id_map()), Side(dm, dc.block_id_map())
         rng = np.random.default_rng(5)
         fill_source(src, rng)
-        plan = plan_transfer(sm.layout, sc, dm.layout, dc)
+        plan = plan_transfer(sm.layout, sc, dm.layout, dc.block_id_map())   # whole blocks (a KVCache: its capacity)
         check_plan(src, dst, [plan])
         kept = int((sc.block_ids(1) >= 0).sum())
         assert plan.total_bytes == 2 * (8 + kept) * 2 * 4 * 4 * 2

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvxfer.cache import CacheConfig, KVCacheManager
+from kvxfer.cache.memory import MemoryRegion
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.disagg.worker import all_regions, plan_between
 from kvxfer.errors import ConfigError, DecodeError, IntegrityError
@@ -29,6 +30,7 @@ from kvxfer.transport.integrity import (
     MAX_DIGEST_CELLS,
     ChecksumPolicy,
     KVDigest,
+    _gather_rows,
     _splitmix64,
     digest_kv,
     verify_kv,
@@ -342,6 +344,17 @@ def test_digest_decoder_names_the_bad_field(pair: Any) -> None:
     huge = [*obj[:4], [0, 1 << 30], [[*buf[:4], 1 << 16, [[0, 1 << 30]]]], *obj[6:]]
     with pytest.raises(DecodeError, match="cells exceed the limit"):
         KVDigest.from_bytes(msgpack.packb(huge))
+
+
+def test_row_gather_on_and_off_the_row_grid() -> None:
+    """Rows at multiples of their size take the plain gather; any other offset the byte-strided one."""
+    buf = np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8)
+    region = MemoryRegion(int(buf.ctypes.data), buf.size)
+    for offsets in (np.array([64, 0, 4032], np.int64), np.array([3, 1000, 4032 + 31], np.int64)):
+        got = _gather_rows(region, offsets, 32)
+        assert np.array_equal(got, np.concatenate([buf[o:o + 32] for o in offsets.tolist()]))
+    with pytest.raises(IntegrityError, match="outside the region"):
+        _gather_rows(region, np.array([4090], np.int64), 32)
 
 
 @pytest.mark.gpu

@@ -23,8 +23,8 @@ from kvxfer.cache.descriptors import BufferFormat, CacheLayoutDesc
 from kvxfer.extractor.block_ids import BlockIds, block_id_map, check_distinct
 from kvxfer.extractor.compat import buffer_pairs, check_layer_groups, paired_layers
 from kvxfer.extractor.regions import Placement, placements, region_indices
-from kvxfer.extractor.tokens import MAX_TOKEN, Segments, check_token_range, refuse_read_only, token_segments
-from kvxfer.extractor.writable import committed_tokens
+from kvxfer.extractor.tokens import Segments, check_token_range, refuse_read_only, token_segments
+from kvxfer.extractor.writable import committed_tokens, lacking_range
 from kvxfer.pagetable import PageTable, TransferPlan
 
 I64 = npt.NDArray[np.int64]
@@ -42,9 +42,10 @@ def plan_transfer(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, ds
 
     ``dst_committed`` (default: ``num_committed_tokens`` of a KVCache destination, else 0) is what the
     destination already holds as final: its blocks before ``dst_committed // tokens_per_block`` are
-    read-only (they may be shared with its prefix tree), so without ``token_range`` the plan covers the
-    tokens from ``dst_committed`` on (what the destination lacks), and a range reaching into a
-    read-only block raises ReadOnlyPageError naming the layer group, block, slot and tokens.
+    read-only (they may be shared with its prefix tree), and a range reaching into a read-only block
+    raises ReadOnlyPageError naming the layer group, block, slot and tokens. Without ``token_range``
+    the plan covers what the destination lacks: [committed, capacity) of a KVCache destination,
+    the tokens from ``dst_committed`` on otherwise.
     Heads move where both sides hold them (one plan per source rank when tensor-parallel splits
     differ). Raises LayoutMismatch naming the first incompatible field, BlockIdError for a block id
     outside its pool group (or a destination slot listed twice). The plan is ordered by source
@@ -52,8 +53,8 @@ def plan_transfer(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, ds
     """
     tr = check_token_range(token_range)
     committed = committed_tokens(dst_block_ids, dst_committed)
-    if tr is None and committed:
-        tr = (committed, MAX_TOKEN)
+    if tr is None:
+        tr = lacking_range(dst_block_ids, dst_committed)
     read_only = committed // dst_layout.tokens_per_block * dst_layout.tokens_per_block
     layer_ids = paired_layers(src_layout, dst_layout, layers)
     batches: list[Entries] = []

@@ -20,6 +20,7 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.errors import BlockIdError, ReadOnlyPageError
 from kvxfer.extractor.block_ids import BlockIds, block_id_map
 from kvxfer.extractor.regions import region_indices
+from kvxfer.extractor.tokens import MAX_TOKEN
 from kvxfer.pagetable import PageTable
 
 I64 = npt.NDArray[np.int64]
@@ -27,10 +28,13 @@ I64 = npt.NDArray[np.int64]
 
 @runtime_checkable
 class HasCommittedTokens(Protocol):
-    """A destination that knows how many of its tokens are final, such as a KVCache."""
+    """A destination that knows how many of its tokens are final and how many it can hold: a KVCache."""
 
     @property
     def num_committed_tokens(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
 
 
 def committed_tokens(block_ids: BlockIds | Any, committed: int | None = None) -> int:
@@ -40,6 +44,15 @@ def committed_tokens(block_ids: BlockIds | Any, committed: int | None = None) ->
     if isinstance(committed, bool) or not isinstance(committed, int | np.integer) or committed < 0:
         raise BlockIdError(f"committed tokens must be an int >= 0, got {committed!r}")
     return int(committed)
+
+
+def lacking_range(block_ids: BlockIds | Any, committed: int | None = None) -> tuple[int, int] | None:
+    """The tokens a destination lacks: [committed, capacity) of a KVCache, [committed, ...) when only
+    ``committed`` is known, None (no limit) when neither is."""
+    done = committed_tokens(block_ids, committed)
+    if isinstance(block_ids, HasCommittedTokens):
+        return done, max(done, int(block_ids.capacity))
+    return (done, MAX_TOKEN) if done else None
 
 
 def writable_block_ids(layout: CacheLayoutDesc, block_ids: BlockIds | Any,
@@ -89,8 +102,8 @@ def check_writable(table: PageTable, layouts: Sequence[CacheLayoutDesc], block_i
         return
     addr = table.addr.astype(np.int64)
     stop = addr + table.nbytes.astype(np.int64)
-    # Ranges of one region never overlap (distinct slots), so the last range starting before an entry's
-    # end is the only one that can overlap it.
+    # Ranges of one region never overlap (distinct slots), so both their starts and ends ascend: the first
+    # range ending after an entry's start overlaps it if it starts before the entry's end.
     order = np.lexsort((lo, reg))
     lo, hi, reg, labels = lo[order], hi[order], reg[order], labels[order]
     bad = np.zeros(len(table), bool)
@@ -100,10 +113,10 @@ def check_writable(table: PageTable, layouts: Sequence[CacheLayoutDesc], block_i
         entries = np.flatnonzero(table.region.astype(np.int64) == r)
         if not entries.size:
             continue
-        cand = np.searchsorted(lo[sel], stop[entries], side="left") - 1
-        ok = cand >= 0
+        cand = np.searchsorted(hi[sel], addr[entries], side="right")
+        ok = cand < sel.size
         over = np.zeros(entries.size, bool)
-        over[ok] = hi[sel][cand[ok]] > addr[entries][ok]
+        over[ok] = lo[sel][cand[ok]] < stop[entries][ok]
         bad[entries[over]] = True
         hit[entries[over]] = sel[cand[over]]
     if bad.any():
