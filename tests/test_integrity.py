@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from kvxfer.cache import CacheConfig, KVCacheManager
-from kvxfer.cache.memory import MemoryRegion
 from kvxfer.cache.kv_cache import KVCache
+from kvxfer.cache.memory import MemoryRegion
 from kvxfer.disagg.worker import all_regions, plan_between
 from kvxfer.errors import ConfigError, DecodeError, IntegrityError
 from kvxfer.model import PagedKV
