@@ -16,6 +16,7 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import IntegrityError
+from kvxfer.model import preset
 from kvxfer.transport import LoopbackFaults
 from kvxfer.transport.integrity import ChecksumPolicy
 from tests.faults.conftest import assert_settled
@@ -107,3 +108,20 @@ def test_a_delayed_layerwise_write_keeps_its_source_page_after_commit_adopts_the
     assert b.result(60).tokens == reference(other, NEW)
     assert decode.status()["integrity_failures"] == 0
     assert_settled(prefill, decode)
+
+
+@pytest.mark.parametrize(("mode", "layerwise"), [("push", False), ("push", True), ("pull", False)])
+def test_checksum_across_tp_block_size_order_and_sliding_windows(mode: str, layerwise: bool) -> None:
+    """Two prefill ranks (16 tokens/block, HND, prefill releasing old window blocks) against one decode
+    rank (8 tokens/block, NHD): each side digests its own layout; repeats hit both prefix trees."""
+    model = preset("tiny-swa")
+    with PrefillWorker(WorkerConfig(name("prefill"), model=model, tp_size=2, chunk_size=32), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), model=model, tokens_per_block=8, head_order="NHD",
+                                      checksum=ChecksumPolicy()), SECRET, prefill=prefill.address, mode=mode,
+                         layerwise=layerwise) as decode:
+        long_prompts = [prompt(40, 100), prompt(41, 77)]
+        for tokens in [*long_prompts, *long_prompts]:
+            res = decode.generate(tokens, NEW, timeout=60)
+            assert res.tokens == reference(tokens, NEW, model) and res.verify_s > 0.0
+        assert decode.status()["integrity_failures"] == 0
+        assert_settled(prefill, decode)
