@@ -2,8 +2,9 @@
 destination with another layout, next to the in-process copy of the same request's plan
 (kvxfer.transport.copy.copy_plan), measured in the same run; every statistic is a median.
 
-Source: tokens_per_block 16, HND, one rank; destination: tokens_per_block 32, NHD, two tensor-parallel
-ranks. Host memory (this is where the hash runs: CUDA pages are staged to host first).
+Source: tokens_per_block 16, HND, one rank; destinations: the same layout (a coalesced plan: the copy
+runs near memcpy), and tokens_per_block 32, NHD, two tensor-parallel ranks (one entry per row). Host
+memory (this is where the hash runs: CUDA pages are staged to host first).
 
     PYTHONPATH=$PWD python benchmarks/bench_integrity.py [--tokens 2048] [--layers 16] [--repeat 5]
 """
@@ -55,10 +56,9 @@ def main() -> None:
         return [KVCacheManager(CacheConfig.for_model(args.layers, args.heads, args.head_dim, tpb, args.dtype, blocks,
                                                      head_order=order, tp_rank=r, tp_size=tp)) for r in range(tp)]
 
-    src_m, dst_m = managers(16, "HND", 1), managers(32, "NHD", 2)
+    src_m = managers(16, "HND", 1)
     src_c = [m.create_kv_cache(id="src") for m in src_m]
-    dst_c = [m.create_kv_cache(id="dst") for m in dst_m]
-    for c in src_c + dst_c:
+    for c in src_c:
         c.resume()
         c.resize(args.tokens)
     gen = torch.Generator().manual_seed(0)
@@ -67,50 +67,61 @@ def main() -> None:
             for p in pg.pools:
                 t = m.pool_tensor(pg.pool_group_index, p.pool_index)
                 t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
-    src_l, dst_l = [m.layout for m in src_m], [m.layout for m in dst_m]
+    src_l = [m.layout for m in src_m]
     span = (0, args.tokens)
-    plan = plan_between(src_l, src_c, dst_l, dst_c, token_range=span)
-    src_r, dst_r = all_regions(src_l), all_regions(dst_l)
-    t_copy = median_time(lambda: copy_plan(plan, src_r, dst_r), args.repeat)
     policies = {"full": ChecksumPolicy(), "every 8th": ChecksumPolicy.every(8),
                 "5 % sample": ChecksumPolicy.sample(0.05, seed=1)}
+    destinations = {"same layout": (16, "HND", 1), "tpb 32, NHD, TP 2": (32, "NHD", 2)}
     rows: list[dict[str, Any]] = []
-    kv_bytes = plan.total_bytes
-    print(f"request: {args.tokens} tokens x {args.layers} layers x {args.heads} heads x {args.head_dim} "
-          f"{args.dtype} = {kv_bytes / 2**20:.0f} MiB; plan {len(plan)} entries (tpb 16 HND -> tpb 32 NHD, TP 1 -> 2)")
-    print(f"{'policy':<11} {'cells':>9} {'copy GB/s':>10} {'digest GB/s':>12} {'verify GB/s':>12} "
+    print(f"request: {args.tokens} tokens x {args.layers} layers x {args.heads} heads x {args.head_dim} {args.dtype}; "
+          f"source tpb 16, HND, TP 1. GB/s = request KV bytes / median time (sampled: effective rate)")
+    print(f"{'destination':<18} {'policy':<11} {'cells':>7} {'copy GB/s':>10} {'digest GB/s':>12} {'verify GB/s':>12} "
           f"{'digest/copy':>12} {'wire bytes':>11}")
-    for name, policy in policies.items():
-        digest = digest_kv(src_l, src_c, span, policy, "bench", chunk_tokens=args.chunk)
-        verify_kv(dst_l, dst_c, digest, token_range=span)     # the copy above put the same KV there
-        t_digest = median_time(lambda p=policy: digest_kv(src_l, src_c, span, p, "bench", chunk_tokens=args.chunk),
-                               args.repeat)
-        t_verify = median_time(lambda d=digest: verify_kv(dst_l, dst_c, d, token_range=span), args.repeat)
-        share = digest.checked_cells / max(digest.num_cells, 1)
-        row = {"policy": name, "bytes": kv_bytes, "cells": digest.num_cells, "checked_cells": digest.checked_cells,
-               "chunk_tokens": digest.chunk_tokens, "copy_s": t_copy, "digest_s": t_digest, "verify_s": t_verify,
-               "digest_wire_bytes": len(digest.to_bytes())}
-        rows.append(row)
-        print(f"{name:<11} {digest.checked_cells:>9} {kv_bytes / t_copy / 1e9:>10.2f} "
-              f"{kv_bytes * share / t_digest / 1e9:>12.2f} {kv_bytes * share / t_verify / 1e9:>12.2f} "
-              f"{t_digest / t_copy:>12.2f} {row['digest_wire_bytes']:>11}")
-    # The check sees a mispairing: swap two destination blocks' contents and verify again.
-    view = dst_m[0].buffer_view(0, "key")
-    ids = dst_c[0].block_ids(0)
-    view[int(ids[0])], view[int(ids[1])] = view[int(ids[1])].clone(), view[int(ids[0])].clone()
-    try:
-        verify_kv(dst_l, dst_c, digest_kv(src_l, src_c, span, ChecksumPolicy(), "bench"), token_range=span)
-        raise SystemExit("a swapped destination block passed verification")
-    except IntegrityError as exc:
-        print(f"swapped block caught: {str(exc)[:120]}...")
+    for dname, (tpb, order, tp) in destinations.items():
+        dst_m = managers(tpb, order, tp)
+        dst_c = [m.create_kv_cache(id="dst") for m in dst_m]
+        for c in dst_c:
+            c.resume()
+            c.resize(args.tokens)
+        dst_l = [m.layout for m in dst_m]
+        plan = plan_between(src_l, src_c, dst_l, dst_c, token_range=span)
+        src_r, dst_r = all_regions(src_l), all_regions(dst_l)
+        t_copy = median_time(lambda plan=plan, src_r=src_r, dst_r=dst_r: copy_plan(plan, src_r, dst_r), args.repeat)
+        kv_bytes = plan.total_bytes
+        for name, policy in policies.items():
+            digest = digest_kv(src_l, src_c, span, policy, "bench", chunk_tokens=args.chunk)
+            verify_kv(dst_l, dst_c, digest, token_range=span)     # the copy above put the same KV there
+            t_digest = median_time(lambda p=policy: digest_kv(src_l, src_c, span, p, "bench", chunk_tokens=args.chunk),
+                                   args.repeat)
+            t_verify = median_time(lambda d=digest, dst_l=dst_l, dst_c=dst_c: verify_kv(dst_l, dst_c, d, token_range=span),
+                                   args.repeat)
+            row = {"destination": dname, "policy": name, "bytes": kv_bytes, "plan_entries": len(plan),
+                   "cells": digest.num_cells, "checked_cells": digest.checked_cells,
+                   "chunk_tokens": digest.chunk_tokens, "copy_s": t_copy, "digest_s": t_digest, "verify_s": t_verify,
+                   "digest_wire_bytes": len(digest.to_bytes())}
+            rows.append(row)
+            print(f"{dname:<18} {name:<11} {digest.checked_cells:>7} {kv_bytes / t_copy / 1e9:>10.2f} "
+                  f"{kv_bytes / t_digest / 1e9:>12.2f} {kv_bytes / t_verify / 1e9:>12.2f} "
+                  f"{t_digest / t_copy:>12.2f} {row['digest_wire_bytes']:>11}")
+        # The check sees a mispairing: swap two destination blocks' contents and verify again.
+        view = dst_m[0].buffer_view(0, "key")
+        ids = dst_c[0].block_ids(0)
+        view[int(ids[0])], view[int(ids[1])] = view[int(ids[1])].clone(), view[int(ids[0])].clone()
+        try:
+            verify_kv(dst_l, dst_c, digest_kv(src_l, src_c, span, ChecksumPolicy(), "bench"), token_range=span)
+            raise SystemExit("a swapped destination block passed verification")
+        except IntegrityError as exc:
+            print(f"  swapped block caught: {str(exc)[:110]}...")
+        for c in dst_c:
+            c.close()
     out = pathlib.Path("benchmarks/results")
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC)
     path = out / f"integrity-{stamp:%Y%m%dT%H%M%S}.json"
     path.write_text(json.dumps({"date": stamp.isoformat(), "machine": platform.platform(), "statistic": "median",
-                                "args": vars(args), "plan_entries": len(plan), "rows": rows}, indent=2))
+                                "args": vars(args), "rows": rows}, indent=2))
     print(f"wrote {path}")
-    for c in src_c + dst_c:
+    for c in src_c:
         c.close()
 
 

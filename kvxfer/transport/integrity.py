@@ -60,6 +60,8 @@ MAX_DIGEST_BYTES = (MAX_DIGEST_CELLS * 32) + (8 << 20)
 #: CUDA pages (and host pages) are staged in groups of at most this many bytes: one gather each.
 STAGE_BYTES = 64 << 20
 STAGE_ROWS = 1 << 20
+#: Host pages are hashed in place (no staging copy) when their rows form runs of at least this many rows.
+DIRECT_MIN_RUN_ROWS = 4
 
 Mode = Literal["full", "stride", "random"]
 MODES: tuple[Mode, ...] = ("full", "stride", "random")
@@ -460,11 +462,40 @@ class _Rank:
         offset = (self.base[bb] + slot * self.slot_bytes[bb] + (cells.head[part][seg] - self.head_start[bb])
                   * self.head_stride[bb] + (tok - block * self.tpb) * self.token_stride[bb])
         row = int(self.row[b[0]])
-        staged = _gather_rows(self.regions[int(self.region[b[0]])], offset, row)
+        region = self.regions[int(self.region[b[0]])]
+        first_row = np.cumsum(length) - length
+        # Runs of rows adjacent in memory inside one cell (HND: a head's tokens within a block).
+        starts = np.zeros(offset.size, bool)
+        starts[first_row] = True
+        starts[1:] |= offset[1:] != offset[:-1] + row
+        run = np.flatnonzero(starts)
+        if region.memory_kind != "cuda" and run.size * DIRECT_MIN_RUN_ROWS <= offset.size:
+            # Long runs in host memory: hash them in place, no staging copy.
+            self._hash_runs(region, part, offset[run], np.diff(np.append(run, offset.size)) * row,
+                            np.searchsorted(run, first_row), out)
+            return
+        staged = _gather_rows(region, offset, row)
         ends = np.cumsum(length * row)
         view = staged.data
         for k, a, e in zip(part.tolist(), (ends - length * row).tolist(), ends.tolist(), strict=True):
             out[k] = blake3.blake3(view[a:e]).digest()
+
+    @staticmethod
+    def _hash_runs(region: MemoryRegion, part: I64, run_offset: I64, run_bytes: I64, cell_first_run: I64,
+                   out: list[bytes]) -> None:
+        """Hash each cell of ``part`` over its runs (``cell_first_run[i]`` up to the next cell's) read in
+        place from a host region."""
+        if int(run_offset.min()) < 0 or int((run_offset + run_bytes).max()) > region.nbytes:
+            raise IntegrityError(f"digest rows fall outside the region at {region.base_address:#x} "
+                                 f"({region.nbytes} bytes): the layout and block ids disagree")
+        view = host_view(region).data
+        bounds = np.append(cell_first_run, run_offset.size).tolist()
+        offsets, sizes = run_offset.tolist(), run_bytes.tolist()
+        for k, lo, hi in zip(part.tolist(), bounds[:-1], bounds[1:], strict=True):
+            hasher = blake3.blake3()
+            for r in range(lo, hi):
+                hasher.update(view[offsets[r]:offsets[r] + sizes[r]])
+            out[k] = hasher.digest()
 
 
 def _gather_rows(region: MemoryRegion, offsets: I64, row: int) -> npt.NDArray[np.uint8]:
