@@ -32,7 +32,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.cache.descriptors import BufferId, CacheLayoutDesc
+from kvxfer.cache.descriptors import BufferFormat, BufferId, CacheLayoutDesc
 from kvxfer.cache.dtypes import dtype_name, itemsize
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, ConfigError, DecodeError, IntegrityError
@@ -195,6 +195,7 @@ class DigestBuffer:
         return np.maximum(lo[seg], k * chunk_tokens), np.minimum(hi[seg], (k + 1) * chunk_tokens)
 
     def to_wire(self) -> list[Any]:
+        """``[layer, role, dtype, head_dim, total_heads, [[start, stop], ...]]`` for the digest's encoding."""
         return [self.layer_id, self.role, self.dtype, self.head_dim, self.total_heads, [list(s) for s in self.spans]]
 
     def name(self) -> str:
@@ -342,6 +343,7 @@ class _Cells:
     tag: I64
 
     def take(self, mask: npt.NDArray[np.bool_]) -> _Cells:
+        """The cells where ``mask`` is true (tag indices kept)."""
         return _Cells(self.buffer[mask], self.head[mask], self.start[mask], self.stop[mask], self.tag[mask])
 
 
@@ -447,6 +449,8 @@ class _Rank:
         return out
 
     def _hash_group(self, cells: _Cells, part: I64, buffers: Sequence[DigestBuffer], out: list[bytes]) -> None:
+        """Hash the cells ``part`` (one region, one row size, bounded bytes) into ``out``: every row's
+        byte offset computed at once, then in place (long runs in host memory) or after one gather."""
         b = cells.buffer[part]
         length = cells.stop[part] - cells.start[part]
         seg, j = _expand(length)
@@ -536,12 +540,13 @@ def _cuda_tensor(region: MemoryRegion, torch: Any) -> Any:
 
 
 # --- both sides --------------------------------------------------------------------------------------
-def _side_buffers(layouts: Sequence[CacheLayoutDesc], layers: Sequence[int] | None) -> dict[tuple[int, str], Any]:
+def _side_buffers(layouts: Sequence[CacheLayoutDesc],
+                  layers: Sequence[int] | None) -> dict[tuple[int, str], BufferFormat]:
     """(layer, role) -> format of the first rank holding it, for the selected layers."""
     if not layouts:
         raise ConfigError("a digest needs at least one rank's layout")
     wanted = None if layers is None else {int(x) for x in layers}
-    out: dict[tuple[int, str], Any] = {}
+    out: dict[tuple[int, str], BufferFormat] = {}
     for lay in layouts:
         for bid, fmt in lay.formats:
             if wanted is None or bid.layer_id in wanted:
@@ -642,10 +647,10 @@ def verify_kv(layouts: Sequence[CacheLayoutDesc], block_ids: Sequence[BlockIds |
                              f"missing {missing[:8]}, unexpected {extra[:8]}")
     for key, fmt in formats.items():
         b = theirs[key]
-        for name, mine in (("dtype", fmt.dtype), ("head_dim", fmt.head_dim), ("total_heads", fmt.total_heads)):
-            if getattr(b, name) != mine:
+        for name, ours in (("dtype", fmt.dtype), ("head_dim", fmt.head_dim), ("total_heads", fmt.total_heads)):
+            if getattr(b, name) != ours:
                 raise IntegrityError(f"{where}: {b.name()} {name} is {getattr(b, name)!r} in the digest, "
-                                     f"{mine!r} on the destination")
+                                     f"{ours!r} on the destination")
         _check_coverage(where, b, layouts[0], lo, hi)
     ranks = [_Rank(lay, ids, digest.buffers, "destination") for lay, ids in zip(layouts, block_ids, strict=True)]
     cells = _selected_cells(digest.policy, digest.chunk_tokens, digest.buffers)
