@@ -284,6 +284,12 @@ def test_mla_style_single_role_cache() -> None:
         [(0, "kv", 1, 16), (1, "kv", 1, 16)]
 
 
+def test_sglang_pipeline_stage_layer_ids() -> None:
+    ks = [torch.zeros(8, 2, 4, dtype=torch.float16) for _ in range(2)]
+    lay = sglang_mha(ks, [k.clone() for k in ks], layer_ids=[16, 17]).layout
+    assert lay.layer_ids == (16, 17)
+
+
 def test_sglang_token_slots_to_block_ids() -> None:
     np.testing.assert_array_equal(block_ids_from_token_slots([12, 13, 14, 15, 4, 5], 4), [3, 1])
     np.testing.assert_array_equal(block_ids_from_token_slots([9, 2, 7], 1), [9, 2, 7])
@@ -312,6 +318,7 @@ def test_inputs_are_validated_with_clear_errors() -> None:
         (lambda: sglang_mha([kv(64, 2, 8)], [kv(60, 2, 8)]), r"layer 0 K has shape \(64, 2, 8\), V has \(60, 2, 8\)"),
         (lambda: sglang_mha([kv(62, 2, 8)], [kv(62, 2, 8)], page_size=4), "62 token slots, not a multiple of page_size=4"),
         (lambda: sglang_mha([kv(64, 2, 8)], []), "1 K buffers but 0 V buffers"),
+        (lambda: sglang_mha([kv(64, 2, 8)] * 2, [kv(64, 2, 8)] * 2, layer_ids=[5, 5]), "name each of the 2 layers once"),
         (lambda: sglang_mha([kv(64, 2, 16)[..., :8]], [kv(64, 2, 8)]), "must be contiguous"),
         (lambda: trtllm_pools(plan_layout(CacheConfig.for_model(2, 2, 8, 16, "float16", 4)), [[torch.zeros(100, dtype=torch.uint8)]]),
          "100 bytes is not a whole number of"),

@@ -104,17 +104,21 @@ def flashinfer(kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], *
 
 
 def sglang_mha(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], *, page_size: int = 1,
-               head_start: int = 0, total_heads: int | None = None, windows: Sequence[int | None] | None = None,
-               sink_tokens: int = 0) -> EngineKV:
+               layer_ids: Sequence[int] | None = None, head_start: int = 0, total_heads: int | None = None,
+               windows: Sequence[int | None] | None = None, sink_tokens: int = 0) -> EngineKV:
     """SGLang's MHA token pool: per layer separate K and V ``[num_tokens, kv_heads, head_dim]``. A block
     is ``page_size`` consecutive token slots (block ``b`` = slots ``b*page_size ..``); turn a request's
-    token slots (``req_to_token``) into block ids with ``block_ids_from_token_slots``."""
+    token slots (``req_to_token``) into block ids with ``block_ids_from_token_slots``. ``layer_ids``
+    (default 0..) names the buffers' layers, e.g. a pipeline stage's."""
     who = "sglang_mha"
     _check_count(page_size, f"{who}: page_size")
     if len(k_buffers) != len(v_buffers):
         raise LayoutError(f"{who}: {len(k_buffers)} K buffers but {len(v_buffers)} V buffers")
+    ids = list(range(len(k_buffers))) if layer_ids is None else [int(x) for x in layer_ids]
+    if len(ids) != len(k_buffers) or len(set(ids)) != len(ids):
+        raise LayoutError(f"{who}: layer_ids must name each of the {len(k_buffers)} layers once, got {list(ids)}")
     per_layer: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers, strict=True)):
+    for layer, k, v in zip(ids, k_buffers, v_buffers, strict=True):
         for role, t in (("key", k), ("value", v)):
             _check_tensor(t, 3, f"{who}: layer {layer} {role}")
             if not t.is_contiguous():
