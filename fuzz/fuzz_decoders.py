@@ -21,7 +21,7 @@ import atheris
 with atheris.instrument_imports(include=["kvxfer"]):
     import numpy as np
 
-    from kvxfer.cache.config import CacheConfig, RoleSpec
+    from kvxfer.cache.config import CacheConfig, LayerSpec, PrimaryTier, RoleSpec
     from kvxfer.cache.descriptors import CacheLayoutDesc
     from kvxfer.cache.layout import plan_layout
     from kvxfer.cache.memory import MemoryRegion
@@ -36,7 +36,9 @@ with atheris.instrument_imports(include=["kvxfer"]):
 def _layout_seeds() -> list[bytes]:
     scale = RoleSpec("key_scale", head_dim=1, dtype="float32")
     configs = [CacheConfig.for_model(4, 8, 64, 16, "bfloat16", 10, windows=[128, None], roles=("key", "value", scale)),
-               CacheConfig.for_model(2, 4, 32, 8, "float16", 6, coalesce=False, head_order="NHD")]
+               CacheConfig.for_model(2, 4, 32, 8, "float16", 6, coalesce=False, head_order="NHD"),
+               CacheConfig((LayerSpec(0, 2, 64, window=64), LayerSpec(1, 2, 64, window=64), LayerSpec(2, 2, 128)),
+                           16, "float16", (PrimaryTier(1 << 20),))]
     return [plan_layout(c).to_msgpack() for c in configs]
 
 

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transport_helpers.plans import PAGE, make_buffers, pair, random_pages, regions_of
 
-from kvxfer.cache.config import CacheConfig, RoleSpec
+from kvxfer.cache.config import CacheConfig, LayerSpec, PrimaryTier, RoleSpec
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.layout import plan_layout
 from kvxfer.cache.memory import MemoryRegion
@@ -47,6 +47,9 @@ def _layouts() -> list[bytes]:
         CacheConfig.for_model(4, 8, 64, 16, "bfloat16", 10, windows=[128, None], roles=("key", "value", scale)),
         CacheConfig.for_model(2, 4, 32, 8, "float16", 6, coalesce=False, head_order="NHD"),
         CacheConfig.for_model(3, 2, 16, 4, "float32", 3, windows=[32], sink_tokens=4, roles=("kv",)),
+        # two slot variants of different buffer sizes (4 x 4 KiB, 2 x 8 KiB) sharing one pool group
+        CacheConfig((LayerSpec(0, 2, 64, window=64), LayerSpec(1, 2, 64, window=64), LayerSpec(2, 2, 128)), 16,
+                    "float16", (PrimaryTier(1 << 20),)),
     ]
     return [plan_layout(c).to_msgpack() for c in configs]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -16,11 +18,16 @@ from kvxfer.cache import (
     BufferId,
     CacheConfig,
     CacheLayoutDesc,
+    CoalescedBuffer,
+    ExpandedBuffer,
     LayerSpec,
     PrimaryTier,
     RoleSpec,
+    SlotDesc,
+    SlotDescVariant,
 )
 from kvxfer.cache.layout import buffer_formats, place_layout, plan_layout
+from kvxfer.cli.inspect import describe
 from kvxfer.errors import ConfigError, DecodeError, LayoutError
 
 SCALE = RoleSpec("key_scale", head_dim=1, dtype="float32")
@@ -40,11 +47,43 @@ def test_mixed_windows_group_layers_and_share_pool_group() -> None:
     pg = layout.pool_groups[0]
     assert pg.layer_group_ids == (0, 1)
     assert pg.num_slots == 20  # 10 blocks for each of the two layer groups
-    kv_slot, scale_slot = pg.slots
-    assert kv_slot.coalesced.single_buffer_size == 8 * 16 * 64 * 2
-    assert kv_slot.slot_bytes == 4 * kv_slot.coalesced.single_buffer_size
-    assert scale_slot.coalesced.single_buffer_size == 8 * 16 * 1 * 4
-    assert scale_slot.slot_bytes == 2 * scale_slot.coalesced.single_buffer_size
+    assert [v.layer_group_id for v in pg.slot_desc.variants] == [0, 1]
+    for variant in pg.slot_desc.variants:
+        kv, scale = variant.coalesced_buffers
+        assert (kv.single_buffer_size, kv.num_buffers, kv.size) == (8 * 16 * 64 * 2, 4, 4 * 8 * 16 * 64 * 2)
+        assert (scale.single_buffer_size, scale.num_buffers) == (8 * 16 * 1 * 4, 2)
+        assert variant.slot_size_list == (kv.size, scale.size) == pg.slot_desc.slot_size_list
+    assert [p.slot_bytes for p in pg.pools] == list(pg.slot_desc.slot_size_list)
+
+
+def test_variants_with_equal_slot_sizes_share_a_pool_group() -> None:
+    """4 x 4096 B buffers (two windowed layers) and 2 x 8192 B (one full layer of twice the head dim)
+    both make 16 KiB slots: one pool group with two variants, as the reference design groups them."""
+    layers = (LayerSpec(0, 2, 64, window=64), LayerSpec(1, 2, 64, window=64), LayerSpec(2, 2, 128))
+    layout = plan_layout(CacheConfig(layers, 16, "float16", (PrimaryTier(1 << 20),)))
+    assert len(layout.pool_groups) == 1
+    (pg,) = layout.pool_groups
+    small, large = pg.slot_desc.variants
+    assert [(c.single_buffer_size, c.num_buffers) for c in small.coalesced_buffers] == [(4096, 4)]
+    assert [(c.single_buffer_size, c.num_buffers) for c in large.coalesced_buffers] == [(8192, 2)]
+    assert pg.slot_desc.slot_size_list == (16384,) and pg.pools[0].slot_bytes == 16384
+    assert [lg.pool_group_index for lg in layout.layer_groups] == [0, 0]
+    # each layer group's buffers tile the shared slot
+    assert [(s.offset, s.size) for s in large.buffer_spans()] == [(0, 8192), (8192, 8192)]
+    assert CacheLayoutDesc.from_msgpack(layout.to_msgpack()) == layout
+
+
+def test_slot_desc_validation_names_the_bad_variant() -> None:
+    a = SlotDescVariant(0, (CoalescedBuffer(4096, (BufferId(0, "key"), BufferId(0, "value"))),))
+    b = SlotDescVariant(1, (CoalescedBuffer(4096, (BufferId(1, "key"),)),))
+    with pytest.raises(LayoutError, match=r"layer group 1 has slot sizes \[4096\], layer group 0 has \[8192\]"):
+        SlotDesc((a, b))
+    with pytest.raises(LayoutError, match="name a layer group twice"):
+        SlotDesc((a, a))
+    with pytest.raises(LayoutError, match="sorted by size, largest first"):
+        SlotDescVariant(0, (CoalescedBuffer(64, (BufferId(0, "scale"),)), CoalescedBuffer(4096, (BufferId(0, "key"),))))
+    with pytest.raises(LayoutError, match="expansion must be an int >= 1"):
+        ExpandedBuffer(BufferId(0, "key"), 0)
 
 
 def test_different_structures_get_different_pool_groups() -> None:
@@ -55,7 +94,8 @@ def test_different_structures_get_different_pool_groups() -> None:
     assert len(layout.pool_groups) == 2
     full = layout.pool_groups[layout.layer_groups[1].pool_group_index]
     # layer 3's buffers are twice as large: a second pool in the same pool group
-    assert sorted(s.coalesced.single_buffer_size for s in full.slots) == [16 * 8 * 64 * 2, 16 * 8 * 128 * 2]
+    (variant,) = full.slot_desc.variants
+    assert sorted(c.single_buffer_size for c in variant.coalesced_buffers) == [16 * 8 * 64 * 2, 16 * 8 * 128 * 2]
 
 
 @pytest.mark.parametrize("coalesce", [True, False])
@@ -63,20 +103,17 @@ def test_invariants_offsets_tile_slots_and_buffers_appear_once(coalesce: bool) -
     layout = plan_layout(mixed_config(coalesce=coalesce))
     seen: list[BufferId] = []
     for pg in layout.pool_groups:
-        for slot in pg.slots:
-            per = slot.buffers_per_slot
-            expanded = slot.expanded()
-            for g in range(len(pg.layer_group_ids)):
-                mine = expanded[g * per:(g + 1) * per]
-                spans = sorted((e.offset, e.offset + e.size) for e in mine)
-                assert spans[0][0] == 0 and spans[-1][1] == slot.slot_bytes
+        for variant in pg.slot_desc.variants:
+            for p, pool in enumerate(pg.pools):
+                spans = sorted((s.offset, s.offset + s.size) for s in variant.buffer_spans() if s.pool_index == p)
+                assert spans[0][0] == 0 and spans[-1][1] == pool.slot_bytes
                 assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-            seen.extend(e.buffer_id for e in expanded)
+            seen.extend(s.buffer_id for s in variant.buffer_spans())
     assert len(seen) == len(set(seen)) == 4 * 3
     assert set(seen) == set(buffer_formats(mixed_config()))
     if not coalesce:
-        assert all(len(s.coalesced.buffer_ids) == len(pg.layer_group_ids)
-                   for pg in layout.pool_groups for s in pg.slots)
+        assert all(c.num_buffers == 1 for pg in layout.pool_groups for v in pg.slot_desc.variants
+                   for c in v.coalesced_buffers)
 
 
 def test_placed_pools_never_overlap() -> None:
@@ -151,7 +188,7 @@ def test_decoder_rejects_malformed_descriptors() -> None:
     with pytest.raises(DecodeError, match="fingerprint"):
         CacheLayoutDesc.from_dict(wrong_fp)
     neg = msgpack.unpackb(plan_layout(mixed_config()).to_msgpack())
-    neg["pool_groups"][0]["pools"][0][3] = -5
+    neg["pool_groups"][0]["pools"][0]["num_slots"] = -5
     with pytest.raises(DecodeError, match="num_slots"):
         CacheLayoutDesc.from_dict(neg)
     with pytest.raises(DecodeError):
@@ -167,7 +204,7 @@ def test_layout_decoder_never_crashes_on_arbitrary_bytes(data: bytes) -> None:
 @given(st.integers(0, 3), st.sampled_from(["key", "value", "key_scale"]), st.integers(0, 500))
 def test_decoder_rejects_field_mutations(layer: int, role: str, junk: int) -> None:
     d = plan_layout(mixed_config()).to_dict()
-    d["formats"][0][1][1] = junk  # head_dim of the first format
+    d["formats"][0]["format"]["head_dim"] = junk
     original = plan_layout(mixed_config()).formats[0][1].head_dim
     if junk == original:
         assert CacheLayoutDesc.from_dict(d) == plan_layout(mixed_config())
@@ -175,3 +212,41 @@ def test_decoder_rejects_field_mutations(layer: int, role: str, junk: int) -> No
         with pytest.raises((DecodeError, LayoutError)):
             CacheLayoutDesc.from_dict(d)
     assert dataclasses.is_dataclass(BufferId(layer, role))
+
+
+def test_reference_descriptor_walk_in_docs_runs() -> None:
+    """docs/cache.md's example, written against the reference design's descriptor API, runs here."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cache.md").read_text()
+    section = text.split("## Published descriptors: the reference design's shapes", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "pool_group_descs" in code and "slot_desc.variants" in code and "get_aggregated_pages" in code
+    scope: dict[str, object] = {}
+    exec(compile(code, "docs/cache.md", "exec"), scope)
+    assert scope["where"]
+
+
+def test_inspect_json_names_every_field() -> None:
+    """`kvxfer inspect --json`: every list holds scalars or named objects (never a positional record),
+    the derived values are there, and the output decodes back to the layout."""
+    layout = plan_layout(mixed_config())
+    text = json.dumps(describe(layout))
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            kinds = {type(x) for x in node}
+            assert kinds <= {int} or kinds <= {dict}, f"positional list {node!r:.80}"
+            for value in node:
+                walk(value)
+
+    decoded = json.loads(text)
+    walk(decoded)
+    cb = decoded["pool_groups"][0]["slot_desc"]["variants"][0]["coalesced_buffers"][0]
+    assert (cb["size"], cb["num_buffers"]) == (4 * cb["single_buffer_size"], 4)
+    assert decoded["pool_groups"][0]["slot_desc"]["slot_size_list"] == list(layout.pool_groups[0].slot_desc.slot_size_list)
+    span = decoded["pool_groups"][0]["slot_desc"]["variants"][0]["buffer_spans"][1]
+    assert span == {"buffer_id": {"layer_id": 0, "role": "value"}, "pool_index": 0, "offset": cb["single_buffer_size"],
+                    "size": cb["single_buffer_size"], "expansion": 1}
+    assert CacheLayoutDesc.from_json(text) == layout

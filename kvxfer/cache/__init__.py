@@ -3,8 +3,10 @@
 from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, LayerSpec, PrimaryTier, RoleSpec
 from kvxfer.cache.descriptors import (
     LAYOUT_VERSION,
+    AggregatedPageDesc,
     BufferFormat,
     BufferId,
+    BufferSpan,
     CacheLayoutDesc,
     CoalescedBuffer,
     ExpandedBuffer,
@@ -12,6 +14,7 @@ from kvxfer.cache.descriptors import (
     PoolDesc,
     PoolGroupDesc,
     SlotDesc,
+    SlotDescVariant,
 )
 from kvxfer.cache.events import AllCleared, KVEvent, KVEventPublisher, Removed, Stored, Updated
 from kvxfer.cache.hashing import HASH_V2_BLAKE3, HASH_V2_BLAKE3_64, ReuseScope, block_keys
@@ -25,9 +28,11 @@ __all__ = [
     "HASH_V2_BLAKE3",
     "HASH_V2_BLAKE3_64",
     "LAYOUT_VERSION",
+    "AggregatedPageDesc",
     "AllCleared",
     "BufferFormat",
     "BufferId",
+    "BufferSpan",
     "CacheConfig",
     "CacheLayoutDesc",
     "CacheState",
@@ -53,6 +58,7 @@ __all__ = [
     "RoleSpec",
     "SlotAccounting",
     "SlotDesc",
+    "SlotDescVariant",
     "Stored",
     "TierStats",
     "TierTraffic",

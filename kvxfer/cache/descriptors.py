@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -18,7 +18,7 @@ import msgpack
 from kvxfer.cache.dtypes import dtype_name, itemsize
 from kvxfer.errors import ConfigError, DecodeError, LayoutError
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MEMORY_KINDS = ("cpu", "cuda", "pinned", "disk")
 _MAX_U64 = (1 << 64) - 1
 
@@ -70,6 +70,11 @@ def _build(cls: Callable[..., T], where: str, **kw: Any) -> T:
 
 
 # --- descriptors -----------------------------------------------------------------------------------
+def _check_int(value: Any, where: str, lo: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise LayoutError(f"{where} must be an int >= {lo}, got {value!r}")
+
+
 @dataclass(frozen=True, order=True)
 class BufferId:
     """The bytes of one (layer, role) for one block."""
@@ -78,19 +83,16 @@ class BufferId:
     role: str
 
     def __post_init__(self) -> None:
-        if isinstance(self.layer_id, bool) or not isinstance(self.layer_id, int) or self.layer_id < 0:
-            raise LayoutError(f"BufferId.layer_id must be an int >= 0, got {self.layer_id!r}")
+        _check_int(self.layer_id, "BufferId.layer_id")
         if not isinstance(self.role, str) or not self.role:
             raise LayoutError(f"BufferId.role must be a non-empty string, got {self.role!r}")
 
-    def to_wire(self) -> list[Any]:
-        return [self.layer_id, self.role]
+    def to_wire(self) -> dict[str, Any]:
+        return {"layer_id": self.layer_id, "role": self.role}
 
     @classmethod
     def from_wire(cls, v: Any, where: str = "BufferId") -> BufferId:
-        if not isinstance(v, list | tuple) or len(v) != 2:
-            raise DecodeError(f"{where}: expected [layer_id, role], got {v!r:.80}")
-        return _build(cls, where, layer_id=v[0], role=v[1])
+        return _build(cls, where, layer_id=_int(v, "layer_id", where, 0, 1 << 20), role=_str(v, "role", where))
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class BufferFormat:
 
     HND: [num_heads][tokens_per_block][head_dim] (a head slice is contiguous); NHD: [tokens][heads][dim].
     ``head_start``/``num_heads`` are the global head range this rank holds out of ``total_heads``.
+    ``tokens_per_block`` is the buffer's own page size: the layout's, or a divisor of it for an
+    expanded buffer (``ExpandedBuffer``), whose slot then holds ``expansion`` such pages back to back.
     """
 
     dtype: str
@@ -115,11 +119,8 @@ class BufferFormat:
         except ConfigError as exc:
             raise LayoutError(f"BufferFormat.dtype: {exc}") from exc
         for name in ("head_dim", "tokens_per_block", "num_heads", "total_heads"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise LayoutError(f"BufferFormat.{name} must be an int > 0, got {v!r}")
-        if isinstance(self.head_start, bool) or not isinstance(self.head_start, int) or self.head_start < 0:
-            raise LayoutError(f"BufferFormat.head_start must be an int >= 0, got {self.head_start!r}")
+            _check_int(getattr(self, name), f"BufferFormat.{name}", 1)
+        _check_int(self.head_start, "BufferFormat.head_start")
         if self.head_start + self.num_heads > self.total_heads:
             raise LayoutError(f"BufferFormat heads [{self.head_start}, {self.head_start + self.num_heads}) "
                               f"exceed total_heads={self.total_heads}")
@@ -133,41 +134,51 @@ class BufferFormat:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one buffer (one block of one layer and role)."""
+        """Bytes of one page of this buffer (``tokens_per_block`` tokens of one layer and role)."""
         return self.num_heads * self.tokens_per_block * self.head_dim * self.itemsize
 
-    def to_wire(self) -> list[Any]:
-        return [self.dtype, self.head_dim, self.tokens_per_block, self.head_start, self.num_heads,
-                self.total_heads, self.order]
+    def to_wire(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "head_dim": self.head_dim, "tokens_per_block": self.tokens_per_block,
+                "head_start": self.head_start, "num_heads": self.num_heads, "total_heads": self.total_heads,
+                "order": self.order}
 
     @classmethod
     def from_wire(cls, v: Any, where: str = "BufferFormat") -> BufferFormat:
-        if not isinstance(v, list | tuple) or len(v) != 7:
-            raise DecodeError(f"{where}: expected 7 fields, got {v!r:.80}")
-        if not isinstance(v[0], str) or not isinstance(v[6], str):
-            raise DecodeError(f"{where}: dtype and order must be strings, got {v!r:.80}")
-        return _build(cls, where, dtype=v[0], head_dim=v[1], tokens_per_block=v[2], head_start=v[3],
-                      num_heads=v[4], total_heads=v[5], order=v[6])
+        return _build(cls, where, dtype=_str(v, "dtype", where, 32), head_dim=_int(v, "head_dim", where, 1, 1 << 20),
+                      tokens_per_block=_int(v, "tokens_per_block", where, 1, 1 << 20),
+                      head_start=_int(v, "head_start", where, 0, 1 << 20),
+                      num_heads=_int(v, "num_heads", where, 1, 1 << 20),
+                      total_heads=_int(v, "total_heads", where, 1, 1 << 20), order=_str(v, "order", where, 8))
 
 
 @dataclass(frozen=True)
 class CoalescedBuffer:
-    """Equal-size buffers of several (layer, role) stored back to back in one slot."""
+    """Equal-size buffers of several (layer, role) of one layer group, back to back in one pool's slot:
+    buffer ``i`` sits at byte ``i * single_buffer_size``."""
 
     single_buffer_size: int
     buffer_ids: tuple[BufferId, ...]
 
     def __post_init__(self) -> None:
-        if isinstance(self.single_buffer_size, bool) or not isinstance(self.single_buffer_size, int) \
-                or self.single_buffer_size <= 0:
-            raise LayoutError(f"CoalescedBuffer.single_buffer_size must be an int > 0, got "
-                              f"{self.single_buffer_size!r}")
+        _check_int(self.single_buffer_size, "CoalescedBuffer.single_buffer_size", 1)
         ids = tuple(self.buffer_ids)
         if not ids:
             raise LayoutError("CoalescedBuffer.buffer_ids must not be empty")
+        if not all(isinstance(b, BufferId) for b in ids):
+            raise LayoutError(f"CoalescedBuffer.buffer_ids must be BufferIds, got {ids!r:.120}")
         if len(set(ids)) != len(ids):
             raise LayoutError(f"CoalescedBuffer.buffer_ids has duplicates: {ids}")
         object.__setattr__(self, "buffer_ids", ids)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole coalesced buffer: the slot size of its pool."""
+        return self.single_buffer_size * len(self.buffer_ids)
+
+    @property
+    def num_buffers(self) -> int:
+        """How many (layer, role) buffers it holds."""
+        return len(self.buffer_ids)
 
     def to_wire(self) -> dict[str, Any]:
         return {"single_buffer_size": self.single_buffer_size, "buffer_ids": [b.to_wire() for b in self.buffer_ids]}
@@ -180,54 +191,127 @@ class CoalescedBuffer:
 
 @dataclass(frozen=True)
 class ExpandedBuffer:
-    """One buffer's byte offset and size inside its slot (a "buffer-offset descriptor")."""
+    """A buffer and its expansion factor (the reference design's meaning): the layout's
+    tokens_per_block divided by the buffer's own, i.e. how many of the buffer's pages one slot holds."""
+
+    id: BufferId
+    expansion: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, BufferId):
+            raise LayoutError(f"ExpandedBuffer.id must be a BufferId, got {self.id!r}")
+        _check_int(self.expansion, "ExpandedBuffer.expansion", 1)
+
+
+@dataclass(frozen=True)
+class BufferSpan:
+    """kvxfer's per-buffer view of a slot: where one buffer's bytes lie inside its pool's slot."""
 
     buffer_id: BufferId
+    layer_group_id: int
+    pool_index: int
     offset: int
     size: int
 
 
 @dataclass(frozen=True)
-class SlotDesc:
-    """One block's storage in one pool: a coalesced buffer of ``slot_bytes // single_buffer_size``
-    buffers per layer group.
+class AggregatedPageDesc:
+    """Consecutive buffers of one layer group in one pool: page ``i`` of them is the byte range
+    ``base + stride * i + [0, size)`` (``i`` a slot id of the layer group)."""
 
-    When several layer groups share the pool group, ``coalesced.buffer_ids`` lists each group's
-    buffers in turn (group order of ``PoolGroupDesc.layer_group_ids``); a slot holds one group's
-    buffers at a time, so the i-th buffer id sits at offset ``(i % per_slot) * single_buffer_size``.
-    """
+    base: int
+    size: int
+    stride: int
+    layer_group_id: int
+    buffers: tuple[ExpandedBuffer, ...]
 
-    slot_bytes: int
-    coalesced: CoalescedBuffer
+
+@dataclass(frozen=True)
+class SlotDescVariant:
+    """One layer group's composition of a pool group's slot: one coalesced buffer per pool (pool ``i``
+    holds ``coalesced_buffers[i]``), sorted by size, largest first."""
+
+    layer_group_id: int
+    coalesced_buffers: tuple[CoalescedBuffer, ...]
 
     def __post_init__(self) -> None:
-        if isinstance(self.slot_bytes, bool) or not isinstance(self.slot_bytes, int) or self.slot_bytes <= 0:
-            raise LayoutError(f"SlotDesc.slot_bytes must be an int > 0, got {self.slot_bytes!r}")
-        single = self.coalesced.single_buffer_size
-        if self.slot_bytes % single:
-            raise LayoutError(f"SlotDesc.slot_bytes={self.slot_bytes} is not a multiple of "
-                              f"single_buffer_size={single}")
-        if len(self.coalesced.buffer_ids) % (self.slot_bytes // single):
-            raise LayoutError(f"SlotDesc: {len(self.coalesced.buffer_ids)} buffers do not fill whole slots of "
-                              f"{self.slot_bytes // single} buffers")
+        _check_int(self.layer_group_id, "SlotDescVariant.layer_group_id")
+        cbs = tuple(self.coalesced_buffers)
+        where = f"SlotDescVariant(layer group {self.layer_group_id})"
+        if not cbs or not all(isinstance(c, CoalescedBuffer) for c in cbs):
+            raise LayoutError(f"{where}: coalesced_buffers must be a non-empty list of CoalescedBuffer")
+        sizes = [c.size for c in cbs]
+        if sizes != sorted(sizes, reverse=True):
+            raise LayoutError(f"{where}: coalesced_buffers must be sorted by size, largest first, got sizes {sizes}")
+        ids = [b for c in cbs for b in c.buffer_ids]
+        if len(set(ids)) != len(ids):
+            raise LayoutError(f"{where}: a buffer appears in two coalesced buffers")
+        object.__setattr__(self, "coalesced_buffers", cbs)
 
     @property
-    def buffers_per_slot(self) -> int:
-        """How many buffers one slot holds (for one layer group)."""
-        return self.slot_bytes // self.coalesced.single_buffer_size
+    def slot_size_list(self) -> tuple[int, ...]:
+        """The slot size of each pool (bytes)."""
+        return tuple(c.size for c in self.coalesced_buffers)
 
-    def expanded(self) -> tuple[ExpandedBuffer, ...]:
-        """Each buffer's offset and size inside the slot."""
-        single, per = self.coalesced.single_buffer_size, self.buffers_per_slot
-        return tuple(ExpandedBuffer(b, (i % per) * single, single) for i, b in enumerate(self.coalesced.buffer_ids))
+    def buffer_spans(self) -> tuple[BufferSpan, ...]:
+        """Every buffer's pool, offset and size, pool by pool in offset order."""
+        return tuple(BufferSpan(b, self.layer_group_id, p, i * c.single_buffer_size, c.single_buffer_size)
+                     for p, c in enumerate(self.coalesced_buffers) for i, b in enumerate(c.buffer_ids))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"slot_bytes": self.slot_bytes, "coalesced": self.coalesced.to_wire()}
+        return {"layer_group_id": self.layer_group_id,
+                "coalesced_buffers": [c.to_wire() for c in self.coalesced_buffers]}
+
+    @classmethod
+    def from_wire(cls, v: Any, where: str = "SlotDescVariant") -> SlotDescVariant:
+        return _build(cls, where, layer_group_id=_int(v, "layer_group_id", where, 0, 1 << 20),
+                      coalesced_buffers=_seq(v, "coalesced_buffers", where, CoalescedBuffer.from_wire, 1 << 12))
+
+
+@dataclass(frozen=True)
+class SlotDesc:
+    """The slot of a pool group: one variant per layer group sharing it. Variants may differ in buffer
+    sizes and counts; their ``slot_size_list`` must match."""
+
+    variants: tuple[SlotDescVariant, ...]
+
+    def __post_init__(self) -> None:
+        variants = tuple(self.variants)
+        if not variants or not all(isinstance(v, SlotDescVariant) for v in variants):
+            raise LayoutError("SlotDesc.variants must be a non-empty list of SlotDescVariant")
+        groups = [v.layer_group_id for v in variants]
+        if len(set(groups)) != len(groups):
+            raise LayoutError(f"SlotDesc.variants name a layer group twice: {groups}")
+        first = variants[0].slot_size_list
+        for v in variants[1:]:
+            if v.slot_size_list != first:
+                raise LayoutError(f"SlotDesc: layer group {v.layer_group_id} has slot sizes {list(v.slot_size_list)}, "
+                                  f"layer group {variants[0].layer_group_id} has {list(first)}")
+        object.__setattr__(self, "variants", variants)
+
+    @property
+    def slot_size_list(self) -> tuple[int, ...]:
+        """The slot size of each pool (bytes), shared by every variant."""
+        return self.variants[0].slot_size_list
+
+    @property
+    def layer_group_ids(self) -> tuple[int, ...]:
+        """The layer groups whose slots these are, in variant order."""
+        return tuple(v.layer_group_id for v in self.variants)
+
+    def variant_of(self, layer_group_id: int) -> SlotDescVariant:
+        """The variant of one layer group."""
+        for v in self.variants:
+            if v.layer_group_id == layer_group_id:
+                return v
+        raise LayoutError(f"no variant for layer group {layer_group_id} (have {list(self.layer_group_ids)})")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"variants": [v.to_wire() for v in self.variants]}
 
     @classmethod
     def from_wire(cls, v: Any, where: str = "SlotDesc") -> SlotDesc:
-        return _build(cls, where, slot_bytes=_int(v, "slot_bytes", where, 1, 1 << 44),
-                      coalesced=CoalescedBuffer.from_wire(_get(v, "coalesced", where), f"{where}.coalesced"))
+        return _build(cls, where, variants=_seq(v, "variants", where, SlotDescVariant.from_wire, 1 << 12))
 
 
 @dataclass(frozen=True)
@@ -243,9 +327,7 @@ class PoolDesc:
 
     def __post_init__(self) -> None:
         for name in ("pool_index", "base_address", "slot_bytes", "num_slots", "device_id"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise LayoutError(f"PoolDesc.{name} must be an int >= 0, got {v!r}")
+            _check_int(getattr(self, name), f"PoolDesc.{name}")
         if self.slot_bytes == 0:
             raise LayoutError("PoolDesc.slot_bytes must be > 0")
         if self.memory_kind not in MEMORY_KINDS:
@@ -264,62 +346,60 @@ class PoolDesc:
         """First address past the pool."""
         return self.base_address + self.nbytes
 
-    def to_wire(self) -> list[Any]:
-        return [self.pool_index, self.base_address, self.slot_bytes, self.num_slots, self.memory_kind, self.device_id]
+    def to_wire(self) -> dict[str, Any]:
+        return {"pool_index": self.pool_index, "base_address": self.base_address, "slot_bytes": self.slot_bytes,
+                "num_slots": self.num_slots, "memory_kind": self.memory_kind, "device_id": self.device_id}
 
     @classmethod
     def from_wire(cls, v: Any, where: str = "PoolDesc") -> PoolDesc:
-        if not isinstance(v, list | tuple) or len(v) != 6:
-            raise DecodeError(f"{where}: expected 6 fields, got {v!r:.80}")
-        return _build(cls, where, pool_index=v[0], base_address=v[1], slot_bytes=v[2], num_slots=v[3],
-                      memory_kind=v[4], device_id=v[5])
+        return _build(cls, where, pool_index=_int(v, "pool_index", where, 0, 1 << 20),
+                      base_address=_int(v, "base_address", where), slot_bytes=_int(v, "slot_bytes", where, 1, 1 << 44),
+                      num_slots=_int(v, "num_slots", where, 0, 1 << 40), memory_kind=_str(v, "memory_kind", where, 16),
+                      device_id=_int(v, "device_id", where, 0, 1 << 16))
 
 
 @dataclass(frozen=True)
 class PoolGroupDesc:
-    """Pools whose slots are allocated together: one slot id (block id) indexes every pool."""
+    """Pools whose slots are allocated together: one slot id (block id) indexes every pool; pool ``i``
+    has slots of ``slot_desc.slot_size_list[i]`` bytes."""
 
     pool_group_index: int
     num_slots: int
-    layer_group_ids: tuple[int, ...]
+    slot_desc: SlotDesc
     pools: tuple[PoolDesc, ...]
-    slots: tuple[SlotDesc, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_group_ids", tuple(self.layer_group_ids))
         object.__setattr__(self, "pools", tuple(self.pools))
-        object.__setattr__(self, "slots", tuple(self.slots))
         where = f"PoolGroupDesc {self.pool_group_index}"
-        if not self.pools or len(self.pools) != len(self.slots):
-            raise LayoutError(f"{where}: needs as many pools as slot descs (>0), got "
-                              f"{len(self.pools)} pools, {len(self.slots)} slots")
-        if not self.layer_group_ids or len(set(self.layer_group_ids)) != len(self.layer_group_ids):
-            raise LayoutError(f"{where}: layer_group_ids must be non-empty and distinct, got {self.layer_group_ids}")
-        n_groups = len(self.layer_group_ids)
-        for i, (pool, slot) in enumerate(zip(self.pools, self.slots, strict=True)):
+        _check_int(self.num_slots, f"{where}: num_slots")
+        if not isinstance(self.slot_desc, SlotDesc):
+            raise LayoutError(f"{where}: slot_desc must be a SlotDesc, got {type(self.slot_desc).__name__}")
+        sizes = self.slot_desc.slot_size_list
+        if len(self.pools) != len(sizes):
+            raise LayoutError(f"{where}: {len(self.pools)} pools for {len(sizes)} slot sizes {list(sizes)}")
+        for i, pool in enumerate(self.pools):
             if pool.pool_index != i:
                 raise LayoutError(f"{where}: pools[{i}].pool_index is {pool.pool_index}")
-            if pool.slot_bytes != slot.slot_bytes:
-                raise LayoutError(f"{where}: pools[{i}].slot_bytes={pool.slot_bytes} != slots[{i}].slot_bytes="
-                                  f"{slot.slot_bytes}")
+            if pool.slot_bytes != sizes[i]:
+                raise LayoutError(f"{where}: pools[{i}].slot_bytes={pool.slot_bytes} != slot_size_list[{i}]={sizes[i]}")
             if pool.num_slots != self.num_slots:
                 raise LayoutError(f"{where}: pools[{i}].num_slots={pool.num_slots} != num_slots={self.num_slots}")
-            if len(slot.coalesced.buffer_ids) != slot.buffers_per_slot * n_groups:
-                raise LayoutError(f"{where}: slots[{i}] holds {len(slot.coalesced.buffer_ids)} buffer ids, "
-                                  f"expected {slot.buffers_per_slot} for each of {n_groups} layer groups")
+
+    @property
+    def layer_group_ids(self) -> tuple[int, ...]:
+        """The layer groups sharing this pool group (one slot-desc variant each)."""
+        return self.slot_desc.layer_group_ids
 
     def to_wire(self) -> dict[str, Any]:
         return {"pool_group_index": self.pool_group_index, "num_slots": self.num_slots,
-                "layer_group_ids": list(self.layer_group_ids), "pools": [p.to_wire() for p in self.pools],
-                "slots": [s.to_wire() for s in self.slots]}
+                "slot_desc": self.slot_desc.to_wire(), "pools": [p.to_wire() for p in self.pools]}
 
     @classmethod
     def from_wire(cls, v: Any, where: str = "PoolGroupDesc") -> PoolGroupDesc:
-        lg = _seq(v, "layer_group_ids", where, lambda x, w: _int({"v": x}, "v", w, 0, 1 << 20), 1 << 12)
         return _build(cls, where, pool_group_index=_int(v, "pool_group_index", where, 0, 1 << 20),
-                      num_slots=_int(v, "num_slots", where, 0, 1 << 40), layer_group_ids=lg,
-                      pools=_seq(v, "pools", where, PoolDesc.from_wire, 1 << 16),
-                      slots=_seq(v, "slots", where, SlotDesc.from_wire, 1 << 16))
+                      num_slots=_int(v, "num_slots", where, 0, 1 << 40),
+                      slot_desc=SlotDesc.from_wire(_get(v, "slot_desc", where), f"{where}.slot_desc"),
+                      pools=_seq(v, "pools", where, PoolDesc.from_wire, 1 << 12))
 
 
 @dataclass(frozen=True)
@@ -336,7 +416,8 @@ class LayerGroupDesc:
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
         if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids):
             raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: layer_ids must be non-empty and distinct")
-        if self.window is not None and (not isinstance(self.window, int) or self.window <= 0):
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window <= 0):
             raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: window must be None or > 0, got {self.window!r}")
 
     def to_wire(self) -> dict[str, Any]:
@@ -353,7 +434,8 @@ class LayerGroupDesc:
 
 @dataclass(frozen=True)
 class CacheLayoutDesc:
-    """The whole published layout of one cache manager (one tensor-parallel rank).
+    """The whole published layout of one cache (one tensor-parallel rank), allocated by kvxfer's
+    manager or owned by an engine (``kvxfer.cache.engine_layouts``).
 
     ``fingerprint`` is a blake3 digest of the canonical encoding without addresses, slot counts,
     memory kinds or devices: equal fingerprints mean byte-identical slot layouts.
@@ -372,6 +454,7 @@ class CacheLayoutDesc:
         object.__setattr__(self, "formats", tuple(sorted(tuple(self.formats))))
         if self.version != LAYOUT_VERSION:
             raise LayoutError(f"CacheLayoutDesc.version {self.version!r} is not supported (expected {LAYOUT_VERSION})")
+        _check_int(self.tokens_per_block, "CacheLayoutDesc.tokens_per_block", 1)
         self._check()
         fp = _fingerprint(self)
         if self.fingerprint and self.fingerprint != fp:
@@ -383,40 +466,53 @@ class CacheLayoutDesc:
         fmt = dict(self.formats)
         if len(fmt) != len(self.formats):
             raise LayoutError("CacheLayoutDesc.formats has duplicate buffer ids")
-        for i, lg in enumerate(self.layer_groups):
-            if lg.layer_group_id != i:
-                raise LayoutError(f"CacheLayoutDesc.layer_groups[{i}].layer_group_id is {lg.layer_group_id}")
-            if not 0 <= lg.pool_group_index < len(self.pool_groups):
-                raise LayoutError(f"LayerGroupDesc {i}: pool_group_index {lg.pool_group_index} out of range")
-            if i not in self.pool_groups[lg.pool_group_index].layer_group_ids:
-                raise LayoutError(f"LayerGroupDesc {i} is not listed by pool group {lg.pool_group_index}")
-        layer_of_group: dict[int, int] = {}
-        for lg in self.layer_groups:
-            for lid in lg.layer_ids:
-                if lid in layer_of_group:
-                    raise LayoutError(f"layer {lid} is in layer groups {layer_of_group[lid]} and {lg.layer_group_id}")
-                layer_of_group[lid] = lg.layer_group_id
-        seen: set[BufferId] = set()
         for j, pg in enumerate(self.pool_groups):
             if pg.pool_group_index != j:
                 raise LayoutError(f"CacheLayoutDesc.pool_groups[{j}].pool_group_index is {pg.pool_group_index}")
-            for k, slot in enumerate(pg.slots):
-                per = slot.buffers_per_slot
-                for n, bid in enumerate(slot.coalesced.buffer_ids):
-                    group = pg.layer_group_ids[n // per]
-                    if layer_of_group.get(bid.layer_id) != group:
-                        raise LayoutError(f"pool group {j} slot {k}: buffer {bid} is not in layer group {group}")
-                    if bid in seen:
-                        raise LayoutError(f"buffer {bid} appears twice in the layout")
-                    seen.add(bid)
-                    if bid not in fmt:
-                        raise LayoutError(f"buffer {bid} has no BufferFormat")
-                    if fmt[bid].nbytes != slot.coalesced.single_buffer_size:
-                        raise LayoutError(f"buffer {bid}: format says {fmt[bid].nbytes} bytes, slot says "
-                                          f"{slot.coalesced.single_buffer_size}")
-                    if fmt[bid].tokens_per_block != self.tokens_per_block:
-                        raise LayoutError(f"buffer {bid}: tokens_per_block {fmt[bid].tokens_per_block} != "
-                                          f"{self.tokens_per_block}")
+        placed: dict[int, int] = {}
+        for pg in self.pool_groups:
+            for g in pg.layer_group_ids:
+                if g in placed:
+                    raise LayoutError(f"layer group {g} has variants in pool groups {placed[g]} and "
+                                      f"{pg.pool_group_index}")
+                placed[g] = pg.pool_group_index
+        layer_of_group: dict[int, int] = {}
+        for i, lg in enumerate(self.layer_groups):
+            if lg.layer_group_id != i:
+                raise LayoutError(f"CacheLayoutDesc.layer_groups[{i}].layer_group_id is {lg.layer_group_id}")
+            if placed.get(i) != lg.pool_group_index:
+                raise LayoutError(f"LayerGroupDesc {i}: pool_group_index {lg.pool_group_index}, but its slot variant "
+                                  f"is in pool group {placed.get(i)}")
+            for lid in lg.layer_ids:
+                if lid in layer_of_group:
+                    raise LayoutError(f"layer {lid} is in layer groups {layer_of_group[lid]} and {i}")
+                layer_of_group[lid] = i
+        if len(placed) != len(self.layer_groups):
+            raise LayoutError(f"pool groups name layer groups {sorted(set(placed) - set(range(len(self.layer_groups))))} "
+                              f"that do not exist")
+        seen: set[BufferId] = set()
+        tpb = self.tokens_per_block
+        for pg in self.pool_groups:
+            for variant in pg.slot_desc.variants:
+                group = variant.layer_group_id
+                for p, cb in enumerate(variant.coalesced_buffers):
+                    for bid in cb.buffer_ids:
+                        where = f"pool group {pg.pool_group_index} layer group {group} pool {p}: buffer {bid}"
+                        if layer_of_group.get(bid.layer_id) != group:
+                            raise LayoutError(f"{where} is not in layer group {group}")
+                        if bid in seen:
+                            raise LayoutError(f"buffer {bid} appears twice in the layout")
+                        seen.add(bid)
+                        if bid not in fmt:
+                            raise LayoutError(f"buffer {bid} has no BufferFormat")
+                        f = fmt[bid]
+                        if tpb % f.tokens_per_block:
+                            raise LayoutError(f"{where}: tokens_per_block {f.tokens_per_block} does not divide the "
+                                              f"layout's {tpb}")
+                        need = f.nbytes * (tpb // f.tokens_per_block)
+                        if need != cb.single_buffer_size:
+                            raise LayoutError(f"{where}: its format needs {need} bytes per slot, the coalesced buffer "
+                                              f"says {cb.single_buffer_size}")
         _check_no_overlap(self.pool_groups)
         if seen != set(fmt):
             raise LayoutError(f"formats name buffers no slot holds: {sorted(set(fmt) - seen)[:4]}")
@@ -428,6 +524,10 @@ class CacheLayoutDesc:
             if bid == buffer_id:
                 return fmt
         raise LayoutError(f"no buffer {buffer_id} in this layout")
+
+    def expansion_of(self, buffer_id: BufferId) -> int:
+        """How many of the buffer's own pages one slot holds (1 unless its tokens_per_block is smaller)."""
+        return self.tokens_per_block // self.format_of(buffer_id).tokens_per_block
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -441,37 +541,64 @@ class CacheLayoutDesc:
                 return lg
         raise LayoutError(f"layer {layer_id} is not in this layout (layers {self.layer_ids})")
 
-    def locate(self, buffer_id: BufferId) -> tuple[PoolGroupDesc, PoolDesc, ExpandedBuffer]:
-        """(pool group, pool, expanded buffer) where ``buffer_id`` lives."""
+    def buffer_spans(self) -> dict[BufferId, tuple[PoolGroupDesc, PoolDesc, BufferSpan]]:
+        """Every buffer's pool group, pool and span inside the slot."""
+        return {s.buffer_id: (pg, pg.pools[s.pool_index], s)
+                for pg in self.pool_groups for v in pg.slot_desc.variants for s in v.buffer_spans()}
+
+    def locate(self, buffer_id: BufferId) -> tuple[PoolGroupDesc, PoolDesc, BufferSpan]:
+        """(pool group, pool, span) where ``buffer_id`` lives."""
         for pg in self.pool_groups:
-            for pool, slot in zip(pg.pools, pg.slots, strict=True):
-                for eb in slot.expanded():
-                    if eb.buffer_id == buffer_id:
-                        return pg, pool, eb
+            for v in pg.slot_desc.variants:
+                for s in v.buffer_spans():
+                    if s.buffer_id == buffer_id:
+                        return pg, pg.pools[s.pool_index], s
         raise LayoutError(f"no buffer {buffer_id} in this layout")
 
-    def with_version_fields(self) -> dict[str, Any]:
-        """The wire dictionary (JSON- and msgpack-ready)."""
+    def aggregated_pages(self, buffers: Iterable[BufferId]) -> tuple[AggregatedPageDesc, ...]:
+        """The reference design's aggregated pages of ``buffers``: one descriptor per run of consecutive
+        requested buffers of one coalesced buffer (layer group, pool), in layout order."""
+        wanted = set(buffers)
+        unknown = wanted - {b for b, _ in self.formats}
+        if unknown:
+            raise LayoutError(f"no buffers {sorted(unknown)[:4]} in this layout")
+        out: list[AggregatedPageDesc] = []
+        for pg in self.pool_groups:
+            for v in pg.slot_desc.variants:
+                for pool, cb in zip(pg.pools, v.coalesced_buffers, strict=True):
+                    run: list[int] = []
+                    for i, bid in enumerate([*cb.buffer_ids, None]):
+                        if bid is not None and bid in wanted:
+                            run.append(i)
+                            continue
+                        if run:
+                            out.append(AggregatedPageDesc(
+                                pool.base_address + run[0] * cb.single_buffer_size, len(run) * cb.single_buffer_size,
+                                pool.slot_bytes, v.layer_group_id,
+                                tuple(ExpandedBuffer(cb.buffer_ids[k], self.expansion_of(cb.buffer_ids[k]))
+                                      for k in run)))
+                            run = []
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire dictionary (JSON- and msgpack-ready, named fields only)."""
         return {"version": self.version, "tokens_per_block": self.tokens_per_block,
                 "layer_groups": [lg.to_wire() for lg in self.layer_groups],
                 "pool_groups": [pg.to_wire() for pg in self.pool_groups],
-                "formats": [[b.to_wire(), f.to_wire()] for b, f in self.formats],
+                "formats": [{"buffer_id": b.to_wire(), "format": f.to_wire()} for b, f in self.formats],
                 "fingerprint": self.fingerprint.hex()}
-
-    to_dict = with_version_fields
 
     @classmethod
     def from_dict(cls, d: Any) -> CacheLayoutDesc:
-        """Decode and validate a wire dictionary; raises DecodeError/LayoutError naming the bad field."""
+        """Decode and validate a wire dictionary; raises DecodeError naming the bad field."""
         where = "CacheLayoutDesc"
         version = _int(d, "version", where, 0, 1 << 16)
         if version != LAYOUT_VERSION:
             raise DecodeError(f"{where}.version {version} is not supported (expected {LAYOUT_VERSION})")
 
         def fmt_item(x: Any, w: str) -> tuple[BufferId, BufferFormat]:
-            if not isinstance(x, list | tuple) or len(x) != 2:
-                raise DecodeError(f"{w}: expected [buffer_id, format]")
-            return BufferId.from_wire(x[0], w), BufferFormat.from_wire(x[1], w)
+            return (BufferId.from_wire(_get(x, "buffer_id", w), f"{w}.buffer_id"),
+                    BufferFormat.from_wire(_get(x, "format", w), f"{w}.format"))
 
         fp = _str(d, "fingerprint", where, 128)
         try:
@@ -501,7 +628,7 @@ class CacheLayoutDesc:
         return cls.from_dict(d)
 
     def to_json(self, indent: int | None = 2) -> str:
-        """Human-readable encoding (``kvxfer inspect --json``)."""
+        """Human-readable encoding with named fields (``kvxfer inspect --json``)."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
@@ -527,8 +654,7 @@ def _fingerprint(layout: CacheLayoutDesc) -> bytes:
     canon = {
         "version": layout.version, "tokens_per_block": layout.tokens_per_block,
         "layer_groups": [lg.to_wire() for lg in layout.layer_groups],
-        "pool_groups": [{"layer_group_ids": list(pg.layer_group_ids), "slots": [s.to_wire() for s in pg.slots]}
-                        for pg in layout.pool_groups],
+        "slot_descs": [pg.slot_desc.to_wire() for pg in layout.pool_groups],
         "formats": [[b.to_wire(), f.to_wire()] for b, f in layout.formats],
     }
     return blake3.blake3(msgpack.packb(canon, use_bin_type=True)).digest()

@@ -3,10 +3,10 @@
 Rules (DESIGN.md "Vocabulary"):
 - layers with the same (window, sink_tokens) form a layer group, ordered by their first layer id;
 - inside a layer group, buffers of equal size are coalesced into one slot (one pool per size), or
-  each buffer gets its own pool when ``coalesce=False``;
-- layer groups whose pools have the same (buffer size, buffers per slot) list share one pool group,
-  so one slot allocator serves them all (a stricter key than "same slot sizes": it guarantees that
-  every group's buffers tile the shared slots the same way);
+  each buffer gets its own pool when ``coalesce=False``: the group's ``SlotDescVariant``, pools
+  sorted by slot size, largest first;
+- layer groups whose variants have the same ``slot_size_list`` share one pool group (one slot
+  allocator), even when their buffer sizes and counts differ (4 x 4096 B and 2 x 8192 B slots);
 - the primary quota is split so that every layer group gets the same number of slots.
 """
 
@@ -26,6 +26,7 @@ from kvxfer.cache.descriptors import (
     PoolDesc,
     PoolGroupDesc,
     SlotDesc,
+    SlotDescVariant,
 )
 from kvxfer.cache.dtypes import itemsize
 from kvxfer.errors import ConfigError, LayoutError
@@ -40,6 +41,7 @@ __all__ = [
     "PoolDesc",
     "PoolGroupDesc",
     "SlotDesc",
+    "SlotDescVariant",
     "buffer_formats",
     "place_layout",
     "plan_layout",
@@ -59,18 +61,23 @@ def buffer_formats(config: CacheConfig) -> dict[BufferId, BufferFormat]:
     return out
 
 
-def _group_slots(config: CacheConfig, layer_ids: Sequence[int],
-                 formats: dict[BufferId, BufferFormat]) -> list[CoalescedBuffer]:
-    """The coalesced buffers (one per pool) of one layer group, in a canonical order."""
+def _group_buffers(config: CacheConfig, layer_group_id: int, layer_ids: Sequence[int],
+                   formats: dict[BufferId, BufferFormat]) -> SlotDescVariant:
+    """One layer group's slot variant: its buffers of equal size coalesced (one pool per size), or one
+    pool per buffer when ``coalesce=False``; largest first, as the reference design sorts them."""
+    chosen = set(layer_ids)
     ids = [bid for bid in sorted(formats, key=lambda b: (b.layer_id, _role_rank(config, b)))
-           if bid.layer_id in set(layer_ids)]
+           if bid.layer_id in chosen]
     if not config.coalesce:
-        return [CoalescedBuffer(formats[b].nbytes, (b,)) for b in ids]
-    by_size: dict[int, list[BufferId]] = {}
-    for bid in ids:
-        by_size.setdefault(formats[bid].nbytes, []).append(bid)
-    # Largest buffers first: the big key/value pool comes first, small scale pools after.
-    return [CoalescedBuffer(size, tuple(by_size[size])) for size in sorted(by_size, reverse=True)]
+        buffers = [CoalescedBuffer(formats[b].nbytes, (b,)) for b in ids]
+    else:
+        by_size: dict[int, list[BufferId]] = {}
+        for bid in ids:
+            by_size.setdefault(formats[bid].nbytes, []).append(bid)
+        buffers = [CoalescedBuffer(size, tuple(members)) for size, members in by_size.items()]
+    # Largest slot first (the big key/value pool, then small scale pools); ties by buffer size.
+    buffers.sort(key=lambda c: (c.size, c.single_buffer_size), reverse=True)
+    return SlotDescVariant(layer_group_id, tuple(buffers))
 
 
 def _role_rank(config: CacheConfig, bid: BufferId) -> int:
@@ -89,40 +96,26 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
     for layer in config.layers:
         groups.setdefault((layer.window, layer.sink_tokens), []).append(layer.layer_id)
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
-    # 2. coalesced slots per layer group, 3. pool groups keyed by slot structure
-    per_group = [_group_slots(config, ids, formats) for _, ids in ordered]
-    pool_group_of_key: dict[tuple[tuple[int, int], ...], int] = {}
-    pg_members: list[list[int]] = []
-    lg_pool_group: list[int] = []
-    for gi, slots in enumerate(per_group):
-        key = tuple((c.single_buffer_size, len(c.buffer_ids)) for c in slots)
-        if key not in pool_group_of_key:
-            pool_group_of_key[key] = len(pg_members)
-            pg_members.append([])
-        pg_members[pool_group_of_key[key]].append(gi)
-        lg_pool_group.append(pool_group_of_key[key])
+    # 2. one slot variant per layer group, 3. pool groups keyed by slot_size_list
+    variants = [_group_buffers(config, gi, ids, formats) for gi, (_, ids) in enumerate(ordered)]
+    members_of: dict[tuple[int, ...], list[SlotDescVariant]] = {}
+    for v in variants:
+        members_of.setdefault(v.slot_size_list, []).append(v)
+    pool_group_of = {v.layer_group_id: pgi for pgi, members in enumerate(members_of.values()) for v in members}
     # 4. slots per pool group: every layer group gets the same number of slots
     quota = config.primary.quota_bytes if quota_bytes is None else quota_bytes
-    bytes_per_group_slot = sum(sum(c.single_buffer_size * len(c.buffer_ids) for c in per_group[g])
-                               for members in pg_members for g in members)
+    bytes_per_group_slot = sum(sum(v.slot_size_list) for v in variants)
     per_layer_group_slots = quota // bytes_per_group_slot
     if per_layer_group_slots < 1:
         raise ConfigError(f"quota_bytes={quota} holds no block: one block of every layer group needs "
                           f"{bytes_per_group_slot} bytes")
     pool_groups = []
-    for pgi, members in enumerate(pg_members):
+    for pgi, (sizes, members) in enumerate(members_of.items()):
         num_slots = per_layer_group_slots * len(members)
-        slot_descs, pools = [], []
-        for pi in range(len(per_group[members[0]])):
-            parts = [per_group[g][pi] for g in members]
-            single = parts[0].single_buffer_size
-            slot_bytes = single * len(parts[0].buffer_ids)
-            ids = tuple(b for part in parts for b in part.buffer_ids)
-            slot_descs.append(SlotDesc(slot_bytes, CoalescedBuffer(single, ids)))
-            pools.append(PoolDesc(pi, 0, slot_bytes, num_slots, "cpu", 0))
-        pool_groups.append(PoolGroupDesc(pgi, num_slots, tuple(members), tuple(pools), tuple(slot_descs)))
+        pools = tuple(PoolDesc(pi, 0, size, num_slots, "cpu", 0) for pi, size in enumerate(sizes))
+        pool_groups.append(PoolGroupDesc(pgi, num_slots, SlotDesc(tuple(members)), pools))
     layer_groups = tuple(
-        LayerGroupDesc(gi, tuple(ids), window, sink, lg_pool_group[gi])
+        LayerGroupDesc(gi, tuple(ids), window, sink, pool_group_of[gi])
         for gi, ((window, sink), ids) in enumerate(ordered))
     return CacheLayoutDesc(LAYOUT_VERSION, config.tokens_per_block, layer_groups, tuple(pool_groups),
                            tuple(formats.items()))

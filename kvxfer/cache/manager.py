@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 from kvxfer.cache.allocator import SlotAllocator
 from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.copy_engine import CopyEngine, CopyHandle
-from kvxfer.cache.descriptors import BufferId, CacheLayoutDesc, PoolGroupDesc
+from kvxfer.cache.descriptors import AggregatedPageDesc, BufferId, CacheLayoutDesc, PoolGroupDesc
 from kvxfer.cache.dtypes import torch_dtype
 from kvxfer.cache.events import AllCleared, EventQueue, KVEvent, Removed, Stored, Updated
 from kvxfer.cache.hashing import DEFAULT_SCOPE, ExtraKeys, ReuseScope, block_keys, check_extra_keys
@@ -149,6 +149,10 @@ class KVCacheManager:
     def pool_group_descs(self) -> tuple[PoolGroupDesc, ...]:
         """The pool groups of the published layout."""
         return self._layout.pool_groups
+
+    def get_aggregated_pages(self, buffers: Iterable[BufferId]) -> tuple[AggregatedPageDesc, ...]:
+        """The reference design's aggregated pages of ``buffers`` (see ``CacheLayoutDesc.aggregated_pages``)."""
+        return self._layout.aggregated_pages(buffers)
 
     def memory_regions(self) -> list[MemoryRegion]:
         """One region per primary-tier pool, in (pool group, pool) order: what a transport registers."""

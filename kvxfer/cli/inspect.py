@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -55,17 +57,20 @@ def render(layout: CacheLayoutDesc, console: Console) -> None:
         lg_table.add_row(str(lg.layer_group_id), shown, str(lg.window or "full"), str(lg.sink_tokens),
                          str(lg.pool_group_index))
     console.print(lg_table)
-    pool_table = Table(title="Pools")
-    for col in ("pool", "slots", "slot bytes", "buffer bytes", "per slot", "MiB", "first buffers"):
+    pool_table = Table(title="Pools (one row per layer group's variant of each pool)")
+    for col in ("pool", "layer group", "slots", "slot bytes", "buffer bytes", "buffers", "MiB", "first buffers"):
         pool_table.add_column(col, justify="right" if col != "first buffers" else "left")
     total = 0
     for pg in layout.pool_groups:
-        for pool, slot in zip(pg.pools, pg.slots, strict=True):
-            total += pool.nbytes
-            first = ", ".join(f"L{e.buffer_id.layer_id}.{e.buffer_id.role}@{e.offset}" for e in slot.expanded()[:3])
-            pool_table.add_row(f"{pg.pool_group_index}.{pool.pool_index}", str(pool.num_slots), str(pool.slot_bytes),
-                               str(slot.coalesced.single_buffer_size), str(slot.buffers_per_slot),
-                               f"{pool.nbytes / 2**20:.1f}", first + (", ..." if len(slot.expanded()) > 3 else ""))
+        total += sum(pool.nbytes for pool in pg.pools)
+        for variant in pg.slot_desc.variants:
+            for pool, cb in zip(pg.pools, variant.coalesced_buffers, strict=True):
+                first = ", ".join(f"L{b.layer_id}.{b.role}@{i * cb.single_buffer_size}"
+                                  for i, b in enumerate(cb.buffer_ids[:3]))
+                pool_table.add_row(f"{pg.pool_group_index}.{pool.pool_index}", str(variant.layer_group_id),
+                                   str(pool.num_slots), str(pool.slot_bytes), str(cb.single_buffer_size),
+                                   str(cb.num_buffers), f"{pool.nbytes / 2**20:.1f}",
+                                   first + (", ..." if cb.num_buffers > 3 else ""))
     console.print(pool_table)
     fmts = {f for _, f in layout.formats}
     fmt_table = Table(title="Buffer formats")
@@ -78,11 +83,28 @@ def render(layout: CacheLayoutDesc, console: Console) -> None:
     console.print(f"total pool memory: {total / 2**30:.3f} GiB")
 
 
+def describe(layout: CacheLayoutDesc) -> dict[str, Any]:
+    """The layout's wire dictionary (named fields only) plus the derived values a reader wants: each
+    coalesced buffer's ``size``/``num_buffers``, each slot's ``slot_size_list``, and per layer group
+    its buffers' pool, offset, size and ``expansion``. ``CacheLayoutDesc.from_dict`` reads it back."""
+    d = layout.to_dict()
+    for pg_wire, pg in zip(d["pool_groups"], layout.pool_groups, strict=True):
+        pg_wire["slot_desc"]["slot_size_list"] = list(pg.slot_desc.slot_size_list)
+        for v_wire, v in zip(pg_wire["slot_desc"]["variants"], pg.slot_desc.variants, strict=True):
+            v_wire["slot_size_list"] = list(v.slot_size_list)
+            for cb_wire, cb in zip(v_wire["coalesced_buffers"], v.coalesced_buffers, strict=True):
+                cb_wire["size"], cb_wire["num_buffers"] = cb.size, cb.num_buffers
+            v_wire["buffer_spans"] = [
+                {"buffer_id": s.buffer_id.to_wire(), "pool_index": s.pool_index, "offset": s.offset, "size": s.size,
+                 "expansion": layout.expansion_of(s.buffer_id)} for s in v.buffer_spans()]
+    return d
+
+
 def main(a: argparse.Namespace) -> int:
     """Run `kvxfer inspect` with parsed options."""
     layout = plan_layout(config_from_args(a))
     if a.json:
-        print(layout.to_json())
+        print(json.dumps(describe(layout), indent=2))
     else:
         console = Console()
         render(layout, console if console.is_terminal else Console(width=132))

@@ -47,11 +47,9 @@ def extract(layout: CacheLayoutDesc, block_ids: BlockIds | Any, *, layers: Itera
         logical = valid + int(first_block)
         slots = blocks[valid]
         pg = layout.pool_groups[layout.layer_groups[g].pool_group_index]
-        pos = pg.layer_group_ids.index(g)
-        for pool, slot in zip(pg.pools, pg.slots, strict=True):
-            per = slot.buffers_per_slot
-            single = slot.coalesced.single_buffer_size
-            section = slot.coalesced.buffer_ids[pos * per:(pos + 1) * per]
+        variant = pg.slot_desc.variant_of(g)
+        for pool, cb in zip(pg.pools, variant.coalesced_buffers, strict=True):
+            per, single, section = cb.num_buffers, cb.single_buffer_size, cb.buffer_ids
             picked = [i for i, b in enumerate(section) if b in chosen]
             if not picked:
                 continue

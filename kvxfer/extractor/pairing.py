@@ -110,11 +110,10 @@ def _whole_buffer_runs(src: CacheLayoutDesc, dst: CacheLayoutDesc, group: int, l
     src_regions, dst_regions = region_indices(src), region_indices(dst)
     pgi = src.layer_groups[group].pool_group_index
     pg_s, pg_d = src.pool_groups[pgi], dst.pool_groups[pgi]
-    pos = pg_s.layer_group_ids.index(group)
     out: list[Entries] = []
-    for p, (pool_s, pool_d, slot) in enumerate(zip(pg_s.pools, pg_d.pools, pg_s.slots, strict=True)):
-        per, single = slot.buffers_per_slot, slot.coalesced.single_buffer_size
-        section = slot.coalesced.buffer_ids[pos * per:(pos + 1) * per]
+    variant = pg_s.slot_desc.variant_of(group)
+    for p, (pool_s, pool_d, cb) in enumerate(zip(pg_s.pools, pg_d.pools, variant.coalesced_buffers, strict=True)):
+        single, section = cb.single_buffer_size, cb.buffer_ids
         picked = np.array([b.layer_id in layer_ids for b in section], dtype=bool)
         if not picked.any():
             continue
@@ -149,7 +148,8 @@ def _expand(count: I64) -> tuple[I64, I64]:
 
 def row_run_template(fs: BufferFormat, fd: BufferFormat, segs: Segments) -> tuple[I64, I64, I64, I64] | None:
     """Runs contiguous on both sides for one format pair: (segment, source byte offset in the buffer,
-    destination byte offset in the buffer, bytes) per run, or None when the head ranges do not meet."""
+    destination byte offset in the buffer, bytes) per run, or None when the head ranges do not meet.
+    No segment may cross a page of either format (``split_segments``)."""
     h0 = max(fs.head_start, fd.head_start)
     k = min(fs.head_start + fs.num_heads, fd.head_start + fd.num_heads) - h0
     if k <= 0:
@@ -158,8 +158,11 @@ def row_run_template(fs: BufferFormat, fd: BufferFormat, segs: Segments) -> tupl
     sh_s, st_s = _strides(fs, row)
     sh_d, st_d = _strides(fd, row)
     n = segs.length
-    base_s = (h0 - fs.head_start) * sh_s + segs.src_tok * st_s
-    base_d = (h0 - fd.head_start) * sh_d + segs.dst_tok * st_d
+    # An expanded buffer holds several of its own pages per slot: page p starts at p * fmt.nbytes.
+    page_s, tok_s = np.divmod(segs.src_tok, fs.tokens_per_block)
+    page_d, tok_d = np.divmod(segs.dst_tok, fd.tokens_per_block)
+    base_s = page_s * fs.nbytes + (h0 - fs.head_start) * sh_s + tok_s * st_s
+    base_d = page_d * fd.nbytes + (h0 - fd.head_start) * sh_d + tok_d * st_d
     if st_s == row and st_d == row:
         # Tokens contiguous on both sides: one run per head, or one for all heads when the segment
         # is a whole block on both sides (head stride == segment bytes).
@@ -192,14 +195,37 @@ def _row_runs(pairs: list[tuple[Placement, Placement]], segs: Segments) -> list[
         by_format.setdefault((s.fmt, d.fmt), []).append((s, d))
     out: list[Entries] = []
     for (fs, fd), same_format in by_format.items():
-        template = row_run_template(fs, fd, segs)
+        fsegs = split_segments(segs, fs.tokens_per_block, fd.tokens_per_block)
+        template = row_run_template(fs, fd, fsegs)
         if template is None:
             continue
         by_region: dict[int, list[tuple[Placement, Placement]]] = {}
         for m in sorted(same_format, key=lambda m: (m[0].region, m[0].base)):
             by_region.setdefault(m[0].region, []).append(m)
-        out.extend(_broadcast(template, segs, members) for members in by_region.values())
+        out.extend(_broadcast(template, fsegs, members) for members in by_region.values())
     return out
+
+
+def split_segments(segs: Segments, src_page: int, dst_page: int) -> Segments:
+    """``segs`` cut so that none crosses a page of ``src_page`` source or ``dst_page`` destination
+    tokens (expanded buffers: pages smaller than a block). Both divide their layout's tokens_per_block,
+    so the cuts are the multiples of either inside a segment; unchanged when nothing crosses."""
+    crosses = (segs.src_tok % src_page + segs.length > src_page) | (segs.dst_tok % dst_page + segs.length > dst_page)
+    if not crosses.any():
+        return segs
+    start, end = segs.start, segs.start + segs.length
+    positions = [start]
+    for unit in {src_page, dst_page}:
+        count = np.maximum(0, (end - 1) // unit - start // unit)
+        seg, k = _expand(count)
+        positions.append((start[seg] // unit + 1 + k) * unit)
+    pos = np.unique(np.concatenate(positions))
+    seg = np.searchsorted(start, pos, side="right") - 1
+    nxt = np.concatenate([pos[1:], [np.iinfo(np.int64).max]])
+    length = np.minimum(nxt, end[seg]) - pos
+    shift = pos - start[seg]
+    return Segments(pos, length, segs.src_slot[seg], segs.src_tok[seg] + shift, segs.dst_slot[seg],
+                    segs.dst_tok[seg] + shift)
 
 
 def _broadcast(template: tuple[I64, I64, I64, I64], segs: Segments,

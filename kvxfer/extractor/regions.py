@@ -72,11 +72,11 @@ def _placements(layout: CacheLayoutDesc) -> dict[BufferId, Placement]:
     regions = region_indices(layout)
     out: dict[BufferId, Placement] = {}
     for pg in layout.pool_groups:
-        for pool, slot in zip(pg.pools, pg.slots, strict=True):
-            per = slot.buffers_per_slot
-            for i, eb in enumerate(slot.expanded()):
-                bid = eb.buffer_id
-                out[bid] = Placement(bid, pg.layer_group_ids[i // per], pg.pool_group_index, pool.pool_index,
+        for variant in pg.slot_desc.variants:
+            for span in variant.buffer_spans():
+                pool = pg.pools[span.pool_index]
+                bid = span.buffer_id
+                out[bid] = Placement(bid, variant.layer_group_id, pg.pool_group_index, pool.pool_index,
                                      regions[pg.pool_group_index][pool.pool_index],
-                                     pool.base_address + eb.offset, eb.offset, pool.slot_bytes, formats[bid])
+                                     pool.base_address + span.offset, span.offset, pool.slot_bytes, formats[bid])
     return out
