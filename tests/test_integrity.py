@@ -24,6 +24,7 @@ from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.disagg.worker import all_regions, plan_between
 from kvxfer.errors import ConfigError, DecodeError, IntegrityError
+from kvxfer.extractor import layout_regions, plan_transfer
 from kvxfer.model import PagedKV
 from kvxfer.transport.copy import copy_plan
 from kvxfer.transport.integrity import (
@@ -35,6 +36,9 @@ from kvxfer.transport.integrity import (
     digest_kv,
     verify_kv,
 )
+from tests.test_extractor_expanded import HEADS as EHEADS
+from tests.test_extractor_expanded import Side as ExpandedSide
+from tests.test_extractor_expanded import code as expanded_code
 
 LAYERS, HEADS, DIM = 3, 4, 8
 PROMPT = 70                      # not a multiple of any block size used here
@@ -380,3 +384,24 @@ def test_cuda_pages_verify_and_detect_a_swapped_block() -> None:
     finally:
         src.close()
         dst.close()
+
+
+def test_expanded_buffers_against_plain_ones() -> None:
+    """Buffers whose own pages hold fewer tokens than a block (several pages per slot) on either side:
+    the same logical KV verifies, a swapped block does not."""
+    src = ExpandedSide(16, {"key": 4, "value": 16}, "HND", (0, EHEADS), 8)
+    dst = ExpandedSide(8, {"key": 8, "value": 2}, "NHD", (0, EHEADS), 12)
+    n = 37
+    rng = np.random.default_rng(4)
+    src_ids = rng.permutation(8)[:3]
+    dst_ids = rng.permutation(12)[:5]
+    for bid, _ in src.layout.formats:
+        pool, idx, tok, head, dim = src.cells(bid, src_ids, np.arange(n))
+        src.arrays[pool][idx] = expanded_code(bid.layer_id, bid.role, tok, head, dim)
+    plan = plan_transfer(src.layout, {0: src_ids}, dst.layout, {0: dst_ids}, token_range=(0, n))
+    copy_plan(plan, layout_regions(src.layout), layout_regions(dst.layout))
+    digest = digest_kv([src.layout], [{0: src_ids}], (0, n), FULL, "x", chunk_tokens=8)
+    verify_kv([dst.layout], [{0: dst_ids}], digest, token_range=(0, n))
+    swapped = dst_ids[[1, 0, 2, 3, 4]]
+    with pytest.raises(IntegrityError, match=r"layer 0 role 'key' head 0 tokens \[0, 8\)"):
+        verify_kv([dst.layout], [{0: swapped}], digest, token_range=(0, n))

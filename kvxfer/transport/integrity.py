@@ -397,6 +397,8 @@ class _Rank:
         self.head_stride = np.zeros(n, np.int64)
         self.token_stride = np.zeros(n, np.int64)
         self.row = np.zeros(n, np.int64)
+        self.page_tokens = np.ones(n, np.int64)   # an expanded buffer holds several pages per block
+        self.page_bytes = np.zeros(n, np.int64)
         self.group = np.zeros(n, np.int64)
         groups: list[int] = []
         for i, b in enumerate(buffers):
@@ -412,6 +414,7 @@ class _Rank:
             self.head_stride[i], self.token_stride[i] = ((fmt.tokens_per_block * row, row) if fmt.order == "HND"
                                                          else (row, fmt.num_heads * row))
             self.row[i] = row
+            self.page_tokens[i], self.page_bytes[i] = fmt.tokens_per_block, fmt.nbytes
             if p.layer_group not in groups:
                 groups.append(p.layer_group)
             self.group[i] = groups.index(p.layer_group)
@@ -463,8 +466,9 @@ class _Rank:
             buf = buffers[int(bb[bad])]
             raise IntegrityError(f"{self.side}: no page holds {buf.name()} token {int(tok[bad])} (block "
                                  f"{int(tok[bad]) // self.tpb}), which the digest covers")
-        offset = (self.base[bb] + slot * self.slot_bytes[bb] + (cells.head[part][seg] - self.head_start[bb])
-                  * self.head_stride[bb] + (tok - block * self.tpb) * self.token_stride[bb])
+        page, in_page = np.divmod(tok - block * self.tpb, self.page_tokens[bb])
+        offset = (self.base[bb] + slot * self.slot_bytes[bb] + page * self.page_bytes[bb]
+                  + (cells.head[part][seg] - self.head_start[bb]) * self.head_stride[bb] + in_page * self.token_stride[bb])
         row = int(self.row[b[0]])
         region = self.regions[int(self.region[b[0]])]
         first_row = np.cumsum(length) - length
