@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvxfer.cache import CacheConfig, KVCacheManager
+from kvxfer.cache.engine_layouts import vllm_flash_attn
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.disagg.worker import all_regions, plan_between
@@ -405,3 +406,29 @@ def test_expanded_buffers_against_plain_ones() -> None:
     swapped = dst_ids[[1, 0, 2, 3, 4]]
     with pytest.raises(IntegrityError, match=r"layer 0 role 'key' head 0 tokens \[0, 8\)"):
         verify_kv([dst.layout], [{0: swapped}], digest, token_range=(0, n))
+
+
+def test_engine_owned_vllm_pages_against_a_kvxfer_cache() -> None:
+    """A vLLM FlashAttention cache ([2, blocks, block_size, heads, dim] per layer, engine-owned) digested
+    as the source, a kvxfer cache (tpb 32, HND, TP 2) verified as the destination."""
+    gen = torch.Generator().manual_seed(8)
+    tensors = [torch.zeros(2, 10, 16, HEADS, DIM) for _ in range(LAYERS)]
+    engine = vllm_flash_attn(tensors)
+    table = np.array([7, 2, 5, 0, 9], np.int64)
+    for t in tensors:      # logical KV at tokens 0..69 through the engine's block table
+        kv = torch.randn(2, PROMPT, HEADS, DIM, generator=gen)
+        pos = np.arange(PROMPT)
+        t[:, torch.from_numpy(table[pos // 16]), torch.from_numpy(pos % 16)] = kv
+    dst = side(tpb=32, tp=2)
+    try:
+        ids = [{0: table}]
+        plan = plan_between([engine.layout], ids, dst.layouts, dst.ids, token_range=(0, PROMPT))
+        copy_plan(plan, list(engine.regions), all_regions(dst.layouts))
+        digest = digest_kv([engine.layout], ids, (0, PROMPT), FULL, "engine")
+        verify_kv(dst.layouts, dst.ids, digest, token_range=(0, PROMPT))
+        tensors[1][1, 2, 3] += 1.0          # layer 1, value, block 2 = tokens 16-31, token 19
+        with pytest.raises(IntegrityError, match=r"layer 1 role 'value' head 0 tokens \[0, 32\)"):
+            verify_kv(dst.layouts, dst.ids, digest_kv([engine.layout], ids, (0, PROMPT), FULL, "engine"),
+                      token_range=(0, PROMPT))
+    finally:
+        dst.close()
