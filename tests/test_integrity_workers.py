@@ -12,10 +12,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from kvxfer.cache import KVCacheManager
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
-from kvxfer.errors import IntegrityError
+from kvxfer.errors import BlockIdError, IntegrityError
 from kvxfer.model import preset
 from kvxfer.transport import LoopbackFaults, available_backends
 from kvxfer.transport.integrity import ChecksumPolicy
@@ -145,3 +146,21 @@ def test_layerwise_full_checksum_over_ucx_with_repeated_prompts(backend: str) ->
             assert decode.generate(tokens, NEW, timeout=60).tokens == reference(tokens, NEW)
         assert decode.status()["integrity_failures"] == 0
         assert_settled(prefill, decode)
+
+
+def test_pinned_pages_outlive_their_request_until_released() -> None:
+    manager = KVCacheManager(preset("tiny").cache_config(16, 8))
+    free = manager.num_free_slots()
+    cache = manager.create_kv_cache(id="r")
+    cache.resume()
+    cache.resize(40)
+    pin = manager.pin_pages({0: np.append(cache.block_ids(0), -1)})
+    assert pin.num_pages == 3
+    cache.close()
+    assert manager.num_free_slots() == free - 3          # the request let go; the pin holds them
+    pin.release()
+    pin.release()                                         # once only
+    assert manager.num_free_slots() == free
+    with pytest.raises(BlockIdError, match="incref of free slot"):
+        manager.pin_pages({0: [0]})
+    manager.shutdown()
