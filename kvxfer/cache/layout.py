@@ -1,7 +1,8 @@
 """Layout construction: layers -> layer groups -> coalesced slots -> pool groups -> CacheLayoutDesc.
 
 Rules (DESIGN.md "Vocabulary"):
-- layers with the same (window, sink_tokens) form a layer group, ordered by their first layer id;
+- layers with the same window and sink blocks (sink tokens rounded up to whole blocks) form a layer
+  group, ordered by their first layer id;
 - inside a layer group, buffers of equal size are coalesced into one slot (one pool per size), or
   each buffer gets its own pool when ``coalesce=False``;
 - layer groups whose pools have the same (buffer size, buffers per slot) list share one pool group,
@@ -84,10 +85,12 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
     """The layout of ``config`` with unplaced pools (base address 0) sized to ``quota_bytes``
     (default: the primary tier's quota)."""
     formats = buffer_formats(config)
-    # 1. layer groups by (window, sink tokens), ordered by first layer id
+    # 1. layer groups by (window, sink tokens rounded up to whole blocks), ordered by first layer id
     groups: dict[tuple[int | None, int], list[int]] = {}
+    tpb = config.tokens_per_block
     for layer in config.layers:
-        groups.setdefault((layer.window, layer.sink_tokens), []).append(layer.layer_id)
+        sink = -(-layer.sink_tokens // tpb) * tpb
+        groups.setdefault((layer.window, sink), []).append(layer.layer_id)
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
     # 2. coalesced slots per layer group, 3. pool groups keyed by slot structure
     per_group = [_group_slots(config, ids, formats) for _, ids in ordered]

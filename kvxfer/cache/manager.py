@@ -5,40 +5,51 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvxfer.cache import tiers as tier_storage
 from kvxfer.cache.allocator import SlotAllocator
 from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.copy_engine import CopyEngine, CopyHandle
 from kvxfer.cache.descriptors import BufferId, CacheLayoutDesc, PoolGroupDesc
 from kvxfer.cache.dtypes import torch_dtype
 from kvxfer.cache.events import AllCleared, EventQueue, KVEvent, Removed, Stored, Updated
-from kvxfer.cache.hashing import DEFAULT_SCOPE, ExtraKeys, ReuseScope, block_keys, check_extra_keys
+from kvxfer.cache.hashing import (
+    DEFAULT_SCOPE,
+    ExtraKeys,
+    ReuseScope,
+    block_keys,
+    check_extra_keys,
+    resolve_hash_algo,
+)
 from kvxfer.cache.kv_cache import CacheState, KVCache, _as_tokens
 from kvxfer.cache.layout import place_layout, plan_layout
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode, PrefixTree
 from kvxfer.cache.stats import (
-    IterationStats,
-    PoolGroupPeaks,
+    KVCacheIterationStatsDelta,
+    KVCacheStatsDelta,
+    PoolGroupPeakBlockStats,
     SlotAccounting,
     StatsCollector,
     TierTraffic,
     TierTrafficCounter,
 )
+from kvxfer.cache.streams import SlotReadiness, TorchStreamOps
 from kvxfer.cache.tiers import (
     DiskTierStorage,
     MemoryTierStorage,
     TierStats,
     TierStorage,
-    open_host_tier,
     primary_tier_of,
 )
 from kvxfer.errors import (
@@ -55,6 +66,11 @@ from kvxfer.errors import (
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
 TokenArray = npt.NDArray[np.int64]
+
+_log = logging.getLogger(__name__)
+#: What a failed host-tier set-up raises (pinned or plain allocation failures); the manager then runs
+#: without a host tier, keeping its disk tier.
+HOST_TIER_SETUP_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, MemoryError, OSError)
 
 #: Medium names of the colder tiers in events (the primary tier is "GPU" or "CPU").
 HOST_MEDIUM = "CPU"
@@ -87,7 +103,10 @@ class KVCacheManager:
     """
 
     def __init__(self, config: CacheConfig) -> None:
+        #: The configuration the manager was created with (never changes; see ``current_config``).
         self.config = config
+        self._current = config
+        self._hash_algo = resolve_hash_algo(config.hash_algo)
         primary = config.primary
         plan = plan_layout(config)
         device = torch.device(primary.device)
@@ -103,7 +122,6 @@ class KVCacheManager:
         self._tree = PrefixTree(len(self._layout.layer_groups), self._layout.tokens_per_block)
         self._in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in self._layout.pool_groups]
         self._events = EventQueue(config.event_queue_capacity)
-        self._stats = StatsCollector(config.enable_stats, len(self._layout.pool_groups))
         self._medium = "GPU" if device.type == "cuda" else "CPU"
         self._has_windows = any(lg.window is not None for lg in self._layout.layer_groups)
         self._caches: dict[str, KVCache] = {}
@@ -113,23 +131,37 @@ class KVCacheManager:
         self._pg_layer_groups = [[lg.layer_group_id for lg in self._layout.layer_groups
                                   if lg.pool_group_index == pg.pool_group_index] for pg in self._layout.pool_groups]
         self._pinned: set[str] = set()   # caches being resumed: their pages are not victims
+        self._readiness = SlotReadiness([pg.num_slots for pg in self._layout.pool_groups], TorchStreamOps()) \
+            if device.type == "cuda" else None
         self._tiers: list[TierStorage] = [primary_tier_of(self)]
         self._media = [self._medium]
         self._copy: CopyEngine | None = None
+        #: Why the configured host tier is missing (its set-up failed; the manager runs without it), or None.
+        self.host_tier_error: str | None = None
+        kept: list[PrimaryTier | HostTier | DiskTier] = [primary]
         try:
             for tier in config.tiers[1:]:
                 if isinstance(tier, HostTier):
-                    self._tiers.append(open_host_tier(config, tier))
+                    try:
+                        self._tiers.append(tier_storage.open_host_tier(config, tier))
+                    except HOST_TIER_SETUP_ERRORS as exc:
+                        self.host_tier_error = f"{type(exc).__name__}: {exc}"
+                        _log.warning("KVCacheManager: the host tier (%d bytes) could not be set up (%s); running "
+                                     "without it", tier.quota_bytes, self.host_tier_error)
+                        continue
                     self._media.append(HOST_MEDIUM)
                 elif isinstance(tier, DiskTier):
                     self._tiers.append(DiskTierStorage(config, tier))
                     self._media.append(DISK_MEDIUM)
+                kept.append(tier)
             if len(self._tiers) > 1:
                 self._copy = CopyEngine()
         except BaseException:
             for opened in self._tiers[1:]:
                 opened.close()
             raise
+        if len(kept) != len(config.tiers):
+            self._current = dataclasses.replace(config, tiers=tuple(kept))
         # Per tier and pool group: which slots are tree pages, and the (node, layer group) owning each.
         self._in_tree_t = [self._in_tree] + [
             [np.zeros(pg.num_slots, dtype=bool) for pg in t.layout.pool_groups] for t in self._tiers[1:]]
@@ -137,6 +169,26 @@ class KVCacheManager:
             [{} for _ in self._layout.pool_groups] for _ in self._tiers]
         self._traffic = TierTrafficCounter(len(self._tiers))
         self._page_bytes = [sum(p.slot_bytes for p in pg.pools) for pg in self._layout.pool_groups]
+        self._stats = StatsCollector(config.enable_stats, len(self._tiers), len(self._layout.pool_groups),
+                                     len(self._layout.layer_groups))
+        self._sample_usage()
+
+    @property
+    def current_config(self) -> CacheConfig:
+        """The configuration in force now: ``config`` with the quotas ``resize_quota`` set and without
+        a host tier that could not be set up."""
+        return self._current
+
+    @property
+    def hash_algo(self) -> str:
+        """The block-key algorithm as configured (``CacheConfig.hash_algo``; may be ``auto``)."""
+        return self.config.hash_algo
+
+    @property
+    def resolved_hash_algo(self) -> str:
+        """The concrete block-key algorithm (``auto`` resolved to ``v1_block_key``); pass either name
+        to ``kvxfer.cache.hashing.block_hash_for_event`` to publish a key."""
+        return self._hash_algo
 
     # --- published view ---------------------------------------------------------------------
     @property
@@ -212,11 +264,16 @@ class KVCacheManager:
                 pg = self._lg_pool_group[lg]
                 self._alloc_of(tier, pg).decref(np.array([page], dtype=np.int32))
                 self._unmark_tree_page(tier, pg, page)
+                if tier > 0 and (delta := self._stats.traffic(lg)) is not None:
+                    delta.iter_host_dropped_blocks += 1
+                    delta.iter_host_dropped_bytes += self._page_bytes[pg]
         self._events.put(Removed((node.key,), self._node_medium(node)))
         self._traffic.dropped()
 
-    def _release(self, layer_group: int, ids: IntArray, tiers: TierArray) -> None:
-        """Drop one reference on each page ``ids[i]`` (>= 0) of tier ``tiers[i]``."""
+    def _release(self, layer_group: int, ids: IntArray, tiers: TierArray, stream: Any = None) -> None:
+        """Drop one reference on each page ``ids[i]`` (>= 0) of tier ``tiers[i]``; the primary ones
+        are stamped with ``stream`` (the releasing request's) first."""
+        self._stamp(layer_group, ids, tiers, stream)
         pg = self._lg_pool_group[layer_group]
         live = ids >= 0
         for tier in np.unique(tiers[live]).tolist():
@@ -370,6 +427,10 @@ class KVCacheManager:
         assert self._copy is not None
         if any(self._tiers[src_t].memory_kind == "cuda" for src_t, _, _, _ in jobs):
             torch.cuda.current_stream(self.device).synchronize()   # the KV being moved must be written
+            if self._readiness is not None:                          # ... on every request's stream too
+                for src_t, src, _, _ in jobs:
+                    if src_t == 0:
+                        self._readiness.synchronize(pool_group, src)
         handles: list[CopyHandle] = []
         try:
             for src_t, src, dst_t, dst in jobs:
@@ -400,10 +461,12 @@ class KVCacheManager:
             dst_alloc.incref(extra)
         src_owner = self._tree_owner[src_tier][pool_group]
         moved: list[bytes] = []
-        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        owner_lgs = np.full(src.size, self._pg_layer_groups[pool_group][0], dtype=np.int64)
+        for i, (s, d) in enumerate(zip(src.tolist(), dst.tolist(), strict=True)):
             owner = src_owner.pop(s, None)
             if owner is not None:
                 node, lg = owner
+                owner_lgs[i] = lg
                 node.pages[lg] = d
                 node.tiers[lg] = dst_tier
                 dst_owner[d] = owner
@@ -421,13 +484,39 @@ class KVCacheManager:
                     continue
                 idx = np.minimum(np.searchsorted(sorted_src, blocks[pos]), sorted_src.size - 1)
                 hit = sorted_src[idx] == blocks[pos]
+                owner_lgs[order[idx[hit]]] = lg
                 blocks[pos[hit]] = sorted_dst[idx[hit]]
                 tiers[pos[hit]] = dst_tier
         src_alloc.decref(np.repeat(src, refs))
         if src_tier != dst_tier:
             self._traffic.moved(src_tier, dst_tier, int(src.size), int(src.size) * self._page_bytes[pool_group])
+            self._count_copies(pool_group, "onboard" if dst_tier < src_tier else "offload", int(src.size),
+                               owner_lgs)
         if moved and src_tier != dst_tier:
             self._events.put(Updated(tuple(dict.fromkeys(moved)), self._media[dst_tier]))
+
+    def _count_copies(self, pool_group: int, kind: str, pages: int, layer_groups: npt.NDArray[np.int64] | None) -> None:
+        """Count ``pages`` copied pages of a pool group in the iteration stats of the layer groups
+        they belong to (``layer_groups[i]`` per page; the pool group's first one when unknown).
+        ``kind``: "onboard" (to a warmer tier), "offload" (to a colder one) or "intra" (same device)."""
+        if not self._stats.enabled or pages == 0:
+            return
+        lgs = np.full(pages, self._pg_layer_groups[pool_group][0], dtype=np.int64) if layer_groups is None \
+            else layer_groups
+        nbytes = self._page_bytes[pool_group]
+        for lg, n in zip(*np.unique(lgs, return_counts=True), strict=True):
+            delta = self._stats.traffic(int(lg))
+            assert delta is not None
+            count = int(n)
+            if kind == "onboard":
+                delta.iter_onboard_blocks += count
+                delta.iter_onboard_bytes += count * nbytes
+            elif kind == "offload":
+                delta.iter_offload_blocks += count
+                delta.iter_offload_bytes += count * nbytes
+            else:
+                delta.iter_intra_device_copy_blocks += count
+                delta.iter_intra_device_copy_bytes += count * nbytes
 
     def _offloaded_pages(self, cache: KVCache) -> dict[int, dict[int, IntArray]]:
         """The cache's pages outside the primary tier: {pool group: {tier: slots}}."""
@@ -456,7 +545,7 @@ class KVCacheManager:
         ``swap`` (the slots are for onboarding pages from colder tiers) one slot to start with is
         enough: every page brought up frees a slot below that a displaced page can take."""
         alloc = self._allocators[pool_group]
-        limit = math.floor(self.config.resume_max_utilization * alloc.num_slots + 1e-9)
+        limit = math.floor(self.config.resume_max_utilization * alloc.usable + 1e-9)
         if int(np.count_nonzero(self._locked_mask(0, pool_group))) + n > limit:
             return False
         start = min(n, 1) if swap else n
@@ -494,14 +583,17 @@ class KVCacheManager:
 
     # --- KVCache lifecycle (called by KVCache) ------------------------------------------------
     def create_kv_cache(self, tokens: Sequence[int] | npt.ArrayLike | None = None, id: str | None = None, *,
-                        reuse_scope: ReuseScope | None = None, extra_keys: ExtraKeys | None = None) -> KVCache:
+                        reuse_scope: ReuseScope | None = None, extra_keys: ExtraKeys | None = None,
+                        expected_prompt_length: int | None = None) -> KVCache:
         """A new, suspended KVCache; call ``resume()`` before ``resize``.
 
         With ``tokens`` (the prompt) and prefix reuse enabled, the longest reusable prefix within
         ``reuse_scope`` is matched (never the last prompt token, whose logits must be computed): its
         pages are locked into the cache's first block ids and ``num_reused_tokens`` (= its committed
         tokens) says how much. ``extra_keys`` maps a block index to bytes (e.g. multimodal digests)
-        that enter that block's key.
+        that enter that block's key. ``expected_prompt_length`` (at least ``len(tokens)``; by default
+        ``len(tokens)``) is the prompt's length when the caller knows more than the tokens given:
+        blocks allocated inside it count as missed, past it as generation allocations.
         """
         with self._lock:
             if self._shut_down:
@@ -513,25 +605,40 @@ class KVCacheManager:
             scope = _check_scope(reuse_scope, what)
             extras = check_extra_keys(extra_keys, what)
             arr = None if tokens is None else _as_tokens(tokens, what)
-            cache = KVCache(self, cache_id, arr, scope, extras)
+            prompt_length = _check_prompt_length(expected_prompt_length, arr, what)
+            cache = KVCache(self, cache_id, arr, scope, extras, expected_prompt_length=prompt_length,
+                            swa_scratch_reuse=self.config.swa_scratch_reuse)
+            cache._root_key = scope.root_key_for(self._hash_algo)
             cache._last_used = self._tree.tick()
-            if arr is not None:
-                tpb = self._layout.tokens_per_block
-                plan = None
-                if self.config.enable_prefix_reuse:
-                    cache._prompt_keys = block_keys(arr, tpb, scope.root_key, extra_keys=extras)
-                    plan = self._plan_reuse(scope, cache._prompt_keys, arr, extras)
-                    self._lock_reuse(cache, arr, plan)
-                if self._stats.enabled:
-                    full = 0 if plan is None else len(plan.nodes)
-                    partial = 0 if plan is None or plan.partial is None else 1
-                    cache._pending.reused_full_blocks += full
-                    cache._pending.reused_partial_blocks += partial
-                    cache._pending.allocated_blocks += full + partial
-                    cache._pending.missed_blocks += math.ceil(arr.size / tpb) - full - partial
+            if arr is not None and self.config.enable_prefix_reuse:
+                cache._prompt_keys = self._keys(cache, arr, cache._root_key)
+                plan = self._plan_reuse(cache._root_key, cache._prompt_keys, arr, extras)
+                self._lock_reuse(cache, arr, plan)
+                self._count_reuse(cache, plan)
             self._caches[cache_id] = cache
             self._sample_usage()
             return cache
+
+    def _keys(self, cache: KVCache, tokens: TokenArray, parent: bytes, first_block: int = 0) -> list[bytes]:
+        """Block keys of ``tokens`` for a request, chained from ``parent``, under the manager's algorithm."""
+        return block_keys(tokens, self._layout.tokens_per_block, parent, first_block=first_block,
+                          extra_keys=cache._extra_keys, algo=self._hash_algo, scope=cache.reuse_scope)
+
+    def _count_reuse(self, cache: KVCache, plan: _ReusePlan) -> None:
+        """Pending counters of a prefix match: reused block positions (full and partial)."""
+        if not self._stats.records(cache.id) or plan.num_tokens == 0:
+            return
+        full, partial = len(plan.nodes), int(plan.partial is not None)
+        req = cache._pending.request
+        req.alloc_total_blocks += full + partial
+        req.reused_blocks += full + partial
+        for g in range(plan.pages.shape[1]):
+            it = cache._pending.layer_group(g)
+            it.iter_alloc_total_blocks += int(np.count_nonzero(plan.pages[:, g] >= 0))
+            it.iter_reused_blocks += full + partial
+            it.iter_full_reused_blocks += full
+            it.iter_partial_reused_blocks += partial
+        self._mark_pending(cache)
 
     def probe_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
                     extra_keys: ExtraKeys | None = None) -> int:
@@ -543,11 +650,13 @@ class KVCacheManager:
             arr = _as_tokens(tokens, "probe_reuse")
             if not self.config.enable_prefix_reuse:
                 return 0
-            keys = block_keys(arr, self._layout.tokens_per_block, scope.root_key, extra_keys=extras)
-            return self._plan_reuse(scope, keys, arr, extras).num_tokens
+            root = scope.root_key_for(self._hash_algo)
+            keys = block_keys(arr, self._layout.tokens_per_block, root, extra_keys=extras, algo=self._hash_algo,
+                              scope=scope)
+            return self._plan_reuse(root, keys, arr, extras).num_tokens
 
     # --- prefix reuse ---------------------------------------------------------------------------
-    def _plan_reuse(self, scope: ReuseScope, keys: list[bytes], tokens: TokenArray,
+    def _plan_reuse(self, root_key: bytes, keys: list[bytes], tokens: TokenArray,
                     extras: dict[int, bytes]) -> _ReusePlan:
         """The longest prefix whose pages exist for every layer group that needs them."""
         tpb = self._layout.tokens_per_block
@@ -555,7 +664,7 @@ class KVCacheManager:
         none = _ReusePlan(0, (), None, np.empty((0, n_lg), dtype=np.int32), np.empty((0, n_lg), dtype=np.int8))
         if tokens.size <= 1:
             return none
-        match = self._tree.match(scope.root_key, keys, tokens if self.config.enable_partial_reuse else None,
+        match = self._tree.match(root_key, keys, tokens if self.config.enable_partial_reuse else None,
                                  max_tokens=tokens.size - 1)
         nodes = match.nodes
         partial = match.partial if len(nodes) not in extras else None
@@ -634,9 +743,10 @@ class KVCacheManager:
         for node in (*plan.nodes, *(() if plan.partial is None else (plan.partial,))):
             self._tree.touch(node)
 
-    def _copy_on_write(self, cache: KVCache) -> bool:
+    def _copy_on_write(self, cache: KVCache, stream: Any = None) -> bool:
         """Give the cache private copies of its partially reused block (shared with the tree) before
-        it may write there; False, changing nothing, when no slot can be had."""
+        it may write there (the copy runs on ``stream``); False, changing nothing, when no slot can be
+        had."""
         src_node = cache._partial_src
         if src_node is None:
             return True
@@ -650,18 +760,27 @@ class KVCacheManager:
             self._reserve(needs)
         except OutOfSlotsError:
             return False
-        by_pg: dict[int, tuple[list[int], list[int]]] = {}
+        by_pg: dict[int, tuple[list[int], list[int], list[int]]] = {}
         for lg, src in enumerate(srcs):
             if src < 0:
                 continue
             pg = self._lg_pool_group[lg]
             dst = int(self._allocators[pg].alloc(1)[0])
-            by_pg.setdefault(pg, ([], []))[0].append(src)
+            by_pg.setdefault(pg, ([], [], []))[0].append(src)
             by_pg[pg][1].append(dst)
+            by_pg[pg][2].append(lg)
             cache._blocks[lg][b] = dst
-        for pg, (src_ids, dst_ids) in by_pg.items():
-            self.copy_slots(pg, np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64))
-            self._allocators[pg].decref(np.array(src_ids, dtype=np.int32))
+        target = self._stream_of(stream)
+        with torch.cuda.stream(target) if target is not None else contextlib.nullcontext():
+            for pg, (src_ids, dst_ids, lgs) in by_pg.items():
+                src_arr, dst_arr = np.array(src_ids, dtype=np.int32), np.array(dst_ids, dtype=np.int32)
+                if self._readiness is not None:
+                    self._readiness.wait_for(pg, np.concatenate([src_arr, dst_arr]), target)
+                self.copy_slots(pg, src_arr, dst_arr)
+                if self._readiness is not None:
+                    self._readiness.stamp(pg, src_arr, target)
+                self._allocators[pg].decref(src_arr)
+                self._count_copies(pg, "intra", len(src_ids), np.array(lgs, dtype=np.int64))
         cache._partial_src = None
         self._tree.touch(src_node)
         return True
@@ -692,13 +811,12 @@ class KVCacheManager:
             diff = np.flatnonzero(toks[have * tpb:known * tpb] != cache.input_tokens[have * tpb:known * tpb])
             upto = known if not diff.size else have + int(diff[0]) // tpb
         new_keys = cache._prompt_keys[have:upto]
-        parent_key = cache._keys[-1] if cache._keys else cache.reuse_scope.root_key
+        parent_key = cache._keys[-1] if cache._keys else cache._root_key
         if upto > have:
             parent_key = new_keys[-1]
-        new_keys += block_keys(toks[upto * tpb:full * tpb], tpb, parent_key, first_block=upto,
-                               extra_keys=cache._extra_keys)
+        new_keys += self._keys(cache, toks[upto * tpb:full * tpb], parent_key, first_block=upto)
         pages = np.stack([blocks[have:full] for blocks in cache._blocks], axis=1)
-        root_key = cache.reuse_scope.root_key
+        root_key = cache._root_key
         for i, key in enumerate(new_keys):
             b = have + i
             cache._keys.append(key)
@@ -826,14 +944,18 @@ class KVCacheManager:
         return self._events.dropped
 
     def slot_accounting(self, pool_group: int = 0, tier: int = 0) -> SlotAccounting:
-        """Where the slots of a pool group of a tier (0 = primary) are (free, request-only,
+        """Where the usable slots of a pool group of a tier (0 = primary) are (free, request-only,
         evictable, shared); raises KVCacheError when the reference counts contradict the tree."""
         with self._lock:
             self._check_tier_index(tier)
             alloc = self._alloc_of(tier, pool_group)
-            rc = alloc.refcount
-            tree = self._in_tree_t[tier][pool_group]
+            rc = alloc.refcount[:alloc.usable]
+            tree = self._in_tree_t[tier][pool_group][:alloc.usable]
             where = f"pool group {pool_group}" + (f" of the {self._tiers[tier].name} tier" if tier else "")
+            beyond = np.flatnonzero(alloc.refcount[alloc.usable:])
+            if beyond.size:
+                raise KVCacheError(f"{where}: slot {alloc.usable + int(beyond[0])} is in use beyond the "
+                                   f"{alloc.usable} usable slots")
             free = int(np.count_nonzero(rc == 0))
             if free != alloc.num_free:
                 raise KVCacheError(f"{where}: {free} slots unreferenced but {alloc.num_free} on the free stack")
@@ -845,36 +967,95 @@ class KVCacheManager:
                                   int(np.count_nonzero(tree & (rc == 1))),
                                   int(np.count_nonzero(tree & (rc > 1))))
 
+    def _quick_accounting(self, tier: int, pool_group: int) -> SlotAccounting:
+        """``slot_accounting`` without its cross-checks: O(1) counts plus one pass over the tree mask."""
+        alloc = self._alloc_of(tier, pool_group)
+        tree = self._in_tree_t[tier][pool_group]
+        tree_pages = int(np.count_nonzero(tree))
+        evictable = int(np.count_nonzero(alloc.refcount[tree] == 1)) if tree_pages else 0
+        return SlotAccounting(pool_group, alloc.usable, alloc.num_free, alloc.num_used - tree_pages, evictable,
+                              tree_pages - evictable)
+
     def _sample_usage(self) -> None:
-        """Feed the peak tracker after every allocation change: O(1) counts plus one pass over the
-        tree mask (``slot_accounting`` also cross-checks the counts, too slow to run per call)."""
+        """Feed the peak tracker of every cache level after an allocation change."""
         if not self._stats.enabled:
             return
-        for pg, alloc in enumerate(self._allocators):
-            tree = self._in_tree[pg]
-            rc = alloc.refcount
-            tree_pages = int(np.count_nonzero(tree))
-            evictable = int(np.count_nonzero(rc[tree] == 1)) if tree_pages else 0
-            used = alloc.num_used
-            self._stats.sample(SlotAccounting(pg, alloc.num_slots, alloc.num_free, used - tree_pages,
-                                              evictable, tree_pages - evictable))
+        for tier in range(len(self._tiers)):
+            for pg in range(len(self._allocators)):
+                self._stats.sample(tier, self._quick_accounting(tier, pg))
 
-    def commit_pending_stats(self) -> IterationStats:
-        """Merge every request's pending deltas into one iteration's counters (and the totals);
-        all zero with ``enable_stats=False``."""
+    # --- statistics (the reference design's API) -----------------------------------------------------
+    def _commit_stats(self, cache: KVCache) -> KVCacheStatsDelta:
         with self._lock:
-            return self._stats.merge([c._pending for c in self._caches.values()])
+            return self._stats.commit(cache.id, cache._pending)
 
-    @property
-    def total_stats(self) -> IterationStats:
-        """Every iteration merged so far."""
-        return self._stats.total
-
-    def read_peak_usage(self) -> tuple[PoolGroupPeaks, ...]:
-        """Peak available / evictable / used slots per pool group since the last read."""
+    def _discard_stats(self, cache: KVCache) -> None:
         with self._lock:
-            current = [self.slot_accounting(pg) for pg in range(len(self._allocators))] if self._stats.enabled else []
-            return self._stats.read_peaks(current)
+            self._stats.discard(cache.id, cache._pending)
+
+    def _mark_pending(self, cache: KVCache) -> None:
+        if not cache._pending.empty:
+            self._stats.dirty.add(cache.id)
+
+    def get_committed_stats(self) -> KVCacheStatsDelta:
+        """Every request's committed counters summed since the manager started (a copy)."""
+        with self._lock:
+            return self._stats.committed.copy()
+
+    def get_and_reset_iteration_stats(self) -> dict[int, KVCacheIterationStatsDelta]:
+        """Per layer group: counters committed (and copies made) since the last call; ``{}`` when
+        ``enable_stats`` is off."""
+        with self._lock:
+            return self._stats.take_iteration()
+
+    def get_and_reset_iteration_peak_block_stats(self, cache_level: int = 0) -> tuple[PoolGroupPeakBlockStats, ...]:
+        """Per pool group of cache level ``cache_level`` (tier index, 0 = primary): the peak available /
+        unavailable / evictable slots since the last call; they restart from the present state. With
+        stats off, the present state."""
+        with self._lock:
+            self._check_tier_index(cache_level)
+            current = [self._quick_accounting(cache_level, pg) for pg in range(len(self._allocators))]
+            return self._stats.take_peaks(cache_level, current)
+
+    def get_and_reset_iteration_peak_block_stats_by_level(self) -> tuple[tuple[PoolGroupPeakBlockStats, ...], ...]:
+        """``get_and_reset_iteration_peak_block_stats`` of every cache level, primary first."""
+        with self._lock:
+            return tuple(self.get_and_reset_iteration_peak_block_stats(t) for t in range(len(self._tiers)))
+
+    def mark_stats_dirty(self, kv_cache_id: str | None) -> None:
+        """Mark a request as having pending statistics (requests mark themselves when they record)."""
+        if kv_cache_id is not None:
+            with self._lock:
+                self._stats.dirty.add(kv_cache_id)
+
+    def clear_stats_dirty(self, kv_cache_id: str | None) -> None:
+        """Unmark a request (committing or discarding its stats does this too)."""
+        if kv_cache_id is not None:
+            with self._lock:
+                self._stats.dirty.discard(kv_cache_id)
+
+    def get_dirty_stats_kv_cache_ids(self) -> set[str]:
+        """Ids of the requests with pending statistics: what a scheduler commits at the end of a step."""
+        with self._lock:
+            return set(self._stats.dirty)
+
+    def mark_stats_excluded(self, kv_cache_id: str | None) -> None:
+        """Record nothing for request ``kv_cache_id`` from now on (warm-up or dummy requests); may be
+        called before the request is created."""
+        if kv_cache_id is not None:
+            with self._lock:
+                self._stats.excluded.add(kv_cache_id)
+
+    def clear_stats_excluded(self, kv_cache_id: str | None) -> None:
+        """Record request ``kv_cache_id``'s statistics again."""
+        if kv_cache_id is not None:
+            with self._lock:
+                self._stats.excluded.discard(kv_cache_id)
+
+    def is_stats_excluded(self, kv_cache_id: str | None) -> bool:
+        """Whether request ``kv_cache_id``'s statistics are not recorded."""
+        with self._lock:
+            return kv_cache_id is not None and kv_cache_id in self._stats.excluded
 
     @property
     def open_caches(self) -> list[KVCache]:
@@ -890,11 +1071,12 @@ class KVCacheManager:
     def tier_index(self, tier: int | type[PrimaryTier | HostTier | DiskTier]) -> int:
         """Index of a tier given as an index or as its config class (PrimaryTier, HostTier, DiskTier)."""
         if isinstance(tier, type):
-            for i, cfg in enumerate(self.config.tiers):
+            for i, cfg in enumerate(self._current.tiers):
                 if isinstance(cfg, tier):
                     return i
+            missing = f"; its set-up failed: {self.host_tier_error}" if tier is HostTier and self.host_tier_error else ""
             raise TierError(f"the manager has no {tier.__name__} (tiers: "
-                            f"{[type(t).__name__ for t in self.config.tiers]})")
+                            f"{[type(t).__name__ for t in self._current.tiers]}){missing}")
         self._check_tier_index(tier)
         return int(tier)
 
@@ -912,28 +1094,39 @@ class KVCacheManager:
         with self._lock:
             return self._tiers[self.tier_index(tier)].stats()
 
-    def resize_quota(self, tier: int | type[HostTier | DiskTier], quota_bytes: int) -> None:
-        """Give a host or disk tier a new quota; only while no request is ACTIVE (ManagerBusyError).
+    def resize_quota(self, tier: int | type[PrimaryTier | HostTier | DiskTier], quota_bytes: int) -> None:
+        """Give a tier a new quota; only while no request is ACTIVE (ManagerBusyError).
 
-        A new tier of that size is built, the tier's live pages are copied into its first slots
-        (after offloading or dropping the surplus, coldest first), and the old tier is closed. When
-        the surplus cannot be evicted (held pages with no room below) nothing changes (TierError).
-        The primary tier's pools are fixed (their addresses are published): TierError.
+        Host or disk: a new tier of that size is built, the tier's live pages are copied into its
+        first slots (after offloading or dropping the surplus, coldest first), and the old tier is
+        closed. Primary: its pools stay where they are (their addresses are published to transports
+        and registered), so the quota can only shrink below, or grow back up to, the initial
+        ``PrimaryTier.quota_bytes``: each pool group's usable slot count becomes what the layout
+        planner gives that quota, pages above it are evicted or moved down (``rebalance_slots``).
+        When the surplus cannot be evicted (held pages with no room below) nothing changes (TierError).
+        ``config`` keeps the initial configuration; ``current_config`` has the new quota.
         """
         with self._lock:
             t = self.tier_index(tier)
+            self._check_no_active("resize_quota")
             if t == 0:
-                raise TierError("resize_quota: the primary tier's pools are fixed (their addresses are published "
-                                "to transports); size it with PrimaryTier.quota_bytes")
-            active = [c.id for c in self._caches.values() if c.state is CacheState.ACTIVE]
-            if active:
-                raise ManagerBusyError(f"resize_quota: {len(active)} KV caches are active: {active[:5]} "
-                                       f"(suspend or close them first)")
-            old_cfg = self.config.tiers[t]
+                limit = self.config.primary.quota_bytes
+                if isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or not 0 < quota_bytes <= limit:
+                    raise TierError(f"resize_quota: the primary quota must be an int in (0, {limit}] (the registered "
+                                    f"pools' size; they cannot grow), got {quota_bytes!r}")
+                try:
+                    plan = plan_layout(dataclasses.replace(self.config, tiers=(PrimaryTier(
+                        quota_bytes, self.config.primary.device),)))
+                except ConfigError as exc:
+                    raise TierError(f"resize_quota: primary quota {quota_bytes}: {exc}") from exc
+                self._rebalance([min(pg.num_slots, a.num_slots) for pg, a in zip(
+                    plan.pool_groups, self._allocators, strict=True)], quota_bytes)
+                return
+            old_cfg = self._current.tiers[t]
             new_cfg: HostTier | DiskTier
             if isinstance(old_cfg, HostTier):
                 new_cfg = HostTier(quota_bytes, old_cfg.pinned)
-                new_tier: TierStorage = open_host_tier(self.config, new_cfg)
+                new_tier: TierStorage = tier_storage.open_host_tier(self.config, new_cfg)
             else:
                 assert isinstance(old_cfg, DiskTier)
                 new_cfg = DiskTier(quota_bytes, old_cfg.path)
@@ -947,9 +1140,76 @@ class KVCacheManager:
             old = self._tiers[t]
             self._tiers[t] = new_tier
             old.close()
-            tiers = list(self.config.tiers)
-            tiers[t] = new_cfg
-            self.config = dataclasses.replace(self.config, tiers=tuple(tiers))
+            self._set_tier_config(t, new_cfg)
+
+    def rebalance_slots(self, num_slots: Sequence[int]) -> None:
+        """Set the usable slot count of every primary pool group (``num_slots[pg]``), each at most
+        the registered ``PoolGroupDesc.num_slots``, their bytes within the current primary quota.
+
+        No memory moves and no address changes: slots above a new count stop being handed out, and
+        the pages living there are first evicted (offloaded or dropped, coldest first) or copied to
+        free slots below it. Only while no request is ACTIVE (ManagerBusyError); TierError, changing
+        nothing, when the pages cannot be made to fit.
+        """
+        with self._lock:
+            self._check_no_active("rebalance_slots")
+            counts = list(num_slots)
+            if len(counts) != len(self._allocators) or any(
+                    isinstance(n, bool) or not isinstance(n, int | np.integer) or not 0 <= n <= a.num_slots
+                    for n, a in zip(counts, self._allocators, strict=False)):
+                raise TierError(f"rebalance_slots: need one int in [0, registered slots] per pool group "
+                                f"(registered: {[a.num_slots for a in self._allocators]}), got {counts!r}")
+            quota = self._current.primary.quota_bytes
+            nbytes = sum(int(n) * b for n, b in zip(counts, self._page_bytes, strict=True))
+            if nbytes > quota:
+                raise TierError(f"rebalance_slots: {counts} slots take {nbytes} bytes, more than the primary "
+                                f"quota of {quota} bytes")
+            self._rebalance([int(n) for n in counts], quota)
+
+    def _check_no_active(self, what: str) -> None:
+        active = [c.id for c in self._caches.values() if c.state is CacheState.ACTIVE]
+        if active:
+            raise ManagerBusyError(f"{what}: {len(active)} KV caches are active: {active[:5]} "
+                                   f"(suspend or close them first)")
+
+    def _set_tier_config(self, t: int, cfg: PrimaryTier | HostTier | DiskTier) -> None:
+        tiers = list(self._current.tiers)
+        tiers[t] = cfg
+        self._current = dataclasses.replace(self._current, tiers=tuple(tiers))
+
+    def _rebalance(self, counts: list[int], quota_bytes: int) -> None:
+        """Make ``counts[pg]`` the usable primary slots of each pool group (see rebalance_slots)."""
+        for pg, n in enumerate(counts):
+            alloc = self._allocators[pg]
+            surplus = alloc.num_used - n
+            if surplus > 0 and self._room_estimate(0, pg) < surplus:
+                raise TierError(f"primary pool group {pg}: {alloc.num_used} pages in use, {surplus} more than "
+                                f"{n} usable slots, and they cannot be evicted (held, no room below)")
+        for pg, n in enumerate(counts):
+            alloc = self._allocators[pg]
+            if alloc.num_used > n:
+                self._make_room_in(0, pg, alloc.num_used - n)
+            if alloc.num_used > n:
+                raise TierError(f"primary pool group {pg}: {alloc.num_used} pages still in use after eviction, "
+                                f"more than {n} usable slots")
+            above = np.flatnonzero(alloc.refcount[n:] > 0).astype(np.int32) + np.int32(n)
+            if above.size:
+                # Free slots below n to move them to (taken before the limit is set, then relocated).
+                below = np.flatnonzero(alloc.refcount[:n] == 0)[:above.size].astype(np.int32)
+                alloc.take(below)
+                self._copy_within_primary(pg, above, below)
+                self._relocate(pg, 0, above, 0, below)
+            alloc.set_usable(n)
+        self._set_tier_config(0, PrimaryTier(quota_bytes, self._current.primary.device))
+        self._sample_usage()
+
+    def _copy_within_primary(self, pool_group: int, src: IntArray, dst: IntArray) -> None:
+        """Copy primary slots ``src -> dst`` (after their last users' streams) and count the copies."""
+        if self._readiness is not None:
+            self._readiness.synchronize(pool_group, src)
+            torch.cuda.current_stream(self.device).synchronize()
+        self.copy_slots(pool_group, src, dst)
+        self._count_copies(pool_group, "intra", int(src.size), None)
 
     def _shrink_to(self, t: int, new_tier: TierStorage) -> None:
         """Evict pages of tier ``t`` until each pool group's live pages fit ``new_tier``."""
@@ -984,9 +1244,51 @@ class KVCacheManager:
         self._in_tree_t[t] = in_tree
         self._tree_owner[t] = owners
 
-    def _resume(self, cache: KVCache) -> bool:
+    # --- streams --------------------------------------------------------------------------------
+    def _check_stream(self, stream: Any, what: str) -> Any:
+        """``stream`` validated for this manager's primary device (None is always accepted)."""
+        if stream is None:
+            return None
+        if self.device.type != "cuda":
+            raise ConfigError(f"{what}: a CUDA stream needs a CUDA primary tier; this manager's primary tier is "
+                              f"{self.device} (pass None)")
+        if not isinstance(stream, torch.cuda.Stream):
+            raise ConfigError(f"{what}: expected a torch.cuda.Stream, got {type(stream).__name__}")
+        if stream.device != self.device:
+            raise ConfigError(f"{what}: the stream is on {stream.device}, the primary tier on {self.device}")
+        return stream
+
+    def _stream_of(self, stream: Any) -> Any:
+        """The stream work of a request with ``stream`` runs on (the device's current one for None)."""
+        if self._readiness is None:
+            return None
+        return stream if stream is not None else torch.cuda.current_stream(self.device)
+
+    def _stamp(self, layer_group: int, ids: IntArray, tiers: TierArray | None, stream: Any) -> None:
+        """Remember that the primary pages ``ids`` (tier 0 where ``tiers`` says so) were last used on
+        ``stream`` (a request's), so a request on another stream waits before touching them."""
+        if self._readiness is None:
+            return
+        live = ids >= 0 if tiers is None else (ids >= 0) & (tiers == 0)
+        self._readiness.stamp(self._lg_pool_group[layer_group], ids[live], self._stream_of(stream))
+
+    def _wait_ready(self, cache: KVCache, stream: Any, layer_group: int | None = None) -> None:
+        """Make ``stream`` wait until every primary page of the cache (one layer group's, or all) is
+        released by the streams that used it last."""
+        if self._readiness is None:
+            return
+        target = self._stream_of(stream)
+        groups = range(len(cache._blocks)) if layer_group is None else [layer_group]
+        for g in groups:
+            blocks, tiers = cache._blocks[g], cache._tiers[g]
+            self._readiness.wait_for(self._lg_pool_group[g], blocks[(blocks >= 0) & (tiers == 0)], target)
+            if cache._scratch[g].size:
+                self._readiness.wait_for(self._lg_pool_group[g], cache._scratch[g], target)
+
+    # --- KVCache lifecycle (called by KVCache) ---------------------------------------------------
+    def _resume(self, cache: KVCache, stream: Any = None) -> bool:
         """Onboard the cache's offloaded pages and copy its partially reused block; False, changing
-        nothing, when the primary tier cannot take them."""
+        nothing, when the primary tier cannot take them. ``stream`` waits for every page's last user."""
         with self._lock:
             offloaded = self._offloaded_pages(cache)
             needs = self._cow_needs(cache)
@@ -999,45 +1301,128 @@ class KVCacheManager:
                 for pg, n in needs.items():
                     if not self._onboard(cache, pg, n):
                         return False
-                if not self._copy_on_write(cache):
+                if not self._copy_on_write(cache, stream):
                     return False
             finally:
                 self._pinned.discard(cache.id)
+            self._wait_ready(cache, stream)
             cache._last_used = self._tree.tick()
             self._sample_usage()
             return True
 
     def _suspend(self, cache: KVCache) -> None:
         with self._lock:
+            for g, (blocks, tiers) in enumerate(zip(cache._blocks, cache._tiers, strict=True)):
+                self._stamp(g, blocks, tiers, cache._stream)
+            self._release_scratch(cache)
             cache._last_used = self._tree.tick()
+
+    def _scratch_span(self, cache: KVCache, layer_group: int, old_n: int, new_n: int, capacity: int) -> tuple[int, int]:
+        """Blocks ``[begin, end)`` among the new ones ``[old_n, new_n)`` that get scratch slots: with
+        scratch reuse on, those of a sliding-window group already out of the window once history
+        reaches ``capacity`` (the same rule ``_release_out_of_window`` frees by)."""
+        if not cache._swa_scratch_reuse or self._layout.layer_groups[layer_group].window is None:
+            return 0, 0
+        lo, sink = self._window_start(layer_group, np.array([capacity], dtype=np.int64))
+        begin, end = max(old_n, sink), min(int(lo[0]), new_n)
+        return (begin, end) if end > begin else (0, 0)
 
     def _resize(self, cache: KVCache, capacity: int) -> None:
         with self._lock:
             tpb = self._layout.tokens_per_block
             new_n = math.ceil(capacity / tpb)
             old_n = cache.num_blocks
+            n_lg = len(cache._blocks)
+            spans = [self._scratch_span(cache, g, old_n, new_n, capacity) if new_n > old_n else (0, 0)
+                     for g in range(n_lg)]
             if new_n > old_n:
                 needs: dict[int, int] = {}
-                for g in range(len(cache._blocks)):
+                for g, (begin, end) in enumerate(spans):
                     pg = self._lg_pool_group[g]
-                    needs[pg] = needs.get(pg, 0) + (new_n - old_n)
+                    extra_scratch = max(0, (end - begin) - cache._scratch[g].size)
+                    needs[pg] = needs.get(pg, 0) + (new_n - old_n) - (end - begin) + extra_scratch
                 self._reserve(needs)
-                for g in range(len(cache._blocks)):
-                    fresh = self._allocators[self._lg_pool_group[g]].alloc(new_n - old_n)
+                for g, (begin, end) in enumerate(spans):
+                    alloc = self._allocators[self._lg_pool_group[g]]
+                    fresh = np.full(new_n - old_n, -1, dtype=np.int32)
+                    real = np.ones(new_n - old_n, dtype=bool)
+                    real[begin - old_n:end - old_n] = False
+                    fresh[real] = alloc.alloc(int(np.count_nonzero(real)))
                     cache._blocks[g] = np.concatenate([cache._blocks[g], fresh])
                     cache._tiers[g] = np.concatenate([cache._tiers[g], np.zeros(new_n - old_n, dtype=np.int8)])
-                if self._stats.enabled:
-                    cache._pending.new_blocks += new_n - old_n
-                    cache._pending.allocated_blocks += new_n - old_n
-            elif new_n < old_n:
-                for g in range(len(cache._blocks)):
-                    self._release(g, cache._blocks[g][new_n:], cache._tiers[g][new_n:])
-                    cache._blocks[g] = cache._blocks[g][:new_n].copy()
-                    cache._tiers[g] = cache._tiers[g][:new_n].copy()
+                    self._set_scratch(cache, g, begin, end)
+                    self._wait_ready(cache, cache._stream, g)
+                self._count_allocation(cache, old_n, new_n, spans)
+            else:
+                if new_n < old_n:
+                    for g in range(n_lg):
+                        self._release(g, cache._blocks[g][new_n:], cache._tiers[g][new_n:], cache._stream)
+                        cache._blocks[g] = cache._blocks[g][:new_n].copy()
+                        cache._tiers[g] = cache._tiers[g][:new_n].copy()
+                self._release_scratch(cache)
             self._sample_usage()
+
+    def _set_scratch(self, cache: KVCache, layer_group: int, begin: int, end: int) -> None:
+        """Hold exactly ``end - begin`` scratch slots for a layer group (reusing those held) and record
+        the range they stand in for; the slots needed were reserved by the caller."""
+        held = cache._scratch[layer_group]
+        want = end - begin
+        if want > held.size:
+            more = self._allocators[self._lg_pool_group[layer_group]].alloc(want - held.size)
+            held = np.concatenate([held, more])
+        elif want < held.size:
+            surplus = held[want:]
+            self._release(layer_group, surplus, np.zeros(surplus.size, dtype=np.int8), cache._stream)
+            held = held[:want].copy()
+        cache._scratch[layer_group] = held
+        cache._scratch_range[layer_group] = (begin, end) if want else (0, 0)
+
+    def _release_scratch(self, cache: KVCache) -> None:
+        """Give back every scratch slot of the cache."""
+        for g in range(len(cache._scratch)):
+            if cache._scratch[g].size:
+                self._set_scratch(cache, g, 0, 0)
+
+    def _set_scratch_reuse(self, cache: KVCache, enable: bool) -> None:
+        with self._lock:
+            if not enable and any(end > begin for begin, end in cache._scratch_range):
+                raise CacheStateError(f"KVCache {cache.id}: cannot disable SWA scratch reuse while the current "
+                                      f"step uses scratch slots (resize first)")
+            if not enable:
+                self._release_scratch(cache)
+
+    def _count_allocation(self, cache: KVCache, old_n: int, new_n: int, spans: list[tuple[int, int]]) -> None:
+        """Pending counters of a resize from ``old_n`` to ``new_n`` blocks: request counters per block
+        position, iteration counters per layer group (pages actually allocated; scratch positions are
+        missed but get no page). Inside the prompt a fresh block is missed, past it a generation one."""
+        if not self._stats.records(cache.id):
+            return
+        tpb = self._layout.tokens_per_block
+        prompt = cache.expected_prompt_length
+        prompt_blocks = 0 if prompt is None else math.ceil(prompt / tpb)
+        added = new_n - old_n
+        missed = max(0, min(new_n, prompt_blocks) - old_n)
+        gen = 0 if prompt is None else max(0, new_n - max(old_n, prompt_blocks))
+        req = cache._pending.request
+        req.alloc_total_blocks += added
+        req.alloc_new_blocks += added
+        req.missed_blocks += missed
+        for g, (begin, end) in enumerate(spans):
+            it = cache._pending.layer_group(g)
+            pages = added - (end - begin)
+            it.iter_alloc_total_blocks += pages
+            it.iter_alloc_new_blocks += pages
+            it.iter_missed_blocks += missed
+            it.iter_gen_alloc_blocks += gen
+        self._mark_pending(cache)
 
     def _on_commit(self, cache: KVCache, priority: int | None = None) -> None:
         with self._lock:
+            tpb = self._layout.tokens_per_block
+            done = len(cache._keys)
+            full = cache.num_committed_tokens // tpb
+            for g, (blocks, tiers) in enumerate(zip(cache._blocks, cache._tiers, strict=True)):
+                self._stamp(g, blocks[done:full], tiers[done:full], cache._stream)
             if self.config.enable_prefix_reuse:
                 self._insert_committed(cache, priority)
             self._sample_usage()
@@ -1058,20 +1443,21 @@ class KVCacheManager:
                 with self._lock:
                     released = stale.copy()
                     released_tiers = cache._tiers[lg.layer_group_id][sink_blocks:first_needed].copy()
-                    self._release(lg.layer_group_id, released, released_tiers)
+                    self._release(lg.layer_group_id, released, released_tiers, cache._stream)
                     blocks[sink_blocks:first_needed] = -1
                     self._drop_window_pages(cache, lg.layer_group_id, sink_blocks, released, released_tiers)
 
     def _close(self, cache: KVCache) -> None:
         with self._lock:
             for g, (blocks, tiers) in enumerate(zip(cache._blocks, cache._tiers, strict=True)):
-                self._release(g, blocks, tiers)
+                self._release(g, blocks, tiers, cache._stream)
+            self._release_scratch(cache)
             self._caches.pop(cache.id, None)
             self._touch_blocks(cache, 0, len(cache._tree_nodes))
             if cache._partial_src is not None:
                 self._tree.touch(cache._partial_src)
                 cache._partial_src = None
-            self._stats.retire(cache._pending)
+            self._stats.commit(cache.id, cache._pending)
             self._sample_usage()
 
     # --- manager lifecycle --------------------------------------------------------------------
@@ -1104,6 +1490,19 @@ def _check_scope(scope: ReuseScope | None, what: str) -> ReuseScope:
     if not isinstance(scope, ReuseScope):
         raise ConfigError(f"{what}: reuse_scope must be a ReuseScope, got {type(scope).__name__}")
     return scope
+
+
+def _check_prompt_length(length: int | None, tokens: TokenArray | None, what: str) -> int | None:
+    """The prompt length a cache counts its allocations against: ``length`` (checked: an int no
+    smaller than the tokens given) or the number of tokens given."""
+    if length is None:
+        return None if tokens is None else int(tokens.size)
+    if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 0:
+        raise ConfigError(f"{what}: expected_prompt_length must be an int >= 0, got {length!r}")
+    if tokens is not None and length < tokens.size:
+        raise ConfigError(f"{what}: expected_prompt_length={length} is shorter than the {tokens.size} prompt "
+                          f"tokens given")
+    return int(length)
 
 
 def check_layer_group(layout: CacheLayoutDesc, layer_group: int) -> None:
