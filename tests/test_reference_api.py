@@ -164,6 +164,19 @@ def test_without_scratch_the_same_step_allocates_every_block() -> None:
     check_references(mgr)
 
 
+def test_scratch_slots_of_an_active_request_never_move() -> None:
+    mgr = make_manager(8, windows=[None, 8], swa_scratch_reuse=True, host_blocks=8)   # 16 shared slots
+    x = mgr.create_kv_cache(np.arange(32))
+    assert x.resume() and x.resize(32)                 # 8 + 2 pages and 6 scratch slots: all 16 slots
+    desc = x.get_scratch_desc(1)
+    assert desc is not None and mgr.allocator(0).num_free == 0
+    y = mgr.create_kv_cache()
+    assert y.resume() and not y.resize(TPB)            # nothing of an ACTIVE request may be offloaded
+    assert x.get_scratch_desc(1) == desc and (mgr.allocator(0).refcount[list(desc.slot_ids)] == 1).all()
+    y.close()
+    x.close()
+
+
 # --- expected_prompt_length -------------------------------------------------------------------------------
 def test_expected_prompt_length_splits_missed_from_generation() -> None:
     mgr = make_manager(16)

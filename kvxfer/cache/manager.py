@@ -293,14 +293,16 @@ class KVCacheManager:
         self._tree_owner[tier][pool_group].pop(page, None)
 
     def _locked_mask(self, tier: int, pool_group: int) -> npt.NDArray[np.bool_]:
-        """Slots of ``tier`` that must not move: pages of ACTIVE requests, and the primary pages of a
-        request being resumed (its colder pages may still move down to let a swap through)."""
+        """Slots of ``tier`` that must not move: pages and scratch slots of ACTIVE requests, and the
+        primary pages of a request being resumed (its colder pages may still move down to let a swap through)."""
         mask = np.zeros(self._alloc_of(tier, pool_group).num_slots, dtype=bool)
         for cache in self._caches.values():
             if cache.state is CacheState.ACTIVE or (tier == 0 and cache.id in self._pinned):
                 for lg in self._pg_layer_groups[pool_group]:
                     blocks, tiers = cache._blocks[lg], cache._tiers[lg]
                     mask[blocks[(blocks >= 0) & (tiers == tier)]] = True
+                    if tier == 0:
+                        mask[cache._scratch[lg]] = True     # scratch slots stay where the kernels write
         return mask
 
     def _victims(self, tier: int, pool_group: int) -> IntArray:
