@@ -2,7 +2,7 @@
 
 Rules (DESIGN.md "Vocabulary"):
 - layers with the same window and sink blocks (sink tokens rounded up to whole blocks) form a layer
-  group, ordered by their first layer id;
+  group, ordered by their first layer id (its sink_tokens: the largest of its layers');
 - inside a layer group, buffers of equal size are coalesced into one slot (one pool per size), or
   each buffer gets its own pool when ``coalesce=False``;
 - layer groups whose pools have the same (buffer size, buffers per slot) list share one pool group,
@@ -85,12 +85,15 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
     """The layout of ``config`` with unplaced pools (base address 0) sized to ``quota_bytes``
     (default: the primary tier's quota)."""
     formats = buffer_formats(config)
-    # 1. layer groups by (window, sink tokens rounded up to whole blocks), ordered by first layer id
+    # 1. layer groups by (window, sink blocks: sink tokens rounded up to whole blocks), ordered by first
+    #    layer id; a group's sink_tokens is its layers' largest (the model's value, what peers compare)
     groups: dict[tuple[int | None, int], list[int]] = {}
+    group_sink: dict[tuple[int | None, int], int] = {}
     tpb = config.tokens_per_block
     for layer in config.layers:
-        sink = -(-layer.sink_tokens // tpb) * tpb
-        groups.setdefault((layer.window, sink), []).append(layer.layer_id)
+        key = (layer.window, -(-layer.sink_tokens // tpb))
+        groups.setdefault(key, []).append(layer.layer_id)
+        group_sink[key] = max(group_sink.get(key, 0), layer.sink_tokens)
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
     # 2. coalesced slots per layer group, 3. pool groups keyed by slot structure
     per_group = [_group_slots(config, ids, formats) for _, ids in ordered]
@@ -125,8 +128,8 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
             pools.append(PoolDesc(pi, 0, slot_bytes, num_slots, "cpu", 0))
         pool_groups.append(PoolGroupDesc(pgi, num_slots, tuple(members), tuple(pools), tuple(slot_descs)))
     layer_groups = tuple(
-        LayerGroupDesc(gi, tuple(ids), window, sink, lg_pool_group[gi])
-        for gi, ((window, sink), ids) in enumerate(ordered))
+        LayerGroupDesc(gi, tuple(ids), key[0], group_sink[key], lg_pool_group[gi])
+        for gi, (key, ids) in enumerate(ordered))
     return CacheLayoutDesc(LAYOUT_VERSION, config.tokens_per_block, layer_groups, tuple(pool_groups),
                            tuple(formats.items()))
 
