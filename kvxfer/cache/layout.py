@@ -91,9 +91,9 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
     group_sink: dict[tuple[int | None, int], int] = {}
     tpb = config.tokens_per_block
     for layer in config.layers:
-        key = (layer.window, -(-layer.sink_tokens // tpb))
-        groups.setdefault(key, []).append(layer.layer_id)
-        group_sink[key] = max(group_sink.get(key, 0), layer.sink_tokens)
+        group_key = (layer.window, -(-layer.sink_tokens // tpb))
+        groups.setdefault(group_key, []).append(layer.layer_id)
+        group_sink[group_key] = max(group_sink.get(group_key, 0), layer.sink_tokens)
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
     # 2. coalesced slots per layer group, 3. pool groups keyed by slot structure
     per_group = [_group_slots(config, ids, formats) for _, ids in ordered]
@@ -128,8 +128,8 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
             pools.append(PoolDesc(pi, 0, slot_bytes, num_slots, "cpu", 0))
         pool_groups.append(PoolGroupDesc(pgi, num_slots, tuple(members), tuple(pools), tuple(slot_descs)))
     layer_groups = tuple(
-        LayerGroupDesc(gi, tuple(ids), key[0], group_sink[key], lg_pool_group[gi])
-        for gi, (key, ids) in enumerate(ordered))
+        LayerGroupDesc(gi, tuple(ids), gk[0], group_sink[gk], lg_pool_group[gi])
+        for gi, (gk, ids) in enumerate(ordered))
     return CacheLayoutDesc(LAYOUT_VERSION, config.tokens_per_block, layer_groups, tuple(pool_groups),
                            tuple(formats.items()))
 
