@@ -125,3 +125,30 @@ def test_slot_accounting_must_balance() -> None:
         SlotAccounting(0, total=10, free=5, request_only=1, evictable=1, shared=1)
     acc = SlotAccounting(0, total=10, free=5, request_only=2, evictable=2, shared=1)
     assert (acc.available, acc.used) == (7, 3)
+
+
+def test_iteration_stats_count_tier_traffic() -> None:
+    """Offloads, onboards and host drops in the iteration stats agree with the manager's tier traffic."""
+    mgr = make_manager(8, host_blocks=4)
+    page = sum(p.slot_bytes for p in mgr.layout.pool_groups[0].pools)
+    a_tokens = np.arange(100, 120)
+    a = mgr.create_kv_cache(a_tokens)
+    assert a.resume() and a.resize(20)
+    write_kv(mgr, a, a_tokens, 0, 20)
+    a.commit(a_tokens)
+    a.suspend()
+    for first in (1000, 2000, 3000):                       # cold prompts push tree pages to host, then out
+        prefill(mgr, np.arange(first, first + 16))
+    assert a.resume()                                      # a's offloaded pages come back
+    a.close()
+    it = mgr.get_and_reset_iteration_stats()[0]
+    traffic = mgr.tier_traffic()
+    assert it.iter_offload_blocks == traffic.offloaded_pages[1] > 0
+    assert it.iter_onboard_blocks == traffic.onboarded_pages[1] > 0
+    assert it.iter_offload_bytes == it.iter_offload_blocks * page
+    assert it.iter_onboard_bytes == it.iter_onboard_blocks * page
+    assert it.iter_host_dropped_blocks > 0 and it.iter_host_dropped_bytes == it.iter_host_dropped_blocks * page
+    assert mgr.get_and_reset_iteration_stats()[0] == KVCacheIterationStatsDelta()   # reset
+    peaks = mgr.get_and_reset_iteration_peak_block_stats_by_level()
+    host = peaks[1][0]                                     # the host level: 4 slots, each peak on its own
+    assert len(peaks) == 2 and host.available == 4 and 0 < host.unavailable <= 4 and 0 < host.evictable <= 4
