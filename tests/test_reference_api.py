@@ -245,6 +245,7 @@ def test_primary_quota_shrinks_and_grows_inside_the_registered_pools() -> None:
     active.close()
     mgr.resize_quota(PrimaryTier, quota // 2)            # 8 usable slots: 8 pages evicted (LRU first)
     assert mgr.allocator(0).usable == 8 and mgr.allocator(0).num_used == 8
+    assert mgr.storage_stats(0).slots_total == (8,) and mgr.slot_accounting(0).total == 8
     assert mgr.current_config.primary.quota_bytes == quota // 2 and mgr.config.primary.quota_bytes == quota
     assert [p.base_address for pg in mgr.layout.pool_groups for p in pg.pools] == bases    # nothing moved
     assert mgr.layout.pool_groups[0].num_slots == 16                                      # still registered

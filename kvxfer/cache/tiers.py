@@ -116,7 +116,7 @@ class TierStorage:
         """Capacity and current occupancy."""
         total = sum(p.nbytes for pg in self._layout.pool_groups for p in pg.pools)
         return TierStats(self.name, self.memory_kind, total,
-                         tuple(a.num_slots for a in self._allocators), tuple(a.num_used for a in self._allocators))
+                         tuple(a.usable for a in self._allocators), tuple(a.num_used for a in self._allocators))
 
     # --- addressing -----------------------------------------------------------------------------
     def slot_addresses(self, pool_group: int, pool: int, slots: npt.ArrayLike) -> U64Array:
