@@ -337,17 +337,34 @@ def test_a_slot_reused_on_another_stream_waits_for_its_previous_user() -> None:
         mgr.create_kv_cache().resume(42)
 
 
+def slot_rows(mgr: KVCacheManager, slot: int) -> list[bytes]:
+    """The bytes of one slot of pool group 0 in every pool (copied to the host)."""
+    pg = mgr.layout.pool_groups[0]
+    return [bytes(mgr.pool_tensor(0, p.pool_index).view(p.num_slots, p.slot_bytes)[slot].cpu().numpy())
+            for p in pg.pools]
+
+
 @pytest.mark.gpu
 def test_copy_on_write_runs_on_the_request_stream() -> None:
     mgr = make_manager(16, device="cuda:0")
     tokens = np.arange(300, 318)
-    prefill(mgr, tokens)
-    stream = torch.cuda.Stream()
+    a = mgr.create_kv_cache(tokens)
+    assert a.resume() and a.resize(18)
+    gen = torch.Generator().manual_seed(5)
+    for p in mgr.layout.pool_groups[0].pools:
+        t = mgr.pool_tensor(0, p.pool_index)
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen).to(t.device))
+    a.commit(tokens)
+    a.close()
     kv = mgr.create_kv_cache(np.concatenate([tokens[:14], np.arange(900, 906)]))
     assert kv.num_reused_tokens == 14                     # 3 full blocks + 2 tokens of the 4th
+    shared = int(kv.page_locations(0)[0][3])
+    stream = torch.cuda.Stream()
     assert kv.resume(stream)
+    private = int(kv.block_ids(0)[3])
+    assert private != shared
     stream.synchronize()
-    assert check_kv(mgr, kv, tokens, 0, 14) == 14 * len(mgr.layout.layer_groups)
+    assert slot_rows(mgr, private) == slot_rows(mgr, shared)
     kv.close()
 
 
