@@ -333,8 +333,11 @@ def test_a_slot_reused_on_another_stream_waits_for_its_previous_user() -> None:
     stream_b.synchronize()
     assert bool((got == 1.0).all())
     b.close()
-    with pytest.raises(ConfigError, match=r"expected a torch\.cuda\.Stream"):
-        mgr.create_kv_cache().resume(42)
+    with pytest.raises(ConfigError, match=r"expected a torch\.cuda\.Stream or a cudaStream_t handle"):
+        mgr.create_kv_cache().resume("stream")
+    raw = mgr.create_kv_cache()                           # the reference passes raw cudaStream_t ints
+    assert raw.resume(stream_b.cuda_stream) and raw.cuda_stream.cuda_stream == stream_b.cuda_stream
+    raw.close()
 
 
 def slot_rows(mgr: KVCacheManager, slot: int) -> list[bytes]:

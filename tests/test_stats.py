@@ -71,7 +71,7 @@ def test_stats_on_a_real_workload() -> None:
     assert r["iters"][1][0].iter_cache_hit_rate == pytest.approx(5 / 8)
     assert r["gen_pending"] == KVCacheStatsDelta(alloc_total_blocks=2, alloc_new_blocks=2)
     assert r["dirty_after_resize"] == {"kv-1"} and r["dirty_after_discard"] == set()
-    assert r["iters"][2] == {0: KVCacheIterationStatsDelta()}   # discarded, and the close committed nothing
+    assert r["iters"][2] == {}                              # discarded, and the close committed nothing
     assert r["committed"] == KVCacheStatsDelta(alloc_total_blocks=14, alloc_new_blocks=9, reused_blocks=5,
                                                missed_blocks=9)   # 6 + 6 + 2 cold; the discarded 2 are not in
     assert r["peaks"] == [(PoolGroupPeakBlockStats(available=64, unavailable=6, evictable=5),),
@@ -101,9 +101,40 @@ def test_excluded_requests_record_nothing() -> None:
     prefill(mgr, np.arange(100, 108), id="warmup")
     assert mgr.get_committed_stats() == KVCacheStatsDelta(2, 2, 0, 2)
     mgr.mark_stats_dirty("x")
+    mgr.mark_stats_dirty(None)
     assert mgr.get_dirty_stats_kv_cache_ids() == {"x"}
     mgr.clear_stats_dirty("x")
     assert mgr.get_dirty_stats_kv_cache_ids() == set()
+    mgr.mark_stats_dirty("late")                             # excluding a request also undirties it ...
+    mgr.mark_stats_excluded("late")
+    assert mgr.get_dirty_stats_kv_cache_ids() == set()
+    kv = mgr.create_kv_cache(None, "late2")
+    assert kv.resume() and kv.resize(8)
+    mgr.mark_stats_excluded("late2")                         # ... and drops what it had pending
+    assert kv.commit_pending_stats() == KVCacheStatsDelta() and mgr.get_and_reset_iteration_stats() != {}
+    kv.close()
+
+
+@pytest.mark.parametrize("enable_stats", [False, True])
+def test_an_idle_manager_reports_empty_stats(enable_stats: bool) -> None:
+    """The reference's API test: nothing committed, no iteration entry, peaks of the present state."""
+    mgr = make_manager(16, enable_stats=enable_stats)
+    assert mgr.init_config is mgr.config and mgr.config.enable_stats is enable_stats
+    assert mgr.get_committed_stats() == KVCacheStatsDelta()
+    assert mgr.get_and_reset_iteration_stats() == {}
+    assert mgr.get_and_reset_iteration_peak_block_stats(0) == (PoolGroupPeakBlockStats(16, 0, 0),)
+    kv = mgr.create_kv_cache(None, "17", expected_prompt_length=8)
+    assert kv.commit_pending_stats() == KVCacheStatsDelta()
+    assert kv.resume() and kv.resize(8)
+    delta = kv.commit_pending_stats()
+    iteration = mgr.get_and_reset_iteration_stats()
+    if enable_stats:
+        assert delta == KVCacheStatsDelta(2, 2, 0, 2) == mgr.get_committed_stats()
+        assert iteration == {0: KVCacheIterationStatsDelta(iter_alloc_total_blocks=2, iter_alloc_new_blocks=2,
+                                                           iter_missed_blocks=2)}
+    else:
+        assert delta.empty and mgr.get_committed_stats().empty and iteration == {}
+    kv.close()
 
 
 def test_stats_delta_arithmetic() -> None:
@@ -148,7 +179,7 @@ def test_iteration_stats_count_tier_traffic() -> None:
     assert it.iter_offload_bytes == it.iter_offload_blocks * page
     assert it.iter_onboard_bytes == it.iter_onboard_blocks * page
     assert it.iter_host_dropped_blocks > 0 and it.iter_host_dropped_bytes == it.iter_host_dropped_blocks * page
-    assert mgr.get_and_reset_iteration_stats()[0] == KVCacheIterationStatsDelta()   # reset
+    assert mgr.get_and_reset_iteration_stats() == {}       # reset
     peaks = mgr.get_and_reset_iteration_peak_block_stats_by_level()
     host = peaks[1][0]                                     # the host level: 4 slots, each peak on its own
     assert len(peaks) == 2 and host.available == 4 and 0 < host.unavailable <= 4 and 0 < host.evictable <= 4

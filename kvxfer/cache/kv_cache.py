@@ -259,8 +259,8 @@ class KVCache:
         brought back to the primary tier first. False, with no side effect, when the primary tier
         cannot hold them now (``CacheConfig.resume_max_utilization``).
 
-        ``cuda_stream`` (a torch.cuda.Stream, CUDA primary tier only) becomes ``cuda_stream``; slots
-        this request takes that another stream used last are waited for on it.
+        ``cuda_stream`` (a torch.cuda.Stream or a raw cudaStream_t int; CUDA primary tier only) becomes
+        ``cuda_stream``; slots this request takes that another stream used last are waited for on it.
         """
         self._check_open("resume")
         stream = self._manager._check_stream(cuda_stream, f"KVCache {self.id}.resume") \

@@ -122,8 +122,7 @@ class KVCacheManager(PrefixReuse):
             [{} for _ in self._layout.pool_groups] for _ in self._tiers]
         self._traffic = TierTrafficCounter(len(self._tiers))
         self._page_bytes = [sum(p.slot_bytes for p in pg.pools) for pg in self._layout.pool_groups]
-        self._stats = StatsCollector(config.enable_stats, len(self._tiers), len(self._layout.pool_groups),
-                                     len(self._layout.layer_groups))
+        self._stats = StatsCollector(config.enable_stats, len(self._tiers), len(self._layout.pool_groups))
         self._sample_usage()
 
     # --- published view ---------------------------------------------------------------------

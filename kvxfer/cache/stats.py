@@ -200,9 +200,8 @@ class StatsCollector:
     """Committed totals, per-iteration counters per layer group, peaks per cache level and pool group,
     and the dirty / excluded request ids; inert (records nothing) when disabled."""
 
-    def __init__(self, enabled: bool, num_levels: int, num_pool_groups: int, num_layer_groups: int) -> None:
+    def __init__(self, enabled: bool, num_levels: int, num_pool_groups: int) -> None:
         self.enabled = enabled
-        self._num_layer_groups = num_layer_groups
         self.committed = KVCacheStatsDelta()
         self.iteration: dict[int, KVCacheIterationStatsDelta] = {}
         self.dirty: set[str] = set()
@@ -214,7 +213,10 @@ class StatsCollector:
         return self.enabled and cache_id not in self.excluded
 
     def commit(self, cache_id: str, pending: PendingStats) -> KVCacheStatsDelta:
-        """Merge a request's pending counters into the totals and the iteration; returns its delta."""
+        """Merge a request's pending counters into the totals and the iteration; returns its delta
+        (empty, and nothing merged, for an excluded request)."""
+        if cache_id in self.excluded:
+            pending.clear()
         out = pending.request.copy()
         if self.enabled:
             self.committed.add(pending.request)
@@ -236,10 +238,11 @@ class StatsCollector:
         return self.iteration.setdefault(layer_group, KVCacheIterationStatsDelta())
 
     def take_iteration(self) -> dict[int, KVCacheIterationStatsDelta]:
-        """The iteration's counters of every layer group (``{}`` when disabled); they restart empty."""
+        """The iteration's counters of the layer groups that counted anything (``{}`` when nothing
+        happened or stats are disabled, as in the reference); they restart empty."""
         if not self.enabled:
             return {}
-        out = {lg: self.iteration.get(lg, KVCacheIterationStatsDelta()) for lg in range(self._num_layer_groups)}
+        out = {lg: d for lg, d in sorted(self.iteration.items()) if not d.empty}
         self.iteration = {}
         return out
 

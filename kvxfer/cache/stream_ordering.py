@@ -21,14 +21,19 @@ class StreamOrdering(ManagerState):
     """Streams of requests and the readiness of the slots they release."""
 
     def _check_stream(self, stream: Any, what: str) -> Any:
-        """``stream`` validated for this manager's primary device (None is always accepted)."""
+        """``stream`` validated for this manager's primary device (None is always accepted): a
+        torch.cuda.Stream, or a raw ``cudaStream_t`` handle as the reference design passes it (an int,
+        wrapped in a torch.cuda.ExternalStream)."""
         if stream is None:
             return None
         if self.device.type != "cuda":
             raise ConfigError(f"{what}: a CUDA stream needs a CUDA primary tier; this manager's primary tier is "
                               f"{self.device} (pass None)")
+        if isinstance(stream, int) and not isinstance(stream, bool) and stream >= 0:
+            stream = torch.cuda.ExternalStream(stream, device=self.device)  # type: ignore[no-untyped-call]
         if not isinstance(stream, torch.cuda.Stream):
-            raise ConfigError(f"{what}: expected a torch.cuda.Stream, got {type(stream).__name__}")
+            raise ConfigError(f"{what}: expected a torch.cuda.Stream or a cudaStream_t handle (int >= 0), "
+                              f"got {stream!r:.80}")
         if stream.device != self.device:
             raise ConfigError(f"{what}: the stream is on {stream.device}, the primary tier on {self.device}")
         return stream

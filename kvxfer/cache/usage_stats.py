@@ -80,8 +80,8 @@ class UsageStats(EvictionController):
             return self._stats.committed.copy()
 
     def get_and_reset_iteration_stats(self) -> dict[int, KVCacheIterationStatsDelta]:
-        """Per layer group: counters committed (and copies made) since the last call; ``{}`` when
-        ``enable_stats`` is off."""
+        """Per layer group that counted anything: counters committed (and copies made) since the last
+        call; ``{}`` when nothing happened or ``enable_stats`` is off."""
         with self._lock:
             return self._stats.take_iteration()
 
@@ -117,11 +117,12 @@ class UsageStats(EvictionController):
             return set(self._stats.dirty)
 
     def mark_stats_excluded(self, kv_cache_id: str | None) -> None:
-        """Record nothing for request ``kv_cache_id`` from now on (warm-up or dummy requests); may be
-        called before the request is created."""
+        """Record nothing for request ``kv_cache_id`` from now on (warm-up or dummy requests): it leaves
+        the dirty set and what it has pending is never committed. May precede the request's creation."""
         if kv_cache_id is not None:
             with self._lock:
                 self._stats.excluded.add(kv_cache_id)
+                self._stats.dirty.discard(kv_cache_id)
 
     def clear_stats_excluded(self, kv_cache_id: str | None) -> None:
         """Record request ``kv_cache_id``'s statistics again."""
