@@ -137,6 +137,31 @@ def test_an_idle_manager_reports_empty_stats(enable_stats: bool) -> None:
     kv.close()
 
 
+def test_a_reverted_allocation_reports_nothing() -> None:
+    """The reference's reverted generation allocation: blocks allocated and freed again before the
+    commit are not counted; committed ones stay counted after a shrink."""
+    mgr = make_manager(16, windows=[None, 8], swa_scratch_reuse=True)
+    kv = mgr.create_kv_cache(np.arange(8))
+    assert kv.resume() and kv.resize(8)
+    assert kv.commit_pending_stats() == KVCacheStatsDelta(2, 2, 0, 2)
+    assert set(mgr.get_and_reset_iteration_stats()) == {0, 1}
+    assert kv.resize(12)                                     # a generation block ...
+    assert kv.pending_stats == KVCacheStatsDelta(1, 1, 0, 0)
+    assert kv.resize(8)                                      # ... reverted before the commit
+    assert kv.pending_stats.empty and kv.commit_pending_stats().empty
+    assert mgr.get_and_reset_iteration_stats() == {}
+    # blocks 2..5; the window group's 2 and 3 are scratch (out of the window at 24 tokens); 4, 5 reverted
+    assert kv.resize(24) and kv.get_scratch_desc(1) is not None and kv.resize(16)
+    assert kv.pending_stats == KVCacheStatsDelta(2, 2, 0, 0)
+    kv.commit_pending_stats()
+    iteration = mgr.get_and_reset_iteration_stats()
+    assert iteration == {0: KVCacheIterationStatsDelta(iter_alloc_total_blocks=2, iter_alloc_new_blocks=2,
+                                                       iter_gen_alloc_blocks=2)}   # group 1: only scratch
+    assert kv.resize(8)                                      # committed blocks stay counted
+    assert mgr.get_committed_stats() == KVCacheStatsDelta(4, 4, 0, 2)
+    kv.close()
+
+
 def test_stats_delta_arithmetic() -> None:
     a = KVCacheStatsDelta(4, 3, 2, 1)
     b = a.copy()

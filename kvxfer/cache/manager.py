@@ -284,6 +284,7 @@ class KVCacheManager(PrefixReuse):
                 self._count_allocation(cache, old_n, new_n, spans)
             else:
                 if new_n < old_n:
+                    self._uncount_allocation(cache, new_n, old_n)
                     for g in range(n_lg):
                         self._release(g, cache._blocks[g][new_n:], cache._tiers[g][new_n:], cache._stream)
                         cache._blocks[g] = cache._blocks[g][:new_n].copy()

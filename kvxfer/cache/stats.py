@@ -105,12 +105,45 @@ class PoolGroupPeakBlockStats:
     evictable: int
 
 
+@dataclass(frozen=True)
+class AllocationSegment:
+    """Blocks ``[begin, end)`` one resize allocated: what its counters depend on, so that a shrink
+    before the commit can take back the part it undoes. ``prompt_blocks`` is None when the prompt
+    length is unknown; ``scratch[lg]`` is the (begin, end) range of scratch positions (no page)."""
+
+    begin: int
+    end: int
+    prompt_blocks: int | None
+    scratch: tuple[tuple[int, int], ...]
+
+    def delta(self, lo: int, hi: int) -> tuple[KVCacheStatsDelta, list[KVCacheIterationStatsDelta]]:
+        """The request delta and per-layer-group iteration deltas of positions ``[lo, hi)`` of this
+        segment: each position is one new block, missed inside the prompt, generation past it; a layer
+        group counts a page (and a generation page) for it unless it is a scratch position there."""
+        lo, hi = max(lo, self.begin), min(hi, self.end)
+        n = max(0, hi - lo)
+        prompt = 0 if self.prompt_blocks is None else self.prompt_blocks
+        missed = max(0, min(hi, prompt) - lo) if n else 0
+        gen = 0 if self.prompt_blocks is None or not n else max(0, hi - max(lo, prompt))
+        request = KVCacheStatsDelta(alloc_total_blocks=n, alloc_new_blocks=n, missed_blocks=missed)
+        per_lg = []
+        gen_lo = hi - gen
+        for begin, end in self.scratch:
+            pages = n - max(0, min(hi, end) - max(lo, begin))
+            gen_pages = gen - max(0, min(hi, end) - max(gen_lo, begin))
+            per_lg.append(KVCacheIterationStatsDelta(iter_alloc_total_blocks=pages, iter_alloc_new_blocks=pages,
+                                                     iter_missed_blocks=missed, iter_gen_alloc_blocks=gen_pages))
+        return request, per_lg
+
+
 @dataclass
 class PendingStats:
-    """A request's counters not yet committed: its own delta and one iteration delta per layer group."""
+    """A request's counters not yet committed: its own delta, one iteration delta per layer group, and
+    the allocations they include (a shrink before the commit takes its share back)."""
 
     request: KVCacheStatsDelta = field(default_factory=KVCacheStatsDelta)
     iteration: dict[int, KVCacheIterationStatsDelta] = field(default_factory=dict)
+    segments: list[AllocationSegment] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -125,6 +158,30 @@ class PendingStats:
         """Forget everything pending."""
         self.request.clear()
         self.iteration.clear()
+        self.segments.clear()
+
+    def add_allocation(self, segment: AllocationSegment) -> None:
+        """Count a resize's new blocks."""
+        request, per_lg = segment.delta(segment.begin, segment.end)
+        self.request.add(request)
+        for lg, delta in enumerate(per_lg):
+            self.layer_group(lg).add(delta)
+        self.segments.append(segment)
+
+    def take_back(self, begin: int, end: int) -> None:
+        """Subtract what the pending allocations counted for blocks ``[begin, end)`` (they are being
+        freed before the commit, so they never happened as far as the statistics go)."""
+        kept = []
+        for seg in self.segments:
+            request, per_lg = seg.delta(begin, end)
+            self.request.subtract(request)
+            for lg, delta in enumerate(per_lg):
+                self.layer_group(lg).subtract(delta)
+            if seg.begin < begin:
+                kept.append(AllocationSegment(seg.begin, min(seg.end, begin), seg.prompt_blocks, seg.scratch))
+            elif seg.end > end:
+                kept.append(AllocationSegment(end, seg.end, seg.prompt_blocks, seg.scratch))
+        self.segments = kept
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import numpy as np
 from kvxfer.cache.eviction import EvictionController
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.stats import (
+    AllocationSegment,
     KVCacheIterationStatsDelta,
     KVCacheStatsDelta,
     PoolGroupPeakBlockStats,
@@ -141,21 +142,13 @@ class UsageStats(EvictionController):
         missed but get no page). Inside the prompt a fresh block is missed, past it a generation one."""
         if not self._stats.records(cache.id):
             return
-        tpb = self._layout.tokens_per_block
         prompt = cache.expected_prompt_length
-        prompt_blocks = 0 if prompt is None else math.ceil(prompt / tpb)
-        added = new_n - old_n
-        missed = max(0, min(new_n, prompt_blocks) - old_n)
-        gen = 0 if prompt is None else max(0, new_n - max(old_n, prompt_blocks))
-        req = cache._pending.request
-        req.alloc_total_blocks += added
-        req.alloc_new_blocks += added
-        req.missed_blocks += missed
-        for g, (begin, end) in enumerate(spans):
-            it = cache._pending.layer_group(g)
-            pages = added - (end - begin)
-            it.iter_alloc_total_blocks += pages
-            it.iter_alloc_new_blocks += pages
-            it.iter_missed_blocks += missed
-            it.iter_gen_alloc_blocks += gen
+        prompt_blocks = None if prompt is None else math.ceil(prompt / self._layout.tokens_per_block)
+        cache._pending.add_allocation(AllocationSegment(old_n, new_n, prompt_blocks, tuple(spans)))
         self._mark_pending(cache)
+
+    def _uncount_allocation(self, cache: KVCache, new_n: int, old_n: int) -> None:
+        """A shrink from ``old_n`` to ``new_n`` blocks takes back what uncommitted allocations of those
+        blocks counted (the reference's reverted allocations report nothing)."""
+        if cache._pending.segments:
+            cache._pending.take_back(new_n, old_n)
