@@ -58,22 +58,23 @@ def test_stats_on_a_real_workload() -> None:
     r = run_workload(True)
     page = r["page"]
     assert r["reused"] == 18
-    assert r["after_create"] == KVCacheStatsDelta(alloc_total_blocks=5, reused_blocks=5)
+    assert r["after_create"] == KVCacheStatsDelta(reused_blocks=5)     # reuse allocates nothing
     assert r["dirty"] == {"kv-1"}
-    assert r["b_delta"] == KVCacheStatsDelta(alloc_total_blocks=6, alloc_new_blocks=1, reused_blocks=5,
+    # the private copy of the partially reused block and block 6 are new; block 6 is missed
+    assert r["b_delta"] == KVCacheStatsDelta(alloc_total_blocks=2, alloc_new_blocks=2, reused_blocks=5,
                                              missed_blocks=1)
     assert r["iters"][0] == {0: KVCacheIterationStatsDelta(iter_alloc_total_blocks=6, iter_alloc_new_blocks=6,
                                                            iter_missed_blocks=6)}
     assert r["iters"][1] == {0: KVCacheIterationStatsDelta(
-        iter_alloc_total_blocks=8, iter_alloc_new_blocks=3, iter_reused_blocks=5, iter_full_reused_blocks=4,
+        iter_alloc_total_blocks=4, iter_alloc_new_blocks=4, iter_reused_blocks=5, iter_full_reused_blocks=4,
         iter_partial_reused_blocks=1, iter_missed_blocks=3, iter_intra_device_copy_blocks=1,
         iter_intra_device_copy_bytes=page)}                 # the partially reused block's private copy
     assert r["iters"][1][0].iter_cache_hit_rate == pytest.approx(5 / 8)
     assert r["gen_pending"] == KVCacheStatsDelta(alloc_total_blocks=2, alloc_new_blocks=2)
     assert r["dirty_after_resize"] == {"kv-1"} and r["dirty_after_discard"] == set()
     assert r["iters"][2] == {}                              # discarded, and the close committed nothing
-    assert r["committed"] == KVCacheStatsDelta(alloc_total_blocks=14, alloc_new_blocks=9, reused_blocks=5,
-                                               missed_blocks=9)   # 6 + 6 + 2 cold; the discarded 2 are not in
+    assert r["committed"] == KVCacheStatsDelta(alloc_total_blocks=10, alloc_new_blocks=10, reused_blocks=5,
+                                               missed_blocks=9)   # 6 + 2 + 2 cold; the discarded 2 are not in
     assert r["peaks"] == [(PoolGroupPeakBlockStats(available=64, unavailable=6, evictable=5),),
                           (PoolGroupPeakBlockStats(available=64, unavailable=8, evictable=5),)]
 
@@ -134,6 +135,23 @@ def test_an_idle_manager_reports_empty_stats(enable_stats: bool) -> None:
                                                            iter_missed_blocks=2)}
     else:
         assert delta.empty and mgr.get_committed_stats().empty and iteration == {}
+    kv.close()
+
+
+def test_sliding_window_reuse_counts_only_pages_it_takes() -> None:
+    """The reference's SWA case: 16 tokens, window 8, 15 reused; the window group takes blocks 2 (full)
+    and 3 (partial) only, the stale 0 and 1 are not counted as reused; the private copy is new."""
+    mgr = make_manager(16, windows=[8], num_layers=1)
+    prefill(mgr, np.arange(16))
+    mgr.get_and_reset_iteration_stats()
+    kv = mgr.create_kv_cache(np.arange(16))
+    assert kv.num_reused_tokens == 15
+    assert kv.resume() and kv.resize(16)
+    assert kv.commit_pending_stats() == KVCacheStatsDelta(alloc_total_blocks=1, alloc_new_blocks=1, reused_blocks=2)
+    page = sum(p.slot_bytes for p in mgr.layout.pool_groups[0].pools)
+    assert mgr.get_and_reset_iteration_stats() == {0: KVCacheIterationStatsDelta(
+        iter_alloc_total_blocks=1, iter_alloc_new_blocks=1, iter_reused_blocks=2, iter_full_reused_blocks=1,
+        iter_partial_reused_blocks=1, iter_intra_device_copy_blocks=1, iter_intra_device_copy_bytes=page)}
     kv.close()
 
 

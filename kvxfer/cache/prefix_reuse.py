@@ -53,19 +53,21 @@ class PrefixReuse(TierQuotas):
                           extra_keys=cache._extra_keys, algo=self._hash_algo, scope=cache.reuse_scope)
 
     def _count_reuse(self, cache: KVCache, plan: _ReusePlan) -> None:
-        """Pending counters of a prefix match: reused block positions (full and partial)."""
+        """Pending counters of a prefix match, as the reference counts them: per layer group the pages
+        reused (full blocks, and the partially reused one), not the stale sliding-window positions that
+        need none; per request the positions reused in any layer group. Reuse allocates nothing."""
         if not self._stats.records(cache.id) or plan.num_tokens == 0:
             return
-        full, partial = len(plan.nodes), int(plan.partial is not None)
-        req = cache._pending.request
-        req.alloc_total_blocks += full + partial
-        req.reused_blocks += full + partial
+        has_page = plan.pages >= 0
+        full = len(plan.nodes)
+        cache._pending.request.reused_blocks += int(np.count_nonzero(has_page.any(axis=1)))
         for g in range(plan.pages.shape[1]):
             it = cache._pending.layer_group(g)
-            it.iter_alloc_total_blocks += int(np.count_nonzero(plan.pages[:, g] >= 0))
-            it.iter_reused_blocks += full + partial
-            it.iter_full_reused_blocks += full
-            it.iter_partial_reused_blocks += partial
+            full_pages = int(np.count_nonzero(has_page[:full, g]))
+            partial_pages = int(np.count_nonzero(has_page[full:, g]))
+            it.iter_reused_blocks += full_pages + partial_pages
+            it.iter_full_reused_blocks += full_pages
+            it.iter_partial_reused_blocks += partial_pages
         self._mark_pending(cache)
 
     def probe_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
@@ -208,6 +210,14 @@ class PrefixReuse(TierQuotas):
                     self._readiness.stamp(pg, src_arr, target)
                 self._allocators[pg].decref(src_arr)
                 self._count_copies(pg, "intra", len(src_ids), np.array(lgs, dtype=np.int64))
+        if by_pg and self._stats.records(cache.id):      # the private copy is a new block (as the reference)
+            cache._pending.request.alloc_total_blocks += 1
+            cache._pending.request.alloc_new_blocks += 1
+            for _, _, lgs in by_pg.values():
+                for lg in lgs:
+                    cache._pending.layer_group(lg).iter_alloc_total_blocks += 1
+                    cache._pending.layer_group(lg).iter_alloc_new_blocks += 1
+            self._mark_pending(cache)
         cache._partial_src = None
         self._tree.touch(src_node)
         return True
