@@ -51,6 +51,27 @@ def test_manager_keys_blocks_with_the_configured_algorithm(algo: str) -> None:
     assert mgr.probe_reuse(tokens, scope) == 20 and mgr.probe_reuse(tokens, ReuseScope(lora_id=2)) == 0
 
 
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_reuse_scopes_seed_distinct_chains(algo: str) -> None:
+    """The reference's reuse-scope tests: None and 0 differ for each field, keys are deterministic,
+    and a match (full or partial) never crosses scopes."""
+    scopes = [ReuseScope(), ReuseScope(lora_id=0), ReuseScope(salt=0), ReuseScope(lora_id=0, salt=0),
+              ReuseScope(lora_id=7, salt=11)]
+    roots = [s.root_key_for(algo) for s in scopes]
+    assert len(set(roots)) == len(scopes) and roots == [s.root_key_for(algo) for s in scopes]
+    tokens = [1, 2, 3, 4]
+    same = [block_keys(tokens, 2, ReuseScope(7, 11).root_key_for(algo), algo=algo, scope=ReuseScope(7, 11))
+            for _ in range(2)]
+    other = block_keys(tokens, 2, ReuseScope(7, 12).root_key_for(algo), algo=algo, scope=ReuseScope(7, 12))
+    assert same[0] == same[1] and not set(same[0]) & set(other)
+    mgr = make_manager(16, hash_algo=algo)
+    prefill(mgr, np.arange(10), reuse_scope=ReuseScope(7, 11))
+    assert mgr.probe_reuse(np.arange(10), ReuseScope(7, 11)) == 8         # full blocks enter the tree
+    assert mgr.probe_reuse(np.arange(10), ReuseScope(7, 12)) == 0
+    assert mgr.probe_reuse(np.arange(3), ReuseScope(7, 12)) == 0        # partial match stays in scope too
+    assert mgr.probe_reuse(np.arange(3), ReuseScope(7, 11)) == 2
+
+
 def test_config_refuses_an_unknown_algorithm() -> None:
     with pytest.raises(ConfigError, match="hash_algo must be one of auto, v1_block_key"):
         CacheConfig.for_model(1, 1, 8, TPB, "float16", 4, hash_algo="md5")
