@@ -280,7 +280,7 @@ class KVCacheManager(PrefixReuse):
                     cache._blocks[g] = np.concatenate([cache._blocks[g], fresh])
                     cache._tiers[g] = np.concatenate([cache._tiers[g], np.zeros(new_n - old_n, dtype=np.int8)])
                     self._set_scratch(cache, g, begin, end)
-                    self._wait_ready(cache, cache._stream, g)
+                    self._wait_slots(g, fresh, cache._stream)
                 self._count_allocation(cache, old_n, new_n, spans)
             else:
                 if new_n < old_n:
@@ -299,6 +299,7 @@ class KVCacheManager(PrefixReuse):
         want = end - begin
         if want > held.size:
             more = self._allocators[self._lg_pool_group[layer_group]].alloc(want - held.size)
+            self._wait_slots(layer_group, more, cache._stream)
             held = np.concatenate([held, more])
         elif want < held.size:
             surplus = held[want:]

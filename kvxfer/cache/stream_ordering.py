@@ -52,15 +52,20 @@ class StreamOrdering(ManagerState):
         live = ids >= 0 if tiers is None else (ids >= 0) & (tiers == 0)
         self._readiness.stamp(self._lg_pool_group[layer_group], ids[live], self._stream_of(stream))
 
-    def _wait_ready(self, cache: KVCache, stream: Any, layer_group: int | None = None) -> None:
-        """Make ``stream`` wait until every primary page of the cache (one layer group's, or all) is
-        released by the streams that used it last."""
+    def _wait_ready(self, cache: KVCache, stream: Any) -> None:
+        """Make ``stream`` wait until every primary page and scratch slot of the cache is released by
+        the streams that used it last (at resume: reused and onboarded pages)."""
         if self._readiness is None:
             return
         target = self._stream_of(stream)
-        groups = range(len(cache._blocks)) if layer_group is None else [layer_group]
-        for g in groups:
+        for g in range(len(cache._blocks)):
             blocks, tiers = cache._blocks[g], cache._tiers[g]
             self._readiness.wait_for(self._lg_pool_group[g], blocks[(blocks >= 0) & (tiers == 0)], target)
             if cache._scratch[g].size:
                 self._readiness.wait_for(self._lg_pool_group[g], cache._scratch[g], target)
+
+    def _wait_slots(self, layer_group: int, ids: IntArray, stream: Any) -> None:
+        """Make ``stream`` wait until the slots ``ids`` (>= 0; just taken by a request) are released by
+        the streams that used them last."""
+        if self._readiness is not None:
+            self._readiness.wait_for(self._lg_pool_group[layer_group], ids[ids >= 0], self._stream_of(stream))
