@@ -28,10 +28,12 @@ class PageMovement(StreamOrdering):
         assert self._copy is not None
         if any(self._tiers[src_t].memory_kind == "cuda" for src_t, _, _, _ in jobs):
             torch.cuda.current_stream(self.device).synchronize()   # the KV being moved must be written
-            if self._readiness is not None:                          # ... on every request's stream too
-                for src_t, src, _, _ in jobs:
-                    if src_t == 0:
-                        self._readiness.synchronize(pool_group, src)
+        if self._readiness is not None:          # sources written and destinations let go of on every
+            for src_t, src, dst_t, dst in jobs:   # request's stream too
+                if src_t == 0:
+                    self._readiness.synchronize(pool_group, src)
+                if dst_t == 0:
+                    self._readiness.synchronize(pool_group, dst)
         handles: list[CopyHandle] = []
         try:
             for src_t, src, dst_t, dst in jobs:

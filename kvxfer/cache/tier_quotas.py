@@ -201,7 +201,7 @@ class TierQuotas(UsageStats):
     def _copy_within_primary(self, pool_group: int, src: IntArray, dst: IntArray) -> None:
         """Copy primary slots ``src -> dst`` (after their last users' streams) and count the copies."""
         if self._readiness is not None:
-            self._readiness.synchronize(pool_group, src)
+            self._readiness.synchronize(pool_group, np.concatenate([src, dst]))
             torch.cuda.current_stream(self.device).synchronize()
         self.copy_slots(pool_group, src, dst)
         self._count_copies(pool_group, "intra", int(src.size), None)
