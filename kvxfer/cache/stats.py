@@ -325,8 +325,3 @@ class StatsCollector:
             if self.enabled:
                 self._peaks[level][acc.pool_group] = now
         return tuple(out)
-
-    def resize_levels(self, num_levels: int) -> None:
-        """Track ``num_levels`` cache levels (a tier dropped at start-up shortens the list)."""
-        n_pg = len(self._peaks[0]) if self._peaks else 0
-        self._peaks = [[None] * n_pg for _ in range(num_levels)]
