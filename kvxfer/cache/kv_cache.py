@@ -122,6 +122,7 @@ class KVCache:
         self._partial_src: BlockNode | None = None
         self._prompt_keys: list[bytes] = []
         self._root_key = b""   # the scope's root under the manager's hash algorithm
+        self._published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
         self._pending = PendingStats()
         # Scratch slots per layer group (held by this cache) and the block range they stand in for.
         self._scratch: list[IntArray] = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]

@@ -324,11 +324,11 @@ class KVCacheManager(PrefixReuse):
 
     def _on_commit(self, cache: KVCache, priority: int | None = None) -> None:
         with self._lock:
-            tpb = self._layout.tokens_per_block
-            done = len(cache._keys)
-            full = cache.num_committed_tokens // tpb
-            for g, (blocks, tiers) in enumerate(zip(cache._blocks, cache._tiers, strict=True)):
-                self._stamp(g, blocks[done:full], tiers[done:full], cache._stream)
+            done, full = cache._published_blocks, cache.num_committed_tokens // self._layout.tokens_per_block
+            if full > done:   # pages others may now reuse: ready once this request's writes are
+                for g, (blocks, tiers) in enumerate(zip(cache._blocks, cache._tiers, strict=True)):
+                    self._stamp(g, blocks[done:full], tiers[done:full], cache._stream)
+                cache._published_blocks = full
             if self.config.enable_prefix_reuse:
                 self._insert_committed(cache, priority)
             self._sample_usage()
