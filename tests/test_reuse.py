@@ -18,13 +18,13 @@ def toks(seed: int, n: int, lo: int = 0, hi: int = 1000) -> np.ndarray:
 def test_reuse_is_isolated_by_scope() -> None:
     mgr = make_manager(64)
     p = toks(0, 22)
-    scope = ReuseScope(lora_id=1, salt="tenant-a")
+    scope = ReuseScope.for_tenant("tenant-a", 1)
     prefill(mgr, p, reuse_scope=scope)
-    prefill(mgr, np.concatenate([p[:3], toks(1, 9, 1000, 2000)]), reuse_scope=ReuseScope(lora_id=2, salt="tenant-a"))
+    prefill(mgr, np.concatenate([p[:3], toks(1, 9, 1000, 2000)]), reuse_scope=ReuseScope.for_tenant("tenant-a", 2))
     assert mgr.probe_reuse(p, scope) == 20          # 5 full blocks; 2 tokens of a 6th never entered
     # lora 2 has its own block sharing p's first 3 tokens: only that one is partially reusable there
-    for other, expected in ((None, 0), (ReuseScope(lora_id=2, salt="tenant-a"), 3),
-                            (ReuseScope(lora_id=1, salt="tenant-b"), 0), (ReuseScope(salt="tenant-a"), 0),
+    for other, expected in ((None, 0), (ReuseScope.for_tenant("tenant-a", 2), 3),
+                            (ReuseScope.for_tenant("tenant-b", 1), 0), (ReuseScope.for_tenant("tenant-a"), 0),
                             (ReuseScope(lora_id=1), 0)):
         assert mgr.probe_reuse(p, other) == expected
         kv = mgr.create_kv_cache(p, reuse_scope=other)

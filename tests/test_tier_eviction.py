@@ -399,8 +399,8 @@ def test_resize_quota_moves_surplus_down_and_keeps_bytes(tmp_path: Path) -> None
     with pytest.raises(ManagerBusyError, match="active"):
         mgr.resize_quota(HostTier, 2 * block)
     b.close()
-    with pytest.raises(TierError, match="primary"):
-        mgr.resize_quota(0, block)
+    with pytest.raises(TierError, match="primary quota must be an int in"):
+        mgr.resize_quota(0, 2 * mgr.config.primary.quota_bytes)   # the registered pools cannot grow
     before = snapshot(mgr)
     with pytest.raises(TierError, match="quota_bytes=100"):
         mgr.resize_quota(HostTier, 100)
@@ -408,7 +408,8 @@ def test_resize_quota_moves_surplus_down_and_keeps_bytes(tmp_path: Path) -> None
     mgr.resize_quota(HostTier, 2 * block)
     assert mgr.storage_stats(HostTier).slots_total == (2,)
     assert sorted(tiers_of(a)) == [HOST, HOST, DISK, DISK, DISK]
-    assert mgr.config.tiers[1] == HostTier(2 * block, None)
+    assert mgr.current_config.tiers[1] == HostTier(2 * block, None)
+    assert mgr.config.tiers[1] == HostTier(8 * block, None)          # the initial config is kept
     check_tier_references(mgr)
     before = snapshot(mgr)
     with pytest.raises(TierError, match="cannot be evicted"):

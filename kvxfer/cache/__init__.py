@@ -17,14 +17,31 @@ from kvxfer.cache.descriptors import (
     SlotDescVariant,
 )
 from kvxfer.cache.events import AllCleared, KVEvent, KVEventPublisher, Removed, Stored, Updated
-from kvxfer.cache.hashing import HASH_V2_BLAKE3, HASH_V2_BLAKE3_64, ReuseScope, block_keys
-from kvxfer.cache.kv_cache import CacheState, KVCache
+from kvxfer.cache.hashing import (
+    DEFAULT_HASH_ALGO,
+    HASH_ALGOS,
+    HASH_V2_BLAKE3,
+    HASH_V2_BLAKE3_64,
+    ReuseScope,
+    block_hash_for_event,
+    block_keys,
+    cache_salt_id,
+)
+from kvxfer.cache.kv_cache import CacheState, KVCache, ScratchDesc
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.cache.stats import IterationStats, PoolGroupPeaks, RequestStats, SlotAccounting, TierTraffic
+from kvxfer.cache.stats import (
+    KVCacheIterationStatsDelta,
+    KVCacheStatsDelta,
+    PoolGroupPeakBlockStats,
+    SlotAccounting,
+    TierTraffic,
+)
 from kvxfer.cache.tiers import TierStats
 
 __all__ = [
+    "DEFAULT_HASH_ALGO",
+    "HASH_ALGOS",
     "HASH_V2_BLAKE3",
     "HASH_V2_BLAKE3_64",
     "LAYOUT_VERSION",
@@ -40,9 +57,10 @@ __all__ = [
     "DiskTier",
     "ExpandedBuffer",
     "HostTier",
-    "IterationStats",
     "KVCache",
+    "KVCacheIterationStatsDelta",
     "KVCacheManager",
+    "KVCacheStatsDelta",
     "KVEvent",
     "KVEventPublisher",
     "LayerGroupDesc",
@@ -50,12 +68,12 @@ __all__ = [
     "MemoryRegion",
     "PoolDesc",
     "PoolGroupDesc",
-    "PoolGroupPeaks",
+    "PoolGroupPeakBlockStats",
     "PrimaryTier",
     "Removed",
-    "RequestStats",
     "ReuseScope",
     "RoleSpec",
+    "ScratchDesc",
     "SlotAccounting",
     "SlotDesc",
     "SlotDescVariant",
@@ -63,5 +81,7 @@ __all__ = [
     "TierStats",
     "TierTraffic",
     "Updated",
+    "block_hash_for_event",
     "block_keys",
+    "cache_salt_id",
 ]

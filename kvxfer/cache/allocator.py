@@ -1,7 +1,8 @@
 """Slot allocator of one pool group: O(1) vectorised alloc/free with per-slot reference counts.
 
 A slot is free when its count is 0. Requests and the prefix tree each hold one reference, so a page
-shared by the tree and a request is only freed when both let go.
+shared by the tree and a request is only freed when both let go. Only the first ``usable`` slots are
+handed out: the primary tier's quota can shrink and grow inside its registered pools.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class SlotAllocator:
         # Stack of free ids; ids at the top are handed out first (lowest ids first at start).
         self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int32)
         self._top = num_slots
+        self.usable = num_slots
         self.refcount = np.zeros(num_slots, dtype=np.int32)
 
     @property
@@ -33,7 +35,20 @@ class SlotAllocator:
     @property
     def num_used(self) -> int:
         """Slots with at least one reference."""
-        return self.num_slots - self._top
+        return self.usable - self._top
+
+    def set_usable(self, n: int) -> None:
+        """Hand out only slots ``[0, n)`` from now on (``n`` <= num_slots); every slot at or above ``n``
+        must be free (BlockIdError otherwise). The free stack is rebuilt lowest id first."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.num_slots:
+            raise BlockIdError(f"{self.name}: usable slot count must be an int in [0, {self.num_slots}], got {n!r}")
+        held = np.flatnonzero(self.refcount[n:] > 0)
+        if held.size:
+            raise BlockIdError(f"{self.name}: slot {n + int(held[0])} is in use; cannot limit to {n} slots")
+        free = np.flatnonzero(self.refcount[:n] == 0).astype(np.int32)
+        self._top = int(free.size)
+        self._free[:self._top] = free[::-1]
+        self.usable = n
 
     def alloc(self, n: int) -> IntArray:
         """``n`` fresh slots with a reference count of 1; raises OutOfSlotsError, taking nothing."""
@@ -45,6 +60,19 @@ class SlotAllocator:
         self._top -= n
         self.refcount[ids] = 1
         return ids
+
+    def take(self, ids: npt.ArrayLike) -> None:
+        """Allocate these particular free slots (reference count 1), e.g. the targets of a move."""
+        arr = self.check(ids)
+        if not arr.size:
+            return
+        if np.unique(arr).size != arr.size or (self.refcount[arr] != 0).any() or int(arr.max()) >= self.usable:
+            raise BlockIdError(f"{self.name}: take of slots {arr.tolist()[:8]} that are not distinct, free and usable")
+        stack = self._free[:self._top]
+        kept = stack[~np.isin(stack, arr)]
+        self._free[:kept.size] = kept
+        self._top = int(kept.size)
+        self.refcount[arr] = 1
 
     def check(self, ids: npt.ArrayLike, what: str = "block id") -> IntArray:
         """``ids`` as int32, after checking every id is a slot of this group."""
@@ -73,7 +101,7 @@ class SlotAllocator:
             raise BlockIdError(f"{self.name}: slot {bad} released more often than it is held "
                                f"(refcount {int(self.refcount[bad])})")
         self.refcount[uniq] = held - counts.astype(np.int32)
-        freed: IntArray = uniq[self.refcount[uniq] == 0].astype(np.int32)
+        freed: IntArray = uniq[(self.refcount[uniq] == 0) & (uniq < self.usable)].astype(np.int32)
         self._free[self._top:self._top + freed.size] = freed[::-1]
         self._top += freed.size
         return freed

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 
 from kvxfer.cache.dtypes import dtype_name, itemsize
+from kvxfer.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
 from kvxfer.errors import ConfigError
 
 HeadOrder = Literal["HND", "NHD"]
@@ -145,6 +146,8 @@ class CacheConfig:
     enable_stats: bool = True
     event_queue_capacity: int = 4096
     resume_max_utilization: float = 1.0
+    hash_algo: str = DEFAULT_HASH_ALGO
+    swa_scratch_reuse: bool = False
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -186,6 +189,10 @@ class CacheConfig:
         if not 0.0 < float(self.resume_max_utilization) <= 1.0:
             raise ConfigError(
                 f"CacheConfig.resume_max_utilization must be in (0, 1], got {self.resume_max_utilization}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ConfigError(f"CacheConfig.hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}")
+        if not isinstance(self.swa_scratch_reuse, bool):
+            raise ConfigError(f"CacheConfig.swa_scratch_reuse must be a bool, got {self.swa_scratch_reuse!r}")
 
     # --- derived --------------------------------------------------------------------------------
     @property
@@ -237,11 +244,13 @@ class CacheConfig:
         host_blocks: int = 0,
         disk_blocks: int = 0,
         disk_path: str | None = None,
+        hash_algo: str = DEFAULT_HASH_ALGO,
         **kw: Any,
     ) -> CacheConfig:
         """A uniform model's config sized so that every layer group gets ``num_blocks`` slots.
 
-        ``windows`` gives each layer's sliding window (None = full attention), cycled over the layers.
+        ``windows`` gives each layer's sliding window (None = full attention), cycled over the layers;
+        ``hash_algo`` picks the block-key algorithm (see ``kvxfer.cache.hashing``).
         """
         _positive_int(num_layers, "num_layers")
         _positive_int(num_blocks, "num_blocks")
@@ -250,6 +259,7 @@ class CacheConfig:
             LayerSpec(i, num_kv_heads, head_dim, window=win[i % len(win)],
                       sink_tokens=sink_tokens if win[i % len(win)] is not None else 0, roles=tuple(roles))
             for i in range(num_layers))
+        kw["hash_algo"] = hash_algo
         probe = cls(layers=layers, tokens_per_block=tokens_per_block, dtype=dtype_name(dtype),
                     tiers=(PrimaryTier(1, device),), **kw)
         block_bytes = probe.bytes_per_token() * tokens_per_block

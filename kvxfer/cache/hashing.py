@@ -1,18 +1,31 @@
-"""Block keys for prefix reuse: a chain of blake3 digests rooted in the reuse scope.
+"""Block keys for prefix reuse: a chain of digests rooted in the reuse scope, under the hash
+algorithms of the reference design (``CacheConfig.hash_algo``).
 
-``key(block i) = blake3(key(block i-1) || token ids of block i as little-endian uint32 || extra key)``
-where ``key(block -1)`` is the scope's root key. A key therefore names the whole prefix up to and
-including its block, so two requests share a block only when everything before it matches too.
+A key names the whole prefix up to and including its block, so two requests share a block only
+when everything before it matches too. The v2 chain (the reference's construction):
 
-Hash names (as used in KV events):
-- ``v2_blake3``: the 32-byte digest itself;
-- ``v2_blake3_64``: the first 8 digest bytes read as a big-endian unsigned integer (so the integer's
-  16 hex digits are the digest's first 16 hex digits).
+- root key: ``H(scope bytes)``, scope bytes = one mask byte (bit 0: LoRA id present, bit 1: salt
+  present) then each present field as a little-endian uint64;
+- ``key(block i) = H(key(block i-1) || token ids as little-endian uint64 || extra key bytes)``;
+
+with ``H`` = SHA-256 (``v2_sha256``, ``v2_sha256_64``) or BLAKE3 (``v2_blake3``, ``v2_blake3_64``).
+The ``_64`` names differ only in what events publish (the first 8 digest bytes as a big-endian
+integer); the full-width names publish the digest as a hex string.
+
+``v1_block_key`` (and ``auto``, which resolves to it as in the reference) is TensorRT-LLM's
+``BlockKeyHasher``: a 64-bit chain where ``seed = num_tokens ^ (parent * 0xbf58476d1ce4e5b9)``, the
+cache-salt id is mixed into a first block (parent 0), each token id with the 32-bit mix, the LoRA
+id with the 64-bit mix, and an extra key as TensorRT-LLM mixes a multimodal item digest (4-byte
+little-endian words with the 32-bit mix, zero-padded, then its start offset 0 with the 64-bit mix).
+A 64-bit hash is not collision resistant, and the prefix tree decides reuse by key equality, so a
+v1 key is *composite*: the 8-byte v1 hash (big-endian) followed by the 32-byte SHA-256 v2 digest of
+the same chain. The tree matches all 40 bytes; events publish the v1 hash (the first 8 bytes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,18 +35,62 @@ import numpy.typing as npt
 
 from kvxfer.errors import CapacityError, ConfigError
 
+HASH_AUTO = "auto"
+HASH_V1_BLOCK_KEY = "v1_block_key"
+HASH_V2_SHA256 = "v2_sha256"
+HASH_V2_SHA256_64 = "v2_sha256_64"
 HASH_V2_BLAKE3 = "v2_blake3"
 HASH_V2_BLAKE3_64 = "v2_blake3_64"
-HashName = Literal["v2_blake3", "v2_blake3_64"]
+HashAlgo = Literal["auto", "v1_block_key", "v2_sha256", "v2_sha256_64", "v2_blake3", "v2_blake3_64"]
+#: Every algorithm name ``CacheConfig.hash_algo`` accepts (the reference design's list).
+HASH_ALGOS: tuple[str, ...] = (HASH_AUTO, HASH_V1_BLOCK_KEY, HASH_V2_SHA256, HASH_V2_SHA256_64, HASH_V2_BLAKE3,
+                               HASH_V2_BLAKE3_64)
+#: kvxfer's default: BLAKE3 keys (cryptographic, one hash per block), 64-bit prefixes in events.
+DEFAULT_HASH_ALGO: HashAlgo = "v2_blake3_64"
+#: Hash names the event publisher of this module's first version accepted (kept for kvxfer.cache.events).
 HASH_NAMES: tuple[str, ...] = (HASH_V2_BLAKE3, HASH_V2_BLAKE3_64)
+#: Width of a v2 key (a SHA-256 or BLAKE3 digest) and of a v1 composite key (8-byte hash + digest).
 KEY_BYTES = 32
+V1_KEY_BYTES = 40
 
-_ROOT_DOMAIN = b"kvxfer.reuse.root.v2"
-_MAX_SALT_BYTES = 1 << 16
+_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+_MIX32 = 0x45D9F3B
+_MIX64_1 = 0xBF58476D1CE4E5B9
+_MIX64_2 = 0x94D049BB133111EB
+_COMBINE = 0x9E3779B9
+_PARENT = 0xBF58476D1CE4E5B9
 _MAX_EXTRA_KEY_BYTES = 1 << 16
 
 ExtraKeys = Mapping[int, bytes]
 TokenArray = npt.NDArray[np.int64]
+
+
+def resolve_hash_algo(algo: str) -> str:
+    """The concrete algorithm ``algo`` names (``auto`` -> ``v1_block_key``); ConfigError when unknown."""
+    if algo not in HASH_ALGOS:
+        raise ConfigError(f"unknown hash algorithm {algo!r} (have {', '.join(HASH_ALGOS)})")
+    return HASH_V1_BLOCK_KEY if algo == HASH_AUTO else algo
+
+
+def key_width(algo: str) -> int:
+    """Bytes of a block key under ``algo`` (40 for the v1 composite key, 32 otherwise)."""
+    return V1_KEY_BYTES if resolve_hash_algo(algo) == HASH_V1_BLOCK_KEY else KEY_BYTES
+
+
+def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
+    """The 32-byte digest function of the v2 chain under ``algo`` (v1 keys carry a SHA-256 chain)."""
+    if resolve_hash_algo(algo) in (HASH_V2_BLAKE3, HASH_V2_BLAKE3_64):
+        return lambda data: blake3.blake3(data).digest()
+    return lambda data: hashlib.sha256(data).digest()
+
+
+def cache_salt_id(cache_salt: str) -> int:
+    """The integer salt of a tenant string: the first 8 bytes of SHA-256(UTF-8) read little-endian
+    (the reference's derivation, so routers compute the same root keys)."""
+    if not isinstance(cache_salt, str):
+        raise ConfigError(f"cache_salt_id: the cache salt must be a str, got {type(cache_salt).__name__}")
+    return int.from_bytes(hashlib.sha256(cache_salt.encode("utf-8")).digest()[:8], "little")
 
 
 def as_token_ids(tokens: Sequence[int] | npt.ArrayLike, what: str) -> TokenArray:
@@ -50,39 +107,51 @@ def as_token_ids(tokens: Sequence[int] | npt.ArrayLike, what: str) -> TokenArray
     return arr
 
 
+def _u64_field(value: int | None, name: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MASK64):
+        raise ConfigError(f"ReuseScope.{name} must be None or an int in [0, 2**64), got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ReuseScope:
-    """Who may share blocks: requests share only when their LoRA id and salt (tenant) are equal."""
+    """Who may share blocks: requests share only when their LoRA id and salt (tenant) are equal.
+
+    Both are unsigned 64-bit integers or None, as in the reference; derive a salt from a tenant
+    string with ``cache_salt_id`` (or ``ReuseScope.for_tenant``).
+    """
 
     lora_id: int | None = None
-    salt: bytes | str | None = None
+    salt: int | None = None
 
     def __post_init__(self) -> None:
-        lora = self.lora_id
-        if lora is not None and (isinstance(lora, bool) or not isinstance(lora, int) or not 0 <= lora < 1 << 63):
-            raise ConfigError(f"ReuseScope.lora_id must be None or an int in [0, 2**63), got {lora!r}")
-        salt = self.salt
-        if salt is not None:
-            if not isinstance(salt, bytes | str):
-                raise ConfigError(f"ReuseScope.salt must be None, bytes or str, got {type(salt).__name__}")
-            if len(self.salt_bytes) > _MAX_SALT_BYTES:
-                raise ConfigError(f"ReuseScope.salt is {len(self.salt_bytes)} bytes, at most {_MAX_SALT_BYTES}")
+        _u64_field(self.lora_id, "lora_id")
+        _u64_field(self.salt, "salt")
 
-    @property
-    def salt_bytes(self) -> bytes:
-        """The salt as bytes (str salts are UTF-8 encoded; None is empty)."""
-        if self.salt is None:
-            return b""
-        return self.salt.encode() if isinstance(self.salt, str) else self.salt
+    @classmethod
+    def for_tenant(cls, cache_salt: str, lora_id: int | None = None) -> ReuseScope:
+        """The scope of a tenant named by a string salt (``salt = cache_salt_id(cache_salt)``)."""
+        return cls(lora_id, cache_salt_id(cache_salt))
+
+    def scope_bytes(self) -> bytes:
+        """The scope's encoding: a presence mask byte, then each present field as little-endian uint64."""
+        mask = (self.lora_id is not None) | (self.salt is not None) << 1
+        out = bytes([mask])
+        for value in (self.lora_id, self.salt):
+            if value is not None:
+                out += value.to_bytes(8, "little")
+        return out
+
+    def root_key_for(self, algo: str) -> bytes:
+        """The chain's root under ``algo``: ``H(scope bytes)``; a v1 root is 8 zero bytes (parent hash
+        0, so the salt is mixed into the first block) followed by the SHA-256 root."""
+        digest = _digest_fn(algo)(self.scope_bytes())
+        return bytes(8) + digest if resolve_hash_algo(algo) == HASH_V1_BLOCK_KEY else digest
 
     @property
     def root_key(self) -> bytes:
-        """The chain's root: blake3 over a domain tag, the LoRA id and the salt, each length-framed
-        so that no two scopes encode alike (``lora_id=None`` differs from every integer id)."""
-        lora = b"\x00" if self.lora_id is None else b"\x01" + self.lora_id.to_bytes(8, "little")
-        salt = self.salt_bytes
-        tag = b"\x00" if self.salt is None else b"\x01" + len(salt).to_bytes(4, "little") + salt
-        return blake3.blake3(_ROOT_DOMAIN + lora + tag).digest()
+        """The root under DEFAULT_HASH_ALGO (see ``root_key_for`` for the others)."""
+        return self.root_key_for(DEFAULT_HASH_ALGO)
 
 
 DEFAULT_SCOPE = ReuseScope()
@@ -108,40 +177,114 @@ def check_extra_keys(extra_keys: ExtraKeys | None, what: str) -> dict[int, bytes
     return out
 
 
+# --- v1: TensorRT-LLM's BlockKeyHasher ----------------------------------------------------------
+def _premix32(values: npt.NDArray[np.uint64]) -> list[int]:
+    """The seed-independent part of the 32-bit mix of each value, plus the combine constant (vectorised)."""
+    a = values & np.uint64(_MASK32)
+    a = (((a >> np.uint64(16)) ^ a) * np.uint64(_MIX32)) & np.uint64(_MASK32)
+    a = (((a >> np.uint64(16)) ^ a) * np.uint64(_MIX32)) & np.uint64(_MASK32)
+    a = (a >> np.uint64(16)) ^ a
+    a = (a + np.uint64(_COMBINE)) & np.uint64(_MASK32)
+    return [int(v) for v in a.tolist()]
+
+
+def _mix64(value: int, seed: int) -> int:
+    c = value & _MASK64
+    c = ((c ^ (c >> 30)) * _MIX64_1) & _MASK64
+    c = ((c ^ (c >> 27)) * _MIX64_2) & _MASK64
+    c ^= c >> 31
+    return seed ^ ((c + _COMBINE + ((seed << 6) & _MASK64) + (seed >> 2)) & _MASK64)
+
+
+def _combine32(premixed: list[int], seed: int) -> int:
+    for v in premixed:
+        seed ^= (v + ((seed << 6) & _MASK64) + (seed >> 2)) & _MASK64
+    return seed
+
+
+def v1_block_hash(tokens: Sequence[int] | npt.ArrayLike, parent_hash: int = 0, *, lora_id: int | None = None,
+                  salt: int | None = None, extra_key: bytes = b"") -> int:
+    """TensorRT-LLM's v1 hash of one block of ``tokens`` after ``parent_hash`` (0: first block)."""
+    arr = as_token_ids(tokens, "v1_block_hash").astype(np.uint64)
+    return _v1_hash(_premix32(arr), arr.size, parent_hash, lora_id, salt, extra_key)
+
+
+def _v1_hash(premixed: list[int], num_tokens: int, parent: int, lora_id: int | None, salt: int | None,
+             extra: bytes) -> int:
+    seed = (num_tokens ^ ((parent * _PARENT) & _MASK64)) & _MASK64
+    if parent == 0 and salt is not None:
+        seed = _mix64(salt, seed)
+    seed = _combine32(premixed, seed)
+    if lora_id is not None:
+        seed = _mix64(lora_id, seed)
+    if extra:
+        padded = extra + bytes(-len(extra) % 4)
+        seed = _combine32(_premix32(np.frombuffer(padded, dtype="<u4").astype(np.uint64)), seed)
+        seed = _mix64(0, seed)
+    return seed
+
+
+# --- the chain ------------------------------------------------------------------------------------
 def block_keys(tokens: Sequence[int] | npt.ArrayLike, tokens_per_block: int, parent: bytes,
-               *, first_block: int = 0, extra_keys: ExtraKeys | None = None) -> list[bytes]:
-    """Keys of every full block of ``tokens``, chained from ``parent``.
+               *, first_block: int = 0, extra_keys: ExtraKeys | None = None, algo: str = DEFAULT_HASH_ALGO,
+               scope: ReuseScope | None = None) -> list[bytes]:
+    """Keys of every full block of ``tokens`` under ``algo``, chained from ``parent``.
 
     ``tokens`` starts at block ``first_block`` of the request (only used to look up ``extra_keys``,
-    which map a request-wide block index to bytes appended to that block's hash input). A trailing
-    partial block gets no key. The token ids are converted to little-endian uint32 in one numpy
-    step; the loop runs once per block because each key needs the previous one.
+    which map a request-wide block index to bytes entering that block's key). A trailing partial
+    block gets no key. ``scope`` matters only to ``v1_block_key`` (its LoRA id is mixed into every
+    block, its salt into the first): pass the scope whose root ``parent`` descends from. Token ids
+    are converted in one numpy step; the loop runs once per block because each key needs the last.
     """
     if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block <= 0:
         raise ConfigError(f"block_keys: tokens_per_block must be an int > 0, got {tokens_per_block!r}")
-    if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
-        raise ConfigError(f"block_keys: parent key must be {KEY_BYTES} bytes, got {parent!r:.80}")
+    concrete = resolve_hash_algo(algo)
+    width = key_width(concrete)
+    if not isinstance(parent, bytes) or len(parent) != width:
+        raise ConfigError(f"block_keys: parent key must be {width} bytes under {concrete}, got {parent!r:.80}")
     arr = as_token_ids(tokens, "block_keys")
     extras = check_extra_keys(extra_keys, "block_keys")
     n_blocks = arr.size // tokens_per_block
-    data = memoryview(arr[:n_blocks * tokens_per_block].astype("<u4").tobytes())
-    stride = 4 * tokens_per_block
+    full = arr[:n_blocks * tokens_per_block].astype(np.uint64)
+    data = memoryview(full.astype("<u8").tobytes())
+    stride = 8 * tokens_per_block
+    digest = _digest_fn(concrete)
     keys: list[bytes] = []
-    key = parent
-    if not extras:
-        for off in range(0, n_blocks * stride, stride):
-            key = blake3.blake3(key + data[off:off + stride]).digest()
+    if concrete != HASH_V1_BLOCK_KEY:
+        key = parent
+        for b in range(n_blocks):
+            key = digest(b"".join((key, data[b * stride:(b + 1) * stride], extras.get(first_block + b, b""))))
             keys.append(key)
         return keys
+    scope = DEFAULT_SCOPE if scope is None else scope
+    premixed = _premix32(full)
+    v1 = int.from_bytes(parent[:8], "big")
+    chain = parent[8:]
     for b in range(n_blocks):
         extra = extras.get(first_block + b, b"")
-        key = blake3.blake3(key + data[b * stride:(b + 1) * stride] + extra).digest()
-        keys.append(key)
+        v1 = _v1_hash(premixed[b * tokens_per_block:(b + 1) * tokens_per_block], tokens_per_block, v1,
+                      scope.lora_id, scope.salt, extra)
+        chain = digest(b"".join((chain, data[b * stride:(b + 1) * stride], extra)))
+        keys.append(v1.to_bytes(8, "big") + chain)
     return keys
 
 
+def block_hash_for_event(key: bytes, algo: str) -> int | str:
+    """A block key as KV events publish it under ``algo``: the 64-bit hash as an unsigned int for
+    ``v1_block_key``/``auto`` and the ``_64`` names, the full digest as a lowercase hex string for
+    ``v2_sha256`` and ``v2_blake3``. ``algo`` must be the one the keys were made with."""
+    concrete = resolve_hash_algo(algo)
+    width = key_width(concrete)
+    if not isinstance(key, bytes) or len(key) != width:
+        raise ConfigError(f"block_hash_for_event: a {concrete} key is {width} bytes, got {key!r:.80}")
+    if concrete in (HASH_V2_SHA256, HASH_V2_BLAKE3):
+        return key.hex()
+    return int.from_bytes(key[:8], "big")
+
+
 def external_hash(key: bytes, hash_name: str = HASH_V2_BLAKE3_64) -> bytes | int:
-    """A block key as published under ``hash_name``: the digest (v2_blake3) or its 64-bit prefix."""
+    """A block key as the first event publisher sent it: the raw key (``v2_blake3``) or its first 8
+    bytes as a big-endian int (``v2_blake3_64``). New code uses ``block_hash_for_event``."""
     if hash_name == HASH_V2_BLAKE3:
         return key
     if hash_name == HASH_V2_BLAKE3_64:

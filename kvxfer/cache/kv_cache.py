@@ -10,21 +10,70 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.hashing import DEFAULT_SCOPE, ReuseScope, as_token_ids
 from kvxfer.cache.radix_tree import BlockNode, check_priority
-from kvxfer.cache.stats import RequestStats
-from kvxfer.errors import CacheClosedError, CacheStateError, CapacityError, OutOfSlotsError
-
-if TYPE_CHECKING:
-    from kvxfer.cache.manager import KVCacheManager
+from kvxfer.cache.stats import KVCacheStatsDelta, PendingStats
+from kvxfer.errors import CacheClosedError, CacheStateError, CapacityError, ConfigError, OutOfSlotsError
 
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
+
+
+class CacheOwner(Protocol):
+    """What a KVCache calls on the manager that created it. A protocol, so this module does not
+    import the manager (which imports this module)."""
+
+    @property
+    def layout(self) -> CacheLayoutDesc: ...
+
+    def _check_stream(self, stream: Any, what: str) -> Any: ...
+
+    def _resume(self, cache: KVCache, stream: Any) -> bool: ...
+
+    def _suspend(self, cache: KVCache) -> None: ...
+
+    def _resize(self, cache: KVCache, capacity: int) -> None: ...
+
+    def _on_commit(self, cache: KVCache, priority: int | None = None) -> None: ...
+
+    def _release_out_of_window(self, cache: KVCache) -> None: ...
+
+    def _set_priority(self, cache: KVCache, priority: int) -> None: ...
+
+    def _close(self, cache: KVCache) -> None: ...
+
+    def _commit_stats(self, cache: KVCache) -> KVCacheStatsDelta: ...
+
+    def _discard_stats(self, cache: KVCache) -> None: ...
+
+    def _set_scratch_reuse(self, cache: KVCache, enable: bool) -> None: ...
+
+
+@dataclass(frozen=True)
+class ScratchDesc:
+    """Scratch slots of a sliding-window layer group: block ordinals ``[range_begin, range_end)`` of
+    the request have no page of their own (their ids read -1) because their KV is out of the window
+    once the current step's tokens are written; the step writes them into ``slot_ids`` (one per
+    ordinal, in order) instead. Valid until the next resize or history change."""
+
+    range_begin: int
+    range_end: int
+    slot_ids: tuple[int, ...]
+
+    @property
+    def range(self) -> tuple[int, int]:
+        """``(begin, end)`` block ordinals the scratch slots stand in for."""
+        return self.range_begin, self.range_end
+
+    def __bool__(self) -> bool:
+        return self.range_end > self.range_begin
 
 
 class CacheState(enum.Enum):
@@ -43,12 +92,17 @@ def _as_tokens(tokens: Sequence[int] | npt.ArrayLike, what: str) -> npt.NDArray[
 class KVCache:
     """Per-request paged KV storage handed out by ``KVCacheManager.create_kv_cache``."""
 
-    def __init__(self, manager: KVCacheManager, cache_id: str, input_tokens: npt.NDArray[np.int64] | None,
-                 reuse_scope: ReuseScope = DEFAULT_SCOPE, extra_keys: dict[int, bytes] | None = None) -> None:
+    def __init__(self, manager: CacheOwner, cache_id: str, input_tokens: npt.NDArray[np.int64] | None,
+                 reuse_scope: ReuseScope = DEFAULT_SCOPE, extra_keys: dict[int, bytes] | None = None, *,
+                 expected_prompt_length: int | None = None, swa_scratch_reuse: bool = False) -> None:
         self._manager = manager
         self.id = cache_id
         self.state = CacheState.SUSPENDED
         self.input_tokens = input_tokens
+        #: Prompt tokens: allocations inside the prompt count as missed, past it as generation.
+        self.expected_prompt_length = expected_prompt_length
+        self._stream: Any = None
+        self._swa_scratch_reuse = swa_scratch_reuse
         n_groups = len(manager.layout.layer_groups)
         self._blocks: list[IntArray] = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
         # Tier of each block's page (0 = primary); only a suspended cache has pages in colder tiers.
@@ -67,7 +121,12 @@ class KVCache:
         self._tree_nodes: list[BlockNode | None] = []
         self._partial_src: BlockNode | None = None
         self._prompt_keys: list[bytes] = []
-        self._pending = RequestStats()
+        self._root_key = b""   # the scope's root under the manager's hash algorithm
+        self._published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
+        self._pending = PendingStats()
+        # Scratch slots per layer group (held by this cache) and the block range they stand in for.
+        self._scratch: list[IntArray] = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
+        self._scratch_range: list[tuple[int, int]] = [(0, 0)] * n_groups
 
     # --- properties ----------------------------------------------------------------------------
     @property
@@ -105,11 +164,57 @@ class KVCache:
         return int(self._blocks[0].size) if self._blocks else 0
 
     @property
-    def pending_stats(self) -> RequestStats:
-        """This request's statistics deltas not yet merged by ``commit_pending_stats`` (a copy)."""
-        out = RequestStats()
-        out.add(self._pending)
-        return out
+    def pending_stats(self) -> KVCacheStatsDelta:
+        """This request's counters not yet committed (a copy)."""
+        return self._pending.request.copy()
+
+    def commit_pending_stats(self) -> KVCacheStatsDelta:
+        """Merge this request's pending counters into the manager's committed and iteration stats;
+        returns the delta committed (empty with stats disabled or the request excluded)."""
+        return self._manager._commit_stats(self)
+
+    def discard_pending_stats(self) -> None:
+        """Forget this request's pending counters (e.g. a step rolled back)."""
+        self._manager._discard_stats(self)
+
+    # --- streams and scratch --------------------------------------------------------------------
+    @property
+    def cuda_stream(self) -> Any:
+        """The CUDA stream this request's kernels run on (None: the device's current stream; always
+        None on a CPU primary tier)."""
+        return self._stream
+
+    @cuda_stream.setter
+    def cuda_stream(self, stream: Any) -> None:
+        self._check_open("set cuda_stream")
+        self._stream = self._manager._check_stream(stream, f"KVCache {self.id}.cuda_stream")
+
+    @property
+    def enable_swa_scratch_reuse(self) -> bool:
+        """Whether growing a sliding-window group gives blocks already out of the window at the new
+        capacity scratch slots instead of pages (``CacheConfig.swa_scratch_reuse`` by default)."""
+        return self._swa_scratch_reuse
+
+    @enable_swa_scratch_reuse.setter
+    def enable_swa_scratch_reuse(self, enable: bool) -> None:
+        self._check_open("set enable_swa_scratch_reuse")
+        if not isinstance(enable, bool):
+            raise ConfigError(f"KVCache {self.id}.enable_swa_scratch_reuse must be a bool, got {enable!r}")
+        self._manager._set_scratch_reuse(self, enable)
+        self._swa_scratch_reuse = enable
+
+    def get_scratch_desc(self, layer_group_id: int) -> ScratchDesc | None:
+        """The scratch slots of a layer group for the current step, or None when it has none."""
+        self._check_layer_group(layer_group_id)
+        begin, end = self._scratch_range[layer_group_id]
+        if end <= begin:
+            return None
+        return ScratchDesc(begin, end, tuple(int(s) for s in self._scratch[layer_group_id][:end - begin]))
+
+    @property
+    def has_scratch_slots(self) -> bool:
+        """Whether this request holds scratch slots now."""
+        return any(s.size for s in self._scratch)
 
     def block_ids(self, layer_group_id: int = 0) -> IntArray:
         """Primary-tier slot ids of this request's blocks in layer group ``layer_group_id`` (-1: no
@@ -150,15 +255,23 @@ class KVCache:
         if self.state is not CacheState.ACTIVE:
             raise CacheStateError(f"KVCache {self.id}: cannot {op} while {self.state.value}; call resume() first")
 
-    def resume(self) -> bool:
+    def resume(self, cuda_stream: Any = None) -> bool:
         """Make the cache usable: pages offloaded while suspended (or reused from a colder tier) are
         brought back to the primary tier first. False, with no side effect, when the primary tier
-        cannot hold them now (``CacheConfig.resume_max_utilization``)."""
+        cannot hold them now (``CacheConfig.resume_max_utilization``).
+
+        ``cuda_stream`` (a torch.cuda.Stream or a raw cudaStream_t int; CUDA primary tier only) becomes
+        ``cuda_stream``; slots this request takes that another stream used last are waited for on it.
+        """
         self._check_open("resume")
+        stream = self._manager._check_stream(cuda_stream, f"KVCache {self.id}.resume") \
+            if cuda_stream is not None else self._stream
         if self.state is CacheState.ACTIVE:
+            self._stream = stream
             return True
-        if not self._manager._resume(self):
+        if not self._manager._resume(self, stream):
             return False
+        self._stream = stream
         self.state = CacheState.ACTIVE
         return True
 
@@ -211,12 +324,15 @@ class KVCache:
         self._manager._set_priority(self, check_priority(priority, f"KVCache {self.id}.set_priority"))
 
     def close(self) -> None:
-        """Release every page this cache holds; a second close raises CacheClosedError."""
+        """Release every page this cache holds; a second close raises CacheClosedError. Pending
+        statistics are committed first (``discard_pending_stats()`` before closing drops them)."""
         self._check_open("close")
         self._manager._close(self)
         self.state = CacheState.CLOSED
         self._blocks = [np.empty(0, dtype=np.int32) for _ in self._blocks]
         self._tiers = [np.empty(0, dtype=np.int8) for _ in self._tiers]
+        self._scratch = [np.empty(0, dtype=np.int32) for _ in self._scratch]
+        self._scratch_range = [(0, 0)] * len(self._scratch)
         self._capacity = 0
 
     def __enter__(self) -> KVCache:

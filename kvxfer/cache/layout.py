@@ -1,7 +1,8 @@
 """Layout construction: layers -> layer groups -> coalesced slots -> pool groups -> CacheLayoutDesc.
 
 Rules (DESIGN.md "Vocabulary"):
-- layers with the same (window, sink_tokens) form a layer group, ordered by their first layer id;
+- layers with the same window and sink blocks (sink tokens rounded up to whole blocks) form a layer
+  group, ordered by their first layer id (its sink_tokens: the largest of its layers');
 - inside a layer group, buffers of equal size are coalesced into one slot (one pool per size), or
   each buffer gets its own pool when ``coalesce=False``: the group's ``SlotDescVariant``, pools
   sorted by slot size, largest first;
@@ -91,10 +92,15 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
     """The layout of ``config`` with unplaced pools (base address 0) sized to ``quota_bytes``
     (default: the primary tier's quota)."""
     formats = buffer_formats(config)
-    # 1. layer groups by (window, sink tokens), ordered by first layer id
+    # 1. layer groups by (window, sink blocks: sink tokens rounded up to whole blocks), ordered by first
+    #    layer id; a group's sink_tokens is its layers' largest (the model's value, what peers compare)
     groups: dict[tuple[int | None, int], list[int]] = {}
+    group_sink: dict[tuple[int | None, int], int] = {}
+    tpb = config.tokens_per_block
     for layer in config.layers:
-        groups.setdefault((layer.window, layer.sink_tokens), []).append(layer.layer_id)
+        group_key = (layer.window, -(-layer.sink_tokens // tpb))
+        groups.setdefault(group_key, []).append(layer.layer_id)
+        group_sink[group_key] = max(group_sink.get(group_key, 0), layer.sink_tokens)
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
     # 2. one slot variant per layer group, 3. pool groups keyed by slot_size_list
     variants = [_group_buffers(config, gi, ids, formats) for gi, (_, ids) in enumerate(ordered)]
@@ -115,8 +121,8 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
         pools = tuple(PoolDesc(pi, 0, size, num_slots, "cpu", 0) for pi, size in enumerate(sizes))
         pool_groups.append(PoolGroupDesc(pgi, num_slots, SlotDesc(tuple(members)), pools))
     layer_groups = tuple(
-        LayerGroupDesc(gi, tuple(ids), window, sink, pool_group_of[gi])
-        for gi, ((window, sink), ids) in enumerate(ordered))
+        LayerGroupDesc(gi, tuple(ids), gk[0], group_sink[gk], pool_group_of[gi])
+        for gi, (gk, ids) in enumerate(ordered))
     return CacheLayoutDesc(LAYOUT_VERSION, config.tokens_per_block, layer_groups, tuple(pool_groups),
                            tuple(formats.items()))
 

@@ -1,62 +1,187 @@
-"""Cache statistics: per-request pending deltas, per-iteration counters with a hit rate, peak slot
-usage per pool group, and the slot accounting every pool group must balance.
+"""Cache statistics in the reference design's shapes: per-request pending deltas committed or
+discarded by the request (``KVCacheStatsDelta``), per-iteration counters per layer group
+(``KVCacheIterationStatsDelta``), peak block counts per pool group and cache level
+(``PoolGroupPeakBlockStats``), and the slot accounting every pool group must balance.
 
-Block counts are block *positions* of a request (one position spans every layer group).
+Block counts are per layer group block positions (a position of a sliding-window group that needs
+no page still counts where noted in docs/cache.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 from kvxfer.errors import KVCacheError
 
+DeltaT = TypeVar("DeltaT", bound="StatsDelta")
 
-@dataclass
-class RequestStats:
-    """Counters of one request since the last ``commit_pending_stats``.
 
-    allocated = blocks placed in the request (new + reused); new = fresh blocks from resize;
-    reused_full / reused_partial = prompt blocks taken from the prefix tree; missed = prompt blocks
-    that had to be computed.
-    """
+class StatsDelta:
+    """Field-wise arithmetic shared by the delta records (every field an int counter)."""
 
-    allocated_blocks: int = 0
-    new_blocks: int = 0
-    reused_full_blocks: int = 0
-    reused_partial_blocks: int = 0
-    missed_blocks: int = 0
+    __slots__ = ()
 
-    def add(self, other: RequestStats) -> None:
+    def add(self, other: Any) -> None:
         """Add ``other``'s counters to these."""
-        for f in fields(RequestStats):
+        for f in fields(self):  # type: ignore[arg-type]
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
-    def is_zero(self) -> bool:
-        """Whether nothing was counted."""
-        return all(getattr(self, f.name) == 0 for f in fields(RequestStats))
+    def subtract(self, other: Any) -> None:
+        """Subtract ``other``'s counters from these."""
+        for f in fields(self):  # type: ignore[arg-type]
+            setattr(self, f.name, getattr(self, f.name) - getattr(other, f.name))
+
+    def clear(self) -> None:
+        """Reset every counter to 0."""
+        for f in fields(self):  # type: ignore[arg-type]
+            setattr(self, f.name, 0)
+
+    def copy(self: DeltaT) -> DeltaT:
+        """An independent copy."""
+        return type(self)(**{f.name: getattr(self, f.name) for f in fields(self)})  # type: ignore[arg-type]
+
+    @property
+    def empty(self) -> bool:
+        """Whether every counter is 0."""
+        return all(getattr(self, f.name) == 0 for f in fields(self))  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class KVCacheStatsDelta(StatsDelta):
+    """Block counters of a request (or, summed, of the manager).
+
+    alloc_total = blocks placed in the request (new + reused); alloc_new = fresh blocks a resize
+    allocated; reused = prompt blocks taken from the prefix tree (fully or partially); missed =
+    fresh blocks inside the prompt (their KV had to be computed).
+    """
+
+    alloc_total_blocks: int = 0
+    alloc_new_blocks: int = 0
+    reused_blocks: int = 0
+    missed_blocks: int = 0
+
+
+@dataclass(slots=True)
+class KVCacheIterationStatsDelta(StatsDelta):
+    """One layer group's counters since the last ``get_and_reset_iteration_stats``.
+
+    The allocation, reuse, miss and generation counters come from requests' committed pending
+    stats; the copy counters (onboard: to a warmer tier, offload: to a colder tier, intra-device:
+    copy-on-write of a partially reused block and primary slot rebalancing) and the dropped counters
+    (pages dropped from a tier below the primary) are recorded as they happen.
+    """
+
+    iter_alloc_total_blocks: int = 0
+    iter_alloc_new_blocks: int = 0
+    iter_reused_blocks: int = 0
+    iter_full_reused_blocks: int = 0
+    iter_partial_reused_blocks: int = 0
+    iter_missed_blocks: int = 0
+    iter_gen_alloc_blocks: int = 0
+    iter_onboard_blocks: int = 0
+    iter_onboard_bytes: int = 0
+    iter_offload_blocks: int = 0
+    iter_offload_bytes: int = 0
+    iter_intra_device_copy_blocks: int = 0
+    iter_intra_device_copy_bytes: int = 0
+    iter_host_dropped_blocks: int = 0
+    iter_host_dropped_bytes: int = 0
+
+    @property
+    def iter_cache_hit_rate(self) -> float:
+        """reused / (reused + missed) blocks; 0.0 when nothing was looked up."""
+        total = self.iter_reused_blocks + self.iter_missed_blocks
+        return self.iter_reused_blocks / total if total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGroupPeakBlockStats:
+    """Highest available (free or evictable), unavailable and evictable slot counts of one pool group
+    of one cache level since the last read (each maximum taken on its own)."""
+
+    available: int
+    unavailable: int
+    evictable: int
 
 
 @dataclass(frozen=True)
-class IterationStats:
-    """Counters merged from every request's pending deltas by one ``commit_pending_stats``."""
+class AllocationSegment:
+    """Blocks ``[begin, end)`` one resize allocated: what its counters depend on, so that a shrink
+    before the commit can take back the part it undoes. ``prompt_blocks`` is None when the prompt
+    length is unknown; ``scratch[lg]`` is the (begin, end) range of scratch positions (no page)."""
 
-    requests: int = 0
-    allocated_blocks: int = 0
-    new_blocks: int = 0
-    reused_full_blocks: int = 0
-    reused_partial_blocks: int = 0
-    missed_blocks: int = 0
+    begin: int
+    end: int
+    prompt_blocks: int | None
+    scratch: tuple[tuple[int, int], ...]
+
+    def delta(self, lo: int, hi: int) -> tuple[KVCacheStatsDelta, list[KVCacheIterationStatsDelta]]:
+        """The request delta and per-layer-group iteration deltas of positions ``[lo, hi)`` of this
+        segment: each position is one new block, missed inside the prompt, generation past it; a layer
+        group counts a page (and a generation page) for it unless it is a scratch position there."""
+        lo, hi = max(lo, self.begin), min(hi, self.end)
+        n = max(0, hi - lo)
+        prompt = 0 if self.prompt_blocks is None else self.prompt_blocks
+        missed = max(0, min(hi, prompt) - lo) if n else 0
+        gen = 0 if self.prompt_blocks is None or not n else max(0, hi - max(lo, prompt))
+        request = KVCacheStatsDelta(alloc_total_blocks=n, alloc_new_blocks=n, missed_blocks=missed)
+        per_lg = []
+        gen_lo = hi - gen
+        for begin, end in self.scratch:
+            pages = n - max(0, min(hi, end) - max(lo, begin))
+            gen_pages = gen - max(0, min(hi, end) - max(gen_lo, begin))
+            per_lg.append(KVCacheIterationStatsDelta(iter_alloc_total_blocks=pages, iter_alloc_new_blocks=pages,
+                                                     iter_missed_blocks=missed, iter_gen_alloc_blocks=gen_pages))
+        return request, per_lg
+
+
+@dataclass
+class PendingStats:
+    """A request's counters not yet committed: its own delta, one iteration delta per layer group, and
+    the allocations they include (a shrink before the commit takes its share back)."""
+
+    request: KVCacheStatsDelta = field(default_factory=KVCacheStatsDelta)
+    iteration: dict[int, KVCacheIterationStatsDelta] = field(default_factory=dict)
+    segments: list[AllocationSegment] = field(default_factory=list)
 
     @property
-    def reused_blocks(self) -> int:
-        """Prompt blocks reused, fully or partially."""
-        return self.reused_full_blocks + self.reused_partial_blocks
+    def empty(self) -> bool:
+        """Whether nothing is pending."""
+        return self.request.empty and all(d.empty for d in self.iteration.values())
 
-    @property
-    def hit_rate(self) -> float:
-        """reused / (reused + missed) prompt blocks; 0.0 when no prompt block was looked up."""
-        looked_up = self.reused_blocks + self.missed_blocks
-        return self.reused_blocks / looked_up if looked_up else 0.0
+    def layer_group(self, layer_group_id: int) -> KVCacheIterationStatsDelta:
+        """The pending iteration delta of one layer group (created empty on first use)."""
+        return self.iteration.setdefault(layer_group_id, KVCacheIterationStatsDelta())
+
+    def clear(self) -> None:
+        """Forget everything pending."""
+        self.request.clear()
+        self.iteration.clear()
+        self.segments.clear()
+
+    def add_allocation(self, segment: AllocationSegment) -> None:
+        """Count a resize's new blocks."""
+        request, per_lg = segment.delta(segment.begin, segment.end)
+        self.request.add(request)
+        for lg, delta in enumerate(per_lg):
+            self.layer_group(lg).add(delta)
+        self.segments.append(segment)
+
+    def take_back(self, begin: int, end: int) -> None:
+        """Subtract what the pending allocations counted for blocks ``[begin, end)`` (they are being
+        freed before the commit, so they never happened as far as the statistics go)."""
+        kept = []
+        for seg in self.segments:
+            request, per_lg = seg.delta(begin, end)
+            self.request.subtract(request)
+            for lg, delta in enumerate(per_lg):
+                self.layer_group(lg).subtract(delta)
+            if seg.begin < begin:
+                kept.append(AllocationSegment(seg.begin, min(seg.end, begin), seg.prompt_blocks, seg.scratch))
+            elif seg.end > end:
+                kept.append(AllocationSegment(end, seg.end, seg.prompt_blocks, seg.scratch))
+        self.segments = kept
 
 
 @dataclass(frozen=True)
@@ -89,16 +214,6 @@ class SlotAccounting:
     def used(self) -> int:
         """Slots held by at least one request."""
         return self.request_only + self.shared
-
-
-@dataclass(frozen=True)
-class PoolGroupPeaks:
-    """Highest available / evictable / used slot counts of a pool group since the last read."""
-
-    pool_group: int
-    max_available: int
-    max_evictable: int
-    max_used: int
 
 
 @dataclass(frozen=True)
@@ -139,61 +254,74 @@ class TierTrafficCounter:
 
 
 class StatsCollector:
-    """Merges request deltas into iteration counters and tracks peak usage; inert when disabled."""
+    """Committed totals, per-iteration counters per layer group, peaks per cache level and pool group,
+    and the dirty / excluded request ids; inert (records nothing) when disabled."""
 
-    def __init__(self, enabled: bool, num_pool_groups: int) -> None:
+    def __init__(self, enabled: bool, num_levels: int, num_pool_groups: int) -> None:
         self.enabled = enabled
-        self._num_pool_groups = num_pool_groups
-        self._closed_pending: list[RequestStats] = []
-        self._total = RequestStats()
-        self._total_requests = 0
-        self._peaks = [[0, 0, 0] for _ in range(num_pool_groups)]
+        self.committed = KVCacheStatsDelta()
+        self.iteration: dict[int, KVCacheIterationStatsDelta] = {}
+        self.dirty: set[str] = set()
+        self.excluded: set[str] = set()
+        self._peaks: list[list[list[int] | None]] = [[None] * num_pool_groups for _ in range(num_levels)]
 
-    def retire(self, pending: RequestStats) -> None:
-        """Keep a closed request's pending deltas for the next merge."""
-        if self.enabled and not pending.is_zero():
-            self._closed_pending.append(pending)
+    def records(self, cache_id: str) -> bool:
+        """Whether counters of request ``cache_id`` are recorded (stats on, the id not excluded)."""
+        return self.enabled and cache_id not in self.excluded
 
-    def merge(self, pending: list[RequestStats]) -> IterationStats:
-        """Sum the open requests' deltas ``pending`` (reset afterwards) and the retired ones."""
+    def commit(self, cache_id: str, pending: PendingStats) -> KVCacheStatsDelta:
+        """Merge a request's pending counters into the totals and the iteration; returns its delta
+        (empty, and nothing merged, for an excluded request)."""
+        if cache_id in self.excluded:
+            pending.clear()
+        out = pending.request.copy()
+        if self.enabled:
+            self.committed.add(pending.request)
+            for lg, delta in pending.iteration.items():
+                self.iteration.setdefault(lg, KVCacheIterationStatsDelta()).add(delta)
+        pending.clear()
+        self.dirty.discard(cache_id)
+        return out
+
+    def discard(self, cache_id: str, pending: PendingStats) -> None:
+        """Drop a request's pending counters."""
+        pending.clear()
+        self.dirty.discard(cache_id)
+
+    def traffic(self, layer_group: int) -> KVCacheIterationStatsDelta | None:
+        """The current iteration's delta of a layer group for copy counters (None when disabled)."""
         if not self.enabled:
-            return IterationStats()
-        merged = RequestStats()
-        requests = 0
-        for stats in [*pending, *self._closed_pending]:
-            if stats.is_zero():
-                continue
-            merged.add(stats)
-            requests += 1
-        for stats in pending:
-            for f in fields(RequestStats):
-                setattr(stats, f.name, 0)
-        self._closed_pending.clear()
-        self._total.add(merged)
-        self._total_requests += requests
-        return IterationStats(requests, merged.allocated_blocks, merged.new_blocks, merged.reused_full_blocks,
-                              merged.reused_partial_blocks, merged.missed_blocks)
+            return None
+        return self.iteration.setdefault(layer_group, KVCacheIterationStatsDelta())
 
-    @property
-    def total(self) -> IterationStats:
-        """Everything merged so far."""
-        t = self._total
-        return IterationStats(self._total_requests, t.allocated_blocks, t.new_blocks, t.reused_full_blocks,
-                              t.reused_partial_blocks, t.missed_blocks)
+    def take_iteration(self) -> dict[int, KVCacheIterationStatsDelta]:
+        """The iteration's counters of the layer groups that counted anything (``{}`` when nothing
+        happened or stats are disabled, as in the reference); they restart empty."""
+        if not self.enabled:
+            return {}
+        out = {lg: d for lg, d in sorted(self.iteration.items()) if not d.empty}
+        self.iteration = {}
+        return out
 
-    def sample(self, accounting: SlotAccounting) -> None:
-        """Fold one pool group's current accounting into its peaks."""
+    def sample(self, level: int, accounting: SlotAccounting) -> None:
+        """Fold one pool group's current accounting of cache level ``level`` into its peaks."""
         if not self.enabled:
             return
-        peak = self._peaks[accounting.pool_group]
-        peak[0] = max(peak[0], accounting.available)
-        peak[1] = max(peak[1], accounting.evictable)
-        peak[2] = max(peak[2], accounting.used)
+        values = [accounting.available, accounting.total - accounting.available, accounting.evictable]
+        peak = self._peaks[level][accounting.pool_group]
+        self._peaks[level][accounting.pool_group] = values if peak is None else [
+            max(a, b) for a, b in zip(peak, values, strict=True)]
 
-    def read_peaks(self, current: list[SlotAccounting]) -> tuple[PoolGroupPeaks, ...]:
-        """The peaks since the last read; they restart from the ``current`` accounting."""
-        out = tuple(PoolGroupPeaks(pg, *self._peaks[pg]) for pg in range(self._num_pool_groups))
-        self._peaks = [[0, 0, 0] for _ in range(self._num_pool_groups)]
+    def take_peaks(self, level: int, current: list[SlotAccounting]) -> tuple[PoolGroupPeakBlockStats, ...]:
+        """The peaks of a cache level since the last read, restarting from ``current`` (the present
+        accounting, one per pool group). Never a made-up 0: a pool group never sampled, or any pool
+        group with stats disabled, reports the present accounting."""
+        out = []
         for acc in current:
-            self.sample(acc)
-        return out
+            peak = self._peaks[level][acc.pool_group] if self.enabled else None
+            now = [acc.available, acc.total - acc.available, acc.evictable]
+            vals = now if peak is None else [max(a, b) for a, b in zip(peak, now, strict=True)]
+            out.append(PoolGroupPeakBlockStats(*vals))
+            if self.enabled:
+                self._peaks[level][acc.pool_group] = now
+        return tuple(out)

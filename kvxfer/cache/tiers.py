@@ -15,7 +15,7 @@ import mmap
 import os
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,9 +27,6 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.layout import place_layout, plan_layout
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.errors import ConfigError, TierError
-
-if TYPE_CHECKING:
-    from kvxfer.cache.manager import KVCacheManager
 
 U64Array = npt.NDArray[np.uint64]
 IntArray = npt.NDArray[np.int64]
@@ -119,7 +116,7 @@ class TierStorage:
         """Capacity and current occupancy."""
         total = sum(p.nbytes for pg in self._layout.pool_groups for p in pg.pools)
         return TierStats(self.name, self.memory_kind, total,
-                         tuple(a.num_slots for a in self._allocators), tuple(a.num_used for a in self._allocators))
+                         tuple(a.usable for a in self._allocators), tuple(a.num_used for a in self._allocators))
 
     # --- addressing -----------------------------------------------------------------------------
     def slot_addresses(self, pool_group: int, pool: int, slots: npt.ArrayLike) -> U64Array:
@@ -200,7 +197,19 @@ def open_host_tier(config: CacheConfig, tier: HostTier | None = None) -> MemoryT
     return MemoryTierStorage("host", layout, pools)
 
 
-def primary_tier_of(manager: KVCacheManager) -> MemoryTierStorage:
+class PrimaryPools(Protocol):
+    """What a primary-tier view needs of its owner (the KVCacheManager): the placed layout, the pool
+    tensors and the slot allocators. A protocol, so this module never imports the manager."""
+
+    @property
+    def layout(self) -> CacheLayoutDesc: ...
+
+    def pool_tensor(self, pool_group: int, pool: int) -> torch.Tensor: ...
+
+    def allocator(self, pool_group: int, tier: int = 0) -> SlotAllocator: ...
+
+
+def primary_tier_of(manager: PrimaryPools) -> MemoryTierStorage:
     """A tier view over the manager's primary pools and allocators (it owns neither)."""
     layout = manager.layout
     pools = [[manager.pool_tensor(pg.pool_group_index, p.pool_index) for p in pg.pools] for pg in layout.pool_groups]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvxfer.cache.descriptors import BufferFormat, BufferId, CacheLayoutDesc
-from kvxfer.cache.memory import MemoryRegion
+from kvxfer.memory_region import MemoryRegion
 
 
 def layout_regions(layout: CacheLayoutDesc) -> list[MemoryRegion]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PageTableError
+from kvxfer.memory_region import MemoryRegion
 from kvxfer.pagetable import ops, wire
 from kvxfer.pagetable.table import PageTable
 

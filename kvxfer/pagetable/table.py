@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PageTableError
+from kvxfer.memory_region import MemoryRegion
 from kvxfer.pagetable import ops, wire
 
 U64 = npt.NDArray[np.uint64]

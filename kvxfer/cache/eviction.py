@@ -1,0 +1,190 @@
+"""The eviction controller: which pages may move or be dropped (locked, held, droppable), in what
+order (priority, LRU, leaves first), and making room in a tier by offloading one tier down or dropping."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.cache.events import Removed
+from kvxfer.cache.kv_cache import CacheState
+from kvxfer.cache.page_movement import PageMovement
+from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode
+from kvxfer.errors import OutOfSlotsError
+
+IntArray = npt.NDArray[np.int32]
+
+# Victim ordering key: held pages (a suspended request's) after droppable ones, then priority, then LRU.
+_HELD_BIT = 60
+_PRIORITY_SHIFT = 48
+_LAST = (1 << _HELD_BIT) - 1
+
+
+class EvictionController(PageMovement):
+    """Making room in a tier: offload to the tier below, or drop tree-only blocks."""
+
+    def _reserve(self, needs: dict[int, int]) -> None:
+        """Make sure every pool group has the slots ``needs`` asks for, or raise OutOfSlotsError."""
+        for pg, n in needs.items():
+            if n > self._allocators[pg].num_free:
+                self._make_room(pg, n - self._allocators[pg].num_free)
+            if n > self._allocators[pg].num_free:
+                raise OutOfSlotsError(f"pool group {pg}: {n} slots needed, {self._allocators[pg].num_free} free "
+                                      f"of {self._allocators[pg].num_slots}")
+
+    def _make_room(self, pool_group: int, n: int) -> int:
+        """Free ``n`` primary slots of ``pool_group`` (offloading or dropping pages), as far as
+        possible; returns the slots freed."""
+        return self._make_room_in(0, pool_group, n)
+
+    def _tree_only(self, node: BlockNode) -> bool:
+        """Whether every page of ``node`` is referenced by the tree alone."""
+        for lg, (page, tier) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
+            if page >= 0 and self._alloc_of(tier, self._lg_pool_group[lg]).refcount[page] != 1:
+                return False
+        return True
+
+    def _evict(self, node: BlockNode) -> None:
+        """Drop a tree-only leaf and its pages (in whatever tiers they are); emits Removed."""
+        self._tree.remove(node)
+        for lg, (page, tier) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
+            if page >= 0:
+                pg = self._lg_pool_group[lg]
+                self._alloc_of(tier, pg).decref(np.array([page], dtype=np.int32))
+                self._unmark_tree_page(tier, pg, page)
+                if tier > 0 and (delta := self._stats.traffic(lg)) is not None:
+                    delta.iter_host_dropped_blocks += 1
+                    delta.iter_host_dropped_bytes += self._page_bytes[pg]
+        self._events.put(Removed((node.key,), self._node_medium(node)))
+        self._traffic.dropped()
+
+    def _locked_mask(self, tier: int, pool_group: int) -> npt.NDArray[np.bool_]:
+        """Slots of ``tier`` that must not move: pages and scratch slots of ACTIVE requests, and the
+        primary pages of a request being resumed (its colder pages may still move down to let a swap through)."""
+        mask = np.zeros(self._alloc_of(tier, pool_group).num_slots, dtype=bool)
+        for cache in self._caches.values():
+            if cache.state is CacheState.ACTIVE or (tier == 0 and cache.id in self._pinned):
+                for lg in self._pg_layer_groups[pool_group]:
+                    blocks, tiers = cache._blocks[lg], cache._tiers[lg]
+                    mask[blocks[(blocks >= 0) & (tiers == tier)]] = True
+                    if tier == 0:
+                        mask[cache._scratch[lg]] = True     # scratch slots stay where the kernels write
+        return mask
+
+    def _victims(self, tier: int, pool_group: int) -> IntArray:
+        """Movable slots of ``(tier, pool_group)`` in eviction order: droppable (tree-only) pages before
+        held ones, then lowest priority, then least recently used."""
+        alloc = self._alloc_of(tier, pool_group)
+        movable = (alloc.refcount > 0) & ~self._locked_mask(tier, pool_group)
+        if not movable.any():
+            return np.empty(0, dtype=np.int32)
+        recency = np.zeros(alloc.num_slots, dtype=np.int64)
+        held_stamp = np.int64(DEFAULT_PRIORITY) << _PRIORITY_SHIFT
+        for cache in self._caches.values():
+            if cache.state is CacheState.ACTIVE:
+                continue
+            # A request being resumed moves last: its pages are about to come up.
+            stamp = _LAST if cache.id in self._pinned else held_stamp | cache._last_used
+            for lg in self._pg_layer_groups[pool_group]:
+                blocks, tiers = cache._blocks[lg], cache._tiers[lg]
+                np.maximum.at(recency, blocks[(blocks >= 0) & (tiers == tier)], stamp)
+        for slot, (node, _) in self._tree_owner[tier][pool_group].items():
+            recency[slot] = max(int(recency[slot]), (node.priority << _PRIORITY_SHIFT) | node.last_used)
+        held = alloc.refcount > self._in_tree_t[tier][pool_group]
+        key = (held.astype(np.int64) << _HELD_BIT) | recency
+        idx = np.flatnonzero(movable)
+        return idx[np.argsort(key[idx], kind="stable")].astype(np.int32)
+
+    def _make_room_in(self, tier: int, pool_group: int, n: int) -> int:
+        """Free up to ``n`` slots of ``(tier, pool_group)``; returns the slots freed.
+
+        A warm tier offloads its coldest movable pages one tier down (making room there first,
+        recursively); the coldest tier drops tree-only blocks (lowest priority, least recently used,
+        leaves before parents). A warm tier drops its own droppable blocks only when the tiers below
+        cannot take its pages (they are full of held pages).
+        """
+        if n <= 0:
+            return 0
+        alloc = self._alloc_of(tier, pool_group)
+        before = alloc.num_free
+        if tier < len(self._tiers) - 1:
+            below = self._alloc_of(tier + 1, pool_group)
+            while (freed := alloc.num_free - before) < n:
+                victims = self._victims(tier, pool_group)
+                want = min(n - freed, victims.size)
+                if want == 0:
+                    break
+                if below.num_free < want:
+                    self._make_room_in(tier + 1, pool_group, want - below.num_free)
+                    # Dropping below may have freed pages of this tier too: pick victims afresh.
+                    victims = self._victims(tier, pool_group)
+                    want = min(n - (alloc.num_free - before), victims.size, below.num_free)
+                    if want <= 0:
+                        break
+                self._move(pool_group, tier, victims[:want], tier + 1)
+        freed = alloc.num_free - before
+        if freed < n:
+            self._drop_in(tier, pool_group, n - freed)
+        return alloc.num_free - before
+
+    def _droppable_here(self, node: BlockNode, tier: int) -> bool:
+        """Whether dropping ``node`` is eviction at ``tier``: tree-only, no page in a warmer tier."""
+        return self._tree_only(node) and not (node.tiers[node.pages >= 0] < tier).any()
+
+    def _drop_in(self, tier: int, pool_group: int, n: int) -> int:
+        """Drop tree-only leaves droppable at ``tier`` until ``n`` slots of ``(tier, pool_group)`` are
+        free (or none is left); emits Removed. Returns the slots of that tier freed."""
+        alloc = self._alloc_of(tier, pool_group)
+        before = alloc.num_free
+        kept: list[BlockNode] = []
+        while alloc.num_free - before < n:
+            node = self._tree.pop_leaf()
+            if node is None:
+                break
+            if not self._tree_only(node):
+                continue             # requeued when its request lets go
+            if self._droppable_here(node, tier):
+                self._evict(node)
+            else:
+                kept.append(node)
+        for node in kept:
+            self._tree.requeue(node)
+        return alloc.num_free - before
+
+    def _room_estimate(self, tier: int, pool_group: int) -> int:
+        """About how many used slots of ``(tier, pool_group)`` ``_make_room_in`` can free now (it
+        errs low: the caller still checks what it got)."""
+        drop = self._droppable_pages(tier, pool_group)
+        if tier == len(self._tiers) - 1:
+            return drop
+        movable = int(np.count_nonzero((self._alloc_of(tier, pool_group).refcount > 0)
+                                       & ~self._locked_mask(tier, pool_group)))
+        return max(min(movable, self._accept(tier + 1, pool_group)), drop)
+
+    def _accept(self, tier: int, pool_group: int) -> int:
+        """How many pages ``(tier, pool_group)`` can take from the tier above (free slots, plus what
+        it can push further down or drop)."""
+        free = self._alloc_of(tier, pool_group).num_free
+        if tier == len(self._tiers) - 1:
+            return free + self._droppable_pages(tier, pool_group)
+        return free + self._accept(tier + 1, pool_group)
+
+    def _droppable_pages(self, tier: int, pool_group: int) -> int:
+        """Pages of ``(tier, pool_group)`` in blocks ``_drop_in(tier, ...)`` can reach: droppable at
+        that tier, with every descendant droppable too (leaves go first)."""
+        ready: dict[int, bool] = {}
+        count = 0
+        lgs = self._pg_layer_groups[pool_group]
+        for node in reversed(list(self._tree.nodes())):   # children before parents
+            ok = self._droppable_here(node, tier) and all(ready[id(c)] for c in node.children.values())
+            ready[id(node)] = ok
+            if ok:
+                count += sum(1 for lg in lgs if node.pages[lg] >= 0 and node.tiers[lg] == tier)
+        return count
+
+    def _move(self, pool_group: int, src_tier: int, src: IntArray, dst_tier: int) -> None:
+        """Move pages ``src`` of ``src_tier`` to fresh slots of ``dst_tier`` (one batched copy), then
+        repoint every owner; on a failed copy the pages stay where they were."""
+        dst = self._alloc_of(dst_tier, pool_group).alloc(src.size)
+        self._copy_pages(pool_group, [(src_tier, src, dst_tier, dst)])
+        self._relocate(pool_group, src_tier, src, dst_tier, dst)
