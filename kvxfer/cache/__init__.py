@@ -15,6 +15,7 @@ from kvxfer.cache.descriptors import (
 )
 from kvxfer.cache.events import AllCleared, KVEvent, KVEventPublisher, Removed, Stored, Updated
 from kvxfer.cache.hashing import HASH_V2_BLAKE3, HASH_V2_BLAKE3_64, ReuseScope, block_keys
+from kvxfer.cache.kv_access import LayerKV, read_kv, write_kv
 from kvxfer.cache.kv_cache import CacheState, KVCache
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
@@ -41,6 +42,7 @@ __all__ = [
     "KVEvent",
     "KVEventPublisher",
     "LayerGroupDesc",
+    "LayerKV",
     "LayerSpec",
     "MemoryRegion",
     "PoolDesc",
@@ -58,4 +60,6 @@ __all__ = [
     "TierTraffic",
     "Updated",
     "block_keys",
+    "read_kv",
+    "write_kv",
 ]
