@@ -305,16 +305,21 @@ def test_a_checkpoint_directory_served_and_asked_through_the_cli(tmp_path: Path)
 
 @pytest.mark.slow
 @pytest.mark.ucx
-def test_demo_with_the_tiny_transformers_model_over_ucx() -> None:
-    """``kvxfer demo --model hf:tiny``: two worker processes over NIXL (else ucxx), every token checked."""
-    from kvxfer.cli.demo import run_demo
+def test_demo_with_the_tiny_transformers_model_over_ucx(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvxfer demo --model hf:tiny``: two worker processes over NIXL (else ucxx), every token checked
+    against the same model in this process."""
+    from kvxfer.cli.serve import best_backend
     try:
-        summary = run_demo("auto", "push", True, 1, 3, 8, seed=0, timeout=120.0, model="hf:tiny")
+        best_backend()
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
+    rc = cli_main(["demo", "--model", "hf:tiny", "--layerwise", "--families", "1", "--per-family", "3",
+                   "--max-new-tokens", "8", "--json"])
+    summary = json.loads(capsys.readouterr().out)
     assert summary["model"] == "hf:tiny"
     assert summary["requests"] == 3 and summary["failed"] == 0 and summary["mismatches"] == 0, summary["rows"]
     assert summary["reused_blocks_decode"] > 0
+    assert rc == 0
 
 
 @pytest.mark.gpu

@@ -151,3 +151,13 @@ def test_plan_between_concatenates_rank_pairs_in_shifted_region_indices() -> Non
     regions = all_regions(lay_d)
     for addr, n, r in zip(plan.dst.addr.tolist(), plan.dst.nbytes.tolist(), plan.dst.region.tolist(), strict=True):
         assert regions[r].base_address <= addr and addr + n <= regions[r].base_address + regions[r].nbytes
+
+
+def test_the_cli_refuses_an_unknown_model_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.cli import build_parser
+    for argv in (["serve", "prefill", "--model", "nope"], ["generate", "hi", "--decode", "tcp://x:1", "--model", "nope"],
+                 ["demo", "--model", "hf:no-such-preset-or-dir"]):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(argv)
+        assert exc.value.code == 2
+        assert "--model" in capsys.readouterr().err
