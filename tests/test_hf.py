@@ -88,7 +88,7 @@ def paged_prefill(model: HFModel, managers: list[KVCacheManager], tokens: np.nda
     for c in caches:
         c.resume()
     kv = model.bind(list(zip(managers, caches, strict=True)))
-    logits = model.prefill(kv, tokens, chunk)
+    logits = model.prefill(kv, tokens, chunk, last_only=True)   # as the prefill worker runs it
     return kv, greedy(logits[-1])
 
 
@@ -111,6 +111,23 @@ def test_paged_generation_equals_the_model_with_its_own_dynamic_cache(models: di
         assert (kv.shards[0][1].block_ids(window_group) < 0).any()   # the window really released blocks
     for _, cache in kv.shards:
         cache.close()
+
+
+def test_last_only_logits_are_the_last_rows(models: dict[str, HFModel]) -> None:
+    model = models["tiny-swa"]
+    manager = KVCacheManager(model.kv_spec.cache_config(16, 16, enable_prefix_reuse=False))
+    tokens = prompt(6, 40)
+    full_kv, _ = paged_prefill(model, [manager], tokens[:-1])
+    full = model.forward(full_kv, tokens[-1:])
+    full_kv.shards[0][1].close()
+    kv, _ = paged_prefill(model, [manager], tokens[:-1])
+    last = model.forward(kv, tokens[-1:], last_only=True)
+    kv.shards[0][1].close()
+    torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
+    kv, first = paged_prefill(model, [manager], tokens, 16)
+    assert kv.length == tokens.size
+    kv.shards[0][1].close()
+    assert first == int(torch.argmax(full[-1]))   # chunked, last-only prefill samples the same token
 
 
 def test_the_kv_oracle_catches_one_wrong_element(models: dict[str, HFModel]) -> None:

@@ -161,3 +161,19 @@ def test_the_cli_refuses_an_unknown_model_by_name(capsys: pytest.CaptureFixture[
             build_parser().parse_args(argv)
         assert exc.value.code == 2
         assert "--model" in capsys.readouterr().err
+
+
+def test_last_only_prefill_gives_the_last_rows_logits() -> None:
+    model = ReferenceModel(preset("tiny"))
+    manager = KVCacheManager(model.kv_spec.cache_config(16, 16, enable_prefix_reuse=False))
+    tokens = np.random.default_rng(0).integers(0, 512, 40)
+    rows = []
+    for last_only in (False, True):
+        cache = manager.create_kv_cache()
+        cache.resume()
+        kv = model.bind([(manager, cache)])
+        rows.append(model.prefill(kv, tokens, 16, last_only=last_only))
+        assert kv.length == 40
+        cache.close()
+    assert rows[0].shape == (40, 512) and rows[1].shape == (1, 512)
+    torch.testing.assert_close(rows[1][0], rows[0][-1], rtol=1e-5, atol=1e-5)

@@ -303,7 +303,7 @@ class PrefillWorker(WorkerCounts):
         else:
             kv = self.model.bind(shards)
         with torch.inference_mode():
-            logits = self.model.prefill(kv, tokens[job.reused_tokens:], self.config.chunk_size)
+            logits = self.model.prefill(kv, tokens[job.reused_tokens:], self.config.chunk_size, last_only=True)
         job.first_token = greedy(logits[-1])
         job.prefill_s = now() - started
         if msg["mode"] == "pull":

@@ -142,9 +142,11 @@ class Model(ABC):
         """The tokenizer that goes with the model."""
 
     @abstractmethod
-    def forward(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike) -> torch.Tensor:
+    def forward(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike, *, last_only: bool = False) -> torch.Tensor:
         """Run ``tokens`` after the ``kv.length`` tokens already in the pages: write their K/V through
-        ``kv.write``, attend over ``kv.read``, commit them. Returns float32 logits ``[len(tokens), vocab]``."""
+        ``kv.write``, attend over ``kv.read``, commit them. Returns float32 logits ``[len(tokens), vocab]``
+        (``[1, vocab]``, the last token's, with ``last_only``: what sampling needs, without the LM head's
+        cost over the whole prompt)."""
 
     # --- shared behaviour ---------------------------------------------------------------------
     def load(self, device: str | torch.device = "cpu") -> Model:
@@ -160,14 +162,18 @@ class Model(ABC):
         s = self.kv_spec
         return PagedKV(shards, s.num_layers, s.num_kv_heads, s.head_dim)
 
-    def prefill(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike, chunk_size: int | None = None) -> torch.Tensor:
-        """Forward ``tokens`` in chunks of ``chunk_size`` (None: one chunk); logits of every token."""
+    def prefill(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike, chunk_size: int | None = None, *,
+                last_only: bool = False) -> torch.Tensor:
+        """Forward ``tokens`` in chunks of ``chunk_size`` (None: one chunk); logits of every token, or of
+        the last one only (``[1, vocab]``) with ``last_only``."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                        or chunk_size <= 0):
             raise CapacityError(f"{type(self).__name__}.prefill: chunk_size must be an int > 0, got {chunk_size!r}")
         step = ids.size if chunk_size is None else chunk_size
-        parts = [self.forward(kv, ids[i:i + step]) for i in range(0, ids.size, max(step, 1))]
+        parts = [self.forward(kv, ids[i:i + step], last_only=last_only) for i in range(0, ids.size, max(step, 1))]
+        if last_only:
+            return parts[-1] if parts else torch.empty(0, self.vocab_size)
         return torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
 
     def decode_step(self, kv: PagedKV, token: int) -> torch.Tensor:
@@ -201,7 +207,7 @@ class Model(ABC):
                 cache.resume()
             kv = self.bind(list(zip(group, caches, strict=True)))
             with torch.inference_mode():
-                logits = self.prefill(kv, ids, chunk_size)
+                logits = self.prefill(kv, ids, chunk_size, last_only=True)
                 if max_new_tokens == 0:
                     return []
                 return self.continue_greedy(kv, greedy(logits[-1]), max_new_tokens)

@@ -285,9 +285,10 @@ class HFModel(Model):
         return self.source.tokenizer()
 
     @torch.inference_mode()
-    def forward(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike) -> torch.Tensor:
+    def forward(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike, *, last_only: bool = False) -> torch.Tensor:
         """Run ``tokens`` after the ``kv.length`` tokens in the pages; their K/V go into the pages and are
-        committed. Returns float32 logits ``[len(tokens), vocab]``."""
+        committed. Returns float32 logits ``[len(tokens), vocab]`` (the last token's only with
+        ``last_only``, as transformers' ``generate`` computes them: ``logits_to_keep=1``)."""
         ids = token_ids(tokens, self._vocab, "HFModel.forward")
         start = kv.length
         if not ids.size:
@@ -296,7 +297,7 @@ class HFModel(Model):
         input_ids = torch.from_numpy(ids).to(self.device)[None]
         positions = torch.arange(start, start + ids.size, device=self.device)[None]
         out = self.hf(input_ids=input_ids, position_ids=positions, past_key_values=PagedCache(kv, self._kv_spec, start),
-                      use_cache=True)
+                      use_cache=True, logits_to_keep=1 if last_only else 0)
         kv.commit(ids)
         logits: torch.Tensor = out.logits[0].float()
         return logits
@@ -304,7 +305,8 @@ class HFModel(Model):
     def dense_generate(self, tokens: Sequence[int] | npt.ArrayLike,
                        max_new_tokens: int) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
         """The same model generating alone with transformers' own ``DynamicCache`` and no kvxfer code
-        (greedy: one-shot prefill, then one token per step): the tokens, and each layer's K/V of the
+        (greedy as transformers' ``generate`` runs it: one-shot prefill, then one token per step, LM head
+        on the last position): the tokens, and each layer's K/V of the
         prompt as ``[tokens, kv_heads, head_dim]`` (every position, sliding-window layers too). What
         kvxfer's paged generation is checked against."""
         ids = token_ids(tokens, self._vocab, "HFModel.dense_generate")
@@ -314,7 +316,7 @@ class HFModel(Model):
         with torch.inference_mode():
             x = torch.from_numpy(ids).to(self.device)[None]
             for step in range(max_new_tokens):
-                logits = self.hf(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
+                logits = self.hf(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
                 if step == 0:
                     prompt_kv = [(layer.keys[0].transpose(0, 1).clone(), layer.values[0].transpose(0, 1).clone())
                                  for layer in cache.layers]

@@ -105,10 +105,10 @@ class ReferenceModel(Model):
         return self.config.tokenizer()
 
     @torch.inference_mode()
-    def forward(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike) -> torch.Tensor:
+    def forward(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike, *, last_only: bool = False) -> torch.Tensor:
         """Run ``tokens`` after the ``kv.length`` tokens already cached; writes and commits their KV.
 
-        Returns float32 logits ``[len(tokens), vocab]``.
+        Returns float32 logits ``[len(tokens), vocab]`` (the last token's only with ``last_only``).
         """
         c = self.config
         ids = token_ids(tokens, c.vocab_size, "ReferenceModel.forward")
@@ -131,6 +131,8 @@ class ReferenceModel(Model):
             x = x + attention(q, keys, values, positions, k_pos, window, c.sink_tokens) @ w["wo"]
             hs = rms_norm(x, w["mlp_norm"], c.norm_eps)
             x = x + (torch.nn.functional.silu(hs @ w["w_gate"]) * (hs @ w["w_up"])) @ w["w_down"]
+        if last_only:
+            x = x[-1:]
         logits = (rms_norm(x, self.final_norm, c.norm_eps) @ self.lm_head).float()
         kv.commit(ids)
         return logits
