@@ -177,3 +177,15 @@ def test_last_only_prefill_gives_the_last_rows_logits() -> None:
         cache.close()
     assert rows[0].shape == (40, 512) and rows[1].shape == (1, 512)
     torch.testing.assert_close(rows[1][0], rows[0][-1], rtol=1e-5, atol=1e-5)
+
+
+def test_access_inside_and_outside_inference_mode() -> None:
+    """The first call may come from a model under torch.inference_mode; later calls from anywhere."""
+    manager = KVCacheManager(SPEC.cache_config(4, 8))
+    cache = open_cache(manager, 8)
+    key, value = kv_tensors(4, 4, seed=5)
+    with torch.inference_mode():
+        write_kv(manager, cache, 0, 0, key, value)
+    write_kv(manager, cache, 0, 4, value, key)
+    got = read_kv(manager, cache, 0, 0, 8)
+    assert torch.equal(got.key, torch.cat([key, value])) and torch.equal(got.value, torch.cat([value, key]))

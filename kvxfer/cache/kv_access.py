@@ -10,6 +10,7 @@ integrator's engine) to put its KV into kvxfer pages and read it back.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -31,6 +32,34 @@ class LayerKV(NamedTuple):
     positions: torch.Tensor
 
 
+class _LayerPages(NamedTuple):
+    """What locating one layer's pages costs once: its format, layer group and typed key/value views."""
+
+    fmt: BufferFormat
+    group: int
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+# Per request cache (weakly: the entry goes with the KVCache object, so a manager shut down after its
+# requests keeps no pool memory alive through these views), per layer: located once, not per call.
+_pages: weakref.WeakKeyDictionary[KVCache, dict[int, _LayerPages]] = weakref.WeakKeyDictionary()
+
+
+def _layer_pages(manager: KVCacheManager, cache: KVCache, layer: int) -> _LayerPages:
+    if cache._manager is not manager:
+        raise KVCacheError(f"KVCache {cache.id} belongs to another manager")
+    per_layer = _pages.setdefault(cache, {})
+    found = per_layer.get(layer)
+    if found is None:
+        fmt = layer_format(manager, layer)
+        with torch.inference_mode(False):   # views made under inference mode could not be written outside it
+            key, value = manager.buffer_view(layer, "key"), manager.buffer_view(layer, "value")
+        found = _LayerPages(fmt, manager.layout.layer_group_of(layer).layer_group_id, key, value)
+        per_layer[layer] = found
+    return found
+
+
 def layer_format(manager: KVCacheManager, layer: int) -> BufferFormat:
     """The key buffer format of ``layer`` (head range, head_dim, dtype, order); LayoutError if absent."""
     try:
@@ -39,10 +68,8 @@ def layer_format(manager: KVCacheManager, layer: int) -> BufferFormat:
         raise LayoutError(f"layer {layer} has no key buffer in this cache (layers {manager.layout.layer_ids})") from exc
 
 
-def _check(manager: KVCacheManager, cache: KVCache, layer: int, start: int, end: int) -> npt.NDArray[np.int32]:
+def _check(cache: KVCache, pages: _LayerPages, layer: int, start: int, end: int) -> npt.NDArray[np.int32]:
     """The block ids covering [start, end) of the layer's group, after checking the arguments."""
-    if cache._manager is not manager:
-        raise KVCacheError(f"KVCache {cache.id} belongs to another manager")
     if isinstance(start, bool) or not isinstance(start, int) or isinstance(end, bool) or not isinstance(end, int) \
             or not 0 <= start <= end:
         raise CapacityError(f"KVCache {cache.id} layer {layer}: token range must be ints 0 <= start <= end, "
@@ -50,8 +77,7 @@ def _check(manager: KVCacheManager, cache: KVCache, layer: int, start: int, end:
     if end > cache.capacity:
         raise CapacityError(f"KVCache {cache.id} layer {layer}: token range [{start}, {end}) exceeds the capacity "
                             f"of {cache.capacity} tokens (resize first)")
-    group = manager.layout.layer_group_of(layer).layer_group_id
-    return cache.block_ids(group)
+    return cache.block_ids(pages.group)
 
 
 def write_kv(manager: KVCacheManager, cache: KVCache, layer: int, start: int,
@@ -59,13 +85,14 @@ def write_kv(manager: KVCacheManager, cache: KVCache, layer: int, start: int,
     """Store ``key``/``value`` (``[tokens, heads, head_dim]``, this manager's heads) of positions
     ``start, start + 1, ...`` of ``layer`` into the request's pages (converted to the pages' dtype and
     device). CacheStateError when a position has no page (a released sliding-window block)."""
-    fmt = layer_format(manager, layer)
+    pages = _layer_pages(manager, cache, layer)
+    fmt = pages.fmt
     want = (fmt.num_heads, fmt.head_dim)
     if key.dim() != 3 or tuple(key.shape[1:]) != want or key.shape != value.shape:
         raise KVCacheError(f"write_kv layer {layer}: key and value must both be [tokens, {want[0]}, {want[1]}], "
                            f"got {tuple(key.shape)} and {tuple(value.shape)}")
     n = int(key.shape[0])
-    blocks = _check(manager, cache, layer, start, start + n)
+    blocks = _check(cache, pages, layer, start, start + n)
     if not n:
         return
     tpb = fmt.tokens_per_block
@@ -74,7 +101,7 @@ def write_kv(manager: KVCacheManager, cache: KVCache, layer: int, start: int,
     if (slots < 0).any():
         raise CacheStateError(f"KVCache {cache.id} layer {layer}: no page for position {int(pos[slots < 0][0])} "
                               f"(its block was released)")
-    kview, vview = manager.buffer_view(layer, "key"), manager.buffer_view(layer, "value")
+    kview, vview = pages.key, pages.value
     slot_t = torch.from_numpy(slots.astype(np.int64)).to(kview.device)
     off_t = torch.from_numpy(pos % tpb).to(kview.device)
     k = key.to(kview.device, kview.dtype)
@@ -92,8 +119,9 @@ def read_kv(manager: KVCacheManager, cache: KVCache, layer: int, start: int, end
     """The K/V of positions ``[start, end)`` of ``layer`` as ``[tokens, heads, head_dim]`` tensors on the
     pages' device and dtype (a copy). A position whose block was released (sliding window) raises
     CacheStateError, or with ``skip_released`` is left out (``positions`` says which rows are present)."""
-    fmt = layer_format(manager, layer)
-    blocks = _check(manager, cache, layer, start, end)
+    pages = _layer_pages(manager, cache, layer)
+    fmt = pages.fmt
+    blocks = _check(cache, pages, layer, start, end)
     tpb = fmt.tokens_per_block
     first, last = start // tpb, -(-end // tpb)
     span = blocks[first:last]
@@ -104,7 +132,7 @@ def read_kv(manager: KVCacheManager, cache: KVCache, layer: int, start: int, end
                               f"(its block was released)")
     pos = ((first + present)[:, None] * tpb + np.arange(tpb)).ravel()
     keep = np.flatnonzero((pos >= start) & (pos < end))
-    kview, vview = manager.buffer_view(layer, "key"), manager.buffer_view(layer, "value")
+    kview, vview = pages.key, pages.value
     slot_t = torch.from_numpy(span[present].astype(np.int64)).to(kview.device)
     keep_t = torch.from_numpy(keep).to(kview.device)
 
