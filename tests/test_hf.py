@@ -211,6 +211,22 @@ def test_bad_sources_and_batches_are_refused(tmp_path: Path, models: dict[str, H
     cache.close()
 
 
+def test_a_layer_refuses_to_attend_over_released_pages(models: dict[str, HFModel]) -> None:
+    """Mutation of the window: a sliding-window layer treated as full attention must fail (its early
+    blocks were released), not attend over whatever is left."""
+    from kvxfer.model.hf import PagedLayer
+    model = models["tiny-swa"]
+    manager = KVCacheManager(model.kv_spec.cache_config(8, 64, enable_prefix_reuse=False))
+    tokens = prompt(8, 60)
+    kv, _ = paged_prefill(model, [manager], tokens)
+    kv.reserve(61)
+    states = torch.zeros(1, 2, 1, 32)
+    PagedLayer(kv, 1, model.kv_spec.window_of(1), 60).update(states, states)     # the real window: fine
+    with pytest.raises(KVCacheError, match=r"keys \[0, 61\) must all have pages"):
+        PagedLayer(kv, 1, None, 60).update(states, states)
+    kv.shards[0][1].close()
+
+
 def test_seeded_weights_are_the_same_in_every_load() -> None:
     a, b = HFSource(preset="tiny").load(), HFSource(preset="tiny").load()
     other = HFSource(preset="tiny", seed=1).load()
