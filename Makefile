@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,ucx]"
+	$(PIP) install -q -e ".[dev,ucx,hf]"
 	# NIXL wheels declare a CUDA torch dependency: install without dependencies (numpy, torch are here).
 	$(PIP) install -q --no-deps "$(NIXL_SPEC)"
 	touch $(STAMP)

@@ -178,8 +178,8 @@ def test_token_shift_by_one_fails(pair: Any) -> None:
     src, dst = pair({"tpb": 16}, {"tpb": 32, "order": "NHD"})
     kv = dst.kv()
     for layer in range(LAYERS):
-        k, v, _ = src.kv().gather(layer, PROMPT)          # [heads, tokens, dim]
-        kv.write(layer, k[:, :-1].transpose(0, 1), v[:, :-1].transpose(0, 1), 1)
+        got = src.kv().read(layer, 0, PROMPT)             # [tokens, heads, dim]
+        kv.write(layer, got.key[:-1], got.value[:-1], 1)
     with pytest.raises(IntegrityError, match=r"layer 0 role 'key' head 0 tokens \[0, 32\).* 72 of 72 checked"):
         check(src, dst)
 

@@ -27,6 +27,7 @@ from kvxfer.cache.hashing import (
     block_keys,
     cache_salt_id,
 )
+from kvxfer.cache.kv_access import LayerKV, read_kv, write_kv
 from kvxfer.cache.kv_cache import CacheState, KVCache, ScratchDesc
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
@@ -64,6 +65,7 @@ __all__ = [
     "KVEvent",
     "KVEventPublisher",
     "LayerGroupDesc",
+    "LayerKV",
     "LayerSpec",
     "MemoryRegion",
     "PoolDesc",
@@ -84,4 +86,6 @@ __all__ = [
     "block_hash_for_event",
     "block_keys",
     "cache_salt_id",
+    "read_kv",
+    "write_kv",
 ]

@@ -27,11 +27,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvxfer.cache.manager import KVCacheManager
-from kvxfer.cli.serve import best_backend, parse_checksum
+from kvxfer.cli.serve import best_backend, checked_model_name, parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV, AuthKey
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient
 from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
-from kvxfer.model import ReferenceModel, preset
+from kvxfer.model import model_source
 
 MODEL = "tiny"
 TOKENS_PER_BLOCK = 16
@@ -43,6 +43,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx", "cuda_ipc", "loopback"),
                    help="transport between the two processes (auto: nixl, else ucx)")
     p.add_argument("--mode", choices=("push", "pull"), default="push")
+    p.add_argument("--model", default=MODEL, type=checked_model_name, metavar="NAME|hf:PRESET|hf:DIR",
+                   help="the model both workers serve (see kvxfer serve --help), e.g. hf:tiny")
     p.add_argument("--layerwise", action="store_true", help="send each layer as soon as it is computed")
     p.add_argument("--checksum", default="off", type=_checked_policy_text, metavar="off|full|every:K|sample:F",
                    help="decode verifies every request's pages against prefill's blake3 digest before commit")
@@ -131,7 +133,7 @@ class WorkerProcess:
 
 def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family: int, max_new_tokens: int,
              seed: int, timeout: float, progress: Progress | None = None, device: str = "cpu",
-             checksum: str = "off") -> dict[str, Any]:
+             checksum: str = "off", model: str = MODEL) -> dict[str, Any]:
     """Run the demo and return its figures (``rows`` holds one dict per request)."""
     torch.set_num_threads(1)
     if backend == "loopback":
@@ -140,10 +142,10 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     backend = best_backend() if backend == "auto" else backend
     secret = secrets.token_hex(32)
     env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    common = ["--backend", backend, "--model", MODEL, "--tokens-per-block", str(TOKENS_PER_BLOCK),
+    common = ["--backend", backend, "--model", model, "--tokens-per-block", str(TOKENS_PER_BLOCK),
               "--device", device]
-    cfg = preset(MODEL)
-    requests = demo_prompts(families, per_family, seed, cfg.vocab_size)
+    source = model_source(model)
+    requests = demo_prompts(families, per_family, seed, source.vocab_size)
     started = time.monotonic()
     prefill = WorkerProcess(["prefill", "--name", "demo-prefill", *common], env, timeout)
     decode: WorkerProcess | None = None
@@ -173,12 +175,13 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
         if decode is not None:
             decode.stop()
         prefill.stop()
-    model = ReferenceModel(cfg, device)   # the reference runs where the workers ran (same kernels)
-    ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, 256, device, enable_prefix_reuse=False))
+    reference = source.load(device)   # the reference runs where the workers ran (same kernels)
+    ref_manager = KVCacheManager(source.kv_spec.cache_config(TOKENS_PER_BLOCK, 256, device,
+                                                             enable_prefix_reuse=False))
     rows: list[dict[str, Any]] = []
     for i, r in enumerate(requests):
         res = results[i]
-        expected = model.generate(ref_manager, r.tokens, max_new_tokens)
+        expected = reference.generate(ref_manager, r.tokens, max_new_tokens)
         s = res.stats
         rows.append({"request": i, "family": r.family, "prompt_tokens": len(r.tokens), "ok": res.ok,
                      "error": res.error, "match": res.ok and res.tokens == expected,
@@ -191,7 +194,7 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     xfer_s = sum(row["transfer_s"] for row in ok)
     ttfts = sorted(row["ttft_ms"] for row in ok)
     return {
-        "requests": len(rows), "device": device, "mismatches": sum(1 for row in rows if not row["match"]),
+        "requests": len(rows), "device": device, "model": model, "mismatches": sum(1 for row in rows if not row["match"]),
         "failed": sum(1 for row in rows if not row["ok"]), "transport": backend, "mode": mode,
         "layerwise": layerwise, "checksum": checksum, "bytes_moved": moved,
         "reused_blocks_decode": sum(row["reused_blocks_decode"] for row in ok),
@@ -234,7 +237,7 @@ def demo(a: argparse.Namespace) -> int:
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         summary = run_demo(a.backend, a.mode, a.layerwise, a.families, a.per_family, a.max_new_tokens, a.seed,
-                           a.timeout, progress, a.device, a.checksum)
+                           a.timeout, progress, a.device, a.checksum, a.model)
     if a.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "rows"} | {"rows": summary["rows"]}))
     else:

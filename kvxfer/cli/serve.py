@@ -16,8 +16,8 @@ import torch
 from kvxfer.disagg.auth import AuthKey
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import GenerateClient, query_status
-from kvxfer.errors import BackendUnavailable, ConfigError
-from kvxfer.model import PRESETS, ByteTokenizer, preset
+from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
+from kvxfer.model import model_source
 from kvxfer.transport import available_backends
 from kvxfer.transport.integrity import ChecksumPolicy
 
@@ -41,7 +41,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="worker name (its transport name; default: role-pid)")
     p.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx", "loopback", "cuda_ipc"),
                    help="transport (auto: nixl, else ucx)")
-    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="reference model preset")
+    p.add_argument("--model", default="tiny", type=checked_model_name, metavar="NAME|hf:PRESET|hf:DIR",
+                   help="reference preset (tiny, tiny-swa, small, medium), or a transformers model: hf:tiny, "
+                        "hf:tiny-swa, hf:llama-3.2-1b, hf:llama-3-8b (seeded random weights) or hf:/path/to/dir "
+                        "(a local checkpoint directory)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--tokens-per-block", type=int, default=16)
     p.add_argument("--blocks", type=int, default=512, help="blocks per layer group")
@@ -57,7 +60,7 @@ def worker_config(a: argparse.Namespace, role: str) -> WorkerConfig:
     """The WorkerConfig the options describe."""
     import os
     backend = best_backend() if a.backend == "auto" else a.backend
-    return WorkerConfig(a.name or f"{role}-{os.getpid()}", preset(a.model), a.tokens_per_block, a.blocks,
+    return WorkerConfig(a.name or f"{role}-{os.getpid()}", model_source(a.model), a.tokens_per_block, a.blocks,
                         a.head_order, a.tp_size, a.device, backend, a.lease, a.deadline, chunk_size=a.chunk_size,
                         checksum=getattr(a, "checksum", None))
 
@@ -75,6 +78,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     dec.add_argument("--layers-per-send", type=int, default=1)
     dec.add_argument("--checksum", type=parse_checksum, default=None, metavar="off|full|every:K|sample:F",
                      help="verify each request's pages against a blake3 digest from prefill (default off)")
+
+
+def checked_model_name(text: str) -> str:
+    """``--model`` as given, once it names a model (read without loading weights)."""
+    try:
+        model_source(text)
+    except KvxferError as exc:
+        raise argparse.ArgumentTypeError(f"--model {text!r}: {exc}") from exc
+    return text
 
 
 def parse_checksum(text: str) -> ChecksumPolicy | None:
@@ -125,10 +137,11 @@ def serve(a: argparse.Namespace) -> int:
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     """``generate`` options."""
-    p.add_argument("prompt", help="prompt text (UTF-8 bytes become token ids)")
+    p.add_argument("prompt", help="prompt text (encoded with the model's tokenizer)")
     p.add_argument("--decode", required=True, help="control address of the decode worker")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset (for the tokenizer)")
+    p.add_argument("--model", default="tiny", type=checked_model_name, metavar="NAME|hf:PRESET|hf:DIR",
+                   help="the model the workers serve (its tokenizer encodes the prompt and decodes the answer)")
     p.add_argument("--mode", choices=("", "push", "pull"), default="", help="override the decode worker's mode")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--secret-file", default=None)
@@ -137,7 +150,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 def generate(a: argparse.Namespace) -> int:
     """Send one prompt to a decode worker and print the completion."""
-    tok = ByteTokenizer(preset(a.model).vocab_size)
+    tok = model_source(a.model).tokenizer()
     client = GenerateClient(a.decode, AuthKey.load(None, a.secret_file))
     try:
         res = client.generate(tok.encode(a.prompt), a.max_new_tokens, a.timeout, mode=a.mode)

@@ -1,9 +1,9 @@
-"""What prefill and decode workers share: configuration, tensor-parallel rank sets, cross-rank transfer
-plans, the layer-wise write hook, and the single engine thread that owns a worker's cache and model.
+"""What prefill and decode workers share: configuration, tensor-parallel rank sets, the layer-wise write
+hook, and the single engine thread that owns a worker's cache and model.
 
 A worker holds one or more tensor-parallel ranks in one process (one KVCacheManager each) and one
-transport that registers every rank's pools, in rank order; a layout's own region indices are shifted
-by the regions of the ranks before it.
+transport that registers every rank's pools, in rank order; cross-rank transfer plans come from
+``kvxfer.extractor.multirank`` (``plan_between``, ``all_regions``, ``region_offsets``).
 """
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.manager import KVCacheManager
-from kvxfer.cache.memory import MemoryRegion
 from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.disagg.messages import Message
 from kvxfer.errors import ConfigError, ControlTimeout, KvxferError
-from kvxfer.extractor import BlockIds, layout_regions, plan_transfer
-from kvxfer.model import ModelConfig, PagedKV, preset
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.extractor.multirank import all_regions as all_regions  # the workers' planning helpers
+from kvxfer.extractor.multirank import plan_between as plan_between
+from kvxfer.extractor.multirank import region_offsets as region_offsets
+from kvxfer.model import KVSpec, Model, ModelSource, PagedKV, preset
 from kvxfer.transport import Transport, create
 from kvxfer.transport.integrity import ChecksumPolicy
 
@@ -40,7 +38,9 @@ class WorkerConfig:
     """One worker: its model, cache shape, tensor-parallel ranks held here, transport and deadlines."""
 
     name: str
-    model: ModelConfig = field(default_factory=lambda: preset("tiny"))
+    model: ModelSource = field(default_factory=lambda: preset("tiny"))
+    """The model: a reference ``ModelConfig``, ``kvxfer.model.hf.HFSource``, any ``ModelSource``, or a
+    loaded ``Model``; the worker builds its caches from ``model.kv_spec`` and loads it on ``device``."""
     tokens_per_block: int = 16
     num_blocks: int = 512
     head_order: str = "HND"
@@ -70,14 +70,30 @@ class WorkerConfig:
         if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
                                             or self.chunk_size <= 0):
             raise ConfigError(f"WorkerConfig.chunk_size must be None or an int > 0, got {self.chunk_size!r}")
+        if not isinstance(self.model, ModelSource):
+            raise ConfigError(f"WorkerConfig.model must be a ModelSource (ModelConfig, HFSource, a Model), "
+                              f"got {type(self.model).__name__}")
         if self.checksum is not None and not isinstance(self.checksum, ChecksumPolicy):
             raise ConfigError(f"WorkerConfig.checksum must be None or a ChecksumPolicy, got {self.checksum!r}")
 
     def managers(self) -> list[KVCacheManager]:
         """One cache manager per tensor-parallel rank held by this worker."""
-        return [KVCacheManager(self.model.cache_config(self.tokens_per_block, self.num_blocks, self.device,
-                                                       head_order=self.head_order, tp_rank=r, tp_size=self.tp_size))
+        spec = self.model.kv_spec
+        return [KVCacheManager(spec.cache_config(self.tokens_per_block, self.num_blocks, self.device,
+                                                 head_order=self.head_order, tp_rank=r, tp_size=self.tp_size))
                 for r in range(self.tp_size)]
+
+    def load_model(self, model: Model | None = None) -> Model:
+        """The worker's model: ``model`` when given (its KV shape must be ``self.model``'s), else
+        ``self.model`` loaded on ``device``."""
+        if model is None:
+            return self.model.load(self.device)
+        if not isinstance(model, Model):
+            raise ConfigError(f"{self.name}: model must be a kvxfer.model.Model, got {type(model).__name__}")
+        if model.kv_spec != self.model.kv_spec:
+            raise ConfigError(f"{self.name}: the model's KV shape {model.kv_spec} differs from WorkerConfig.model's "
+                              f"{self.model.kv_spec}")
+        return model
 
 
 def make_transport(config: WorkerConfig, options: Mapping[str, Any] | None) -> Transport:
@@ -99,50 +115,11 @@ def held_slots(managers: Sequence[KVCacheManager]) -> int:
     return total
 
 
-def region_offsets(layouts: Sequence[CacheLayoutDesc]) -> list[int]:
-    """Index of each rank's first region in the concatenation of every rank's regions."""
-    counts = [sum(len(pg.pools) for pg in lay.pool_groups) for lay in layouts]
-    return [int(x) for x in np.cumsum([0, *counts[:-1]])]
-
-
-def all_regions(layouts: Sequence[CacheLayoutDesc]) -> list[MemoryRegion]:
-    """Every rank's regions in rank order: what a worker's transport registers and advertises."""
-    return [r for lay in layouts for r in layout_regions(lay)]
-
-
-def _shift(table: PageTable, offset: int) -> PageTable:
-    return PageTable(table.addr, table.nbytes, table.region + np.uint32(offset))
-
-
-def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[BlockIds | Any],
-                 dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[BlockIds | Any], *,
-                 token_range: tuple[int, int], layers: Sequence[int] | None = None,
-                 dst_committed: Sequence[int | None] | None = None) -> TransferPlan:
-    """One plan moving ``token_range`` of ``layers`` from every source rank to every destination rank.
-
-    Pairs each (source rank, destination rank) with ``plan_transfer`` (heads move where both hold
-    them, so a rank pair whose head ranges do not meet adds nothing); region indices are those of the
-    concatenated rank regions on each side. ``dst_committed[j]`` (default: from a KVCache destination)
-    makes rank ``j``'s committed blocks read-only (``plan_transfer`` refuses to write them).
-    """
-    src_off, dst_off = region_offsets(src_layouts), region_offsets(dst_layouts)
-    committed = [None] * len(dst_layouts) if dst_committed is None else list(dst_committed)
-    plans: list[TransferPlan] = []
-    for i, (sl, si) in enumerate(zip(src_layouts, src_ids, strict=True)):
-        for j, (dl, di, dc) in enumerate(zip(dst_layouts, dst_ids, committed, strict=True)):
-            plan = plan_transfer(sl, si, dl, di, layers=layers, token_range=token_range, dst_committed=dc)
-            if len(plan):
-                plans.append(TransferPlan(_shift(plan.src, src_off[i]), _shift(plan.dst, dst_off[j])))
-    if not plans:
-        return TransferPlan.empty()
-    return plans[0] if len(plans) == 1 else TransferPlan.concat(plans)
-
-
 class LayerwiseKV(PagedKV):
     """PagedKV that reports each layer once the KV of its last prompt token is in the pages, so that
     layers can be sent while the model computes the next ones."""
 
-    def __init__(self, shards: Sequence[Any], model: ModelConfig, end: int,
+    def __init__(self, shards: Sequence[Any], model: KVSpec, end: int,
                  on_layer_done: Callable[[int], None]) -> None:
         super().__init__(shards, model.num_layers, model.num_kv_heads, model.head_dim)
         self.end = end

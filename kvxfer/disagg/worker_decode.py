@@ -72,7 +72,7 @@ from kvxfer.errors import (
     TransferTimeout,
 )
 from kvxfer.extractor import check_writable, writable_block_ids
-from kvxfer.model import ReferenceModel
+from kvxfer.model import Model
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
 from kvxfer.transport.integrity import KVDigest, verify_kv
 
@@ -140,7 +140,8 @@ class DecodeWorker(WorkerCounts):
     def __init__(self, config: WorkerConfig, secret: Secret = None, *, prefill: str | None = None,
                  bind: str | None = None, mode: str = "push", layerwise: bool = False, layers_per_send: int = 1,
                  transport_options: dict[str, Any] | None = None, versions: tuple[int, int] = SUPPORTED_VERSIONS,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, model: Model | None = None) -> None:
+        """``model``: an already loaded model (default: ``config.model`` loaded on ``config.device``)."""
         if mode not in MODES:
             raise ConfigError(f"DecodeWorker.mode must be one of {MODES}, got {mode!r}")
         if isinstance(layers_per_send, bool) or not isinstance(layers_per_send, int) or layers_per_send <= 0:
@@ -157,7 +158,7 @@ class DecodeWorker(WorkerCounts):
         self._secret = secret
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
-        self.model = ReferenceModel(config.model, config.device)
+        self.model = config.load_model(model)
         self.transport: Transport = make_transport(config, transport_options)
         self.transport.register(all_regions(self.layouts))
         self._prefill: PeerConnection | None = None

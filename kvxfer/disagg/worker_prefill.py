@@ -65,7 +65,7 @@ from kvxfer.errors import (
     SessionError,
     TransferFailed,
 )
-from kvxfer.model import ReferenceModel, greedy
+from kvxfer.model import Model, greedy
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
 from kvxfer.transport.integrity import ChecksumPolicy, digest_kv
 
@@ -116,12 +116,13 @@ class PrefillWorker(WorkerCounts):
 
     def __init__(self, config: WorkerConfig, secret: Secret = None, *, bind: str = "tcp://127.0.0.1:0",
                  transport_options: dict[str, Any] | None = None, versions: tuple[int, int] | None = None,
-                 handshake_timeout: float = 5.0) -> None:
-        """``handshake_timeout``: how long a connecting peer may take to authenticate before it is dropped."""
+                 handshake_timeout: float = 5.0, model: Model | None = None) -> None:
+        """``handshake_timeout``: how long a connecting peer may take to authenticate before it is dropped.
+        ``model``: an already loaded model (default: ``config.model`` loaded on ``config.device``)."""
         self.config = config
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
-        self.model = ReferenceModel(config.model, config.device)
+        self.model = config.load_model(model)
         self.transport: Transport = make_transport(config, transport_options)
         self.transport.register(all_regions(self.layouts))
         self.leases = LeaseTable()
@@ -290,7 +291,7 @@ class PrefillWorker(WorkerCounts):
         span = (skip, int(tokens.size))
         started = now()
         if msg["mode"] == "push" and msg["layerwise"]:
-            groups = layer_groups(self.config.model.num_layers, int(msg["layers_per_send"]))
+            groups = layer_groups(self.model.kv_spec.num_layers, int(msg["layers_per_send"]))
             ends = {g[-1]: g for g in groups}
             part = [0]
 
@@ -306,11 +307,11 @@ class PrefillWorker(WorkerCounts):
                 self._check_may_write(job)
                 job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, part[0])))
 
-            kv: Any = LayerwiseKV(shards, self.config.model, int(tokens.size), on_layer)
+            kv: Any = LayerwiseKV(shards, self.model.kv_spec, int(tokens.size), on_layer)
         else:
             kv = self.model.bind(shards)
         with torch.inference_mode():
-            logits = self.model.prefill(kv, tokens[job.reused_tokens:], self.config.chunk_size)
+            logits = self.model.prefill(kv, tokens[job.reused_tokens:], self.config.chunk_size, last_only=True)
         job.first_token = greedy(logits[-1])
         job.prefill_s = now() - started
         if msg["mode"] == "pull":

@@ -2,6 +2,7 @@
 
 from kvxfer.extractor.block_ids import BlockIds, HasBlockIdMap
 from kvxfer.extractor.extract import COORDS, extract
+from kvxfer.extractor.multirank import all_regions, plan_between, region_offsets
 from kvxfer.extractor.pairing import plan_transfer
 from kvxfer.extractor.regions import Placement, layout_regions, layout_roles, placements, region_indices
 from kvxfer.extractor.writable import HasCommittedTokens, check_writable, committed_tokens, writable_block_ids
@@ -12,13 +13,16 @@ __all__ = [
     "HasBlockIdMap",
     "HasCommittedTokens",
     "Placement",
+    "all_regions",
     "check_writable",
     "committed_tokens",
     "extract",
     "layout_regions",
     "layout_roles",
     "placements",
+    "plan_between",
     "plan_transfer",
     "region_indices",
+    "region_offsets",
     "writable_block_ids",
 ]

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from kvxfer.cache.config import CacheConfig
 from kvxfer.cache.dtypes import dtype_name
 from kvxfer.errors import ConfigError
+from kvxfer.model.base import KVSpec
+from kvxfer.model.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    from kvxfer.model.transformer import ReferenceModel
 
 
 def _check_positive(value: Any, name: str) -> None:
@@ -69,14 +76,26 @@ class ModelConfig:
         """Sliding window of ``layer`` (None = full attention)."""
         return self.windows[layer % len(self.windows)]
 
+    @property
+    def kv_spec(self) -> KVSpec:
+        """The KV shape of this model (``ModelSource``)."""
+        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.windows, self.sink_tokens)
+
     def cache_config(self, tokens_per_block: int, num_blocks: int, device: str = "cpu", **kw: Any) -> CacheConfig:
         """A CacheConfig holding this model's KV: ``num_blocks`` blocks per layer group on ``device``.
 
         Extra keywords go to ``CacheConfig`` (``head_order``, ``tp_rank``, ``tp_size``, ...).
         """
-        return CacheConfig.for_model(
-            self.num_layers, self.num_kv_heads, self.head_dim, tokens_per_block, self.dtype, num_blocks, device,
-            windows=self.windows, sink_tokens=self.sink_tokens, **kw)
+        return self.kv_spec.cache_config(tokens_per_block, num_blocks, device, **kw)
+
+    def tokenizer(self) -> ByteTokenizer:
+        """UTF-8 bytes as token ids (``ModelSource``)."""
+        return ByteTokenizer(self.vocab_size)
+
+    def load(self, device: str | torch.device = "cpu") -> ReferenceModel:
+        """The reference model with this config's seeded weights on ``device`` (``ModelSource``)."""
+        from kvxfer.model.transformer import ReferenceModel
+        return ReferenceModel(self, device)
 
 
 PRESETS: dict[str, ModelConfig] = {

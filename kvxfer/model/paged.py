@@ -1,5 +1,6 @@
 """A request's KV as the model sees it: pages of one or more cache managers, read and written only
-through ``KVCacheManager.buffer_view`` and the request's block ids.
+through ``kvxfer.cache.kv_access`` (the request's block ids and ``KVCacheManager.buffer_view``), always
+as ``[tokens, kv_heads, head_dim]``.
 
 Several managers hold tensor-parallel shards of the KV heads (each its ``BufferFormat`` head range);
 the model writes every shard the heads it holds and reads each head from the first shard holding it.
@@ -15,6 +16,7 @@ import numpy.typing as npt
 import torch
 
 from kvxfer.cache.descriptors import BufferId
+from kvxfer.cache.kv_access import LayerKV, read_kv, write_kv
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.errors import CacheStateError, KVCacheError, LayoutMismatch, OutOfSlotsError
@@ -22,14 +24,10 @@ from kvxfer.errors import CacheStateError, KVCacheError, LayoutMismatch, OutOfSl
 
 @dataclass(frozen=True)
 class _LayerShard:
-    """One shard's typed views and head range for one layer."""
+    """The KV heads one shard holds of one layer."""
 
-    key: torch.Tensor
-    value: torch.Tensor
     head_start: int
     num_heads: int
-    layer_group: int
-    order: str
 
 
 class PagedKV:
@@ -60,9 +58,7 @@ class PagedKV:
                     raise LayoutMismatch(
                         f"PagedKV shard {i} layer {layer}: head_dim {fmt.head_dim}, total_heads {fmt.total_heads} "
                         f"!= model head_dim {head_dim}, num_kv_heads {num_kv_heads}")
-                parts.append(_LayerShard(manager.buffer_view(layer, "key"), manager.buffer_view(layer, "value"),
-                                         fmt.head_start, fmt.num_heads,
-                                         manager.layout.layer_group_of(layer).layer_group_id, fmt.order))
+                parts.append(_LayerShard(fmt.head_start, fmt.num_heads))
                 span = reader[fmt.head_start:fmt.head_start + fmt.num_heads]
                 span[span < 0] = i
             if (reader < 0).any():
@@ -103,67 +99,37 @@ class PagedKV:
 
     # --- KV pages -------------------------------------------------------------------------------
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
-        """Store ``key``/``value`` ([tokens, kv_heads, head_dim]) of positions ``start..`` into the pages."""
-        tpb = self.tokens_per_block
-        pos = np.arange(start, start + key.shape[0], dtype=np.int64)
-        for (_, cache), part in zip(self.shards, self._layers[layer], strict=True):
-            blocks = cache.block_ids(part.layer_group)
-            if pos.size and pos[-1] // tpb >= blocks.size:
-                raise CacheStateError(f"PagedKV: cache {cache.id} holds {blocks.size} blocks, position "
-                                      f"{int(pos[-1])} needs block {int(pos[-1] // tpb)}")
-            slots = blocks[pos // tpb]
-            if (slots < 0).any():
-                raise CacheStateError(f"PagedKV: cache {cache.id} layer {layer}: no page for position "
-                                      f"{int(pos[slots < 0][0])}")
-            slot_t = torch.from_numpy(slots.astype(np.int64)).to(part.key.device)
-            off_t = torch.from_numpy(pos % tpb).to(part.key.device)
+        """Store ``key``/``value`` (``[tokens, kv_heads, head_dim]``, every KV head) of positions ``start..``
+        into the pages: each shard gets the heads it holds (``kvxfer.cache.kv_access.write_kv``)."""
+        for (manager, cache), part in zip(self.shards, self._layers[layer], strict=True):
             heads = slice(part.head_start, part.head_start + part.num_heads)
-            k = key[:, heads].to(part.key.dtype)
-            v = value[:, heads].to(part.value.dtype)
-            if part.order == "HND":
-                part.key[slot_t, :, off_t, :] = k
-                part.value[slot_t, :, off_t, :] = v
-            else:
-                part.key[slot_t, off_t] = k
-                part.value[slot_t, off_t] = v
+            write_kv(manager, cache, layer, start, key[:, heads], value[:, heads])
 
-    def gather(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(keys, values, positions) of every stored token before ``end`` in ``layer``.
-
-        keys/values are ``[kv_heads, tokens, head_dim]``; blocks a sliding window released (-1) are skipped,
-        so ``positions`` (int64) need not be contiguous.
-        """
-        tpb = self.tokens_per_block
+    def read(self, layer: int, start: int, end: int) -> LayerKV:
+        """Every stored token of ``[start, end)`` in ``layer``: keys/values ``[tokens, kv_heads, head_dim]``
+        (the same axis order as ``write``). Blocks a sliding window released are skipped, so ``positions``
+        (int64) need not be contiguous; each head comes from the first shard holding it."""
         reader = self._reader[layer]
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         positions: torch.Tensor | None = None
-        for i in np.unique(reader).tolist():
+        shard_ids = np.unique(reader)
+        for i in shard_ids.tolist():
             part = self._layers[layer][i]
-            cache = self.shards[i][1]
-            blocks = cache.block_ids(part.layer_group)[:-(-end // tpb)]
-            present = np.flatnonzero(blocks >= 0)
-            pos = (present[:, None] * tpb + np.arange(tpb)).ravel()
-            keep = torch.from_numpy(pos < end)
-            slot_t = torch.from_numpy(blocks[present].astype(np.int64)).to(part.key.device)
-            k, v = part.key[slot_t], part.value[slot_t]
-            if part.order == "HND":     # [blocks, heads, tpb, dim] -> [heads, blocks * tpb, dim]
-                k, v = k.transpose(0, 1), v.transpose(0, 1)
-            else:                       # [blocks, tpb, heads, dim] -> [heads, blocks * tpb, dim]
-                k, v = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
-            k = k.reshape(part.num_heads, -1, k.shape[-1])[:, keep.to(k.device)]
-            v = v.reshape(part.num_heads, -1, v.shape[-1])[:, keep.to(v.device)]
-            mine = np.flatnonzero(reader == i) - part.head_start
-            idx = torch.from_numpy(mine).to(k.device)
-            keys.append(k.index_select(0, idx))
-            values.append(v.index_select(0, idx))
-            shard_pos = torch.from_numpy(pos[pos < end])
+            manager, cache = self.shards[i]
+            got = read_kv(manager, cache, layer, start, end, skip_released=True)
+            mine = torch.from_numpy(np.flatnonzero(reader == i) - part.head_start).to(got.key.device)
+            keys.append(got.key.index_select(1, mine))
+            values.append(got.value.index_select(1, mine))
             if positions is None:
-                positions = shard_pos
-            elif not torch.equal(positions, shard_pos):
+                positions = got.positions
+            elif not torch.equal(positions, got.positions):
                 raise CacheStateError(f"PagedKV layer {layer}: shards hold different token positions")
         assert positions is not None
+        if shard_ids.size == 1:
+            return LayerKV(keys[0], values[0], positions)
         # Shards were visited in shard order; put heads back in global order.
-        order = np.argsort(np.concatenate([np.flatnonzero(reader == i) for i in np.unique(reader)]), kind="stable")
+        order = np.argsort(np.concatenate([np.flatnonzero(reader == i) for i in shard_ids]), kind="stable")
         perm = torch.from_numpy(order).to(keys[0].device)
-        return (torch.cat(keys).index_select(0, perm), torch.cat(values).index_select(0, perm), positions)
+        return LayerKV(torch.cat(keys, 1).index_select(1, perm), torch.cat(values, 1).index_select(1, perm),
+                       positions)

@@ -9,16 +9,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvxfer.cache.dtypes import torch_dtype
-from kvxfer.cache.kv_cache import KVCache
-from kvxfer.cache.manager import KVCacheManager
-from kvxfer.errors import CapacityError, KVCacheError
+from kvxfer.errors import KVCacheError
+from kvxfer.model.base import KVSpec, Model, token_ids
 from kvxfer.model.config import ModelConfig
 from kvxfer.model.paged import PagedKV
+from kvxfer.model.tokenizer import ByteTokenizer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,13 +44,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
               window: int | None, sink_tokens: int) -> torch.Tensor:
     """Causal grouped-query attention with an optional sliding window and sink tokens.
 
-    q: [tokens, heads, dim]; k, v: [kv_heads, keys, dim]; positions are absolute token indices.
+    q: [tokens, heads, dim]; k, v: [keys, kv_heads, dim]; positions are absolute token indices.
     Returns [tokens, heads * dim]. Computed in float32.
     """
     t, heads, dim = q.shape
-    group = heads // k.shape[0]
-    kf = k.float().repeat_interleave(group, 0)
-    vf = v.float().repeat_interleave(group, 0)
+    group = heads // k.shape[1]
+    kf = k.float().transpose(0, 1).repeat_interleave(group, 0)      # [heads, keys, dim]
+    vf = v.float().transpose(0, 1).repeat_interleave(group, 0)
     scores = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) / math.sqrt(dim)   # [heads, t, keys]
     qp, kp = q_pos.to(q.device)[:, None], k_pos.to(q.device)[None, :]
     allowed = kp <= qp
@@ -62,7 +61,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out.transpose(0, 1).reshape(t, heads * dim).to(q.dtype)
 
 
-class ReferenceModel:
+class ReferenceModel(Model):
     """A small Llama-style transformer with seeded random weights and paged KV."""
 
     def __init__(self, config: ModelConfig, device: str | torch.device = "cpu") -> None:
@@ -90,26 +89,29 @@ class ReferenceModel:
         self.final_norm = ones(h)
         self.lm_head = weight(h, c.vocab_size, std=h ** -0.5)
 
-    # --- KV binding -------------------------------------------------------------------------------
-    def bind(self, shards: Sequence[tuple[KVCacheManager, KVCache]] | PagedKV) -> PagedKV:
-        """A PagedKV over (manager, cache) shards, checked against this model's shape."""
-        if isinstance(shards, PagedKV):
-            return shards
-        c = self.config
-        return PagedKV(shards, c.num_layers, c.num_kv_heads, c.head_dim)
-
     # --- forward ----------------------------------------------------------------------------------
+    @property
+    def kv_spec(self) -> KVSpec:
+        """The KV shape (from the ModelConfig)."""
+        return self.config.kv_spec
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are in ``[0, vocab_size)``."""
+        return self.config.vocab_size
+
+    def tokenizer(self) -> ByteTokenizer:
+        """UTF-8 bytes as token ids."""
+        return self.config.tokenizer()
+
     @torch.inference_mode()
-    def forward(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike) -> torch.Tensor:
+    def forward(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike, *, last_only: bool = False) -> torch.Tensor:
         """Run ``tokens`` after the ``kv.length`` tokens already cached; writes and commits their KV.
 
-        Returns float32 logits ``[len(tokens), vocab]``.
+        Returns float32 logits ``[len(tokens), vocab]`` (the last token's only with ``last_only``).
         """
         c = self.config
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size):
-            raise CapacityError(f"ReferenceModel.forward: token ids must be in [0, {c.vocab_size}), got "
-                                f"[{int(ids.min())}, {int(ids.max())}]")
+        ids = token_ids(tokens, c.vocab_size, "ReferenceModel.forward")
         start = kv.length
         if not ids.size:
             return torch.empty(0, c.vocab_size)
@@ -123,12 +125,14 @@ class ReferenceModel:
             v = (hs @ w["wv"]).view(-1, c.num_kv_heads, c.head_dim)
             q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
             kv.write(i, k, v, start)
-            keys, values, k_pos = kv.gather(i, start + ids.size)
+            keys, values, k_pos = kv.read(i, 0, start + ids.size)
             window = c.window_of(i)
             self._check_visible(i, k_pos, start, start + ids.size, window)
             x = x + attention(q, keys, values, positions, k_pos, window, c.sink_tokens) @ w["wo"]
             hs = rms_norm(x, w["mlp_norm"], c.norm_eps)
             x = x + (torch.nn.functional.silu(hs @ w["w_gate"]) * (hs @ w["w_up"])) @ w["w_down"]
+        if last_only:
+            x = x[-1:]
         logits = (rms_norm(x, self.final_norm, c.norm_eps) @ self.lm_head).float()
         kv.commit(ids)
         return logits
@@ -141,56 +145,3 @@ class ReferenceModel:
         if have != need:
             raise KVCacheError(f"layer {layer}: {need} visible key positions for queries [{q_start}, {q_end}) but "
                                f"only {have} have pages")
-
-    def prefill(self, kv: PagedKV, tokens: Sequence[int] | npt.ArrayLike, chunk_size: int | None = None) -> torch.Tensor:
-        """Forward ``tokens`` in chunks of ``chunk_size`` (None: one chunk); logits of every token."""
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                       or chunk_size <= 0):
-            raise CapacityError(f"ReferenceModel.prefill: chunk_size must be an int > 0, got {chunk_size!r}")
-        step = ids.size if chunk_size is None else chunk_size
-        parts = [self.forward(kv, ids[i:i + step]) for i in range(0, ids.size, max(step, 1))]
-        return torch.cat(parts) if parts else torch.empty(0, self.config.vocab_size)
-
-    def decode_step(self, kv: PagedKV, token: int) -> torch.Tensor:
-        """Logits ``[vocab]`` after feeding one token."""
-        return self.forward(kv, [token])[0]
-
-    def continue_greedy(self, kv: PagedKV, first_token: int, max_new_tokens: int) -> list[int]:
-        """Greedy tokens after a prefill: ``first_token`` (sampled from the prefill's last logits)
-        followed by ``max_new_tokens - 1`` decode steps."""
-        out: list[int] = []
-        token = int(first_token)
-        while len(out) < max_new_tokens:
-            out.append(token)
-            if len(out) < max_new_tokens:
-                token = greedy(self.decode_step(kv, token))
-        return out
-
-    def generate(self, managers: KVCacheManager | Sequence[KVCacheManager], tokens: Sequence[int] | npt.ArrayLike,
-                 max_new_tokens: int, chunk_size: int | None = None) -> list[int]:
-        """Greedy generation of ``max_new_tokens`` tokens after ``tokens``, with KV in ``managers``
-        (one manager, or one per tensor-parallel rank); the request's blocks are freed at the end."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise CapacityError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if not ids.size:
-            raise CapacityError("generate: the prompt must hold at least one token")
-        group = [managers] if isinstance(managers, KVCacheManager) else list(managers)
-        caches = [m.create_kv_cache() for m in group]
-        try:
-            for cache in caches:
-                cache.resume()
-            kv = self.bind(list(zip(group, caches, strict=True)))
-            logits = self.prefill(kv, ids, chunk_size)
-            if max_new_tokens == 0:
-                return []
-            return self.continue_greedy(kv, greedy(logits[-1]), max_new_tokens)
-        finally:
-            for cache in caches:
-                cache.close()
-
-
-def greedy(logits: torch.Tensor) -> int:
-    """The arg-max token of one row of logits (lowest id on ties)."""
-    return int(torch.argmax(logits.float()).item())

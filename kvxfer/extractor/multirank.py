@@ -1,0 +1,63 @@
+"""Transfer plans between tensor-parallel rank sets: several ranks (one layout each) on each side.
+
+A process that holds several ranks registers every rank's regions with one transport, in rank order
+(``all_regions``); a rank's own region indices are then shifted by the regions of the ranks before it
+(``region_offsets``). ``plan_between`` pairs every (source rank, destination rank) with
+``plan_transfer`` and returns one plan in those concatenated region indices: what the prefill and
+decode workers send, and what an integrator moving KV between rank sets of its own engines needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.cache.memory import MemoryRegion
+from kvxfer.extractor.block_ids import BlockIds
+from kvxfer.extractor.pairing import plan_transfer
+from kvxfer.extractor.regions import layout_regions
+from kvxfer.pagetable import PageTable, TransferPlan
+
+
+def region_offsets(layouts: Sequence[CacheLayoutDesc]) -> list[int]:
+    """Index of each rank's first region in the concatenation of every rank's regions."""
+    counts = [sum(len(pg.pools) for pg in lay.pool_groups) for lay in layouts]
+    return [int(x) for x in np.cumsum([0, *counts[:-1]])]
+
+
+def all_regions(layouts: Sequence[CacheLayoutDesc]) -> list[MemoryRegion]:
+    """Every rank's regions in rank order: what a worker's transport registers and advertises."""
+    return [r for lay in layouts for r in layout_regions(lay)]
+
+
+def _shift(table: PageTable, offset: int) -> PageTable:
+    return PageTable(table.addr, table.nbytes, table.region + np.uint32(offset))
+
+
+def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[BlockIds | Any],
+                 dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[BlockIds | Any], *,
+                 token_range: tuple[int, int], layers: Sequence[int] | None = None,
+                 dst_committed: Sequence[int | None] | None = None) -> TransferPlan:
+    """One plan moving ``token_range`` of ``layers`` from every source rank to every destination rank.
+
+    ``src_ids[i]`` / ``dst_ids[j]`` are the block ids (a ``KVCache`` or its ``block_id_map()``) of the
+    request on source rank ``i`` / destination rank ``j``. Pairs each (source rank, destination rank)
+    with ``plan_transfer`` (heads move where both hold them, so a rank pair whose head ranges do not
+    meet adds nothing); region indices are those of the concatenated rank regions on each side
+    (``all_regions``). ``dst_committed[j]`` (default: from a KVCache destination) makes rank ``j``'s
+    committed blocks read-only (``plan_transfer`` refuses to write them).
+    """
+    src_off, dst_off = region_offsets(src_layouts), region_offsets(dst_layouts)
+    committed = [None] * len(dst_layouts) if dst_committed is None else list(dst_committed)
+    plans: list[TransferPlan] = []
+    for i, (sl, si) in enumerate(zip(src_layouts, src_ids, strict=True)):
+        for j, (dl, di, dc) in enumerate(zip(dst_layouts, dst_ids, committed, strict=True)):
+            plan = plan_transfer(sl, si, dl, di, layers=layers, token_range=token_range, dst_committed=dc)
+            if len(plan):
+                plans.append(TransferPlan(_shift(plan.src, src_off[i]), _shift(plan.dst, dst_off[j])))
+    if not plans:
+        return TransferPlan.empty()
+    return plans[0] if len(plans) == 1 else TransferPlan.concat(plans)
