@@ -1,5 +1,7 @@
 """``kvxfer demo``: a prefill and a decode process on 127.0.0.1 over the best installed UCX transport,
-a batch of requests sharing prefixes, every request's tokens checked against single-process generation.
+a batch of requests sharing prefixes, every request checked two ways against a single-process reference
+run here: its tokens, and decode's committed prompt KV by logical position (``kvxfer.disagg.oracle``:
+tokens cannot see a swapped block, the KV check can).
 
 The requests come in two waves: one per prompt family first (nothing cached anywhere), then the rest,
 which hit the prefix trees on both sides, so only the tokens decode lacks travel.
@@ -26,12 +28,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli.serve import best_backend, parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV, AuthKey
+from kvxfer.disagg.oracle import DEFAULT_POSITIONS, KVOracle
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient
 from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
-from kvxfer.model import ReferenceModel, preset
+from kvxfer.model import preset
 
 MODEL = "tiny"
 TOKENS_PER_BLOCK = 16
@@ -159,7 +161,7 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
                 first.setdefault(r.family, i)
             waves = [sorted(first.values()), [i for i in range(len(requests)) if i not in first.values()]]
             for wave in waves:
-                ids = {client.submit(requests[i].tokens, max_new_tokens): i for i in wave}
+                ids = {client.submit(requests[i].tokens, max_new_tokens, return_kv=DEFAULT_POSITIONS): i for i in wave}
                 while ids:
                     res = client.recv(max(0.1, timeout - (time.monotonic() - started)))
                     if res.request_id in ids:
@@ -173,15 +175,20 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
         if decode is not None:
             decode.stop()
         prefill.stop()
-    model = ReferenceModel(cfg, device)   # the reference runs where the workers ran (same kernels)
-    ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, 256, device, enable_prefix_reuse=False))
+    oracle = KVOracle(cfg, device)   # the reference runs where the workers ran (same kernels)
     rows: list[dict[str, Any]] = []
     for i, r in enumerate(requests):
         res = results[i]
-        expected = model.generate(ref_manager, r.tokens, max_new_tokens)
+        check = oracle.check_request(r.tokens, max_new_tokens, res.tokens, res.kv) if res.ok else None
         s = res.stats
         rows.append({"request": i, "family": r.family, "prompt_tokens": len(r.tokens), "ok": res.ok,
-                     "error": res.error, "match": res.ok and res.tokens == expected,
+                     "error": res.error, "match": check is not None and check.ok,
+                     "tokens_match": check is not None and check.tokens_match,
+                     "kv_match": check is not None and check.kv.ok,
+                     "kv_max_error": check.kv.max_error if check is not None else None,
+                     "kv_worst": list(check.kv.worst) if check is not None else None,
+                     "kv_compared": check.kv.compared if check is not None else 0,
+                     "kv_detail": check.kv.describe() if check is not None else "",
                      "reused_blocks_decode": int(s.get("reused_tokens_decode", 0)) // TOKENS_PER_BLOCK,
                      "reused_blocks_prefill": int(s.get("reused_tokens_prefill", 0)) // TOKENS_PER_BLOCK,
                      "bytes_moved": int(s.get("bytes_moved", 0)), "transfer_s": float(s.get("transfer_s", 0.0)),
@@ -192,6 +199,9 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     ttfts = sorted(row["ttft_ms"] for row in ok)
     return {
         "requests": len(rows), "device": device, "mismatches": sum(1 for row in rows if not row["match"]),
+        "token_mismatches": sum(1 for row in rows if row["ok"] and not row["tokens_match"]),
+        "kv_mismatches": sum(1 for row in rows if row["ok"] and not row["kv_match"]),
+        "kv_max_error": max((row["kv_max_error"] for row in ok), default=0.0), "kv_tolerance": oracle.tolerance,
         "failed": sum(1 for row in rows if not row["ok"]), "transport": backend, "mode": mode,
         "layerwise": layerwise, "checksum": checksum, "bytes_moved": moved,
         "reused_blocks_decode": sum(row["reused_blocks_decode"] for row in ok),
@@ -204,29 +214,38 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
 
 def print_table(summary: dict[str, Any], console: Console) -> None:
     """The per-request table and a summary line."""
-    t = Table(caption="reused D/P: prompt blocks reused from the decode/prefill prefix tree; tokens: "
-                      "checked against single-process generation",
+    t = Table(caption="reused D/P: prompt blocks reused from the decode/prefill prefix tree; tokens: checked against "
+                      "single-process generation; KV: decode's committed prompt KV by (layer, role, token, head) "
+                      f"against a single-process prefill, max relative error (tolerance {summary['kv_tolerance']:.0e})",
               title=f"kvxfer demo: prefill -> decode over {summary['transport']} ({summary['mode']}"
                     f"{', layer-wise' if summary['layerwise'] else ''}"
                     f"{', checksum ' + summary['checksum'] if summary['checksum'] != 'off' else ''}) on 127.0.0.1")
-    for col in ("req", "fam", "prompt", "new", "reused D", "reused P", "bytes", "GB/s", "TTFT ms", "check"):
+    for col in ("req", "fam", "prompt", "new", "reused D", "reused P", "bytes", "GB/s", "TTFT ms", "tokens", "KV"):
         t.add_column(col, justify="right")
     for row in summary["rows"]:
         gbps = row["bytes_moved"] / row["transfer_s"] / 1e9 if row["transfer_s"] > 0 else 0.0
-        verdict = "[green]match[/]" if row["match"] else f"[red]{'MISMATCH' if row['ok'] else row['error'][:40]}[/]"
+        if not row["ok"]:
+            tokens_cell, kv_cell = f"[red]{row['error'][:40]}[/]", "[red]-[/]"
+        else:
+            tokens_cell = "[green]match[/]" if row["tokens_match"] else "[red]MISMATCH[/]"
+            layer, role, token, head = row["kv_worst"]
+            kv_cell = (f"[green]{row['kv_max_error']:.0e}[/]" if row["kv_match"] else
+                       f"[red]{row['kv_max_error']:.1e} L{layer} {role[0].upper()} t{token} h{head}[/]")
         t.add_row(str(row["request"]), str(row["family"]), str(row["prompt_tokens"]),
                   str(summary["generated_tokens"] // max(1, summary["requests"] - summary["failed"])),
                   str(row["reused_blocks_decode"]), str(row["reused_blocks_prefill"]), f"{row['bytes_moved'] / 1024:.0f} KiB",
-                  f"{gbps:.3f}", f"{row['ttft_ms']:.1f}", verdict)
+                  f"{gbps:.3f}", f"{row['ttft_ms']:.1f}", tokens_cell, kv_cell)
     console.print(t)
-    console.print(f"{summary['requests']} requests, {summary['mismatches']} mismatches, {summary['failed']} failed; "
+    console.print(f"{summary['requests']} requests, {summary['mismatches']} mismatches ({summary['token_mismatches']} "
+                  f"tokens, {summary['kv_mismatches']} KV; max KV error {summary['kv_max_error']:.1e}), "
+                  f"{summary['failed']} failed; "
                   f"{summary['bytes_moved']:,} bytes moved at {summary['transfer_gbps']:.3f} GB/s; blocks reused: "
                   f"decode {summary['reused_blocks_decode']}, prefill {summary['reused_blocks_prefill']}; "
                   f"TTFT p50 {summary['ttft_ms_p50']:.1f} ms; {summary['elapsed_s']:.1f} s in all")
 
 
 def demo(a: argparse.Namespace) -> int:
-    """Run the demo; 0 when every request matched single-process generation, 1 otherwise."""
+    """Run the demo; 0 when every request's tokens and prompt KV matched the single-process reference, 1 otherwise."""
     if a.families < 1 or a.per_family < 1 or a.max_new_tokens < 1:
         raise ConfigError("--families, --per-family and --max-new-tokens must be >= 1")
     logging.getLogger("kvxfer").setLevel(logging.ERROR)   # peers closing at the end are expected

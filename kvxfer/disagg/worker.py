@@ -26,6 +26,7 @@ from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.disagg.messages import Message
+from kvxfer.disagg.mutation import mutated_plan, mutation_for, mutation_setting
 from kvxfer.errors import ConfigError, ControlTimeout, KvxferError
 from kvxfer.extractor import layout_regions, plan_transfer
 from kvxfer.model import ModelConfig, PagedKV, preset
@@ -73,6 +74,7 @@ class WorkerConfig:
             raise ConfigError(f"WorkerConfig.chunk_size must be None or an int > 0, got {self.chunk_size!r}")
         if self.checksum is not None and not isinstance(self.checksum, ChecksumPolicy):
             raise ConfigError(f"WorkerConfig.checksum must be None or a ChecksumPolicy, got {self.checksum!r}")
+        mutation_setting()   # test hook: an unknown $KVXFER_TEST_MUTATION is refused when a worker is configured
 
     def managers(self) -> list[KVCacheManager]:
         """One cache manager per tensor-parallel rank held by this worker."""
@@ -117,13 +119,19 @@ def _shift(table: PageTable, offset: int) -> PageTable:
 
 def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Mapping[int, npt.ArrayLike]],
                  dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Mapping[int, npt.ArrayLike]], *,
-                 token_range: tuple[int, int], layers: Sequence[int] | None = None) -> TransferPlan:
+                 token_range: tuple[int, int], layers: Sequence[int] | None = None,
+                 request_id: str = "") -> TransferPlan:
     """One plan moving ``token_range`` of ``layers`` from every source rank to every destination rank.
 
     Pairs each (source rank, destination rank) with ``plan_transfer`` (heads move where both hold
     them, so a rank pair whose head ranges do not meet adds nothing); region indices are those of the
-    concatenated rank regions on each side.
+    concatenated rank regions on each side. ``request_id`` only selects the test hook's mutation
+    (``kvxfer.disagg.mutation``; none unless ``$KVXFER_TEST_MUTATION`` is set).
     """
+    mutation = mutation_for(request_id)
+    if mutation is not None:
+        return mutated_plan(mutation, src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range,
+                            layers=layers)
     src_off, dst_off = region_offsets(src_layouts), region_offsets(dst_layouts)
     plans: list[TransferPlan] = []
     for i, (sl, si) in enumerate(zip(src_layouts, src_ids, strict=True)):

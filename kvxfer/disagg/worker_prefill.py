@@ -293,7 +293,7 @@ class PrefillWorker(WorkerCounts):
                     job.session.start_transfer("layer-wise writes posted")
                     job.posted_at = now()
                 plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
-                                    token_range=span, layers=ends[layer])
+                                    token_range=span, layers=ends[layer], request_id=job.request_id)
                 part[0] += 1
                 self._check_may_write(job)
                 job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, part[0])))
@@ -314,7 +314,7 @@ class PrefillWorker(WorkerCounts):
             return
         if not msg["layerwise"]:
             plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
-                                token_range=span)
+                                token_range=span, request_id=job.request_id)
             self._check_may_write(job)
             job.session.start_transfer("write posted")
             job.posted_at = now()
@@ -369,7 +369,7 @@ class PrefillWorker(WorkerCounts):
         if job.checksum is None:
             return b""
         plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], self._peer_layouts[job.peer],
-                            job.dst_ids, token_range=job.span)
+                            job.dst_ids, token_range=job.span, request_id=job.request_id)
         return digest_source(plan, self.transport.regions, job.checksum, f"{job.peer}/{job.request_id}").to_bytes()
 
     def _finish(self, job: _Job, transfer_s: float | None) -> None:
