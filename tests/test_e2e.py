@@ -18,8 +18,8 @@ import torch
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli import main as cli_main
 from kvxfer.disagg import LocalIdentity, connect
-from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.oracle import DEFAULT_POSITIONS, KVOracle
+from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import ClientResult
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.disagg.worker_prefill import PrefillWorker

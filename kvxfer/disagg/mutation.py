@@ -67,6 +67,12 @@ def set_test_mutation(value: str | None) -> None:
     _setting = check_setting(value)
 
 
+def reset_test_mutation() -> None:
+    """Forget this process's setting: the next use reads the environment again."""
+    global _setting
+    _setting = _UNSET
+
+
 def mutation_for(request_id: str) -> str | None:
     """The mutation applied to the plans of ``request_id`` in this process, or None."""
     setting = mutation_setting()
