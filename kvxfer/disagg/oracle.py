@@ -31,7 +31,7 @@ from kvxfer.cache.descriptors import BufferId
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.errors import DecodeError, KVCacheError, LayoutMismatch
-from kvxfer.model import ModelConfig, ReferenceModel
+from kvxfer.model import ModelConfig, ReferenceModel, greedy
 
 ROLES = ("key", "value")
 KV_FORMAT_VERSION = 1
@@ -193,20 +193,29 @@ class ReferenceKV:
                                                                     enable_prefix_reuse=False))
         return self._manager
 
-    def prompt_kv(self, tokens: npt.ArrayLike, positions: npt.ArrayLike | None = None) -> PromptKV:
-        """K/V of ``tokens`` (one forward over the whole prompt) at ``positions`` (default: all)."""
+    def run(self, tokens: npt.ArrayLike, max_new_tokens: int = 0,
+            positions: npt.ArrayLike | None = None) -> tuple[list[int], PromptKV]:
+        """One prefill of ``tokens`` (one forward over the whole prompt): the prompt K/V at ``positions``
+        (default: all), then ``max_new_tokens`` greedy tokens (what ``ReferenceModel.generate`` gives)."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         pos = np.arange(ids.size, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
-        manager = self.manager_for(int(ids.size))
+        manager = self.manager_for(int(ids.size) + max_new_tokens)
         cache = manager.create_kv_cache()
         try:
             cache.resume()
-            with torch.inference_mode():
-                self.model.prefill(self.model.bind([(manager, cache)]), ids)
             c = self.config
-            return read_prompt_kv([(manager, cache)], pos, c.num_layers, c.num_kv_heads, c.head_dim)
+            with torch.inference_mode():
+                kv = self.model.bind([(manager, cache)])
+                logits = self.model.prefill(kv, ids)
+                prompt = read_prompt_kv([(manager, cache)], pos, c.num_layers, c.num_kv_heads, c.head_dim)
+                out = self.model.continue_greedy(kv, greedy(logits[-1]), max_new_tokens) if max_new_tokens else []
+            return out, prompt
         finally:
             cache.close()
+
+    def prompt_kv(self, tokens: npt.ArrayLike, positions: npt.ArrayLike | None = None) -> PromptKV:
+        """K/V of ``tokens`` at ``positions`` (default: all)."""
+        return self.run(tokens, 0, positions)[1]
 
 
 @dataclass(frozen=True)
@@ -295,21 +304,21 @@ class KVOracle:
 
     def check(self, tokens: npt.ArrayLike, got: PromptKV | None) -> KVReport:
         """Compare decode's prompt KV for ``tokens`` with the reference (a missing KV is a failure)."""
-        if got is None:
-            return KVReport(False, float("inf"), self.tolerance, 0, 0, (0, "key", -1, -1), "decode returned no KV")
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if got.positions.size and (int(got.positions.min()) < 0 or int(got.positions.max()) >= ids.size):
-            return KVReport(False, float("inf"), self.tolerance, 0, 0, (0, "key", -1, -1),
-                            f"positions outside the {ids.size}-token prompt")
-        return compare_kv(got, self.reference.prompt_kv(ids, np.unique(got.positions)), self.tolerance)
-
-    def expected_tokens(self, tokens: npt.ArrayLike, max_new_tokens: int) -> list[int]:
-        """Greedy tokens of one process doing prefill and decode."""
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        manager = self.reference.manager_for(int(ids.size) + max_new_tokens)
-        return self.reference.model.generate(manager, ids, max_new_tokens)
+        return self.check_request(tokens, 0, [], got).kv
 
     def check_request(self, tokens: npt.ArrayLike, max_new_tokens: int, got_tokens: Sequence[int],
                       got_kv: PromptKV | None) -> RequestCheck:
-        """Both checks of one served request."""
-        return RequestCheck(list(got_tokens) == self.expected_tokens(tokens, max_new_tokens), self.check(tokens, got_kv))
+        """Both checks of one served request, from one reference prefill."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        none = (0, "key", -1, -1)
+        if got_kv is None:
+            expected, _ = self.reference.run(ids, max_new_tokens, np.empty(0, np.int64))
+            return RequestCheck(list(got_tokens) == expected,
+                                KVReport(False, float("inf"), self.tolerance, 0, 0, none, "decode returned no KV"))
+        if got_kv.positions.size and (int(got_kv.positions.min()) < 0 or int(got_kv.positions.max()) >= ids.size):
+            expected, _ = self.reference.run(ids, max_new_tokens, np.empty(0, np.int64))
+            return RequestCheck(list(got_tokens) == expected,
+                                KVReport(False, float("inf"), self.tolerance, 0, 0, none,
+                                         f"positions outside the {ids.size}-token prompt"))
+        expected, ref = self.reference.run(ids, max_new_tokens, np.unique(got_kv.positions))
+        return RequestCheck(list(got_tokens) == expected, compare_kv(got_kv, ref, self.tolerance))

@@ -66,7 +66,8 @@ class GenerateClient:
             return ClientResult(msg["request_id"], [], {}, f"{msg['error']}: {msg['reason']}")
         raise ProtocolError(f"decode worker sent {msg.type!r} to a client")
 
-    def generate(self, tokens: npt.ArrayLike, max_new_tokens: int, timeout: float = 120.0, **kw: str | bool) -> ClientResult:
+    def generate(self, tokens: npt.ArrayLike, max_new_tokens: int, timeout: float = 120.0,
+                 **kw: str | bool | int) -> ClientResult:
         """Submit one request and wait for its answer; TransferFailed if it failed."""
         rid = self.submit(tokens, max_new_tokens, **kw)  # type: ignore[arg-type]
         while True:

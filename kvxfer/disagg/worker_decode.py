@@ -579,9 +579,9 @@ class DecodeWorker(WorkerCounts):
                 cache.history_length = int(job.tokens.size)
                 cache.commit(job.tokens[job.skip:])
             kv = self.model.bind(list(zip(self.managers, job.caches, strict=True)))
-            prompt_kv = self._prompt_kv(job) if job.return_kv else None
             first = int(job.pushed["first_token"])
             ttft = now() - job.submitted
+            prompt_kv = self._prompt_kv(job) if job.return_kv else None   # after TTFT: a check, not serving
             with torch.inference_mode():
                 tokens = self.model.continue_greedy(kv, first, job.max_new_tokens)
         except KvxferError as exc:
