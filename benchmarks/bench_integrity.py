@@ -1,7 +1,9 @@
 """Integrity benchmark: blake3 digest + verify of a plan's pages (full, every 8th, 5 % sample) next to
 the in-process copy of the same plan (kvxfer.transport.copy.copy_plan), measured in the same run.
 
-Host memory only (this is where the hash runs: CUDA entries are staged to host first).
+Host memory only (this is where the hash runs: CUDA entries are staged to host first). Every figure is the
+median over ``--repeat`` runs; every timed copy lands in destination pages poisoned just before it and is
+checked against the source just after it (untimed); every timed verify must pass (it raises otherwise).
 
     PYTHONPATH=$PWD python benchmarks/bench_integrity.py [--pages 8192] [--page-kib 16] [--repeat 3]
 """
@@ -13,26 +15,29 @@ import datetime
 import json
 import pathlib
 import platform
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvxfer.cache.memory import MemoryRegion
+from kvxfer.cli.bench_transport import Verifier, median_timed, pages_digest, poison_pages
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport.copy import copy_plan
 from kvxfer.transport.integrity import ChecksumPolicy, digest_source, verify_destination
 
 
-def best(fn: Callable[[], Any], repeat: int) -> float:
-    """Best wall time of ``repeat`` runs, in seconds."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def median(fn: Callable[[], Any], repeat: int, verify: Verifier | None = None) -> float:
+    """Median wall time of ``repeat`` runs, in seconds (after a warm-up; ``verify`` poisons the destination
+    before and checks it after every run, untimed)."""
+    return median_timed(fn, repeat, verify)
+
+
+def table_stream_check(plan: TransferPlan, src: np.ndarray, dst: np.ndarray) -> Verifier:
+    """Poison ``plan``'s destination pages in ``dst`` / check them against its source pages in ``src``."""
+    s0, d0 = int(src.ctypes.data), int(dst.ctypes.data)
+    return Verifier(lambda v: poison_pages(dst, d0, plan.dst, v), lambda: pages_digest(dst, d0, plan.dst),
+                    pages_digest(src, s0, plan.src))
 
 
 def plans(pages: int, page: int, rng: np.random.Generator, src: np.ndarray, dst: np.ndarray) -> dict[str, TransferPlan]:
@@ -70,11 +75,15 @@ def main() -> None:
     print(f"{'plan':<28} {'policy':<11} {'copy GB/s':>10} {'digest GB/s':>12} {'verify GB/s':>12} "
           f"{'digest/copy':>12} {'digest bytes':>13}")
     for pname, plan in plans(args.pages, page, rng, src, dst).items():
-        t_copy = best(lambda plan=plan: copy_plan(plan, sreg, dreg), args.repeat)
+        check = table_stream_check(plan, src, dst)
+        t_copy = median(lambda plan=plan: copy_plan(plan, sreg, dreg), args.repeat, check)
+        if check.failed:
+            raise SystemExit(f"copy_plan of {pname}: {check.failed} of {check.checked} copies did not arrive intact")
         for name, policy in policies.items():
             digest = digest_source(plan, sreg, policy, "bench")
-            t_digest = best(lambda plan=plan, policy=policy: digest_source(plan, sreg, policy, "bench"), args.repeat)
-            t_verify = best(lambda plan=plan, digest=digest: verify_destination(plan, dreg, digest), args.repeat)
+            t_digest = median(lambda plan=plan, policy=policy: digest_source(plan, sreg, policy, "bench"), args.repeat)
+            # verify_destination raises IntegrityError unless dst holds the copy: each timed run checks it
+            t_verify = median(lambda plan=plan, digest=digest: verify_destination(plan, dreg, digest), args.repeat)
             row = {"plan": pname, "policy": name, "bytes": plan.total_bytes, "entries": len(plan),
                    "checked_bytes": digest.checked_bytes, "copy_s": t_copy, "digest_s": t_digest,
                    "verify_s": t_verify, "digest_wire_bytes": len(digest.to_bytes())}

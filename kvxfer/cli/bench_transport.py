@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -64,7 +65,7 @@ def _plan(local: MemoryRegion, local_slots: npt.NDArray[np.uint64], remote: Memo
     return PageTable(la, n, zeros), PageTable(ra, n, zeros)
 
 
-def _digest(pool: npt.NDArray[np.uint8], base: int, table: PageTable) -> bytes:
+def pages_digest(pool: npt.NDArray[np.uint8], base: int, table: PageTable) -> bytes:
     """blake3 of the pages of ``table`` in table order (what a transfer must make equal on both sides)."""
     h = blake3.blake3()
     for a, n in zip((table.addr - np.uint64(base)).tolist(), table.nbytes.tolist(), strict=True):
@@ -72,7 +73,7 @@ def _digest(pool: npt.NDArray[np.uint8], base: int, table: PageTable) -> bytes:
     return h.digest()
 
 
-def _poison(pool: npt.NDArray[np.uint8], base: int, table: PageTable, value: int) -> None:
+def poison_pages(pool: npt.NDArray[np.uint8], base: int, table: PageTable, value: int) -> None:
     """Fill the pages of ``table`` with ``value``."""
     for a, n in zip((table.addr - np.uint64(base)).tolist(), table.nbytes.tolist(), strict=True):
         pool[a:a + n] = value
@@ -178,10 +179,10 @@ def _peer(conn: Connection, backend: str, nbytes: int, seed: int, options: dict[
             table = PageTable(np.frombuffer(args[0], np.uint64), np.frombuffer(args[1], np.uint64),
                               np.zeros(len(args[0]) // 8, np.uint32))
             if cmd == "poison":
-                _poison(pool, region.base_address, table, int(args[2]))
+                poison_pages(pool, region.base_address, table, int(args[2]))
                 conn.send(None)
             else:
-                conn.send(_digest(pool, region.base_address, table))
+                conn.send(pages_digest(pool, region.base_address, table))
         elif cmd == "raw_connect":
             raw = _RawUcxx(bool(options.get("error_handling", True)))
             raw.connect(args[0])
@@ -199,8 +200,10 @@ class Verifier:
     """Poisons a transfer's destination pages before each timed iteration and checks them after it
     (both untimed) against the source pages' digest; counts the iterations that failed."""
 
-    def __init__(self, poison: Any, digest: Any, expected: bytes) -> None:
-        self._poison, self._digest, self.expected = poison, digest, expected
+    def __init__(self, poison: Callable[[int], object], digest: Callable[[], bytes], expected: bytes) -> None:
+        """``poison(value)`` fills the destination pages; ``digest()`` hashes them in plan order; ``expected``
+        is the source pages' digest."""
+        self._fill, self._hash, self.expected = poison, digest, expected
         self.checked = 0
         self.failed = 0
         self._round = 0
@@ -208,15 +211,15 @@ class Verifier:
     def before(self) -> None:
         """Poison the destination (a pattern that changes per iteration: stale bytes never pass)."""
         self._round += 1
-        self._poison(0x5A ^ (self._round * 37 & 0xFF))
+        self._fill(0x5A ^ (self._round * 37 & 0xFF))
 
     def after(self) -> None:
         """Check the destination against the source."""
         self.checked += 1
-        self.failed += self._digest() != self.expected
+        self.failed += self._hash() != self.expected
 
 
-def _timed(fn: Any, iters: int, verify: Verifier | None = None) -> float:
+def median_timed(fn: Any, iters: int, verify: Verifier | None = None) -> float:
     """Median seconds of ``fn()`` over ``iters`` runs after one warm-up; with ``verify``, every run (the
     warm-up too) is preceded by poisoning its destination and followed by checking it, outside the timing."""
     if verify is not None:
@@ -342,35 +345,35 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
         lbase = local_region.base_address
         if backend == "loopback":
             pbase = peer_region.base_address
-            remote_poison: Any = lambda v: _poison(peer_pool, pbase, remote_t, v)   # noqa: E731
-            remote_digest: Any = lambda: _digest(peer_pool, pbase, remote_t)        # noqa: E731
+            remote_poison: Any = lambda v: poison_pages(peer_pool, pbase, remote_t, v)   # noqa: E731
+            remote_digest: Any = lambda: pages_digest(peer_pool, pbase, remote_t)        # noqa: E731
         else:
             remote_poison = lambda v: _ask(conn, "poison", remote_t, v)             # noqa: E731
             remote_digest = lambda: _ask(conn, "digest", remote_t)                  # noqa: E731
         if mode == "write":   # local pages -> the peer's
-            verifier = Verifier(remote_poison, remote_digest, _digest(local_pool, lbase, local_t))
+            verifier = Verifier(remote_poison, remote_digest, pages_digest(local_pool, lbase, local_t))
         else:
-            verifier = Verifier(lambda v: _poison(local_pool, lbase, local_t, v),
-                                lambda: _digest(local_pool, lbase, local_t), remote_digest())
+            verifier = Verifier(lambda v: poison_pages(local_pool, lbase, local_t, v),
+                                lambda: pages_digest(local_pool, lbase, local_t), remote_digest())
 
-        t_kvxfer = _timed(kvxfer_op, iters, verifier)
+        t_kvxfer = median_timed(kvxfer_op, iters, verifier)
 
         src = np.random.default_rng(3).integers(0, 256, pages * page_bytes, dtype=np.uint8)
         dst = np.empty_like(src)
         src_digest = blake3.blake3(src.data).digest()
         memcpy_check = Verifier(lambda v: dst.fill(v), lambda: blake3.blake3(dst.data).digest(), src_digest)
-        t_memcpy = _timed(lambda: np.copyto(dst, src), iters, memcpy_check)
+        t_memcpy = median_timed(lambda: np.copyto(dst, src), iters, memcpy_check)
 
         total = pages * page_bytes
         t_raw: float | None = None
         raw_ways: dict[str, float] = {}
         checks = [verifier, memcpy_check]
         if backend == "nixl":
-            t_raw = _timed(_raw_nixl(local, "bench-peer", mode, plan), iters, verifier)
+            t_raw = median_timed(_raw_nixl(local, "bench-peer", mode, plan), iters, verifier)
         elif backend == "ucx":
             assert conn is not None
             for way in RAW_UCX_WAYS:
-                raw_ways[way] = total / _timed(_raw_ucxx(conn, local_pool, lbase, mode, plan, way,
+                raw_ways[way] = total / median_timed(_raw_ucxx(conn, local_pool, lbase, mode, plan, way,
                                                          bool(options.get("error_handling", True))),
                                                iters, verifier) / 1e9
             t_raw = total / max(raw_ways.values()) / 1e9
