@@ -48,6 +48,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layerwise", action="store_true", help="send each layer as soon as it is computed")
     p.add_argument("--checksum", default="off", type=_checked_policy_text, metavar="off|full|every:K|sample:F",
                    help="decode verifies every request's pages against prefill's blake3 digest before commit")
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of the decode worker (prefill: 1)")
     p.add_argument("--families", type=int, default=3, help="prompt families sharing a prefix")
     p.add_argument("--per-family", type=int, default=4, help="requests per family")
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -133,7 +134,7 @@ class WorkerProcess:
 
 def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family: int, max_new_tokens: int,
              seed: int, timeout: float, progress: Progress | None = None, device: str = "cpu",
-             checksum: str = "off") -> dict[str, Any]:
+             checksum: str = "off", decode_tp: int = 1) -> dict[str, Any]:
     """Run the demo and return its figures (``rows`` holds one dict per request)."""
     torch.set_num_threads(1)
     if backend == "loopback":
@@ -151,7 +152,8 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     decode: WorkerProcess | None = None
     try:
         decode = WorkerProcess(["decode", "--name", "demo-decode", "--prefill", prefill.address, "--mode", mode,
-                         *(["--layerwise"] if layerwise else []), "--checksum", checksum, *common], env, timeout)
+                         *(["--layerwise"] if layerwise else []), "--checksum", checksum, "--tp-size", str(decode_tp),
+                         *common], env, timeout)
         client = GenerateClient(decode.address, AuthKey.load(secret), name="demo-client")
         task = progress.add_task("requests", total=len(requests)) if progress is not None else None
         results: dict[int, ClientResult] = {}
@@ -203,7 +205,7 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
         "kv_mismatches": sum(1 for row in rows if row["ok"] and not row["kv_match"]),
         "kv_max_error": max((row["kv_max_error"] for row in ok), default=0.0), "kv_tolerance": oracle.tolerance,
         "failed": sum(1 for row in rows if not row["ok"]), "transport": backend, "mode": mode,
-        "layerwise": layerwise, "checksum": checksum, "bytes_moved": moved,
+        "layerwise": layerwise, "checksum": checksum, "decode_tp": decode_tp, "bytes_moved": moved,
         "reused_blocks_decode": sum(row["reused_blocks_decode"] for row in ok),
         "reused_blocks_prefill": sum(row["reused_blocks_prefill"] for row in ok),
         "transfer_gbps": moved / xfer_s / 1e9 if xfer_s > 0 else 0.0,
@@ -219,6 +221,7 @@ def print_table(summary: dict[str, Any], console: Console) -> None:
                       f"against a single-process prefill, max relative error (tolerance {summary['kv_tolerance']:.0e})",
               title=f"kvxfer demo: prefill -> decode over {summary['transport']} ({summary['mode']}"
                     f"{', layer-wise' if summary['layerwise'] else ''}"
+                    f"{', decode TP ' + str(summary['decode_tp']) if summary['decode_tp'] > 1 else ''}"
                     f"{', checksum ' + summary['checksum'] if summary['checksum'] != 'off' else ''}) on 127.0.0.1")
     for col in ("req", "fam", "prompt", "new", "reused D", "reused P", "bytes", "GB/s", "TTFT ms", "tokens", "KV"):
         t.add_column(col, justify="right")
@@ -246,14 +249,14 @@ def print_table(summary: dict[str, Any], console: Console) -> None:
 
 def demo(a: argparse.Namespace) -> int:
     """Run the demo; 0 when every request's tokens and prompt KV matched the single-process reference, 1 otherwise."""
-    if a.families < 1 or a.per_family < 1 or a.max_new_tokens < 1:
-        raise ConfigError("--families, --per-family and --max-new-tokens must be >= 1")
+    if a.families < 1 or a.per_family < 1 or a.max_new_tokens < 1 or a.decode_tp < 1:
+        raise ConfigError("--families, --per-family, --max-new-tokens and --decode-tp must be >= 1")
     logging.getLogger("kvxfer").setLevel(logging.ERROR)   # peers closing at the end are expected
     console = Console(stderr=a.json)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         summary = run_demo(a.backend, a.mode, a.layerwise, a.families, a.per_family, a.max_new_tokens, a.seed,
-                           a.timeout, progress, a.device, a.checksum)
+                           a.timeout, progress, a.device, a.checksum, a.decode_tp)
     if a.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "rows"} | {"rows": summary["rows"]}))
     else:
