@@ -1,6 +1,8 @@
 """Integrity benchmark: the position-keyed digest of one request's KV (source side) and its check on a
 destination with another layout, next to the in-process copy of the same request's plan
-(kvxfer.transport.copy.copy_plan), measured in the same run; every statistic is a median.
+(kvxfer.transport.copy.copy_plan), measured in the same run; every statistic is a median. Every timed
+copy lands in destination pages poisoned just before it and is verified by logical position just after
+it (untimed); every timed verify must pass (it raises otherwise).
 
 Source: tokens_per_block 16, HND, one rank; destinations: the same layout (a coalesced plan: the copy
 runs near memcpy), and tokens_per_block 32, NHD, two tensor-parallel ranks (one entry per row). Host
@@ -30,14 +32,28 @@ from kvxfer.transport.copy import copy_plan
 from kvxfer.transport.integrity import ChecksumPolicy, digest_kv, verify_kv
 
 
-def median_time(fn: Callable[[], Any], repeat: int) -> float:
-    """Median wall time of ``repeat`` runs, in seconds."""
+def median_time(fn: Callable[[], Any], repeat: int, before: Callable[[int], Any] | None = None,
+                after: Callable[[], Any] | None = None) -> float:
+    """Median wall time of ``repeat`` runs, in seconds; ``before(i)`` / ``after()`` run around each timed
+    run, untimed (poison the destination, check what the run wrote)."""
     times = []
-    for _ in range(repeat):
+    for i in range(repeat):
+        if before is not None:
+            before(i)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        if after is not None:
+            after()
     return statistics.median(times)
+
+
+def poison(managers: list[KVCacheManager], value: int) -> None:
+    """Fill every pool of ``managers`` with ``value`` (what a copy that moved nothing would leave)."""
+    for m in managers:
+        for pg in m.layout.pool_groups:
+            for p in pg.pools:
+                m.pool_tensor(pg.pool_group_index, p.pool_index).fill_(value)
 
 
 def main() -> None:
@@ -86,7 +102,12 @@ def main() -> None:
         dst_l = [m.layout for m in dst_m]
         plan = plan_between(src_l, src_c, dst_l, dst_c, token_range=span)
         src_r, dst_r = all_regions(src_l), all_regions(dst_l)
-        t_copy = median_time(lambda plan=plan, src_r=src_r, dst_r=dst_r: copy_plan(plan, src_r, dst_r), args.repeat)
+        full = digest_kv(src_l, src_c, span, ChecksumPolicy(), "bench", chunk_tokens=args.chunk)
+        # every timed copy lands in poisoned pages and is checked by logical position after it (untimed)
+        t_copy = median_time(lambda plan=plan, src_r=src_r, dst_r=dst_r: copy_plan(plan, src_r, dst_r), args.repeat,
+                             before=lambda i, dst_m=dst_m: poison(dst_m, 0x5A + i),
+                             after=lambda dst_l=dst_l, dst_c=dst_c, full=full: verify_kv(dst_l, dst_c, full,
+                                                                                       token_range=span))
         kv_bytes = plan.total_bytes
         for name, policy in policies.items():
             digest = digest_kv(src_l, src_c, span, policy, "bench", chunk_tokens=args.chunk)

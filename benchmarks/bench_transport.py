@@ -2,7 +2,9 @@
 write, every available backend, each next to memcpy and the raw backend measured in the same run.
 
 Every case runs ``--repeats`` times (fresh processes each time) and the table shows the median of
-each figure over the repeats, because a shared machine swings a single run by 2-5x."""
+each figure over the repeats, because a shared machine swings a single run by 2-5x. Each run's figures
+are themselves medians over ``--iters`` timed iterations, every one of them verified (destination
+poisoned before, checked against the source after: see ``kvxfer.cli.bench_transport``)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["raw_ways_gbps"] = {way: statistics.median(r["raw_ways_gbps"][way] for r in runs)
                             for way in runs[0]["raw_ways_gbps"]}
     row["verified"] = all(r["verified"] for r in runs)
+    row["verified_iterations"] = sum(r["verified_iterations"] for r in runs)
+    row["failed_iterations"] = sum(r["failed_iterations"] for r in runs)
     row["repeats"] = len(runs)
     row["gbps_each"] = [r["gbps"] for r in runs]
     return row

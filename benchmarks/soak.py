@@ -1,12 +1,14 @@
 """Soak (issue 8): many requests through a prefill process and a decode worker over UCX on 127.0.0.1, with
 random prompt lengths and modes, random cancellations and injected prefill faults (SIGKILL + restart,
 SIGSTOP past the deadline + SIGCONT). Every completed request is checked token for token against
-single-process greedy generation; after the drain, both sides' slot accounting must be back to zero.
+single-process greedy generation (each generates at least 8 tokens), and decode's committed prompt KV at
+up to ``--kv-positions`` stratified positions against a single-process prefill, by (layer, role, token,
+head) (``kvxfer.disagg.oracle``); after the drain, both sides' slot accounting must be back to zero.
 
     PYTHONPATH=$PWD python benchmarks/soak.py [--requests 1000] [--concurrency 8] [--cancel-rate 0.05]
         [--faults 3] [--max-seconds 600] [--backend nixl|ucx] [--out benchmarks/results/soak.json]
 
-Exit status 1 when a completed request's tokens differ from the reference, a slot or cache is still held
+Exit status 1 when a completed request's tokens or prompt KV differ from the reference, a slot or cache is still held
 after the drain, or a request never got an answer.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import heapq
 import itertools
@@ -40,21 +43,23 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.cli.serve import best_backend
 from kvxfer.disagg.auth import SECRET_ENV
+from kvxfer.disagg.oracle import KVOracle
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError, RequestCancelled
-from kvxfer.model import ReferenceModel, preset
+from kvxfer.model import preset
 
 MODEL = "tiny"
 TOKENS_PER_BLOCK = 16
 MODES = (("push", False), ("pull", False), ("push", True))
 """(mode, layer-wise) drawn per request."""
 FAULT_KINDS = ("kill", "stop")
+MIN_NEW_TOKENS = 8
+"""Fewest new tokens a request generates (the first comes from prefill: fewer would check little of decode)."""
 DEFAULT_OUT = pathlib.Path(__file__).parent / "results" / "soak.json"
 
 
@@ -101,7 +106,8 @@ def make_requests(n: int, seed: int, min_len: int, max_len: int, max_new: int, c
             family, tokens = -1, rng.integers(0, vocab, _loguniform(rng, min_len, max_len)).tolist()
         mode, layerwise = MODES[int(rng.integers(0, len(MODES)))]
         cancel = float(rng.uniform(0.0, 0.5)) if rng.uniform() < cancel_rate else None
-        out.append(SoakRequest(i, family, tuple(tokens), int(rng.integers(1, max_new + 1)), mode, layerwise, cancel))
+        new = int(rng.integers(min(MIN_NEW_TOKENS, max_new), max_new + 1))
+        out.append(SoakRequest(i, family, tuple(tokens), new, mode, layerwise, cancel))
     return out
 
 
@@ -351,7 +357,7 @@ def _submit(run: _Run, req: SoakRequest) -> None:
     run.records.append(rec)
     try:
         fut = run.decode.submit(np.asarray(req.tokens, dtype=np.int64), req.max_new_tokens, mode=req.mode,
-                                layerwise=req.layerwise, request_id=rid)
+                                layerwise=req.layerwise, request_id=rid, return_kv=run.args.kv_positions)
     except KvxferError as exc:
         rec.finished, rec.outcome, rec.reason = time.monotonic(), "failed", normalise_reason(exc)
         run.finished += 1
@@ -443,27 +449,31 @@ def _prefill_status(run: _Run) -> dict[str, Any]:
             "prefill_jobs": int(st["jobs"])}
 
 
-def _check(records: list[_Record], max_new: int) -> tuple[int, float]:
-    """Compare every completed request's tokens with single-process greedy generation (no prefix reuse);
-    one reference per distinct prompt, generated for the longest length asked (greedy prefixes agree)."""
-    cfg = preset(MODEL)
-    model = ReferenceModel(cfg)
-    longest = max((len(r.req.tokens) for r in records), default=1)
-    manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, (longest + max_new) // TOKENS_PER_BLOCK + 2,
-                                              enable_prefix_reuse=False))
-    refs: dict[tuple[int, ...], list[int]] = {}
-    mismatches = 0
+def _check(records: list[_Record]) -> dict[str, Any]:
+    """Check every completed request against a single-process reference run here (no prefix reuse): its
+    tokens against greedy generation, its returned prompt KV against the reference prefill, position by
+    position. Counts requests failing either check (``mismatches``) and each check apart."""
+    oracle = KVOracle(preset(MODEL))
+    bad = tokens_bad = kv_bad = checked = 0
+    worst = 0.0
+    examples: list[str] = []
     t0 = time.monotonic()
-    with torch.inference_mode():
-        for rec in records:
-            if rec.outcome != "completed" or rec.result is None:
-                continue
-            if rec.req.tokens not in refs:
-                refs[rec.req.tokens] = model.generate(manager, np.asarray(rec.req.tokens, dtype=np.int64), max_new)
-            if rec.result.tokens != refs[rec.req.tokens][:rec.req.max_new_tokens]:
-                mismatches += 1
-    manager.shutdown()
-    return mismatches, time.monotonic() - t0
+    for rec in records:
+        if rec.outcome != "completed" or rec.result is None:
+            continue
+        check = oracle.check_request(np.asarray(rec.req.tokens, dtype=np.int64), rec.req.max_new_tokens,
+                                     rec.result.tokens, rec.result.prompt_kv)
+        checked += 1
+        bad += not check.ok
+        tokens_bad += not check.tokens_match
+        kv_bad += not check.kv.ok
+        worst = max(worst, check.kv.max_error)
+        if not check.ok and len(examples) < 10:
+            examples.append(f"{rec.rid}: {check.describe()}")
+        rec.result = dataclasses.replace(rec.result, prompt_kv=None)   # free it: only the verdict is kept
+    return {"mismatches": bad, "token_mismatches": tokens_bad, "kv_mismatches": kv_bad, "kv_checked": checked,
+            "kv_max_error": worst, "kv_tolerance": oracle.tolerance, "mismatch_examples": examples,
+            "check_s": round(time.monotonic() - t0, 3)}
 
 
 def run_soak(a: argparse.Namespace, console: Console | None = None) -> dict[str, Any]:
@@ -513,13 +523,13 @@ def run_soak(a: argparse.Namespace, console: Console | None = None) -> dict[str,
         kv_log.removeHandler(warnings)
         kv_log.setLevel(old_level)
         kv_log.propagate = old_propagate
-    mismatches, check_s = _check(run.records, a.max_new_tokens)
-    return summarise(run, schedule, backend, duration, mismatches, check_s, leaks, decode_peak, rss_end,
+    checks = _check(run.records)
+    return summarise(run, schedule, backend, duration, checks, leaks, decode_peak, rss_end,
                      engine_error, dict(warnings.counts))
 
 
-def summarise(run: _Run, schedule: list[tuple[int, str]], backend: str, duration: float, mismatches: int,
-              check_s: float, leaks: dict[str, Any], decode_peak_kib: int, rss_end_kib: int, engine_error: str,
+def summarise(run: _Run, schedule: list[tuple[int, str]], backend: str, duration: float, checks: dict[str, Any],
+              leaks: dict[str, Any], decode_peak_kib: int, rss_end_kib: int, engine_error: str,
               warnings: dict[str, int]) -> dict[str, Any]:
     """The run's figures as one JSON-able dict."""
     a = run.args
@@ -548,7 +558,7 @@ def summarise(run: _Run, schedule: list[tuple[int, str]], backend: str, duration
                    "cancelled": outcomes["cancelled"], "errors": dict(run.cancel_errors),
                    "error_times_s": run.cancel_error_times},
         "modes": dict(Counter(f"{r.req.mode}{' layer-wise' if r.req.layerwise else ''}" for r in done)),
-        "mismatches": mismatches, "check_s": round(check_s, 3),
+        **checks,
         "faults_scheduled": [{"request_index": i, "kind": k} for i, k in schedule],
         "faults": run.faults,
         "leaks": leaks, "leaked": leaked,
@@ -600,7 +610,10 @@ def print_report(s: dict[str, Any], console: Console) -> None:
         ("  failed outside fault windows", str(s["failed_outside_fault_windows"])),
         ("cancels scheduled / in flight / too late",
          f"{s['cancel']['scheduled']} / {s['cancel']['sent_in_flight']} / {s['cancel']['too_late']}"),
-        ("mismatches vs single-process greedy", str(s["mismatches"])),
+        ("mismatches vs single-process reference (tokens / KV)",
+         f"{s['mismatches']} ({s['token_mismatches']} / {s['kv_mismatches']})"),
+        ("KV checked: requests, max rel. error (tolerance)",
+         f"{s['kv_checked']}, {s['kv_max_error']:.1e} ({s['kv_tolerance']:.0e})"),
         ("faults injected", ", ".join(f"{f['kind']}@{f['t_s']:.0f}s" for f in s["faults"]) or "none"),
         ("leaked after drain", f"{s['leaked']}  " + ", ".join(f"{k}={v}" for k, v in s["leaks"].items())),
         ("peak RSS decode / prefill (max of processes)",
@@ -635,7 +648,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-prompt", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=2048)
-    ap.add_argument("--max-new-tokens", type=int, default=16, help="each request draws 1..this")
+    ap.add_argument("--max-new-tokens", type=int, default=16, help=f"each request draws {MIN_NEW_TOKENS}..this")
+    ap.add_argument("--kv-positions", type=int, default=64,
+                    help="prompt positions (stratified; all of shorter prompts) whose KV each request returns")
     ap.add_argument("--blocks", type=int, default=2048, help="cache blocks of each worker")
     ap.add_argument("--deadline", type=float, default=10.0, help="decode's per-request KV deadline (s)")
     ap.add_argument("--lease", type=float, default=10.0, help="prefill's source-block lease (s)")
@@ -654,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
                           "--max-seconds > 0")
     if not 1 <= a.min_prompt <= a.max_prompt:
         raise ConfigError("need 1 <= --min-prompt <= --max-prompt")
+    if a.max_new_tokens < MIN_NEW_TOKENS or a.kv_positions < 1:
+        raise ConfigError(f"--max-new-tokens must be >= {MIN_NEW_TOKENS} and --kv-positions >= 1")
     a.freeze_s = a.deadline + 2.0 if a.freeze_s is None else a.freeze_s
     a.drain_timeout = a.deadline + 30.0 if a.drain_timeout is None else a.drain_timeout
     console = Console() if sys.stdout.isatty() else Console(width=120)

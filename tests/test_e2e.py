@@ -1,5 +1,7 @@
 """End to end in one process over loopback: prefill and decode workers, token for token against
-single-process generation; refused handshakes; leases, deadlines and cancels that free every block."""
+single-process generation and decode's committed prompt KV by (layer, role, token, head) against a
+single-process prefill (the KV oracle); refused handshakes; leases, deadlines and cancels that free every
+block."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import torch
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli import main as cli_main
 from kvxfer.disagg import LocalIdentity, connect
+from kvxfer.disagg.oracle import DEFAULT_POSITIONS, KVOracle
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_decode import DecodeWorker
+from kvxfer.disagg.worker_client import ClientResult
+from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.disagg.worker_protocol import encode_block_ids, encode_layouts
 from kvxfer.errors import AuthenticationError, HandshakeRefused, LayoutMismatch, TransferTimeout
@@ -45,11 +49,35 @@ def name(role: str) -> str:
     return f"e2e-{role}-{next(_names)}"
 
 
+NEW = 8
+"""New tokens of every request whose tokens are checked: the first comes from prefill, so fewer would
+check little of decode (KV is checked by the oracle in any case)."""
+KV = DEFAULT_POSITIONS
+"""``return_kv`` of every checked request: its committed prompt KV comes back for the oracle."""
+_oracles: dict[ModelConfig, KVOracle] = {}
+
+
 def reference(tokens: np.ndarray, n: int, model: ModelConfig | None = None) -> list[int]:
     """Greedy tokens of one process doing prefill and decode."""
     cfg = model or preset("tiny")
     manager = KVCacheManager(cfg.cache_config(16, 128, enable_prefix_reuse=False))
     return ReferenceModel(cfg).generate(manager, tokens, n)
+
+
+def kv_oracle(model: ModelConfig | None = None) -> KVOracle:
+    """The KV oracle of ``model`` (default ``tiny``), built once per test process."""
+    cfg = model or preset("tiny")
+    if cfg not in _oracles:
+        _oracles[cfg] = KVOracle(cfg)
+    return _oracles[cfg]
+
+
+def assert_matches_reference(res: GenerationResult | ClientResult, tokens: np.ndarray, n: int,
+                             model: ModelConfig | None = None) -> None:
+    """``res`` (asked with ``return_kv``) holds the reference's tokens and prompt KV, position by position."""
+    kv = res.prompt_kv if isinstance(res, GenerationResult) else res.kv
+    check = kv_oracle(model).check_request(tokens, n, res.tokens, kv)
+    assert check.ok, check.describe()
 
 
 def prompts(seed: int, prefix: int = 50, count: int = 3) -> list[np.ndarray]:
@@ -78,8 +106,8 @@ def test_tokens_match_single_process(prefill: PrefillWorker, mode: str, layerwis
     with DecodeWorker(WorkerConfig(name("decode"), num_blocks=256), SECRET, prefill=prefill.address, mode=mode,
                       layerwise=layerwise, layers_per_send=per_send) as decode:
         for tokens in prompts(1):
-            res = decode.generate(tokens, 10, timeout=60)
-            assert res.tokens == reference(tokens, 10)
+            res = decode.generate(tokens, 10, timeout=60, return_kv=KV)
+            assert_matches_reference(res, tokens, 10)
             assert res.mode == mode and res.layerwise == layerwise
         assert_idle(prefill, decode)
 
@@ -89,10 +117,10 @@ def test_prefix_hit_on_decode_moves_only_missing_tokens(prefill: PrefillWorker) 
     bytes_per_token = 4 * 2 * 2 * 32 * 4     # layers x roles x kv heads x head_dim x float32
     with DecodeWorker(cfg, SECRET, prefill=prefill.address) as decode:
         first, second = prompts(2, prefix=64, count=2)
-        a = decode.generate(first, 6, timeout=60)
+        a = decode.generate(first, NEW, timeout=60)
         assert a.reused_tokens_decode == 0 and a.bytes_moved == first.size * bytes_per_token
-        b = decode.generate(second, 6, timeout=60)
-        assert b.tokens == reference(second, 6)
+        b = decode.generate(second, NEW, timeout=60, return_kv=KV)
+        assert_matches_reference(b, second, NEW)   # the reused prefix too
         assert b.reused_tokens_decode == 64          # the shared prefix (4 full blocks) stayed on decode
         assert b.reused_tokens_prefill == 64
         assert b.bytes_moved == (second.size - 64) * bytes_per_token
@@ -106,7 +134,7 @@ def test_heterogeneous_tp_block_size_and_head_order(mode: str) -> None:
             DecodeWorker(WorkerConfig(name("decode"), tokens_per_block=8, head_order="NHD", tp_size=2), SECRET,
                          prefill=prefill.address, mode=mode, layerwise=mode == "push") as decode:
         for tokens in prompts(3):
-            assert decode.generate(tokens, 8, timeout=60).tokens == reference(tokens, 8)
+            assert_matches_reference(decode.generate(tokens, NEW, timeout=60, return_kv=KV), tokens, NEW)
         assert_idle(prefill, decode)
 
 
@@ -116,7 +144,7 @@ def test_two_prefill_ranks_feed_one_decode_rank_with_sliding_windows() -> None:
             DecodeWorker(WorkerConfig(name("decode"), model=model, tokens_per_block=8), SECRET,
                          prefill=prefill.address) as decode:
         for tokens in prompts(4, prefix=70):
-            assert decode.generate(tokens, 8, timeout=60).tokens == reference(tokens, 8, model)
+            assert_matches_reference(decode.generate(tokens, NEW, timeout=60, return_kv=KV), tokens, NEW, model)
         assert_idle(prefill, decode)
     with PrefillWorker(WorkerConfig(name("prefill"), model=model), SECRET) as prefill, \
             pytest.raises(LayoutMismatch, match="multiple of decode's"):
@@ -151,7 +179,7 @@ def test_stalled_push_fails_at_the_deadline_and_frees_both_sides() -> None:
         assert_idle(prefill, decode)
         assert any("cancelled by decode" in r for r in prefill.stats.reasons)
         stall.never_complete = False     # the same pair then serves the next request
-        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
         assert_idle(prefill, decode)
 
 
@@ -203,7 +231,7 @@ def test_stalled_pull_fails_at_the_deadline_and_prefill_frees_at_once() -> None:
             time.sleep(0.05)
         assert_idle(prefill, decode)
         stall.never_complete = False
-        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
 
 
 def test_generate_client_through_a_serving_decode_worker(prefill: PrefillWorker, monkeypatch: pytest.MonkeyPatch,
@@ -212,10 +240,10 @@ def test_generate_client_through_a_serving_decode_worker(prefill: PrefillWorker,
     with DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address,
                       bind="tcp://127.0.0.1:0") as decode:
         assert decode.address is not None
-        assert cli_main(["generate", "--decode", decode.address, "--max-new-tokens", "5", "--json",
+        assert cli_main(["generate", "--decode", decode.address, "--max-new-tokens", str(NEW), "--json",
                          "hello, disaggregated world"]) == 0
         out = json.loads(capsys.readouterr().out)
         ids = ByteTokenizer(512).encode("hello, disaggregated world")
-        assert out["tokens"] == reference(np.array(ids), 5)
+        assert out["tokens"] == reference(np.array(ids), NEW)
         assert out["prompt_tokens"] == len(ids) and out["bytes_moved"] > 0
         assert_idle(prefill, decode)

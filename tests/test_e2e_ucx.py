@@ -1,6 +1,8 @@
 """End to end across processes on 127.0.0.1 over the best installed UCX transport (nixl, else ucx): a
 prefill process started with ``kvxfer serve prefill``, a decode worker in this process; a SIGKILLed
-prefill fails the in-flight requests within the heartbeat deadline and decode serves on; ``kvxfer demo``."""
+prefill fails the in-flight requests within the heartbeat deadline and decode serves on; ``kvxfer demo``;
+a pairing bug tokens cannot see makes the demo exit non-zero (tests/test_e2e_ucx_mutations.py: every
+mutation over UCX)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,17 @@ import pytest
 
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.cli.serve import best_backend
+from kvxfer.disagg.mutation import MUTATION_ENV
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import BackendUnavailable, PeerUnreachable
-from tests.test_e2e import _one_thread, prompts, reference  # noqa: F401 (_one_thread: autouse leak check)
+from tests.test_e2e import (
+    KV,
+    NEW,
+    _one_thread,  # noqa: F401 (autouse leak check)
+    assert_matches_reference,
+    prompts,
+)
 
 pytestmark = pytest.mark.ucx
 SECRET = "e2e-ucx-secret-0123456789abcdef"
@@ -36,9 +45,9 @@ def backend() -> str:
 
 
 
-def spawn_prefill(backend: str, *extra: str) -> WorkerProcess:
+def spawn_prefill(backend: str, *extra: str, env_extra: dict[str, str] | None = None) -> WorkerProcess:
     env = {**os.environ, "KVXFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]), **(env_extra or {})}
     return WorkerProcess(["prefill", "--backend", backend, "--name", f"ucx-prefill-{os.getpid()}-{next(_names)}",
                           *extra], env, 60.0)
 
@@ -58,8 +67,8 @@ def test_push_pull_layerwise_prefix_hit_and_tp_across_processes(backend: str, pr
     with DecodeWorker(cfg, SECRET, prefill=prefill_process.address) as decode:
         cases = [("push", False), ("pull", False), ("push", True)]
         for (mode, layerwise), tokens in zip(cases, prompts(7, prefix=48, count=3), strict=True):
-            res = decode.generate(tokens, 8, timeout=60, mode=mode, layerwise=layerwise)
-            assert res.tokens == reference(tokens, 8), (mode, layerwise)
+            res = decode.generate(tokens, NEW, timeout=60, mode=mode, layerwise=layerwise, return_kv=KV)
+            assert_matches_reference(res, tokens, NEW)
             assert res.bytes_moved > 0
         assert res.reused_tokens_decode == 48     # the last two hit decode's prefix tree
         assert decode.held_slots() == 0 and decode.num_open_caches() == 0
@@ -90,7 +99,7 @@ def test_killed_prefill_fails_in_flight_requests_and_decode_serves_on(backend: s
             second = spawn_prefill(backend)
             decode.connect(second.address)
             tokens = prompts(9)[0]
-            assert decode.generate(tokens, 6, timeout=60).tokens == reference(tokens, 6)
+            assert_matches_reference(decode.generate(tokens, NEW, timeout=60, return_kv=KV), tokens, NEW)
             assert decode.held_slots() == 0
     finally:
         first.stop()
@@ -101,7 +110,7 @@ def test_killed_prefill_fails_in_flight_requests_and_decode_serves_on(backend: s
 def test_demo_json_runs_two_processes_and_matches(backend: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--json", "--families", "2", "--per-family",
-                           "2", "--max-new-tokens", "6", "--mode", "pull", "--checksum", "full"], capture_output=True,
+                           "2", "--max-new-tokens", str(NEW), "--mode", "pull", "--checksum", "full"], capture_output=True,
                           text=True, env=env,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -109,5 +118,21 @@ def test_demo_json_runs_two_processes_and_matches(backend: str) -> None:
     assert {"requests", "mismatches", "transport", "mode", "bytes_moved", "reused_blocks_decode",
             "transfer_gbps"} <= set(out)
     assert out["requests"] == 4 and out["mismatches"] == 0 and out["transport"] == backend and out["mode"] == "pull"
+    assert out["kv_mismatches"] == 0 and all(row["kv_match"] and row["kv_compared"] > 0 for row in out["rows"])
+    assert out["kv_max_error"] <= out["kv_tolerance"]
     assert out["bytes_moved"] > 0 and out["reused_blocks_decode"] > 0
     assert out["checksum"] == "full" and all(row["verify_ms"] > 0 for row in out["rows"])   # every request checked
+
+
+@pytest.mark.slow
+def test_demo_exits_non_zero_on_a_block_swap_tokens_cannot_see(backend: str) -> None:
+    env = {**os.environ, MUTATION_ENV: "block_swap",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--json", "--families", "1", "--per-family",
+                           "2"], capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["failed"] == 0 and out["kv_mismatches"] >= 1 and out["mismatches"] >= 1
+    bad = [row for row in out["rows"] if not row["kv_match"]]
+    assert all(row["kv_max_error"] > 100 * out["kv_tolerance"] for row in bad)
+

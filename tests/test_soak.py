@@ -24,7 +24,12 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import BackendUnavailable, PeerUnreachable, RequestCancelled
-from tests.test_e2e import _one_thread, reference  # noqa: F401 (_one_thread: autouse leak check)
+from tests.test_e2e import (
+    KV,
+    NEW,
+    _one_thread,  # noqa: F401 (autouse leak check)
+    assert_matches_reference,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECRET = "soak-test-secret-0123456789abcdef"
@@ -66,7 +71,9 @@ def check_invariants(s: dict[str, Any], requests: int, faults: int) -> None:
     assert s["submitted"] == requests, "the run stopped at --max-seconds before submitting everything"
     assert s["completed"] + s["cancelled"] + s["failed"] == s["submitted"]
     assert s["hung"] == 0, "a request never got an answer"
-    assert s["mismatches"] == 0
+    assert s["mismatches"] == 0, s["mismatch_examples"]
+    assert s["kv_checked"] == s["completed"] and s["kv_mismatches"] == 0 and s["kv_max_error"] <= s["kv_tolerance"]
+    assert all(r["new"] >= 8 for r in s["rows"])
     assert s["leaked"] == 0, s["leaks"]
     assert not s["engine_error"]
     assert s["completed"] > 0 and s["cancelled"] > 0
@@ -111,7 +118,7 @@ def test_requests_and_fault_schedule_are_seeded() -> None:
     a = soak.make_requests(200, 3, 8, 2048, 16, 0.1, 512)
     assert a == soak.make_requests(200, 3, 8, 2048, 16, 0.1, 512)
     assert a != soak.make_requests(200, 4, 8, 2048, 16, 0.1, 512)
-    assert all(8 <= len(r.tokens) <= 2048 and 1 <= r.max_new_tokens <= 16 for r in a)
+    assert all(8 <= len(r.tokens) <= 2048 and 8 <= r.max_new_tokens <= 16 for r in a)
     assert {(r.mode, r.layerwise) for r in a} == set(soak.MODES)
     assert sum(r.family >= 0 for r in a) > 50 and sum(r.cancel_after is not None for r in a) > 5
     assert soak.fault_schedule(1000, 3, 0) == soak.fault_schedule(1000, 3, 0)
@@ -145,7 +152,7 @@ def decode_that_lost_its_prefill(tokens: np.ndarray, connect_timeout: float) -> 
     address = prefill.address
     cfg = WorkerConfig(f"soak-decode-{next(_names)}", num_blocks=64)
     with DecodeWorker(cfg, SECRET, prefill=address, connect_timeout=connect_timeout) as decode:
-        assert decode.generate(tokens, 3, timeout=60).tokens == reference(tokens, 3)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=60, return_kv=KV), tokens, NEW)
         prefill.close()
         deadline = time.monotonic() + 10
         while decode.connected and time.monotonic() < deadline:
@@ -177,12 +184,12 @@ def test_submits_while_prefill_is_unresponsive_do_not_stall_decode() -> None:
             deadline = time.monotonic() + 30
             while True:
                 try:
-                    res = decode.generate(tokens, 3, timeout=60)
+                    res = decode.generate(tokens, NEW, timeout=60, return_kv=KV)
                     break
                 except PeerUnreachable:
                     assert time.monotonic() < deadline, "decode never reconnected to the restarted prefill"
                     time.sleep(0.2)
-            assert res.tokens == reference(tokens, 3)
+            assert_matches_reference(res, tokens, NEW)
             assert decode.held_slots() == 0 and again.held_slots() == 0
 
 
@@ -215,6 +222,7 @@ def test_reconnect_runs_beside_the_engine_and_waiting_requests_follow_it() -> No
         with PrefillWorker(WorkerConfig(f"soak-prefill-{next(_names)}", num_blocks=64), SECRET,
                            bind=address) as again:
             time.sleep(max(0.0, failed_at + 2 * 1.5 + 0.2 - time.monotonic()))   # past the back-off
-            res = decode.generate(tokens, 3, timeout=60)          # waits for the reconnect it starts
-            assert res.tokens == reference(tokens, 3) and decode.connected
+            res = decode.generate(tokens, NEW, timeout=60, return_kv=KV)   # waits for the reconnect it starts
+            assert_matches_reference(res, tokens, NEW)
+            assert decode.connected
             assert decode.held_slots() == 0 and again.held_slots() == 0

@@ -27,7 +27,16 @@ from kvxfer.errors import (
 )
 from kvxfer.transport import LoopbackFaults
 from kvxfer.transport.integrity import ChecksumPolicy
-from tests.test_e2e import SECRET, _one_thread, assert_idle, name, prompts, reference  # noqa: F401
+from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
+    KV,
+    NEW,
+    SECRET,
+    _one_thread,
+    assert_idle,
+    assert_matches_reference,
+    name,
+    prompts,
+)
 
 
 def wait_idle(*workers: PrefillWorker | DecodeWorker, timeout: float = 5.0) -> None:
@@ -48,14 +57,15 @@ def test_checksummed_requests_match_and_a_corrupted_one_is_not_committed(mode: s
             DecodeWorker(WorkerConfig(name("decode"), checksum=policy), SECRET, prefill=prefill.address, mode=mode,
                          transport_options=decode_opts) as decode:
         good, bad = prompts(21, prefix=0, count=2)
-        assert decode.generate(good, 6, timeout=60).tokens == reference(good, 6)
+        assert_matches_reference(decode.generate(good, NEW, timeout=60, return_kv=KV), good, NEW)
         faults.corrupt = (100, 1)
         with pytest.raises(IntegrityError, match=r"KV differs from the source at layer \d+ role '\w+' head \d+ tokens \[\d+, \d+\)"):
             decode.generate(bad, 6, timeout=60)
         faults.corrupt = None
         wait_idle(prefill, decode)
-        again = decode.generate(bad, 6, timeout=60)    # nothing of the corrupted request was kept
-        assert again.reused_tokens_decode == 0 and again.tokens == reference(bad, 6)
+        again = decode.generate(bad, NEW, timeout=60, return_kv=KV)    # nothing of the corrupted request was kept
+        assert again.reused_tokens_decode == 0
+        assert_matches_reference(again, bad, NEW)
         assert again.verify_s > 0.0    # the check ran (and is reported)
         status = decode.status()
         assert status["integrity_failures"] == 1 and status["completed"] == 2 and status["failed"] == 1
@@ -88,7 +98,7 @@ def test_cancel_fails_the_future_and_frees_both_sides() -> None:
         wait_idle(prefill, decode)
         assert any("cancelled by decode" in r for r in prefill.stats.reasons)
         stall.never_complete = False
-        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
 
 
 def test_status_in_process_over_a_client_connection_and_from_the_cli(capsys: pytest.CaptureFixture[str],
@@ -101,10 +111,11 @@ def test_status_in_process_over_a_client_connection_and_from_the_cli(capsys: pyt
         tokens = prompts(23)[0]
         client = GenerateClient(decode.address, SECRET)
         try:
-            rid = client.submit(tokens, 3)
+            rid = client.submit(tokens, NEW, return_kv=KV)
             client.cancel("r999")                       # not in flight: ignored
             res = client.recv(60)
-            assert res.request_id == rid and res.tokens == reference(tokens, 3)
+            assert res.request_id == rid
+            assert_matches_reference(res, tokens, NEW)
             over_client = client.status()
         finally:
             client.close()
@@ -175,7 +186,7 @@ def test_pulled_data_is_refused_when_decode_stalled_past_the_lease(monkeypatch: 
             decode.generate(tokens, 4, timeout=30)
         wait_idle(prefill, decode)
         assert any("lease expired" in r for r in prefill.stats.reasons)
-        assert decode.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
 
 
 def test_a_request_whose_deadline_passed_in_decode_queue_is_not_sent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,12 +207,12 @@ def test_a_request_whose_deadline_passed_in_decode_queue_is_not_sent(monkeypatch
             return real(*args, **kw)  # type: ignore[arg-type]
         monkeypatch.setattr(decode.model, "continue_greedy", continue_greedy)
         first, second = prompts(25, count=2)
-        busy = decode.submit(first, 4)
+        busy = decode.submit(first, NEW, return_kv=KV)
         assert generating.wait(30)
         queued = decode.submit(second, 4)
-        assert busy.result(30).tokens == reference(first, 4)
+        assert_matches_reference(busy.result(30), first, NEW)
         with pytest.raises(TransferTimeout, match=r"deadline passed while it waited \d+\.\d s in decode's queue"):
             queued.result(30)
         assert prefill.status()["requests"] == 1
-        assert decode.generate(second, 4, timeout=30).tokens == reference(second, 4)
+        assert_matches_reference(decode.generate(second, NEW, timeout=30, return_kv=KV), second, NEW)
         wait_idle(prefill, decode)

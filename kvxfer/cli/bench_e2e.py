@@ -6,6 +6,11 @@ Every request uses a fresh random prompt (no prefix hit anywhere) and one output
 prompt -> KV computed -> KV moved -> first token on decode. Figures are medians over ``--iters``.
 "after prefill" is arrival minus prefill's compute: control messages, the transfer, and with
 ``--checksum`` prefill's digest and decode's check ("verify", measured on decode).
+
+Every timed request is verified (untimed): the single-process baseline runs on the same prompt, and
+decode's committed prompt KV (``--kv-positions`` stratified positions, read from its pages after the
+first token) must equal the baseline's by (layer, role, token, head) within the KV oracle's tolerance,
+and the first tokens must agree (``verified``; exit status 1 otherwise).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.cli.serve import best_backend, parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV
+from kvxfer.disagg.oracle import DEFAULT_POSITIONS, TOLERANCE, PromptKV, compare_kv, read_prompt_kv
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import ConfigError
@@ -37,23 +43,29 @@ from kvxfer.transport.integrity import ChecksumPolicy
 TOKENS_PER_BLOCK = 16
 
 
-def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: np.ndarray, chunk: int) -> float:
-    """Seconds from prompt to first token when one process prefills (the baseline)."""
+def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: np.ndarray, chunk: int,
+                        positions: np.ndarray | None = None) -> tuple[float, int, PromptKV | None]:
+    """Seconds from prompt to first token when one process prefills (the baseline), the first token, and
+    (read after the timing, when ``positions`` are given) the prompt KV at ``positions``."""
     t0 = time.perf_counter()
     cache = manager.create_kv_cache()
     try:
         cache.resume()
         kv = model.bind([(manager, cache)])
         with torch.inference_mode():
-            greedy(model.prefill(kv, tokens, chunk)[-1])
-        return time.perf_counter() - t0
+            first = greedy(model.prefill(kv, tokens, chunk)[-1])
+        took = time.perf_counter() - t0
+        c = model.config
+        prompt = None if positions is None else read_prompt_kv([(manager, cache)], positions, c.num_layers,
+                                                                c.num_kv_heads, c.head_dim)
+        return took, first, prompt
     finally:
         cache.close()
 
 
 def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int, chunk: int,
         model_name: str = "tiny", on_row: Callable[[dict[str, Any]], None] | None = None,
-        checksum: ChecksumPolicy | None = None) -> dict[str, Any]:
+        checksum: ChecksumPolicy | None = None, kv_positions: int = DEFAULT_POSITIONS) -> dict[str, Any]:
     """Measure every length; returns the rows and the set-up (``on_row`` sees each row as it is done;
     ``checksum``: decode verifies every request's pages, so TTFT and arrival include digest and check)."""
     torch.set_num_threads(1)
@@ -76,10 +88,20 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
         with DecodeWorker(dcfg, secret, prefill=prefill.address, mode=mode, layerwise=layerwise) as decode:
             decode.generate(rng.integers(0, cfg.vocab_size, min(lengths)), 1)           # warm-up (connections)
             single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, min(lengths)), chunk)
+            tolerance = TOLERANCE.get(cfg.dtype, 3e-2)
             for n in lengths:
                 d_ttft, d_arrival, d_xfer, d_prefill, d_tail, d_verify, s_ttft, nbytes = [], [], [], [], [], [], [], 0
+                failed, worst = 0, 0.0
                 for _ in range(iters):
-                    res = decode.generate(rng.integers(0, cfg.vocab_size, n), 1)
+                    tokens = rng.integers(0, cfg.vocab_size, n)
+                    res = decode.generate(tokens, 1, return_kv=kv_positions)
+                    assert res.prompt_kv is not None
+                    s_took, s_first, s_kv = single_process_ttft(ref_model, ref_manager, tokens, chunk,
+                                                                res.prompt_kv.positions)
+                    assert s_kv is not None
+                    report = compare_kv(res.prompt_kv, s_kv, tolerance)
+                    failed += not (report.ok and res.tokens == [s_first])
+                    worst = max(worst, report.max_error)
                     d_ttft.append(res.ttft_s)
                     d_arrival.append(res.arrival_s)
                     d_xfer.append(res.transfer_s)
@@ -87,8 +109,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                     d_tail.append(res.arrival_s - res.prefill_s)
                     d_verify.append(res.verify_s)
                     nbytes = res.bytes_moved
-                    s_ttft.append(single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, n),
-                                                      chunk))
+                    s_ttft.append(s_took)
                 xfer = statistics.median(d_xfer)
                 rows.append({"prompt_tokens": n, "kv_bytes": nbytes, "single_ttft_ms": statistics.median(s_ttft) * 1e3,
                              "disagg_ttft_ms": statistics.median(d_ttft) * 1e3,
@@ -96,7 +117,8 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                              "arrival_ms": statistics.median(d_arrival) * 1e3, "transfer_ms": xfer * 1e3,
                              "transfer_gbps": nbytes / xfer / 1e9 if xfer > 0 else 0.0,
                              "after_prefill_ms": statistics.median(d_tail) * 1e3,
-                             "verify_ms": statistics.median(d_verify) * 1e3})
+                             "verify_ms": statistics.median(d_verify) * 1e3,
+                             "verified": failed == 0, "kv_max_error": worst})
                 if on_row is not None:
                     on_row(rows[-1])
     finally:
@@ -104,11 +126,15 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
     return {"backend": backend, "mode": mode, "layerwise": layerwise, "model": model_name, "iters": iters,
             "chunk_size": chunk, "tokens_per_block": TOKENS_PER_BLOCK, "rows": rows,
             "checksum": "off" if checksum is None else checksum.describe(),
+            "verified": all(r["verified"] for r in rows), "kv_positions": kv_positions,
+            "verification": "every timed request: decode's prompt KV (kv_positions stratified positions) against "
+                            "the single-process baseline run on the same prompt, by (layer, role, token, head), "
+                            "and the first token",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'prefill ms':>11} "
-          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>6} {'after prefill ms':>17} {'verify ms':>10}")
+          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>6} {'after prefill ms':>17} {'verify ms':>10} KV check")
 
 
 def format_row(r: dict[str, Any]) -> str:
@@ -116,7 +142,8 @@ def format_row(r: dict[str, Any]) -> str:
     return (f"{r['prompt_tokens']:>7} {r['kv_bytes'] / 2**20:>7.2f} {r['single_ttft_ms']:>15.1f} "
             f"{r['disagg_ttft_ms']:>15.1f} {r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
             f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>6.2f} {r.get('after_prefill_ms', 0.0):>17.2f} "
-            f"{r.get('verify_ms', 0.0):>10.2f}")
+            f"{r.get('verify_ms', 0.0):>10.2f} {'ok' if r.get('verified', True) else 'MISMATCH'}"
+            f" {r.get('kv_max_error', 0.0):.0e}")
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -140,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (bounds attention memory)")
     ap.add_argument("--checksum", type=parse_checksum, default=None, metavar="off|full|every:K|sample:F",
                     help="decode verifies each request's pages against prefill's blake3 digest")
+    ap.add_argument("--kv-positions", type=int, default=DEFAULT_POSITIONS,
+                    help="prompt positions whose KV every timed request is verified at (stratified sample)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     a = ap.parse_args(argv)
@@ -149,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--lengths must be comma-separated ints, got {a.lengths!r}") from exc
     if not lengths or min(lengths) < 1 or a.iters < 1:
         raise ConfigError("--lengths must be >= 1 each and --iters >= 1")
-    result = run(lengths, a.backend, a.mode, a.layerwise, a.iters, a.chunk_size, checksum=a.checksum)
+    if a.kv_positions < 1:
+        raise ConfigError("--kv-positions must be >= 1")
+    result = run(lengths, a.backend, a.mode, a.layerwise, a.iters, a.chunk_size, checksum=a.checksum,
+                 kv_positions=a.kv_positions)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2))
@@ -157,4 +189,4 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         print_table(result)
-    return 0
+    return 0 if result["verified"] else 1

@@ -1,5 +1,11 @@
 """``kvxfer bench transport``: move N random pages between two processes and report GB/s next to a
-memcpy of the same bytes and the raw backend (no kvxfer) in the same run; bytes are verified.
+memcpy of the same bytes and the raw backend (no kvxfer) in the same run.
+
+Every column is the median over ``--iters`` timed iterations, and every timed iteration is verified:
+before it (untimed) the destination pages are poisoned with a byte pattern that changes per
+iteration, after it (untimed) the destination pages, read in plan order, must hash (blake3) to the
+source pages' stream. A transfer that reported DONE early, moved nothing, or put a page in the wrong
+place fails ``verified`` (exit status 1) instead of showing a rate.
 
 The peer is a spawned process holding a pool of 2N slots; this process holds another. ``scattered``
 picks N random slots on each side (one descriptor per page); ``consecutive`` uses N consecutive
@@ -14,9 +20,11 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import blake3
 import numpy as np
 import numpy.typing as npt
 
@@ -57,9 +65,18 @@ def _plan(local: MemoryRegion, local_slots: npt.NDArray[np.uint64], remote: Memo
     return PageTable(la, n, zeros), PageTable(ra, n, zeros)
 
 
-def _stream(pool: npt.NDArray[np.uint8], base: int, table: PageTable) -> bytes:
-    return b"".join(pool[int(a) - base:int(a) - base + int(n)].tobytes()
-                    for a, n in zip(table.addr, table.nbytes, strict=True))
+def pages_digest(pool: npt.NDArray[np.uint8], base: int, table: PageTable) -> bytes:
+    """blake3 of the pages of ``table`` in table order (what a transfer must make equal on both sides)."""
+    h = blake3.blake3()
+    for a, n in zip((table.addr - np.uint64(base)).tolist(), table.nbytes.tolist(), strict=True):
+        h.update(pool[a:a + n].data)
+    return h.digest()
+
+
+def poison_pages(pool: npt.NDArray[np.uint8], base: int, table: PageTable, value: int) -> None:
+    """Fill the pages of ``table`` with ``value``."""
+    for a, n in zip((table.addr - np.uint64(base)).tolist(), table.nbytes.tolist(), strict=True):
+        pool[a:a + n] = value
 
 
 class _RawUcxx:
@@ -158,11 +175,14 @@ def _peer(conn: Connection, backend: str, nbytes: int, seed: int, options: dict[
         if cmd == "connect":
             transport.connect(args[0], args[1])
             conn.send(None)
-        elif cmd == "clear":
-            offsets = np.frombuffer(args[0], np.uint64) - np.uint64(region.base_address)
-            for o, n in zip(offsets.tolist(), np.frombuffer(args[1], np.uint64).tolist(), strict=True):
-                pool[o:o + n] = 0
-            conn.send(None)
+        elif cmd in ("poison", "digest"):
+            table = PageTable(np.frombuffer(args[0], np.uint64), np.frombuffer(args[1], np.uint64),
+                              np.zeros(len(args[0]) // 8, np.uint32))
+            if cmd == "poison":
+                poison_pages(pool, region.base_address, table, int(args[2]))
+                conn.send(None)
+            else:
+                conn.send(pages_digest(pool, region.base_address, table))
         elif cmd == "raw_connect":
             raw = _RawUcxx(bool(options.get("error_handling", True)))
             raw.connect(args[0])
@@ -170,24 +190,52 @@ def _peer(conn: Connection, backend: str, nbytes: int, seed: int, options: dict[
         elif cmd.startswith("raw_"):
             assert raw is not None
             _raw_peer_command(raw, pool, region.base_address, conn, cmd, args)
-        elif cmd == "stream":
-            conn.send(_stream(pool, region.base_address, PageTable(
-                np.frombuffer(args[0], np.uint64), np.frombuffer(args[1], np.uint64),
-                np.zeros(len(args[0]) // 8, np.uint32))))
         elif cmd == "exit":
             transport.close()
             conn.send(None)
             return
 
 
-def _timed(fn: Any, iters: int) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs after one warm-up."""
+class Verifier:
+    """Poisons a transfer's destination pages before each timed iteration and checks them after it
+    (both untimed) against the source pages' digest; counts the iterations that failed."""
+
+    def __init__(self, poison: Callable[[int], object], digest: Callable[[], bytes], expected: bytes) -> None:
+        """``poison(value)`` fills the destination pages; ``digest()`` hashes them in plan order; ``expected``
+        is the source pages' digest."""
+        self._fill, self._hash, self.expected = poison, digest, expected
+        self.checked = 0
+        self.failed = 0
+        self._round = 0
+
+    def before(self) -> None:
+        """Poison the destination (a pattern that changes per iteration: stale bytes never pass)."""
+        self._round += 1
+        self._fill(0x5A ^ (self._round * 37 & 0xFF))
+
+    def after(self) -> None:
+        """Check the destination against the source."""
+        self.checked += 1
+        self.failed += self._hash() != self.expected
+
+
+def median_timed(fn: Any, iters: int, verify: Verifier | None = None) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after one warm-up; with ``verify``, every run (the
+    warm-up too) is preceded by poisoning its destination and followed by checking it, outside the timing."""
+    if verify is not None:
+        verify.before()
     fn()
+    if verify is not None:
+        verify.after()
     times = []
     for _ in range(iters):
+        if verify is not None:
+            verify.before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        if verify is not None:
+            verify.after()
     return statistics.median(times)
 
 
@@ -294,33 +342,48 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
         def kvxfer_op() -> None:
             getattr(local, mode)("bench-peer", plan).wait(60.0)
 
-        t_kvxfer = _timed(kvxfer_op, iters)
-        remote_stream = (_stream(peer_pool, peer_region.base_address, remote_t) if backend == "loopback"
-                         else _ask_stream(conn, remote_t))
-        verified = remote_stream == _stream(local_pool, local_region.base_address, local_t)
+        lbase = local_region.base_address
+        if backend == "loopback":
+            pbase = peer_region.base_address
+            remote_poison: Any = lambda v: poison_pages(peer_pool, pbase, remote_t, v)   # noqa: E731
+            remote_digest: Any = lambda: pages_digest(peer_pool, pbase, remote_t)        # noqa: E731
+        else:
+            remote_poison = lambda v: _ask(conn, "poison", remote_t, v)             # noqa: E731
+            remote_digest = lambda: _ask(conn, "digest", remote_t)                  # noqa: E731
+        if mode == "write":   # local pages -> the peer's
+            verifier = Verifier(remote_poison, remote_digest, pages_digest(local_pool, lbase, local_t))
+        else:
+            verifier = Verifier(lambda v: poison_pages(local_pool, lbase, local_t, v),
+                                lambda: pages_digest(local_pool, lbase, local_t), remote_digest())
 
-        src = np.empty(pages * page_bytes, dtype=np.uint8)
-        src[:] = 7
+        t_kvxfer = median_timed(kvxfer_op, iters, verifier)
+
+        src = np.random.default_rng(3).integers(0, 256, pages * page_bytes, dtype=np.uint8)
         dst = np.empty_like(src)
-        t_memcpy = _timed(lambda: np.copyto(dst, src), iters)
+        src_digest = blake3.blake3(src.data).digest()
+        memcpy_check = Verifier(lambda v: dst.fill(v), lambda: blake3.blake3(dst.data).digest(), src_digest)
+        t_memcpy = median_timed(lambda: np.copyto(dst, src), iters, memcpy_check)
 
         total = pages * page_bytes
         t_raw: float | None = None
         raw_ways: dict[str, float] = {}
+        checks = [verifier, memcpy_check]
         if backend == "nixl":
-            t_raw = _timed(_raw_nixl(local, "bench-peer", mode, plan), iters)
+            t_raw = median_timed(_raw_nixl(local, "bench-peer", mode, plan), iters, verifier)
         elif backend == "ucx":
             assert conn is not None
             for way in RAW_UCX_WAYS:
-                _clear_destination(conn, mode, local_pool, local_region.base_address, local_t, remote_t)
-                raw_ways[way] = total / _timed(_raw_ucxx(conn, local_pool, local_region.base_address, mode,
-                                                         plan, way, bool(options.get("error_handling", True))),
-                                               iters) / 1e9
-                verified &= _ask_stream(conn, remote_t) == _stream(local_pool, local_region.base_address, local_t)
+                raw_ways[way] = total / median_timed(_raw_ucxx(conn, local_pool, lbase, mode, plan, way,
+                                                         bool(options.get("error_handling", True))),
+                                               iters, verifier) / 1e9
             t_raw = total / max(raw_ways.values()) / 1e9
+        verified = all(c.failed == 0 for c in checks)
         return {
             "backend": backend, "options": options, "mode": mode, "layout": layout, "pages": pages, "page_bytes": page_bytes,
             "bytes": total, "descriptors": len(plan), "verified": bool(verified), "iters": iters,
+            "verified_iterations": sum(c.checked for c in checks), "failed_iterations": sum(c.failed for c in checks),
+            "verification": "destination poisoned before and blake3-checked against the source after every "
+                            "timed iteration of every column (untimed); rates are medians over the iterations",
             "seconds": t_kvxfer, "gbps": total / t_kvxfer / 1e9,
             "memcpy_gbps": total / t_memcpy / 1e9,
             "raw_gbps": None if t_raw is None else total / t_raw / 1e9,
@@ -343,22 +406,11 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
             remote.close()
 
 
-def _clear_destination(conn: Connection, mode: str, local_pool: npt.NDArray[np.uint8], local_base: int,
-                       local_t: PageTable, remote_t: PageTable) -> None:
-    """Zero the pages a transfer writes, so that the next one's bytes can be verified."""
-    if mode == "read":
-        for o, n in zip((local_t.addr - np.uint64(local_base)).tolist(), local_t.nbytes.tolist(), strict=True):
-            local_pool[o:o + n] = 0
-    else:
-        conn.send(("clear", remote_t.addr.tobytes(), remote_t.nbytes.tobytes()))
-        conn.recv()
-
-
-def _ask_stream(conn: Connection | None, table: PageTable) -> bytes:
+def _ask(conn: Connection | None, cmd: str, table: PageTable, *extra: int) -> Any:
+    """Ask the peer process to ``poison`` or ``digest`` the pages of ``table`` in its pool."""
     assert conn is not None
-    conn.send(("stream", table.addr.tobytes(), table.nbytes.tobytes()))
-    data: bytes = conn.recv()
-    return data
+    conn.send((cmd, table.addr.tobytes(), table.nbytes.tobytes(), *extra))
+    return conn.recv()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
     else:
         raw = "-" if res["raw_gbps"] is None else f"{res['raw_gbps']:.2f}"
+        print(f"median of {res['iters']} iterations each; every timed iteration verified "
+              f"({res['verified_iterations']} checks, {res['failed_iterations']} failed)")
         print(f"{'backend':9} {'mode':5} {'layout':11} {'pages':>6} {'page_B':>7} {'descs':>6} "
               f"{'GB/s':>7} {'memcpy':>7} {'raw':>7} verified")
         print(f"{res['backend']:9} {res['mode']:5} {res['layout']:11} {res['pages']:>6} {res['page_bytes']:>7} "

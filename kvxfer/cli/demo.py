@@ -1,5 +1,7 @@
 """``kvxfer demo``: a prefill and a decode process on 127.0.0.1 over the best installed UCX transport,
-a batch of requests sharing prefixes, every request's tokens checked against single-process generation.
+a batch of requests sharing prefixes, every request checked two ways against a single-process reference
+run here: its tokens, and decode's committed prompt KV by logical position (``kvxfer.disagg.oracle``:
+tokens cannot see a swapped block, the KV check can).
 
 The requests come in two waves: one per prompt family first (nothing cached anywhere), then the rest,
 which hit the prefix trees on both sides, so only the tokens decode lacks travel.
@@ -26,9 +28,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli.serve import best_backend, checked_model_name, parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV, AuthKey
+from kvxfer.disagg.oracle import DEFAULT_POSITIONS, KVOracle
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient
 from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
 from kvxfer.model import model_source
@@ -48,6 +50,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layerwise", action="store_true", help="send each layer as soon as it is computed")
     p.add_argument("--checksum", default="off", type=_checked_policy_text, metavar="off|full|every:K|sample:F",
                    help="decode verifies every request's pages against prefill's blake3 digest before commit")
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of the decode worker (prefill: 1)")
     p.add_argument("--families", type=int, default=3, help="prompt families sharing a prefix")
     p.add_argument("--per-family", type=int, default=4, help="requests per family")
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -133,7 +136,7 @@ class WorkerProcess:
 
 def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family: int, max_new_tokens: int,
              seed: int, timeout: float, progress: Progress | None = None, device: str = "cpu",
-             checksum: str = "off", model: str = MODEL) -> dict[str, Any]:
+             checksum: str = "off", decode_tp: int = 1, model: str = MODEL) -> dict[str, Any]:
     """Run the demo and return its figures (``rows`` holds one dict per request)."""
     torch.set_num_threads(1)
     if backend == "loopback":
@@ -151,7 +154,8 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     decode: WorkerProcess | None = None
     try:
         decode = WorkerProcess(["decode", "--name", "demo-decode", "--prefill", prefill.address, "--mode", mode,
-                         *(["--layerwise"] if layerwise else []), "--checksum", checksum, *common], env, timeout)
+                         *(["--layerwise"] if layerwise else []), "--checksum", checksum, "--tp-size", str(decode_tp),
+                         *common], env, timeout)
         client = GenerateClient(decode.address, AuthKey.load(secret), name="demo-client")
         task = progress.add_task("requests", total=len(requests)) if progress is not None else None
         results: dict[int, ClientResult] = {}
@@ -161,7 +165,7 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
                 first.setdefault(r.family, i)
             waves = [sorted(first.values()), [i for i in range(len(requests)) if i not in first.values()]]
             for wave in waves:
-                ids = {client.submit(requests[i].tokens, max_new_tokens): i for i in wave}
+                ids = {client.submit(requests[i].tokens, max_new_tokens, return_kv=DEFAULT_POSITIONS): i for i in wave}
                 while ids:
                     res = client.recv(max(0.1, timeout - (time.monotonic() - started)))
                     if res.request_id in ids:
@@ -175,16 +179,20 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
         if decode is not None:
             decode.stop()
         prefill.stop()
-    reference = source.load(device)   # the reference runs where the workers ran (same kernels)
-    ref_manager = KVCacheManager(source.kv_spec.cache_config(TOKENS_PER_BLOCK, 256, device,
-                                                             enable_prefix_reuse=False))
+    oracle = KVOracle(source, device)   # the reference runs where the workers ran (same kernels)
     rows: list[dict[str, Any]] = []
     for i, r in enumerate(requests):
         res = results[i]
-        expected = reference.generate(ref_manager, r.tokens, max_new_tokens)
+        check = oracle.check_request(r.tokens, max_new_tokens, res.tokens, res.kv) if res.ok else None
         s = res.stats
         rows.append({"request": i, "family": r.family, "prompt_tokens": len(r.tokens), "ok": res.ok,
-                     "error": res.error, "match": res.ok and res.tokens == expected,
+                     "error": res.error, "match": check is not None and check.ok,
+                     "tokens_match": check is not None and check.tokens_match,
+                     "kv_match": check is not None and check.kv.ok,
+                     "kv_max_error": check.kv.max_error if check is not None else None,
+                     "kv_worst": list(check.kv.worst) if check is not None else None,
+                     "kv_compared": check.kv.compared if check is not None else 0,
+                     "kv_detail": check.kv.describe() if check is not None else "",
                      "reused_blocks_decode": int(s.get("reused_tokens_decode", 0)) // TOKENS_PER_BLOCK,
                      "reused_blocks_prefill": int(s.get("reused_tokens_prefill", 0)) // TOKENS_PER_BLOCK,
                      "bytes_moved": int(s.get("bytes_moved", 0)), "transfer_s": float(s.get("transfer_s", 0.0)),
@@ -195,8 +203,11 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     ttfts = sorted(row["ttft_ms"] for row in ok)
     return {
         "requests": len(rows), "device": device, "model": model, "mismatches": sum(1 for row in rows if not row["match"]),
+        "token_mismatches": sum(1 for row in rows if row["ok"] and not row["tokens_match"]),
+        "kv_mismatches": sum(1 for row in rows if row["ok"] and not row["kv_match"]),
+        "kv_max_error": max((row["kv_max_error"] for row in ok), default=0.0), "kv_tolerance": oracle.tolerance,
         "failed": sum(1 for row in rows if not row["ok"]), "transport": backend, "mode": mode,
-        "layerwise": layerwise, "checksum": checksum, "bytes_moved": moved,
+        "layerwise": layerwise, "checksum": checksum, "decode_tp": decode_tp, "bytes_moved": moved,
         "reused_blocks_decode": sum(row["reused_blocks_decode"] for row in ok),
         "reused_blocks_prefill": sum(row["reused_blocks_prefill"] for row in ok),
         "transfer_gbps": moved / xfer_s / 1e9 if xfer_s > 0 else 0.0,
@@ -207,37 +218,47 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
 
 def print_table(summary: dict[str, Any], console: Console) -> None:
     """The per-request table and a summary line."""
-    t = Table(caption="reused D/P: prompt blocks reused from the decode/prefill prefix tree; tokens: "
-                      "checked against single-process generation",
+    t = Table(caption="reused D/P: prompt blocks reused from the decode/prefill prefix tree; tokens: checked against "
+                      "single-process generation; KV: decode's committed prompt KV by (layer, role, token, head) "
+                      f"against a single-process prefill, max relative error (tolerance {summary['kv_tolerance']:.0e})",
               title=f"kvxfer demo: prefill -> decode over {summary['transport']} ({summary['mode']}"
                     f"{', layer-wise' if summary['layerwise'] else ''}"
+                    f"{', decode TP ' + str(summary['decode_tp']) if summary['decode_tp'] > 1 else ''}"
                     f"{', checksum ' + summary['checksum'] if summary['checksum'] != 'off' else ''}) on 127.0.0.1")
-    for col in ("req", "fam", "prompt", "new", "reused D", "reused P", "bytes", "GB/s", "TTFT ms", "check"):
+    for col in ("req", "fam", "prompt", "new", "reused D", "reused P", "bytes", "GB/s", "TTFT ms", "tokens", "KV"):
         t.add_column(col, justify="right")
     for row in summary["rows"]:
         gbps = row["bytes_moved"] / row["transfer_s"] / 1e9 if row["transfer_s"] > 0 else 0.0
-        verdict = "[green]match[/]" if row["match"] else f"[red]{'MISMATCH' if row['ok'] else row['error'][:40]}[/]"
+        if not row["ok"]:
+            tokens_cell, kv_cell = f"[red]{row['error'][:40]}[/]", "[red]-[/]"
+        else:
+            tokens_cell = "[green]match[/]" if row["tokens_match"] else "[red]MISMATCH[/]"
+            layer, role, token, head = row["kv_worst"]
+            kv_cell = (f"[green]{row['kv_max_error']:.0e}[/]" if row["kv_match"] else
+                       f"[red]{row['kv_max_error']:.1e} L{layer} {role[0].upper()} t{token} h{head}[/]")
         t.add_row(str(row["request"]), str(row["family"]), str(row["prompt_tokens"]),
                   str(summary["generated_tokens"] // max(1, summary["requests"] - summary["failed"])),
                   str(row["reused_blocks_decode"]), str(row["reused_blocks_prefill"]), f"{row['bytes_moved'] / 1024:.0f} KiB",
-                  f"{gbps:.3f}", f"{row['ttft_ms']:.1f}", verdict)
+                  f"{gbps:.3f}", f"{row['ttft_ms']:.1f}", tokens_cell, kv_cell)
     console.print(t)
-    console.print(f"{summary['requests']} requests, {summary['mismatches']} mismatches, {summary['failed']} failed; "
+    console.print(f"{summary['requests']} requests, {summary['mismatches']} mismatches ({summary['token_mismatches']} "
+                  f"tokens, {summary['kv_mismatches']} KV; max KV error {summary['kv_max_error']:.1e}), "
+                  f"{summary['failed']} failed; "
                   f"{summary['bytes_moved']:,} bytes moved at {summary['transfer_gbps']:.3f} GB/s; blocks reused: "
                   f"decode {summary['reused_blocks_decode']}, prefill {summary['reused_blocks_prefill']}; "
                   f"TTFT p50 {summary['ttft_ms_p50']:.1f} ms; {summary['elapsed_s']:.1f} s in all")
 
 
 def demo(a: argparse.Namespace) -> int:
-    """Run the demo; 0 when every request matched single-process generation, 1 otherwise."""
-    if a.families < 1 or a.per_family < 1 or a.max_new_tokens < 1:
-        raise ConfigError("--families, --per-family and --max-new-tokens must be >= 1")
+    """Run the demo; 0 when every request's tokens and prompt KV matched the single-process reference, 1 otherwise."""
+    if a.families < 1 or a.per_family < 1 or a.max_new_tokens < 1 or a.decode_tp < 1:
+        raise ConfigError("--families, --per-family, --max-new-tokens and --decode-tp must be >= 1")
     logging.getLogger("kvxfer").setLevel(logging.ERROR)   # peers closing at the end are expected
     console = Console(stderr=a.json)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         summary = run_demo(a.backend, a.mode, a.layerwise, a.families, a.per_family, a.max_new_tokens, a.seed,
-                           a.timeout, progress, a.device, a.checksum, a.model)
+                           a.timeout, progress, a.device, a.checksum, a.decode_tp, a.model)
     if a.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "rows"} | {"rows": summary["rows"]}))
     else:

@@ -19,14 +19,17 @@ from typing import Any
 
 import torch
 
+from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.disagg.messages import Message
+from kvxfer.disagg.mutation import mutated_plan, mutation_for, mutation_setting
 from kvxfer.errors import ConfigError, ControlTimeout, KvxferError
+from kvxfer.extractor import multirank
 from kvxfer.extractor.multirank import all_regions as all_regions  # the workers' planning helpers
-from kvxfer.extractor.multirank import plan_between as plan_between
 from kvxfer.extractor.multirank import region_offsets as region_offsets
 from kvxfer.model import KVSpec, Model, ModelSource, PagedKV, preset
+from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import Transport, create
 from kvxfer.transport.integrity import ChecksumPolicy
 
@@ -75,6 +78,7 @@ class WorkerConfig:
                               f"got {type(self.model).__name__}")
         if self.checksum is not None and not isinstance(self.checksum, ChecksumPolicy):
             raise ConfigError(f"WorkerConfig.checksum must be None or a ChecksumPolicy, got {self.checksum!r}")
+        mutation_setting()   # test hook: an unknown $KVXFER_TEST_MUTATION is refused when a worker is configured
 
     def managers(self) -> list[KVCacheManager]:
         """One cache manager per tensor-parallel rank held by this worker."""
@@ -113,6 +117,26 @@ def held_slots(managers: Sequence[KVCacheManager]) -> int:
             acc = m.slot_accounting(pg)
             total += acc.request_only + acc.shared
     return total
+
+
+def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Any],
+                 dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Any], *,
+                 token_range: tuple[int, int], layers: Sequence[int] | None = None,
+                 dst_committed: Sequence[int | None] | None = None, request_id: str = "") -> TransferPlan:
+    """``kvxfer.extractor.multirank.plan_between`` for the workers: the same plan, except that the test
+    hook ``kvxfer.disagg.mutation`` may corrupt it (``request_id`` selects the hook's per-request
+    mutation; none unless ``$KVXFER_TEST_MUTATION`` is set)."""
+    mutation = mutation_for(request_id)
+    if mutation is not None:
+        return mutated_plan(mutation, src_layouts, [_id_map(x) for x in src_ids], dst_layouts,
+                            [_id_map(x) for x in dst_ids], token_range=token_range, layers=layers)
+    return multirank.plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range,
+                                  layers=layers, dst_committed=dst_committed)
+
+
+def _id_map(ids: Any) -> Any:
+    """A block-id map from a KVCache or a map."""
+    return ids.block_id_map() if hasattr(ids, "block_id_map") else ids
 
 
 class LayerwiseKV(PagedKV):

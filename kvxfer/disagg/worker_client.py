@@ -13,8 +13,9 @@ import numpy.typing as npt
 
 from kvxfer.disagg.control import PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
+from kvxfer.disagg.oracle import PromptKV
 from kvxfer.disagg.worker_protocol import decode_stats
-from kvxfer.errors import KvxferError, ProtocolError, TransferFailed
+from kvxfer.errors import DecodeError, KvxferError, ProtocolError, TransferFailed
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class ClientResult:
     tokens: list[int]
     stats: dict[str, int | float | str]
     error: str = ""
+    kv: PromptKV | None = None
+    """The committed prompt KV by logical position, when the request asked for it (``return_kv``)."""
 
     @property
     def ok(self) -> bool:
@@ -40,24 +43,31 @@ class GenerateClient:
         self.conn: PeerConnection = connect(address, ident, secret, timeout=timeout, expect_role="decode")
         self._ids = itertools.count(1)
 
-    def submit(self, tokens: npt.ArrayLike, max_new_tokens: int, *, mode: str = "", layerwise: bool = False) -> str:
-        """Send one request; returns its id (answers come back through ``recv``)."""
+    def submit(self, tokens: npt.ArrayLike, max_new_tokens: int, *, mode: str = "", layerwise: bool = False,
+               return_kv: int = 0) -> str:
+        """Send one request; returns its id (answers come back through ``recv``). ``return_kv``: the answer
+        carries decode's committed KV of up to that many prompt positions (``ClientResult.kv``)."""
         rid = f"r{next(self._ids)}"
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1).tolist()
         self.conn.send("generate", request_id=rid, tokens=ids, max_new_tokens=max_new_tokens, mode=mode,
-                       layerwise=layerwise)
+                       layerwise=layerwise, return_kv=int(return_kv))
         return rid
 
     def recv(self, timeout: float) -> ClientResult:
         """The next answer (ControlTimeout after ``timeout`` s, PeerUnreachable if decode went away)."""
         msg = self.conn.recv(timeout)
         if msg.type == "generated":
-            return ClientResult(msg["request_id"], list(msg["tokens"]), decode_stats(msg["stats"]))
+            try:
+                kv = PromptKV.from_bytes(msg["kv"]) if msg["kv"] else None
+            except DecodeError as exc:
+                raise ProtocolError(f"generated.kv: {exc}") from exc
+            return ClientResult(msg["request_id"], list(msg["tokens"]), decode_stats(msg["stats"]), kv=kv)
         if msg.type == "generate_failed":
             return ClientResult(msg["request_id"], [], {}, f"{msg['error']}: {msg['reason']}")
         raise ProtocolError(f"decode worker sent {msg.type!r} to a client")
 
-    def generate(self, tokens: npt.ArrayLike, max_new_tokens: int, timeout: float = 120.0, **kw: str | bool) -> ClientResult:
+    def generate(self, tokens: npt.ArrayLike, max_new_tokens: int, timeout: float = 120.0,
+                 **kw: str | bool | int) -> ClientResult:
         """Submit one request and wait for its answer; TransferFailed if it failed."""
         rid = self.submit(tokens, max_new_tokens, **kw)  # type: ignore[arg-type]
         while True:

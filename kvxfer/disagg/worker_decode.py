@@ -34,6 +34,7 @@ from kvxfer.cache.kv_cache import KVCache
 from kvxfer.disagg.control import ControlServer, PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
+from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
 from kvxfer.disagg.session import Session, SessionState
 from kvxfer.disagg.worker import (
     Engine,
@@ -102,10 +103,13 @@ class GenerationResult:
     """Submit -> the first generated token is known with its KV in place on decode."""
     verify_s: float = 0.0
     """Checking the destination pages against prefill's digest (0 without a checksum policy)."""
+    prompt_kv: PromptKV | None = None
+    """The committed prompt KV by logical position, read from decode's pages (only when the request
+    asked for it with ``return_kv``: for the KV oracle of tests and the demo)."""
 
     def stats(self) -> dict[str, int | float | str]:
         """The figures of this result without the tokens (what ``generated.stats`` carries)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("tokens", "request_id")}
+        return {k: v for k, v in asdict(self).items() if k not in ("tokens", "request_id", "prompt_kv")}
 
 
 @dataclass(eq=False)
@@ -132,6 +136,8 @@ class _Job:
     lease_until: float = 0.0
     """Prefill's lease on the source blocks lasts at least until then (renewals sent in time extend it)."""
     zombie_until: float = 0.0
+    return_kv: int = 0
+    """Prompt positions whose committed KV the result carries (0: none; see ``kvxfer.disagg.oracle``)."""
 
 
 class DecodeWorker(WorkerCounts):
@@ -215,8 +221,10 @@ class DecodeWorker(WorkerCounts):
         return self._prefill is not None and self._prefill.alive
 
     def submit(self, tokens: npt.ArrayLike, max_new_tokens: int, *, mode: str | None = None,
-               layerwise: bool | None = None, request_id: str | None = None) -> Future[GenerationResult]:
-        """Start a request; the future resolves to a GenerationResult or raises why it failed."""
+               layerwise: bool | None = None, request_id: str | None = None,
+               return_kv: int = 0) -> Future[GenerationResult]:
+        """Start a request; the future resolves to a GenerationResult or raises why it failed. ``return_kv``:
+        the result carries the committed KV of up to that many prompt positions (``GenerationResult.prompt_kv``)."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if not ids.size:
             raise CapacityError("submit: the prompt must hold at least one token")
@@ -230,7 +238,7 @@ class DecodeWorker(WorkerCounts):
         fut: Future[GenerationResult] = Future()
         t = now()
         job = _Job(rid, ids, max_new_tokens, mode, self.layerwise if layerwise is None else layerwise, fut,
-                   Session(rid), t, t + self.config.deadline_s)
+                   Session(rid), t, t + self.config.deadline_s, return_kv=max(0, int(return_kv)))
         self.engine.post("submit", job)
         return fut
 
@@ -344,7 +352,8 @@ class DecodeWorker(WorkerCounts):
         t = now()
         job = _Job(rid, np.asarray(msg["tokens"], dtype=np.int64), int(msg["max_new_tokens"]),
                    msg["mode"] or self.mode, msg["layerwise"] or self.layerwise, Future(), Session(rid), t,
-                   t + self.config.deadline_s, reply=conn, client_request_id=msg["request_id"])
+                   t + self.config.deadline_s, reply=conn, client_request_id=msg["request_id"],
+                   return_kv=int(msg["return_kv"]))
         if not job.tokens.size:
             self._reply_failed(job, CapacityError("the prompt must hold at least one token"))
             return
@@ -457,7 +466,7 @@ class DecodeWorker(WorkerCounts):
                 return
             try:
                 plan = plan_between(self._prefill_layouts, src_ids, self.layouts, job.caches,
-                                    token_range=(job.skip, int(job.tokens.size)))
+                                    token_range=(job.skip, int(job.tokens.size)), request_id=rid)
                 check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
                 job.read_posted = now()
                 job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
@@ -574,6 +583,7 @@ class DecodeWorker(WorkerCounts):
             kv = self.model.bind(list(zip(self.managers, job.caches, strict=True)))
             first = int(job.pushed["first_token"])
             ttft = now() - job.submitted
+            prompt_kv = self._prompt_kv(job) if job.return_kv else None   # after TTFT: a check, not serving
             with torch.inference_mode():
                 tokens = self.model.continue_greedy(kv, first, job.max_new_tokens)
         except KvxferError as exc:
@@ -587,12 +597,22 @@ class DecodeWorker(WorkerCounts):
         self.counts["completed"] += 1
         result = GenerationResult(job.request_id, tokens, int(job.tokens.size), job.skip,
                                   int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
-                                  float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft, verify_s)
+                                  float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft, verify_s,
+                                  prompt_kv)
         job.future.set_result(result)
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
                 job.reply.send("generated", request_id=job.client_request_id, tokens=tokens,
-                               stats=encode_stats(result.stats()))
+                               stats=encode_stats(result.stats()),
+                               kv=prompt_kv.to_bytes() if prompt_kv is not None else b"")
+
+    def _prompt_kv(self, job: _Job) -> PromptKV:
+        """The committed prompt KV at up to ``job.return_kv`` positions, read through decode's own pages and
+        block ids (not through any transfer plan): what the KV oracle compares with a reference."""
+        c = self.config.model.kv_spec
+        positions = positions_within(int(job.tokens.size), job.return_kv, c, seed=int(job.tokens.size))
+        return read_prompt_kv(list(zip(self.managers, job.caches, strict=True)), positions, c.num_layers,
+                              c.num_kv_heads, c.head_dim)
 
     # --- failure ----------------------------------------------------------------------------------
     def _fail(self, job: _Job, error: KvxferError, *, remote_done: bool = False, quarantine_until: float = 0.0) -> None:

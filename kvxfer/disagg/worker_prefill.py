@@ -302,7 +302,7 @@ class PrefillWorker(WorkerCounts):
                     job.session.start_transfer("layer-wise writes posted")
                     job.posted_at = now()
                 plan = plan_between(self.layouts, self._source_ids(job), dst_layouts, dst_ids, token_range=span,
-                                    layers=ends[layer])
+                                    layers=ends[layer], request_id=job.request_id)
                 part[0] += 1
                 self._check_may_write(job)
                 job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, part[0])))
@@ -323,7 +323,8 @@ class PrefillWorker(WorkerCounts):
                        reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest)
             return
         if not msg["layerwise"]:
-            plan = plan_between(self.layouts, self._source_ids(job), dst_layouts, dst_ids, token_range=span)
+            plan = plan_between(self.layouts, self._source_ids(job), dst_layouts, dst_ids, token_range=span,
+                                request_id=job.request_id)
             self._check_may_write(job)
             job.session.start_transfer("write posted")
             job.posted_at = now()

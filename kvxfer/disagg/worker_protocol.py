@@ -5,7 +5,8 @@ Decode <-> prefill, after the authenticated handshake (see docs/disagg.md):
 request's KV, saying which tokens it already holds and where the rest must go), ``kv_pushed`` (push:
 the pages are written), ``kv_pull`` (pull: where to read them from), ``kv_release`` (pull: read done),
 ``lease_renew``, ``kv_cancel``, ``kv_failed``. Client <-> decode: ``generate``, ``generate_cancel``,
-``generated``, ``generate_failed``. Any authenticated peer (clients included, on both workers):
+``generated``, ``generate_failed`` (``generate.return_kv`` > 0 asks for the committed prompt KV of that
+many positions in ``generated.kv``: the KV oracle's input, see ``kvxfer.disagg.oracle``). Any authenticated peer (clients included, on both workers):
 ``worker_status`` -> ``worker_status_reply`` (slot accounting and counters, for operators and tests).
 
 Integrity (optional, decode decides): ``kv_request.checksum`` carries decode's ChecksumPolicy; prefill
@@ -70,13 +71,14 @@ KV_FAILED = register(MessageSpec("kv_failed", (_RID, _REASON)))
 GENERATE = register(MessageSpec("generate", (
     _RID, Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=MAX_PROMPT_TOKENS),
     Field("max_new_tokens", "int", hi=1 << 20), Field("mode", "str", max_len=8, choices=("", *MODES)),
-    Field("layerwise", "bool"),
+    Field("layerwise", "bool"), Field("return_kv", "int", hi=MAX_PROMPT_TOKENS),
 )))
 GENERATE_CANCEL = register(MessageSpec("generate_cancel", (_RID, _REASON)))
 WORKER_STATUS = register(MessageSpec("worker_status", ()))
 WORKER_STATUS_REPLY = register(MessageSpec("worker_status_reply", (Field("stats", "bytes", max_len=1 << 16),)))
 GENERATED = register(MessageSpec("generated", (
     _RID, Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=1 << 20), Field("stats", "bytes", max_len=1 << 16),
+    Field("kv", "bytes", max_len=MAX_MESSAGE_BYTES // 2),
 )))
 GENERATE_FAILED = register(MessageSpec("generate_failed", (_RID, Field("error", "str", max_len=64), _REASON)))
 

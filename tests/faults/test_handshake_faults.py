@@ -25,7 +25,7 @@ from kvxfer.disagg.worker_protocol import encode_block_ids, encode_checksum_poli
 from kvxfer.errors import ControlTimeout, ProtocolError
 from kvxfer.transport import create
 from tests.faults.conftest import assert_settled
-from tests.test_e2e import SECRET, name, reference
+from tests.test_e2e import KV, NEW, SECRET, assert_matches_reference, name
 
 MARGIN = 3.0
 KEY = AuthKey.load(SECRET)
@@ -60,7 +60,7 @@ def serve_one(prefill: PrefillWorker, seed: int) -> None:
     """A real decode worker connects to ``prefill`` and gets exact tokens; both end settled."""
     with DecodeWorker(WorkerConfig(name("decode"), num_blocks=256), SECRET, prefill=prefill.address) as worker:
         tokens = prompt(seed)
-        assert worker.generate(tokens, 4, timeout=30).tokens == reference(tokens, 4)
+        assert_matches_reference(worker.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
         assert prefill.status()["peers"] == 1
         assert_settled(prefill, worker)
 

@@ -1,6 +1,7 @@
 """Worker-level faults over the loopback transport: a failed post, a lost or repeated notification, a
 stalled or late transfer, corrupted bytes and cancellations, each aimed at one request of several in
-flight. Every case checks the error (class, message, time), that the other requests get exact tokens,
+flight. Every case checks the error (class, message, time), that the other requests get exact tokens and
+the reference's prompt KV position by position (the KV oracle),
 that both workers end holding nothing with balanced allocator accounting, and that the same pair then
 serves a fresh request (the no-thread-left check is the directory's autouse fixture)."""
 
@@ -25,9 +26,8 @@ from kvxfer.model import preset
 from kvxfer.transport import LoopbackFaults
 from kvxfer.transport.integrity import ChecksumPolicy
 from tests.faults.conftest import assert_settled
-from tests.test_e2e import SECRET, name, reference
+from tests.test_e2e import KV, NEW, SECRET, assert_matches_reference, kv_oracle, name, reference
 
-NEW = 4                                      # tokens generated per request
 LAYERS = preset("tiny").num_layers
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4         # tiny: layers x (K, V) x kv heads x head_dim x float32
 MARGIN = 3.0                                 # seconds past a deadline a failure may take on a loaded machine
@@ -54,7 +54,7 @@ def pair(*, prefill_faults: LoopbackFaults | None = None, decode_faults: Loopbac
 
 def submit_all(decode: DecodeWorker, requests: dict[str, npt.NDArray[np.int64]]) -> dict[str, Future[GenerationResult]]:
     """Submit every request (in order, under its key as request id) without waiting."""
-    return {rid: decode.submit(tokens, NEW, request_id=rid) for rid, tokens in requests.items()}
+    return {rid: decode.submit(tokens, NEW, request_id=rid, return_kv=KV) for rid, tokens in requests.items()}
 
 
 def failure(fut: Future[GenerationResult], t0: float, timeout: float = 30.0) -> tuple[BaseException, float]:
@@ -66,20 +66,21 @@ def failure(fut: Future[GenerationResult], t0: float, timeout: float = 30.0) -> 
 
 def assert_survivors(futures: dict[str, Future[GenerationResult]], requests: dict[str, npt.NDArray[np.int64]],
                      victims: tuple[str, ...]) -> None:
-    """Every request but ``victims`` finished with the single-process tokens."""
+    """Every request but ``victims`` finished with the single-process tokens and prompt KV."""
     for rid, fut in futures.items():
         if rid not in victims:
-            assert fut.result(30).tokens == reference(requests[rid], NEW), rid
+            assert_matches_reference(fut.result(30), requests[rid], NEW)
 
 
 def assert_serves_again(decode: DecodeWorker, victim: npt.NDArray[np.int64], survivor: npt.NDArray[np.int64]) -> None:
     """The pair serves the failed prompt again from scratch (nothing of it was committed on decode), and
     a survivor's prompt from decode's prefix tree (so the first check could have seen a kept block)."""
-    again = decode.generate(victim, NEW, timeout=30)
-    assert again.tokens == reference(victim, NEW)
+    again = decode.generate(victim, NEW, timeout=30, return_kv=KV)
+    assert_matches_reference(again, victim, NEW)
     assert again.reused_tokens_decode == 0 and again.bytes_moved == victim.size * BYTES_PER_TOKEN
-    kept = decode.generate(survivor, NEW, timeout=30)
-    assert kept.tokens == reference(survivor, NEW) and kept.reused_tokens_decode > 0
+    kept = decode.generate(survivor, NEW, timeout=30, return_kv=KV)
+    assert_matches_reference(kept, survivor, NEW)
+    assert kept.reused_tokens_decode > 0
 
 
 def wait_for(what: str, cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -258,11 +259,22 @@ def test_corrupted_request_fails_integrity_and_is_not_committed(mode: str, layer
         assert_settled(prefill, decode)
 
 
-def test_the_same_corruption_without_checksum_goes_unnoticed() -> None:
-    """The control case: B is served (wrongly) when nothing checks it, so the checksum is what fails it above."""
-    faults = LoopbackFaults(corrupt=(50_000, 1))
+@pytest.mark.parametrize(("offset", "oracle_sees_it"), [(50_000, False), (50_003, True)],
+                         ids=["low-mantissa-byte", "sign-exponent-byte"])
+def test_the_same_corruption_without_checksum(offset: int, oracle_sees_it: bool) -> None:
+    """The control case: without a checksum B is served (wrongly) with the reference's tokens. Inverting
+    the low mantissa byte of one float32 (offset 50,000) stays inside the KV oracle's tolerance, so only
+    the checksum above fails it; inverting its sign/exponent byte (50,003) the oracle reports at its
+    (layer, role, token, head)."""
+    faults = LoopbackFaults(corrupt=(offset, 1))
     with pair(prefill_faults=faults) as (prefill, decode):
-        assert len(decode.generate(prompt(2, 60), NEW, timeout=30).tokens) == NEW
+        tokens = prompt(2, 60)
+        res = decode.generate(tokens, NEW, timeout=30, return_kv=KV)
+        assert res.tokens == reference(tokens, NEW)
+        report = kv_oracle().check(tokens, res.prompt_kv)
+        assert report.ok is not oracle_sees_it, report.describe()
+        if oracle_sees_it:
+            assert report.bad == 1 and report.worst == (2, "key", 22, 0)   # 50,003 // 4 = float 12,500 of the stream
         assert decode.status()["integrity_failures"] == 0
         assert_settled(prefill, decode)
 
@@ -327,8 +339,9 @@ def test_prefill_busy_past_the_deadline() -> None:
         release.set()
         assert_settled(prefill, decode)
         for tokens in requests.values():        # nothing of either was committed on decode
-            again = decode.generate(tokens, NEW, timeout=30)
-            assert again.tokens == reference(tokens, NEW) and again.reused_tokens_decode == 0
+            again = decode.generate(tokens, NEW, timeout=30, return_kv=KV)
+            assert_matches_reference(again, tokens, NEW)
+            assert again.reused_tokens_decode == 0
         assert_settled(prefill, decode)
 
 

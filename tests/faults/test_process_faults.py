@@ -31,7 +31,13 @@ from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed, TransferTimeout
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import TransferHandle, available_backends
-from tests.test_e2e import _one_thread, prompts, reference  # noqa: F401 (_one_thread: autouse leak check)
+from tests.test_e2e import (
+    KV,
+    NEW,
+    _one_thread,  # noqa: F401 (autouse leak check)
+    assert_matches_reference,
+    prompts,
+)
 
 pytestmark = [pytest.mark.faults, pytest.mark.ucx]
 SECRET = "faults-proc-secret-0123456789abcdef"
@@ -165,7 +171,7 @@ def test_prefill_killed_while_idle_fails_the_next_submit_fast(backend: str) -> N
         with DecodeWorker(cfg, SECRET, connect_timeout=RECONNECT_S) as decode:
             decode.connect(first.address, timeout=30.0)
             tokens = prompts(11)[0]
-            assert decode.generate(tokens, 4, timeout=60).tokens == reference(tokens, 4)
+            assert_matches_reference(decode.generate(tokens, NEW, timeout=60, return_kv=KV), tokens, NEW)
             first.kill()
             t0 = time.monotonic()
             with pytest.raises(PeerUnreachable, match=r"lost: .*silent|no prefill worker connected"):
@@ -181,7 +187,7 @@ def test_prefill_killed_while_idle_fails_the_next_submit_fast(backend: str) -> N
             second = spawn("prefill", backend)
             decode.connect(second.address, timeout=30.0)
             other = prompts(12)[1]
-            assert decode.generate(other, 6, timeout=60).tokens == reference(other, 6)
+            assert_matches_reference(decode.generate(other, NEW, timeout=60, return_kv=KV), other, NEW)
             assert_holds_nothing(decode)
     finally:
         reap(first, second)
@@ -227,17 +233,19 @@ def test_prefill_killed_during_transfers_fails_only_requests_in_flight(backend: 
                 decode.transport.notifications = notifications  # type: ignore[method-assign]
 
             served, victim, *queued = long_prompts(21, 3, 400)
-            futures = [decode.submit(served, 6, request_id="served"), decode.submit(victim, 6, request_id="victim")]
-            futures += [decode.submit(p, 6, request_id=f"queued-{i}") for i, p in enumerate(queued)]
+            futures = [decode.submit(served, NEW, request_id="served", return_kv=KV),
+                       decode.submit(victim, NEW, request_id="victim", return_kv=KV)]
+            futures += [decode.submit(p, NEW, request_id=f"queued-{i}") for i, p in enumerate(queued)]
             results = [outcome(f, 120.0) for f in futures]
             assert killed_at, "the victim's transfer never started"
-            assert isinstance(results[0], GenerationResult) and results[0].tokens == reference(served, 6)
+            assert isinstance(results[0], GenerationResult)
+            assert_matches_reference(results[0], served, NEW)
             got = results[1]
             if pull:                     # the pages' owner is dead before the read is posted: it cannot succeed
                 assert isinstance(got, TransferFailed | PeerUnreachable), got
                 assert "read of request victim" in str(got) or "lost" in str(got), got
             elif isinstance(got, GenerationResult):   # every layer may have arrived before the kill
-                assert got.tokens == reference(victim, 6)
+                assert_matches_reference(got, victim, NEW)
             else:
                 assert isinstance(got, PeerUnreachable) and "lost" in str(got), got
             for res in results[2:]:
@@ -249,7 +257,7 @@ def test_prefill_killed_during_transfers_fails_only_requests_in_flight(backend: 
             assert_holds_nothing(decode)
             second = spawn("prefill", backend)
             decode.connect(second.address, timeout=30.0)
-            assert decode.generate(victim, 6, timeout=60).tokens == reference(victim, 6)
+            assert_matches_reference(decode.generate(victim, NEW, timeout=60, return_kv=KV), victim, NEW)
             assert_holds_nothing(decode)
     finally:
         reap(first, second)
@@ -277,12 +285,12 @@ def test_prefill_killed_after_the_transfer_the_request_still_completes(backend: 
 
             short, = prompts(31, count=1)
             long, = long_prompts(32, 1, 1200)
-            done = decode.submit(short, 24)
+            done = decode.submit(short, 24, return_kv=KV)
             computing = decode.submit(long, 4)
             assert generating.wait(60.0), "the first request's KV never arrived"
             first.kill()
             resume.set()
-            assert done.result(timeout=60).tokens == reference(short, 24)
+            assert_matches_reference(done.result(timeout=60), short, 24)
             with pytest.raises(PeerUnreachable, match="lost"):
                 computing.result(timeout=HEARTBEAT_LIMIT + MARGIN)
             with pytest.raises(PeerUnreachable, match="no prefill worker connected"):
@@ -294,13 +302,13 @@ def test_prefill_killed_after_the_transfer_the_request_still_completes(backend: 
             t0 = time.monotonic()
             while True:
                 try:
-                    res = decode.generate(long, 4, timeout=60)
+                    res = decode.generate(long, NEW, timeout=60, return_kv=KV)
                     break
                 except PeerUnreachable as exc:
                     assert "no prefill worker connected" in str(exc), exc
                     assert time.monotonic() - t0 < 2 * RECONNECT_S + MARGIN, "decode never reconnected"
                     time.sleep(0.2)
-            assert res.tokens == reference(long, 4)
+            assert_matches_reference(res, long, NEW)
             assert decode.connected
             assert_holds_nothing(decode)
     finally:
@@ -369,7 +377,7 @@ def test_decode_killed_before_during_and_after_transfers_prefill_frees_everythin
             proc, client = start_decode()
             try:
                 tokens = held[1]
-                assert client.generate(tokens, 6, timeout=60).tokens == reference(tokens, 6)
+                assert_matches_reference(client.generate(tokens, NEW, timeout=60, return_kv=KV), tokens, NEW)
             finally:
                 client.close()
             assert_holds_nothing(prefill)
@@ -387,7 +395,7 @@ def test_prefill_frozen_past_the_deadline_then_resumed(backend: str) -> None:
         cfg = WorkerConfig(name("decode"), backend=backend, deadline_s=deadline_s, lease_s=LEASE_S)
         with DecodeWorker(cfg, SECRET, prefill=proc.address, connect_timeout=30.0) as decode:
             first, second = long_prompts(51, 2, 300)
-            assert decode.generate(first, 4, timeout=60).tokens == reference(first, 4)
+            assert_matches_reference(decode.generate(first, NEW, timeout=60, return_kv=KV), first, NEW)
             proc.proc.send_signal(signal.SIGSTOP)
             t0 = time.monotonic()
             futures = [decode.submit(first, 4), decode.submit(second, 4, mode="pull")]
@@ -405,7 +413,7 @@ def test_prefill_frozen_past_the_deadline_then_resumed(backend: str) -> None:
                 status = query_status(proc.address, SECRET)
                 return status["held_slots"] == 0 and status["jobs"] == 0 and status["open_caches"] == 0
             wait_until(prefill_idle, HEARTBEAT_LIMIT + MARGIN, "the resumed prefill frees its blocks")
-            assert decode.generate(second, 6, timeout=60).tokens == reference(second, 6)
+            assert_matches_reference(decode.generate(second, NEW, timeout=60, return_kv=KV), second, NEW)
             assert decode.connected
             assert_holds_nothing(decode)
     finally:
@@ -437,7 +445,7 @@ def test_decode_frozen_past_the_pull_lease_then_resumed(backend: str) -> None:
             client = GenerateClient(decode.address, SECRET, name=name("client"))
             tokens, nxt = long_prompts(61, 2, 300)
             try:
-                rid = client.submit(tokens, 6)
+                rid = client.submit(tokens, NEW, return_kv=KV)
                 wait_until(lambda: bool(stopped), 60.0, "prefill offers the pages")
                 took = wait_until(lambda: prefill.held_slots() == 0, lease_s + HEARTBEAT_LIMIT + MARGIN,
                                   "prefill frees the pages of the frozen decode")
@@ -450,7 +458,8 @@ def test_decode_frozen_past_the_pull_lease_then_resumed(backend: str) -> None:
                     res = None
                 if res is not None:
                     assert res.request_id == rid
-                    assert res.ok is False or res.tokens == reference(tokens, 6), res
+                    if res.ok:
+                        assert_matches_reference(res, tokens, NEW)
                     if not res.ok:
                         assert "lease may have expired" in res.error or "lost" in res.error, res.error
             finally:
@@ -463,7 +472,7 @@ def test_decode_frozen_past_the_pull_lease_then_resumed(backend: str) -> None:
             wait_until(decode_idle, HEARTBEAT_LIMIT + MARGIN, f"the resumed decode frees its blocks ({took:.1f} s)")
             client = GenerateClient(decode.address, SECRET, name=name("client"))
             try:
-                assert client.generate(nxt, 6, timeout=60).tokens == reference(nxt, 6)
+                assert_matches_reference(client.generate(nxt, NEW, timeout=60, return_kv=KV), nxt, NEW)
             finally:
                 client.close()
             assert_holds_nothing(prefill)
@@ -498,7 +507,7 @@ def test_resumed_prefill_cannot_write_into_blocks_decode_gave_away(backend: str)
             assert_holds_nothing(decode)
             other = spawn("prefill", backend)
             decode.connect(other.address, timeout=30.0)
-            assert decode.generate(kept, 4, timeout=60).tokens == reference(kept, 4)
+            assert_matches_reference(decode.generate(kept, NEW, timeout=60, return_kv=KV), kept, NEW)
             frozen.proc.send_signal(signal.SIGCONT)
 
             def frozen_done() -> bool:
@@ -506,9 +515,9 @@ def test_resumed_prefill_cannot_write_into_blocks_decode_gave_away(backend: str)
                 return status["held_slots"] == 0 and status["jobs"] == 0
             wait_until(frozen_done, HEARTBEAT_LIMIT + MARGIN, "the resumed prefill settles")
             longer = np.concatenate([kept, long_prompts(72, 1, 5)[0]])
-            res = decode.generate(longer, 8, timeout=60)
+            res = decode.generate(longer, NEW, timeout=60, return_kv=KV)
             assert res.reused_tokens_decode == 992       # 62 full blocks of the kept prompt stayed on decode
-            assert res.tokens == reference(longer, 8)
+            assert_matches_reference(res, longer, NEW)
             assert_holds_nothing(decode)
     finally:
         reap(frozen, other)

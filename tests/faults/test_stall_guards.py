@@ -19,9 +19,8 @@ from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError, PeerUnreachable, TransferFailed
 from tests.faults.conftest import assert_settled
-from tests.test_e2e import SECRET, name, prompts, reference
+from tests.test_e2e import KV, NEW, SECRET, assert_matches_reference, name, prompts
 
-NEW = 4
 MARGIN = 3.0
 
 
@@ -77,7 +76,7 @@ def test_renewals_keep_the_lease_while_prefill_computes_longer_than_it(mode: str
                          mode=mode) as decode:
         slow_prefill(prefill, lambda: time.sleep(3 * lease))
         tokens = prompts(40)[0]
-        assert decode.generate(tokens, NEW, timeout=30).tokens == reference(tokens, NEW)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
         assert list(prefill.stats.reasons) == []
         assert_settled(prefill, decode)
 
@@ -101,7 +100,7 @@ def test_prefill_that_stalled_while_serving_refuses_to_write() -> None:
         with pytest.raises(TransferFailed, match=r"this process stalled \d+\.\d s .*may have declared it lost"):
             decode.generate(tokens, NEW, timeout=30)
         prefill.stall_watch = StallWatch(threshold).start()
-        assert decode.generate(tokens, NEW, timeout=30).tokens == reference(tokens, NEW)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
         assert_settled(prefill, decode)
         prefill.stall_watch.stop()
 

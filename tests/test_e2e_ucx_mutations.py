@@ -1,0 +1,105 @@
+"""Every pairing mutation (``kvxfer.disagg.mutation``) through real workers over UCX (NIXL, else ucxx, on
+127.0.0.1): one prefill process that mutates the requests whose id names a mutation, and a TP 1 -> 2
+decode (8 tokens/block, NHD) in this process per checksum setting, in push, pull and layer-wise. The KV
+oracle must catch each, ``--checksum full`` must refuse each, the unmutated requests pass both. The
+workers live for the whole module (no per-test leak check here: tests/test_e2e_ucx.py has those)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvxfer.cli.demo import WorkerProcess
+from kvxfer.cli.serve import best_backend
+from kvxfer.disagg.mutation import (
+    MUTATION_ENV,
+    MUTATIONS,
+    PER_REQUEST,
+    reset_test_mutation,
+    set_test_mutation,
+)
+from kvxfer.disagg.worker import WorkerConfig
+from kvxfer.disagg.worker_decode import DecodeWorker
+from kvxfer.errors import BackendUnavailable, IntegrityError
+from kvxfer.transport.integrity import ChecksumPolicy
+from tests.test_e2e import KV, NEW, kv_oracle
+from tests.test_e2e_ucx import SECRET, spawn_prefill
+from tests.test_mutations import fresh_prompt
+
+pytestmark = pytest.mark.ucx
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def backend() -> str:
+    try:
+        return best_backend()
+    except BackendUnavailable as exc:
+        pytest.skip(f"needs a UCX transport: {exc}")
+
+
+@pytest.fixture(scope="module")
+def mutating_prefill(backend: str) -> Iterator[WorkerProcess]:
+    """A prefill process that applies the mutation a request's id names (``mutate=NAME``)."""
+    torch.set_num_threads(1)
+    proc = spawn_prefill(backend, env_extra={MUTATION_ENV: PER_REQUEST})
+    set_test_mutation(PER_REQUEST)    # this process's decode workers too (pull plans are built there)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        reset_test_mutation()
+
+
+_ucx_decodes: dict[str, DecodeWorker] = {}
+
+
+@pytest.fixture(scope="module")
+def decodes() -> Iterator[dict[str, DecodeWorker]]:
+    try:
+        yield _ucx_decodes
+    finally:
+        for d in _ucx_decodes.values():
+            d.close()
+        _ucx_decodes.clear()
+
+
+def _ucx_cases() -> list[object]:
+    out: list[object] = []
+    for checksum in ("off", "full"):
+        for mode in ("push", "pull", "layerwise"):
+            for mutation in (None, *MUTATIONS):
+                out.append(pytest.param(checksum, mode, mutation,
+                                        id=f"checksum_{checksum}-{mode}-{mutation or 'none'}"))
+    return out
+
+
+@pytest.mark.parametrize(("checksum", "mode", "mutation"), _ucx_cases())
+def test_every_mutation_is_caught_over_ucx(backend: str, mutating_prefill: WorkerProcess,
+                                           decodes: dict[str, DecodeWorker], checksum: str, mode: str,
+                                           mutation: str | None) -> None:
+    """One prefill process, a TP 1 -> 2 decode (8 tokens/block, NHD) per checksum setting in this process."""
+    if checksum not in decodes:
+        cfg = WorkerConfig(f"ucx-mut-decode-{checksum}-{os.getpid()}-{next(_names)}", backend=backend,
+                           tokens_per_block=8, head_order="NHD", tp_size=2,
+                           checksum=ChecksumPolicy() if checksum == "full" else None)
+        decodes[checksum] = DecodeWorker(cfg, SECRET, prefill=mutating_prefill.address)
+    decode = decodes[checksum]
+    tokens = fresh_prompt(f"ucx-{checksum}-{mode}-{mutation}")
+    rid = f"u{next(_names)}" + (f"-mutate={mutation}" if mutation else "")
+    kw = {"mode": "push" if mode == "layerwise" else mode, "layerwise": mode == "layerwise", "request_id": rid,
+          "return_kv": KV}
+    if checksum == "full" and mutation is not None:
+        with pytest.raises(IntegrityError):
+            decode.generate(tokens, NEW, timeout=60, **kw)
+        return
+    res = decode.generate(tokens, NEW, timeout=60, **kw)
+    check = kv_oracle().check_request(tokens, NEW, res.tokens, res.prompt_kv)
+    if mutation is None:
+        assert check.ok, check.describe()
+    else:
+        assert not check.kv.ok, f"the KV oracle missed {mutation} over {backend}: {check.describe()}"

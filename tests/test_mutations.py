@@ -1,0 +1,114 @@
+"""Mutation tests of the checks themselves: each class of pairing bug (``kvxfer.disagg.mutation``: block
+swap, token shift by one, head ranges swapped between TP ranks, a block from another request, one layer
+left unwritten) is injected into the real workers' plans over loopback, in push, pull and layer-wise, on
+identical layouts and on a TP 1 -> 2 pair with other block size and head order. The KV oracle must see
+every one (tokens alone cannot: K is stored after RoPE and attention is order-blind), ``--checksum full``
+must refuse every one with IntegrityError, and the unmutated request must pass both."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer.disagg.mutation import MUTATION_ENV, MUTATIONS, reset_test_mutation, set_test_mutation
+from kvxfer.disagg.worker import WorkerConfig
+from kvxfer.disagg.worker_decode import DecodeWorker
+from kvxfer.disagg.worker_prefill import PrefillWorker
+from kvxfer.errors import ConfigError, IntegrityError
+from kvxfer.transport.integrity import ChecksumPolicy
+from tests.test_e2e import KV, NEW, SECRET, kv_oracle, name
+
+LAYOUTS: dict[str, dict[str, Any]] = {"same": {}, "tp1to2": {"tokens_per_block": 8, "head_order": "NHD", "tp_size": 2}}
+MODES = [("push", False), ("pull", False), ("layerwise", True)]
+_ids = itertools.count()
+
+
+def _cases() -> list[Any]:
+    out: list[Any] = []
+    for layout, checksum, (mode, _), mutation in itertools.product(LAYOUTS, ("off", "full"), MODES, (None, *MUTATIONS)):
+        if mutation == "head_swap" and layout == "same":
+            continue   # one rank on each side: no head range to swap
+        out.append(pytest.param(layout, checksum, mode, mutation,
+                                id=f"{layout}-checksum_{checksum}-{mode}-{mutation or 'none'}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pairs() -> Iterator[dict[tuple[str, str], tuple[PrefillWorker, DecodeWorker]]]:
+    """Worker pairs by (layout, checksum), started on first use; the mutation is chosen per request."""
+    torch.set_num_threads(1)
+    set_test_mutation("per_request")
+    made: dict[tuple[str, str], tuple[PrefillWorker, DecodeWorker]] = {}
+    try:
+        yield made
+    finally:
+        for prefill, decode in made.values():
+            decode.close()
+            prefill.close()
+        reset_test_mutation()
+
+
+def pair(pairs: dict[tuple[str, str], tuple[PrefillWorker, DecodeWorker]], layout: str,
+         checksum: str) -> DecodeWorker:
+    if (layout, checksum) not in pairs:
+        prefill = PrefillWorker(WorkerConfig(name("prefill"), num_blocks=256), SECRET)
+        policy = ChecksumPolicy() if checksum == "full" else None
+        decode = DecodeWorker(WorkerConfig(name("decode"), num_blocks=256, checksum=policy, **LAYOUTS[layout]),
+                              SECRET, prefill=prefill.address)
+        pairs[(layout, checksum)] = (prefill, decode)
+    return pairs[(layout, checksum)][1]
+
+
+_first_tokens = itertools.count(1)
+
+
+def fresh_prompt(case: str) -> np.ndarray:
+    """A prompt sharing no token prefix with any earlier one of this process (a distinct first token), so
+    the whole prompt travels (>= 2 blocks to swap) and no request reuses blocks a mutated request committed
+    (decode's prefix tree keeps those: partial-block reuse would carry their corruption into the next)."""
+    tokens = np.random.default_rng(zlib.crc32(case.encode())).integers(0, 512, 70)
+    tokens[0] = next(_first_tokens) % 512
+    return tokens
+
+
+@pytest.mark.parametrize(("layout", "checksum", "mode", "mutation"), _cases())
+def test_every_mutation_is_caught_over_loopback(pairs: dict[tuple[str, str], tuple[PrefillWorker, DecodeWorker]],
+                                                layout: str, checksum: str, mode: str, mutation: str | None) -> None:
+    decode = pair(pairs, layout, checksum)
+    tokens = fresh_prompt(f"{layout}-{checksum}-{mode}-{mutation}")
+    rid = f"m{next(_ids)}" + (f"-mutate={mutation}" if mutation else "")
+    kw: dict[str, Any] = {"mode": "push" if mode == "layerwise" else mode, "layerwise": mode == "layerwise",
+                          "request_id": rid, "return_kv": KV}
+    if checksum == "full" and mutation is not None:
+        with pytest.raises(IntegrityError):
+            decode.generate(tokens, NEW, timeout=60, **kw)
+        return
+    res = decode.generate(tokens, NEW, timeout=60, **kw)
+    check = kv_oracle().check_request(tokens, NEW, res.tokens, res.prompt_kv)
+    if mutation is None:
+        assert check.ok, check.describe()
+        return
+    assert not check.kv.ok, f"the KV oracle missed {mutation}: {check.describe()}"
+    assert check.kv.max_error > 100 * check.kv.tolerance
+    if mutation == "zero_layer":
+        assert check.kv.worst[0] == 1, check.describe()   # the report names the layer left unwritten
+
+
+def test_unknown_mutation_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="not a test mutation"):
+        set_test_mutation("swap_everything")
+    monkeypatch.setenv(MUTATION_ENV, "block-swap")
+    reset_test_mutation()
+    try:
+        with pytest.raises(ConfigError, match=r"KVXFER_TEST_MUTATION='block-swap' is not a test mutation"):
+            WorkerConfig("refused")
+    finally:
+        monkeypatch.delenv(MUTATION_ENV)
+        reset_test_mutation()
+    WorkerConfig("accepted")
