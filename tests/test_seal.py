@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
+import kvxfer.disagg.worker_protocol  # noqa: F401  (registers the worker messages)
 from kvxfer.disagg.auth import AuthKey
 from kvxfer.disagg.control import ControlServer, connect
 from kvxfer.disagg.handshake import ClientHandshake, LocalIdentity, PeerInfo
 from kvxfer.disagg.messages import Message, decode, encode
 from kvxfer.disagg.seal import OVERHEAD_BYTES, SealedChannel, SealError
-import kvxfer.disagg.worker_protocol  # noqa: F401  (registers the worker messages)
 from kvxfer.errors import AuthenticationError
 
 SECRET = "sealed control plane test secret"

@@ -40,7 +40,6 @@ from kvxfer.disagg.handshake import (
     ServerHandshake,
     check_compatible,
 )
-from kvxfer.disagg.seal import SealedChannel, SealError
 from kvxfer.disagg.messages import (
     HANDSHAKE_TYPES,
     MAX_MESSAGE_BYTES,
@@ -51,6 +50,7 @@ from kvxfer.disagg.messages import (
     decode,
     encode,
 )
+from kvxfer.disagg.seal import SealedChannel, SealError
 from kvxfer.errors import (
     AuthenticationError,
     ConfigError,
@@ -473,7 +473,7 @@ class ControlServer(_Endpoint):
         self.max_pending = max_pending
         self._pending: dict[bytes, tuple[ServerHandshake, float]] = {}
         self._nonces = NonceCache()
-        self._accepted: queue.Queue[PeerConnection] = queue.Queue()
+        self._accepted: queue.Queue[PeerConnection | None] = queue.Queue()   # None: closed
         self.refusals: deque[tuple[str, str]] = deque(maxlen=refusal_log_size)
         self.evicted = 0
         """Half-open handshakes dropped to make room for newer ones (a flood shows here)."""
@@ -500,9 +500,18 @@ class ControlServer(_Endpoint):
         """The next authenticated peer; ControlTimeout if none completes a handshake within ``timeout`` s."""
         wait = check_timeout(timeout, "accept")
         try:
-            return self._accepted.get(timeout=wait) if wait > 0 else self._accepted.get_nowait()
+            conn = self._accepted.get(timeout=wait) if wait > 0 else self._accepted.get_nowait()
         except queue.Empty:
             raise ControlTimeout(f"{self.local.name}: no peer completed a handshake within {wait:.3f} s") from None
+        if conn is None:
+            self._accepted.put(None)
+            raise PeerUnreachable(f"{self.local.name}: control server closed")
+        return conn
+
+    def close(self, reason: str = "endpoint closing") -> None:
+        """Close as ``_Endpoint.close`` does, and end every ``accept`` waiting now or later."""
+        super().close(reason)
+        self._accepted.put(None)
 
     def _timer_deadlines(self) -> list[float]:
         return [deadline for _, deadline in self._pending.values()]

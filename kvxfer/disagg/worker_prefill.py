@@ -5,7 +5,9 @@ Per request (``kv_request`` from an authenticated decode peer): allocate caches 
 match), run the model on the tokens not reused, then either write the token range decode lacks into
 decode's blocks (push; layer-wise: one write per group of layers as soon as they are computed) and
 report ``kv_pushed``, or answer ``kv_pull`` with the source block ids and keep the blocks until
-``kv_release``. The source blocks are held under a lease decode renews; expiry, ``kv_cancel``, a failed
+``kv_release``. The model runs on a compute thread of its own (``ComputeThread``): the engine thread
+keeps answering cancels, lease renewals, status and other peers during a long prefill, and posts the
+layer-wise writes as the compute thread reports layers done. The source blocks are held under a lease decode renews; expiry, ``kv_cancel``, a failed
 transfer or a lost peer frees every block of the affected requests and nothing else. When decode asks
 for checksums, the reply carries a digest of the source pages (see ``worker_protocol``).
 """
@@ -29,8 +31,10 @@ from kvxfer.disagg.handshake import LocalIdentity, check_compatible
 from kvxfer.disagg.messages import Message
 from kvxfer.disagg.session import LeaseTable, Session, SessionState
 from kvxfer.disagg.worker import (
+    ComputeThread,
     Engine,
     Event,
+    Health,
     LayerwiseKV,
     StallWatch,
     WorkerConfig,
@@ -57,8 +61,10 @@ from kvxfer.errors import (
     KvxferError,
     OutOfSlotsError,
     ProtocolError,
+    RequestCancelled,
     SessionError,
     TransferFailed,
+    WorkerUnhealthy,
 )
 from kvxfer.model import ReferenceModel, greedy
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
@@ -86,6 +92,11 @@ class _Job:
     prefill_s: float = 0.0
     posted_at: float = 0.0
     freed: bool = False
+    computing: bool = False
+    """The compute thread writes the request's pages now: they are freed once it is done with them."""
+    groups: dict[int, list[int]] = field(default_factory=dict)
+    """Layer-wise push: last layer of each group -> the group's layers."""
+    parts: int = 0
     started: float = field(default_factory=now)
     """When the request arrived: a process stall after this may have made decode give its blocks away."""
 
@@ -113,27 +124,41 @@ class PrefillWorker(WorkerCounts):
         self.config = config
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
-        self.model = ReferenceModel(config.model, config.device)
-        self.transport: Transport = make_transport(config, transport_options)
-        self.transport.register(all_regions(self.layouts))
         self.leases = LeaseTable()
         self.stats = PrefillStats()
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._peer_layouts: dict[str, list[CacheLayoutDesc]] = {}
         self._peers: dict[str, PeerConnection] = {}
-        identity = LocalIdentity("prefill", config.name, self.layouts[0], config.backend, self.transport.metadata(),
-                                 config.heartbeat_interval)
-        kw: dict[str, Any] = {} if versions is None else {"versions": versions}
-        self.engine = Engine(config.name, self._on_event, self._tick, on_receive=self._on_receive)
-        self.server = ControlServer(identity, secret, bind=bind, accept_roles=("decode", "client"),
-                                    handshake_timeout=handshake_timeout, **kw)
-        # Decode declares us lost after heartbeat_misses silent intervals; silence runs up to one interval
-        # longer than a stall, so a stall of (misses - 1) intervals may already have cost us the peer.
-        self.stall_watch = StallWatch(max(0.2, (self.server.heartbeat_misses - 1) * config.heartbeat_interval)).start()
-        self.address = self.server.address
-        self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}", daemon=True)
-        self.engine.start()
-        self._accepting.start()
+        self.engine = Engine(config.name, self._on_event, self._tick, on_receive=self._on_receive,
+                             on_error=lambda reason: self._fail_all(f"prefill worker unhealthy: {reason}"))
+        self.transport: Transport | None = None
+        self.server: ControlServer | None = None
+        self.stall_watch: StallWatch | None = None
+        self.compute: ComputeThread | None = None
+        self._accepting: threading.Thread | None = None
+        try:   # a worker that cannot start releases what it took (engine, transport, socket, caches)
+            self.model = ReferenceModel(config.model, config.device)
+            self.transport = make_transport(config, transport_options)
+            self.transport.register(all_regions(self.layouts))
+            self.transport.on_notification(self.engine.wake)
+            identity = LocalIdentity("prefill", config.name, self.layouts[0], config.backend,
+                                     self.transport.metadata(), config.heartbeat_interval)
+            kw: dict[str, Any] = {} if versions is None else {"versions": versions}
+            self.server = ControlServer(identity, secret, bind=bind, accept_roles=("decode", "client"),
+                                        handshake_timeout=handshake_timeout, **kw)
+            # Decode declares us lost after heartbeat_misses silent intervals; silence runs up to one interval
+            # longer than a stall, so a stall of (misses - 1) intervals may already have cost us the peer.
+            self.stall_watch = StallWatch(max(0.2, (self.server.heartbeat_misses - 1) * config.heartbeat_interval))
+            self.stall_watch.start()
+            self.address = self.server.address
+            self.engine.start()
+            self.compute = ComputeThread(config.name, self.engine)
+            self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}",
+                                               daemon=True)
+            self._accepting.start()
+        except BaseException:
+            self._release()
+            raise
 
     # --- public -----------------------------------------------------------------------------------
     @property
@@ -141,12 +166,18 @@ class PrefillWorker(WorkerCounts):
         """Requests whose source blocks are held now."""
         return int(self.engine.call(lambda: len(self._jobs), 10.0))
 
+    @property
+    def health(self) -> Health:
+        """Whether this worker can be trusted to serve (False after an unexpected error; see ``Health``)."""
+        return self.engine.health
+
     def status(self) -> dict[str, int | float | str]:
         """Slot accounting and counters (what ``worker_status`` answers)."""
         return dict(self.engine.call(self._status, 10.0))
 
     def _status(self) -> dict[str, int | float | str]:
-        return {"role": "prefill", "name": self.config.name, "held_slots": held_slots(self.managers),
+        return {"role": "prefill", "name": self.config.name, **self.engine.health.as_dict(),
+                "held_slots": held_slots(self.managers),
                 "open_caches": sum(len(m.open_caches) for m in self.managers), "jobs": len(self._jobs),
                 "peers": len(self._peers), "requests": self.stats.requests, "completed": self.stats.completed,
                 "failed": self.stats.failed, "bytes_sent": self.stats.bytes_sent,
@@ -158,11 +189,21 @@ class PrefillWorker(WorkerCounts):
             return
         with contextlib.suppress(KvxferError):
             self.engine.call(lambda: self._fail_all("prefill worker shutting down"), 10.0)
-        self.server.close("prefill worker shutting down")
+        self._release()
+
+    def _release(self) -> None:
+        """Stop every thread and free the socket, transport and caches (whatever was started)."""
+        if self.server is not None:
+            self.server.close("prefill worker shutting down")
         self.engine.stop()
-        self.stall_watch.stop()
-        self._accepting.join(5.0)
-        self.transport.close()
+        if self.compute is not None:
+            self.compute.stop()
+        if self.stall_watch is not None:
+            self.stall_watch.stop()
+        if self._accepting is not None:
+            self._accepting.join(5.0)
+        if self.transport is not None:
+            self.transport.close()
         for m in self.managers:
             m.shutdown()
 
@@ -174,11 +215,16 @@ class PrefillWorker(WorkerCounts):
 
     # --- threads ----------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        assert self.server is not None
         accept_loop(self.engine, self.server)
 
     def _on_event(self, ev: Event) -> None:
         kind, conn, payload = ev
-        if kind == "lost":
+        if kind == "computed":
+            self._computed(conn, *payload)
+        elif kind == "layer_done":
+            self._on_layer(conn, payload)
+        elif kind == "lost":
             self._on_lost(conn, payload)
         elif kind == "message":
             try:
@@ -237,6 +283,7 @@ class PrefillWorker(WorkerCounts):
         old = self._peers.get(peer)
         if old is not None and old is not conn:
             self._on_lost(old, "replaced by a new connection with the same name")
+        assert self.transport is not None
         self.transport.connect(peer, conn.peer.metadata)
         self._peer_layouts[peer] = layouts
         self._peers[peer] = conn
@@ -261,11 +308,14 @@ class PrefillWorker(WorkerCounts):
         job = _Job(peer, rid, conn, session, [], msg["mode"], dst_ids, (skip, int(tokens.size)), checksum)
         self._jobs[(peer, rid)] = job
         try:
-            self._compute(job, tokens, skip, dst_ids, msg)
+            self._allocate(job, tokens)
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        self._start_compute(job, tokens, msg)
 
-    def _compute(self, job: _Job, tokens: np.ndarray, skip: int, dst_ids: BlockIdMaps, msg: Message) -> None:
+    def _allocate(self, job: _Job, tokens: np.ndarray) -> None:
+        """The request's source caches on every rank (prefix match first)."""
         for i, m in enumerate(self.managers):
             job.caches.append(m.create_kv_cache(tokens, id=f"{job.peer}/{job.request_id}/{i}"))
         for cache in job.caches:
@@ -277,48 +327,90 @@ class PrefillWorker(WorkerCounts):
         job.reused_tokens = reused.pop()
         self.stats.reused_tokens += job.reused_tokens
         job.session.ready("source blocks allocated")
+
+    def _start_compute(self, job: _Job, tokens: np.ndarray, msg: Message) -> None:
+        """Hand the model work to the compute thread; its layers (layer-wise push) and its end come back
+        as ``layer_done`` and ``computed`` events."""
+        assert self.compute is not None
         shards = list(zip(self.managers, job.caches, strict=True))
-        dst_layouts = self._peer_layouts[job.peer]
-        span = (skip, int(tokens.size))
-        started = now()
         if msg["mode"] == "push" and msg["layerwise"]:
-            groups = layer_groups(self.config.model.num_layers, int(msg["layers_per_send"]))
-            ends = {g[-1]: g for g in groups}
-            part = [0]
+            job.groups = {g[-1]: g for g in layer_groups(self.config.model.num_layers, int(msg["layers_per_send"]))}
+        model, chunk, engine = self.model, self.config.chunk_size, self.engine
 
-            def on_layer(layer: int) -> None:
-                if layer not in ends:
-                    return
-                if job.session.state is SessionState.READY:
-                    job.session.start_transfer("layer-wise writes posted")
-                    job.posted_at = now()
-                plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
-                                    token_range=span, layers=ends[layer])
-                part[0] += 1
-                self._check_may_write(job)
-                job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, part[0])))
+        def on_layer(layer: int) -> None:   # compute thread
+            if job.session.terminal:
+                raise RequestCancelled(f"request {job.request_id}: {job.session.reason}; computing stopped")
+            if layer in job.groups:
+                engine._post_internal(("layer_done", job, layer))
 
-            kv: Any = LayerwiseKV(shards, self.config.model, int(tokens.size), on_layer)
-        else:
-            kv = self.model.bind(shards)
-        with torch.inference_mode():
-            logits = self.model.prefill(kv, tokens[job.reused_tokens:], self.config.chunk_size)
-        job.first_token = greedy(logits[-1])
-        job.prefill_s = now() - started
-        if msg["mode"] == "pull":
-            digest = self._digest(job)   # before decode may read: the pages are final
-            job.session.start_transfer("waiting for decode to read")
-            self._send(job.conn, "kv_pull", request_id=job.request_id, first_token=job.first_token,
-                       blocks=encode_block_ids([c.block_id_map() for c in job.caches]),
-                       reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest)
+        def run() -> tuple[int, float]:   # compute thread: only this request's pages are touched
+            started = now()
+            kv: Any = LayerwiseKV(shards, self.config.model, int(tokens.size), on_layer) if job.groups \
+                else model.bind(shards)
+            with torch.inference_mode():
+                logits = model.prefill(kv, tokens[job.reused_tokens:], chunk)
+            return greedy(logits[-1]), now() - started
+
+        job.computing = True
+        self.compute.submit(job, run)
+
+    def _on_layer(self, job: _Job, layer: int) -> None:
+        """A group of layers is in the pages (layer-wise push): write it to decode."""
+        if job.session.terminal or job.freed:
             return
-        if not msg["layerwise"]:
-            plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], dst_layouts, dst_ids,
-                                token_range=span)
+        assert self.transport is not None
+        try:
+            if job.session.state is SessionState.READY:
+                job.session.start_transfer("layer-wise writes posted")
+                job.posted_at = now()
+            plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], self._peer_layouts[job.peer],
+                                job.dst_ids, token_range=job.span, layers=job.groups[layer])
+            job.parts += 1
             self._check_may_write(job)
-            job.session.start_transfer("write posted")
-            job.posted_at = now()
-            job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, 1)))
+            handle = self.transport.write(job.peer, plan, _notify(job.request_id, job.parts))
+            job.handles.append(handle)
+            handle.add_done_callback(self.engine.wake)
+        except KvxferError as exc:
+            self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
+
+    def _computed(self, job: _Job, result: tuple[int, float] | None, error: BaseException | None) -> None:
+        """The compute thread is done with the request's pages: free them if the request ended meanwhile,
+        else send (pull: tell decode where to read; push: write what layer-wise writes did not)."""
+        job.computing = False
+        if job.session.terminal:
+            self._free(job)
+            return
+        if error is not None:
+            if not isinstance(error, KvxferError):   # a bug or CUDA out of memory: the worker is suspect
+                cause = f"{type(error).__name__}: {error}"
+                log.error("%s: computing request %s failed", self.config.name, job.request_id, exc_info=error)
+                self.engine.mark_unhealthy(f"prefill compute failed: {cause}")
+                self._end(job, SessionState.FAILED, f"{WorkerUnhealthy.__name__}: prefill compute failed: {cause}")
+                return
+            self._end(job, SessionState.FAILED, f"{type(error).__name__}: {error}")
+            return
+        assert result is not None and self.transport is not None
+        job.first_token, job.prefill_s = result
+        self.engine.wake()   # layer-wise writes that already finished: the tick reports them now
+        try:
+            if job.mode == "pull":
+                digest = self._digest(job)   # before decode may read: the pages are final
+                job.session.start_transfer("waiting for decode to read")
+                self._send(job.conn, "kv_pull", request_id=job.request_id, first_token=job.first_token,
+                           blocks=encode_block_ids([c.block_id_map() for c in job.caches]),
+                           reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest)
+                return
+            if not job.groups:
+                plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches],
+                                    self._peer_layouts[job.peer], job.dst_ids, token_range=job.span)
+                self._check_may_write(job)
+                job.session.start_transfer("write posted")
+                job.posted_at = now()
+                handle = self.transport.write(job.peer, plan, _notify(job.request_id, 1))
+                job.handles.append(handle)
+                handle.add_done_callback(self.engine.wake)
+        except KvxferError as exc:
+            self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
 
     def _check_may_write(self, job: _Job) -> None:
         """Refuse to write into decode's blocks once decode may have given them away: after the connection
@@ -330,6 +422,7 @@ class PrefillWorker(WorkerCounts):
         if job.session.lease is not None and job.session.lease.expired:
             raise TransferFailed(f"request {job.request_id}: not writing into the blocks of decode {job.peer!r}, "
                                  f"its lease expired")
+        assert self.stall_watch is not None
         stalled = self.stall_watch.stalled_since(job.started)
         if stalled:
             raise TransferFailed(f"request {job.request_id}: not writing into the blocks of decode {job.peer!r}: "
@@ -338,6 +431,7 @@ class PrefillWorker(WorkerCounts):
 
     # --- completion and failure -------------------------------------------------------------------
     def _tick(self) -> float:
+        assert self.transport is not None
         # Prefill expects no notification, but each pull's read sends one (and any peer may send more):
         # drop them, or the transport's inbox grows by one per request for the worker's whole life.
         self.transport.notifications()
@@ -349,6 +443,9 @@ class PrefillWorker(WorkerCounts):
         for job in list(self._jobs.values()):
             if job.mode != "push" or not job.handles or job.session.state is not SessionState.TRANSFERRING:
                 continue
+            if job.computing:   # layer-wise: the last write may end before the first token is known
+                busy = busy or any(h.completes_when_polled for h in job.handles)
+                continue
             statuses = [h.status for h in job.handles]
             failed = [h for h, s in zip(job.handles, statuses, strict=True)
                       if s in (TransferStatus.FAILED, TransferStatus.CANCELLED)]
@@ -356,18 +453,19 @@ class PrefillWorker(WorkerCounts):
                 self._end(job, SessionState.FAILED, f"transfer failed: {failed[0].reason}")
             elif all(s is TransferStatus.DONE for s in statuses):
                 self._finish(job, now() - job.posted_at)
-            else:
-                busy = True
+            elif any(h.completes_when_polled for h in job.handles):
+                busy = True   # the others wake the engine when they finish
         if busy:
             return 0.001
         nxt = self.leases.next_deadline()
-        return 0.05 if nxt is None else min(0.05, max(0.0, nxt - now()))
+        return 1.0 if nxt is None else max(0.0, nxt - now())
 
     def _digest(self, job: _Job) -> bytes:
         """The digest of the source pages of the request's whole token range, in the order of the plan
         decode rebuilds from the same block ids (empty when decode asked for no checksum)."""
         if job.checksum is None:
             return b""
+        assert self.transport is not None
         plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], self._peer_layouts[job.peer],
                             job.dst_ids, token_range=job.span)
         return digest_source(plan, self.transport.regions, job.checksum, f"{job.peer}/{job.request_id}").to_bytes()
@@ -392,6 +490,9 @@ class PrefillWorker(WorkerCounts):
 
     def _end(self, job: _Job, state: SessionState, reason: str, *, tell: bool = True) -> None:
         """Fail or cancel one request: stop its transfers, free its blocks, tell decode (when asked)."""
+        if job.session.terminal:   # ended before (its pages may wait for the compute thread)
+            self._free(job)
+            return
         for h in job.handles:
             h.cancel()
         if not job.session.terminal:
@@ -406,6 +507,9 @@ class PrefillWorker(WorkerCounts):
     def _free(self, job: _Job) -> None:
         if job.freed:
             return
+        self.leases.release((job.peer, job.request_id))
+        if job.computing:   # the compute thread still writes these pages: freed when it reports back
+            return
         pending = [h for h in job.handles if not h.done()]
         if pending:   # a transfer that could not be cancelled still reads our pages: wait for it
             for h in pending:
@@ -415,7 +519,6 @@ class PrefillWorker(WorkerCounts):
         for cache in job.caches:
             with contextlib.suppress(KvxferError):
                 cache.close()
-        self.leases.release((job.peer, job.request_id))
         self._jobs.pop((job.peer, job.request_id), None)
 
     def _on_lost(self, conn: PeerConnection, reason: str) -> None:
@@ -426,6 +529,7 @@ class PrefillWorker(WorkerCounts):
             self._end(job, SessionState.FAILED, f"decode peer lost: {reason}", tell=False)
         self._peers.pop(peer, None)
         self._peer_layouts.pop(peer, None)
+        assert self.transport is not None
         self.transport.disconnect(peer)
 
     def _fail_all(self, reason: str) -> None:
