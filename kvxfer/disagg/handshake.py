@@ -149,7 +149,7 @@ def _channel(key: AuthKey, transcript: tuple[object, ...], client_hash: bytes, s
 class NonceCache:
     """Recently seen nonces (bounded, oldest forgotten first): a replayed hello is refused."""
 
-    def __init__(self, capacity: int = 65536) -> None:
+    def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
         self._seen: OrderedDict[bytes, None] = OrderedDict()
 

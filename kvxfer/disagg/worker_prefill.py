@@ -197,7 +197,10 @@ class PrefillWorker(WorkerCounts):
             self.server.close("prefill worker shutting down")
         self.engine.stop()
         if self.compute is not None:
-            self.compute.stop()
+            self.compute.stop()   # the prompt in progress finishes (a layer-wise one stops at its next layer)
+        for job in list(self._jobs.values()):   # ended while computing: the engine no longer frees them
+            job.computing = False
+            self._free(job)
         if self.stall_watch is not None:
             self.stall_watch.stop()
         if self._accepting is not None:
