@@ -172,8 +172,8 @@ def test_pulled_data_is_refused_when_decode_stalled_past_the_lease(monkeypatch: 
         monkeypatch.setattr(decode.transport, "read", stalling_read)
         tokens = prompts(24)[0]
         # Refused by decode's own check, or by prefill's expiry notice if that is handled first.
-        with pytest.raises(TransferFailed, match="lease may have expired before the read completed|"
-                                                 "lease expired: decode stopped renewing it"):
+        with pytest.raises(TransferFailed, match=r"lease may have expired before the read completed|"
+                                                 r"lease expired: decode stopped renewing it"):
             decode.generate(tokens, 4, timeout=30)
         wait_idle(prefill, decode)
         assert any("lease expired" in r for r in prefill.stats.reasons)

@@ -46,7 +46,6 @@ from kvxfer.errors import (
     ConfigError,
     KVCacheError,
     KvxferError,
-    LayoutError,
     ManagerBusyError,
     OutOfSlotsError,
     TierError,
@@ -1104,9 +1103,3 @@ def _check_scope(scope: ReuseScope | None, what: str) -> ReuseScope:
     if not isinstance(scope, ReuseScope):
         raise ConfigError(f"{what}: reuse_scope must be a ReuseScope, got {type(scope).__name__}")
     return scope
-
-
-def check_layer_group(layout: CacheLayoutDesc, layer_group: int) -> None:
-    """Raise LayoutError when ``layer_group`` is not a layer group of ``layout``."""
-    if not 0 <= layer_group < len(layout.layer_groups):
-        raise LayoutError(f"no layer group {layer_group} (have 0..{len(layout.layer_groups) - 1})")
