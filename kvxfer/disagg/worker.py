@@ -83,11 +83,14 @@ class WorkerConfig:
 
 
 def make_transport(config: WorkerConfig, options: Mapping[str, Any] | None) -> Transport:
-    """The worker's transport (not yet registered). NIXL runs without its own progress thread (which
-    spins a core the model needs) unless asked otherwise: see docs/transport.md for what that costs."""
+    """The worker's transport (not yet registered). NIXL runs with UCX peer-failure handling (a killed
+    peer fails transfers instead of taking this process down) and without its own progress thread
+    (which spins a core the model needs: the engine polls while transfers are pending, and the model
+    runs on another thread), unless ``options`` say otherwise; docs/transport.md has the costs."""
     opts = dict(options or {})
     if config.backend == "nixl":
         opts.setdefault("progress_thread", False)
+        opts.setdefault("error_handling", True)
     return create(config.backend, config.name, **opts)
 
 

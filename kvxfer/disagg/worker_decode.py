@@ -515,9 +515,9 @@ class DecodeWorker(WorkerCounts):
         for job in list(self._jobs.values()):
             if job.session.state is not SessionState.TRANSFERRING:
                 continue
-            # Poll only for what cannot wake us (NIXL's transfers and notifications) once data moves.
-            busy = busy or (job.read is not None and job.read.completes_when_polled) \
-                or (polled and job.pushed is not None)
+            # Poll only for what cannot wake us: transfers that complete when polled, and a backend that
+            # delivers notifications (and, for NIXL, finishes the peer's writes to us) only when polled.
+            busy = busy or polled or (job.read is not None and job.read.completes_when_polled)
             if job.read is not None:
                 status = job.read.status
                 if status is TransferStatus.DONE:

@@ -443,7 +443,10 @@ class PrefillWorker(WorkerCounts):
             if job is not None:
                 self._end(job, SessionState.FAILED, "lease expired: decode stopped renewing it")
         busy = False
+        polled = self.transport.notifications_need_polling
         for job in list(self._jobs.values()):
+            if job.mode == "pull" and polled and job.session.state is SessionState.TRANSFERRING:
+                busy = True   # NIXL: decode's read of our pages may need this side to progress
             if job.mode != "push" or not job.handles or job.session.state is not SessionState.TRANSFERRING:
                 continue
             if job.computing:   # layer-wise: the last write may end before the first token is known
