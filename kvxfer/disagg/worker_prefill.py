@@ -7,8 +7,9 @@ decode's blocks (push; layer-wise: one write per group of layers as soon as they
 report ``kv_pushed``, or answer ``kv_pull`` with the source block ids and keep the blocks until
 ``kv_release``. The model runs on a compute thread of its own (``ComputeThread``): the engine thread
 keeps answering cancels, lease renewals, status and other peers during a long prefill, and posts the
-layer-wise writes as the compute thread reports layers done. The source blocks are held under a lease decode renews; expiry, ``kv_cancel``, a failed
-transfer or a lost peer frees every block of the affected requests and nothing else. When decode asks
+layer-wise writes as the compute thread reports layers done. The source blocks are held under a lease
+decode renews; expiry, ``kv_cancel``, a failed transfer or a lost peer frees every block of the
+affected requests and nothing else. When decode asks
 for checksums, the reply carries a digest of the source pages (see ``worker_protocol``).
 """
 
@@ -131,14 +132,18 @@ class PrefillWorker(WorkerCounts):
         self._peers: dict[str, PeerConnection] = {}
         self.engine = Engine(config.name, self._on_event, self._tick, on_receive=self._on_receive,
                              on_error=lambda reason: self._fail_all(f"prefill worker unhealthy: {reason}"))
-        self.transport: Transport | None = None
+        try:
+            self.model = ReferenceModel(config.model, config.device)
+            self.transport: Transport = make_transport(config, transport_options)
+        except BaseException:
+            for m in self.managers:
+                m.shutdown()
+            raise
         self.server: ControlServer | None = None
         self.stall_watch: StallWatch | None = None
         self.compute: ComputeThread | None = None
         self._accepting: threading.Thread | None = None
         try:   # a worker that cannot start releases what it took (engine, transport, socket, caches)
-            self.model = ReferenceModel(config.model, config.device)
-            self.transport = make_transport(config, transport_options)
             self.transport.register(all_regions(self.layouts))
             self.transport.on_notification(self.engine.wake)
             identity = LocalIdentity("prefill", config.name, self.layouts[0], config.backend,
@@ -205,8 +210,7 @@ class PrefillWorker(WorkerCounts):
             self.stall_watch.stop()
         if self._accepting is not None:
             self._accepting.join(5.0)
-        if self.transport is not None:
-            self.transport.close()
+        self.transport.close()
         for m in self.managers:
             m.shutdown()
 
@@ -286,7 +290,6 @@ class PrefillWorker(WorkerCounts):
         old = self._peers.get(peer)
         if old is not None and old is not conn:
             self._on_lost(old, "replaced by a new connection with the same name")
-        assert self.transport is not None
         self.transport.connect(peer, conn.peer.metadata)
         self._peer_layouts[peer] = layouts
         self._peers[peer] = conn
@@ -361,7 +364,6 @@ class PrefillWorker(WorkerCounts):
         """A group of layers is in the pages (layer-wise push): write it to decode."""
         if job.session.terminal or job.freed:
             return
-        assert self.transport is not None
         try:
             if job.session.state is SessionState.READY:
                 job.session.start_transfer("layer-wise writes posted")
@@ -392,7 +394,7 @@ class PrefillWorker(WorkerCounts):
                 return
             self._end(job, SessionState.FAILED, f"{type(error).__name__}: {error}")
             return
-        assert result is not None and self.transport is not None
+        assert result is not None
         job.first_token, job.prefill_s = result
         self.engine.wake()   # layer-wise writes that already finished: the tick reports them now
         try:
@@ -434,7 +436,6 @@ class PrefillWorker(WorkerCounts):
 
     # --- completion and failure -------------------------------------------------------------------
     def _tick(self) -> float:
-        assert self.transport is not None
         # Prefill expects no notification, but each pull's read sends one (and any peer may send more):
         # drop them, or the transport's inbox grows by one per request for the worker's whole life.
         self.transport.notifications()
@@ -471,7 +472,6 @@ class PrefillWorker(WorkerCounts):
         decode rebuilds from the same block ids (empty when decode asked for no checksum)."""
         if job.checksum is None:
             return b""
-        assert self.transport is not None
         plan = plan_between(self.layouts, [c.block_id_map() for c in job.caches], self._peer_layouts[job.peer],
                             job.dst_ids, token_range=job.span)
         return digest_source(plan, self.transport.regions, job.checksum, f"{job.peer}/{job.request_id}").to_bytes()
@@ -535,7 +535,6 @@ class PrefillWorker(WorkerCounts):
             self._end(job, SessionState.FAILED, f"decode peer lost: {reason}", tell=False)
         self._peers.pop(peer, None)
         self._peer_layouts.pop(peer, None)
-        assert self.transport is not None
         self.transport.disconnect(peer)
 
     def _fail_all(self, reason: str) -> None:
