@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
 from kvxfer.disagg.session import Session, SessionState
 from kvxfer.disagg.worker import (
+    ComputeThread,
     Engine,
     Event,
     Health,
@@ -135,6 +136,8 @@ class _Job:
     lease_until: float = 0.0
     """Prefill's lease on the source blocks lasts at least until then (renewals sent in time extend it)."""
     zombie_until: float = 0.0
+    result: GenerationResult | None = None
+    """Set once the KV is in place; its tokens follow from the compute thread."""
 
 
 class DecodeWorker(WorkerCounts):
@@ -179,11 +182,14 @@ class DecodeWorker(WorkerCounts):
         self._prefill_layouts: list[CacheLayoutDesc] = []
         self._jobs: dict[str, _Job] = {}
         self._zombies: dict[str, _Job] = {}
+        self._generating: dict[str, _Job] = {}   # KV in place, tokens being generated on the compute thread
+        self.compute: ComputeThread | None = None
         self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0}
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
         try:
             self.engine.start()
+            self.compute = ComputeThread(config.name, self.engine)
             if bind is not None:
                 identity = LocalIdentity("decode", config.name, self.layouts[0], config.backend, b"",
                                          config.heartbeat_interval)
@@ -268,7 +274,7 @@ class DecodeWorker(WorkerCounts):
         return {"role": "decode", "name": self.config.name, **self.engine.health.as_dict(),
                 "held_slots": held_slots(self.managers),
                 "open_caches": sum(len(m.open_caches) for m in self.managers),
-                "jobs": len(self._jobs) + len(self._waiting),
+                "jobs": len(self._jobs) + len(self._waiting) + len(self._generating),
                 "zombies": len(self._zombies), "connected": int(self.connected), **self.counts}
 
     def _cancel(self, request_id: str, reason: str) -> bool:
@@ -297,6 +303,13 @@ class DecodeWorker(WorkerCounts):
         if self._prefill is not None:
             self._prefill.close("decode worker shutting down")
         self.engine.stop()
+        if self.compute is not None:
+            self.compute.stop()   # the generation in progress finishes; the engine no longer answers it
+        for job in list(self._generating.values()):
+            self._close_caches(job)
+            if not job.future.done():
+                job.future.set_exception(PeerUnreachable("decode worker shutting down"))
+        self._generating.clear()
         if self._accepting is not None:
             self._accepting.join(5.0)
         self.transport.close()
@@ -332,6 +345,8 @@ class DecodeWorker(WorkerCounts):
         kind, a, b = ev
         if kind == "submit":
             self._start(a)
+        elif kind == "computed":
+            self._generated(a, *b)
         elif kind == "reconnected":
             self._reconnected(a, b)
         elif kind == "lost":
@@ -369,7 +384,7 @@ class DecodeWorker(WorkerCounts):
 
     def _start(self, job: _Job) -> None:
         self.counts["requests"] += 1
-        if job.request_id in self._jobs or job.request_id in self._zombies \
+        if job.request_id in self._jobs or job.request_id in self._zombies or job.request_id in self._generating \
                 or any(w.request_id == job.request_id for w in self._waiting):
             self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
             return
@@ -618,21 +633,46 @@ class DecodeWorker(WorkerCounts):
             kv = self.model.bind(list(zip(self.managers, job.caches, strict=True)))
             first = int(job.pushed["first_token"])
             ttft = now() - job.submitted
-            with torch.inference_mode():
-                tokens = self.model.continue_greedy(kv, first, job.max_new_tokens)
         except KvxferError as exc:
             self.counts["failed"] += 1
             self._close_caches(job)
             self._resolve_error(job, exc)
             return
-        self._close_caches(job)
         nbytes = int(job.pushed["nbytes"]) if job.pushed.type == "kv_pushed" else \
             (job.read.nbytes if job.read is not None else 0)
+        job.result = GenerationResult(job.request_id, [], int(job.tokens.size), job.skip,
+                                      int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
+                                      float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft,
+                                      verify_s)
+        model, max_new = self.model, job.max_new_tokens
+
+        def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)
+            with torch.inference_mode():
+                return model.continue_greedy(kv, first, max_new)
+
+        assert self.compute is not None
+        self._generating[job.request_id] = job
+        self.compute.submit(job, run)
+
+    def _generated(self, job: _Job, tokens: list[int] | None, error: BaseException | None) -> None:
+        """The compute thread finished a request's generation: free its pages, answer."""
+        self._generating.pop(job.request_id, None)
+        self._close_caches(job)
+        if error is not None or tokens is None:
+            self.counts["failed"] += 1
+            if isinstance(error, KvxferError):
+                self._resolve_error(job, error)
+                return
+            cause = f"{type(error).__name__}: {error}"
+            log.error("%s: generating request %s failed", self.config.name, job.request_id, exc_info=error)
+            self.engine.mark_unhealthy(f"decode generation failed: {cause}")
+            self._resolve_error(job, WorkerUnhealthy(f"request {job.request_id}: generation failed: {cause}"))
+            return
+        assert job.result is not None
         self.counts["completed"] += 1
-        result = GenerationResult(job.request_id, tokens, int(job.tokens.size), job.skip,
-                                  int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
-                                  float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft, verify_s)
-        job.future.set_result(result)
+        result = replace(job.result, tokens=tokens)
+        if not job.future.done():
+            job.future.set_result(result)
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
                 job.reply.send("generated", request_id=job.client_request_id, tokens=tokens,
