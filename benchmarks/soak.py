@@ -511,7 +511,7 @@ def run_soak(a: argparse.Namespace, console: Console | None = None) -> dict[str,
         rss_end = proc_kib("self", "VmRSS")
         leaks = _leaks(run, a.lease + a.deadline + 10.0)
         decode_peak = peak_rss_kib()
-        engine_error = repr(decode.engine.error) if decode.engine.error is not None else ""
+        engine_error = "" if decode.health.ok else decode.health.reason
         prefill.sample()
     finally:
         for timer in run.timers if run is not None else []:

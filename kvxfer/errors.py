@@ -119,3 +119,8 @@ class RequestCancelled(KvxferError):
 
 class SessionError(KvxferError):
     """A disaggregated-serving request failed; the message says which request and why."""
+
+
+class WorkerUnhealthy(KvxferError):
+    """A worker hit an error it cannot vouch for recovering from (a bug, CUDA out of memory): its requests
+    were failed with the cause and it should be restarted; the message names the cause."""

@@ -29,7 +29,6 @@ from kvxfer.cache.descriptors import (
     SlotDesc,
     SlotDescVariant,
 )
-from kvxfer.cache.dtypes import itemsize
 from kvxfer.errors import ConfigError, LayoutError
 
 __all__ = [
@@ -146,8 +145,3 @@ def place_layout(layout: CacheLayoutDesc, base_addresses: Sequence[Sequence[int]
 def block_bytes(config: CacheConfig) -> int:
     """Bytes one block of every layer and role takes on this rank."""
     return sum(f.nbytes for f in buffer_formats(config).values())
-
-
-def element_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype name (re-exported for the CLI)."""
-    return itemsize(dtype)

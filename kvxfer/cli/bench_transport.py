@@ -428,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-error-handling", action="store_true",
                     help="ucx: endpoints without peer-failure handling (faster on one host; a dead peer may "
                          "abort the process)")
+    ap.add_argument("--error-handling", action="store_true",
+                    help="nixl: UCX endpoints with peer-failure handling (ucx_error_handling_mode=peer)")
+    ap.add_argument("--progress-thread", action="store_true", help="nixl: run NIXL's own progress thread")
     args = ap.parse_args(argv)
     if args.pages <= 0 or args.page_bytes <= 0 or args.iters <= 0:
         ap.error("--pages, --page-bytes and --iters must be > 0")
@@ -439,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
             options["error_handling"] = False
         if options and args.backend != "ucx":
             ap.error("--no-scatter-gather / --no-error-handling apply to --backend ucx only")
+        if (args.error_handling or args.progress_thread) and args.backend != "nixl":
+            ap.error("--error-handling / --progress-thread apply to --backend nixl only")
+        if args.error_handling:
+            options["error_handling"] = True
+        if args.progress_thread:
+            options["progress_thread"] = True
         res = run_bench(args.backend, args.pages, args.page_bytes, args.mode, args.layout, args.iters, options)
     except BackendUnavailable as exc:
         print(f"error: {exc}")

@@ -106,16 +106,24 @@ def parse_checksum(text: str) -> ChecksumPolicy | None:
     raise argparse.ArgumentTypeError(f"--checksum {text!r}: expected off, full, every:K or sample:F")
 
 
-def _wait_for_signal() -> None:
+#: Exit status of ``serve`` when its worker became unhealthy (a supervisor restarts it).
+EXIT_UNHEALTHY = 3
+
+
+def _wait_for_signal(worker: Any) -> str | None:
+    """Wait for SIGTERM/SIGINT (None) or for the worker to turn unhealthy (the reason)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        pass
+    while not stop.wait(0.2):
+        if not worker.health.ok:
+            return str(worker.health.reason)
+    return None
 
 
 def serve(a: argparse.Namespace) -> int:
-    """Run one worker until SIGTERM/SIGINT; prints ``listening on ADDRESS`` once ready."""
+    """Run one worker until SIGTERM/SIGINT (exit 0) or until it turns unhealthy (exit ``EXIT_UNHEALTHY``);
+    prints ``listening on ADDRESS`` once ready."""
     torch.set_num_threads(1)
     from kvxfer.disagg.worker_decode import DecodeWorker
     from kvxfer.disagg.worker_prefill import PrefillWorker
@@ -129,9 +137,12 @@ def serve(a: argparse.Namespace) -> int:
                               layers_per_send=a.layers_per_send)
     try:
         print(f"kvxfer {a.role} {cfg.name}: listening on {worker.address} (transport {cfg.backend})", flush=True)
-        _wait_for_signal()
+        unhealthy = _wait_for_signal(worker)
     finally:
         worker.close()
+    if unhealthy is not None:   # its requests already failed with the cause; a restart gives a sound worker
+        print(f"kvxfer {a.role} {cfg.name}: unhealthy, exiting for a restart: {unhealthy}", file=sys.stderr, flush=True)
+        return EXIT_UNHEALTHY
     return 0
 
 

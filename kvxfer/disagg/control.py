@@ -4,6 +4,14 @@ One I/O thread per endpoint owns its ZeroMQ socket: it drives server-side handsh
 messages, answers and checks heartbeats, and hands application messages to each connection's inbox.
 User threads only enqueue sends and wait on inboxes with a deadline, so no call blocks unbounded.
 A server (ROUTER socket) accepts many peers; ``connect`` (DEALER socket) makes one connection.
+
+Every message after the handshake is sealed (``seal.SealedChannel``: encrypted, authenticated, and
+numbered per direction), so a frame altered, forged, replayed or reordered on the path ends the
+connection with that reason. Queues are bounded: a peer's unread inbox (``inbox_limit``; the peer is
+told "inbox overflow" and disconnected), the frames waiting to be sent (``outbox_limit``; ``send``
+raises), and handshakes in progress (``max_pending``; a new stranger evicts the oldest, so a flood of
+half-open hellos cannot lock correct clients out). A consumer that does not want a thread blocked in
+``recv`` per connection calls ``watch(wake)`` and takes messages with ``poll()`` when woken.
 """
 
 from __future__ import annotations
@@ -11,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import queue
 import socket
 import threading
@@ -43,6 +50,7 @@ from kvxfer.disagg.messages import (
     decode,
     encode,
 )
+from kvxfer.disagg.seal import SealedChannel, SealError
 from kvxfer.errors import (
     AuthenticationError,
     ConfigError,
@@ -55,6 +63,7 @@ from kvxfer.errors import (
 log = logging.getLogger("kvxfer.disagg.control")
 
 PeerLostCallback = Callable[["PeerConnection", str], None]
+ArrivalHook = Callable[["PeerConnection", Message], bool]
 Secret = AuthKey | str | bytes | None
 _ANY_VERSION = (0, 1 << 16)
 
@@ -81,12 +90,15 @@ class _Lost:
 class PeerConnection:
     """An authenticated connection to one peer: ``send``, ``recv(timeout)``, ``close``."""
 
-    def __init__(self, endpoint: _Endpoint, route: bytes, peer: PeerInfo) -> None:
+    def __init__(self, endpoint: _Endpoint, route: bytes, peer: PeerInfo, channel: SealedChannel) -> None:
         self.peer = peer
         self._endpoint = endpoint
         self._route = route
+        self._channel = channel
         self._inbox: queue.Queue[Message | _Lost] = queue.Queue()
         self._error: KvxferError | None = None
+        self._wake: Callable[[], None] | None = None
+        self._on_arrival: ArrivalHook | None = None
         now = time.monotonic()
         self.last_seen = now
         self.next_heartbeat = now
@@ -110,6 +122,38 @@ class PeerConnection:
         if self._error is not None:
             self._raise_lost()
         self._endpoint.enqueue(self._route, encode(Message(type, body, self.peer.version)))
+
+    def watch(self, wake: Callable[[], None], on_arrival: ArrivalHook | None = None) -> None:
+        """Call ``wake()`` (from the I/O thread; it must not block) whenever a message arrives or the
+        connection ends, so that one thread can serve many connections with ``poll``. ``on_arrival(conn,
+        msg)`` runs on the I/O thread first and returns True when it consumed the message (for what must
+        take effect on arrival, such as lease renewals); it must be quick and must not raise."""
+        self._on_arrival = on_arrival
+        self._wake = wake
+        wake()   # anything that arrived before the watch is served too
+
+    def poll(self) -> Message | None:
+        """The next application message if one is waiting, else None; PeerUnreachable (or ProtocolError)
+        once the connection ended and every message before the end was taken."""
+        try:
+            item = self._inbox.get_nowait()
+        except queue.Empty:
+            if self._error is not None:
+                self._raise_lost()
+            return None
+        if isinstance(item, _Lost):
+            self._inbox.put(item)
+            self._raise_lost()
+        assert isinstance(item, Message)
+        return item
+
+    def _notify(self) -> None:
+        wake = self._wake
+        if wake is not None:
+            try:
+                wake()
+            except Exception:
+                log.exception("wake-up callback of the connection to %s failed", self.peer.name)
 
     def recv(self, timeout: float) -> Message:
         """The next application message; ControlTimeout after ``timeout`` s, PeerUnreachable (or
@@ -141,7 +185,7 @@ class _Endpoint:
 
     def __init__(self, kind: int, local: LocalIdentity, key: AuthKey, *, versions: tuple[int, int],
                  heartbeat_misses: int, on_peer_lost: PeerLostCallback | None, max_message_bytes: int,
-                 inbox_limit: int, layout_check: LayoutCheck) -> None:
+                 inbox_limit: int, layout_check: LayoutCheck, outbox_limit: int = 65536) -> None:
         if isinstance(heartbeat_misses, bool) or not isinstance(heartbeat_misses, int) or heartbeat_misses < 1:
             raise ConfigError(f"heartbeat_misses must be an int >= 1, got {heartbeat_misses!r}")
         if not (isinstance(versions, tuple) and len(versions) == 2 and 0 <= versions[0] <= versions[1]):
@@ -150,15 +194,19 @@ class _Endpoint:
         self.heartbeat_misses = heartbeat_misses
         self.on_peer_lost = on_peer_lost
         self.max_message_bytes = max_message_bytes
+        for what, v in (("inbox_limit", inbox_limit), ("outbox_limit", outbox_limit)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{what} must be an int >= 1, got {v!r}")
         self.inbox_limit = inbox_limit
+        self.outbox_limit = outbox_limit
         self.layout_check = layout_check
         self._router = kind == zmq.ROUTER
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(kind)
         self._sock.setsockopt(zmq.LINGER, 200)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 1024)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.setsockopt(zmq.SNDHWM, outbox_limit)
+        self._sock.setsockopt(zmq.RCVHWM, inbox_limit)
         if self._router:
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -174,10 +222,14 @@ class _Endpoint:
 
     # --- user-thread side --------------------------------------------------------------------------
     def enqueue(self, route: bytes, frame: bytes) -> None:
-        """Queue ``frame`` for the I/O thread and wake it."""
+        """Queue ``frame`` (unsealed: the I/O thread seals it in sending order) and wake the I/O thread;
+        PeerUnreachable when the endpoint is closed or ``outbox_limit`` frames already wait."""
         with self._lock:
             if self._closed:
                 raise PeerUnreachable(f"{self.local.name}: control endpoint is closed")
+            if len(self._outbox) >= self.outbox_limit:
+                raise PeerUnreachable(f"{self.local.name}: send queue full ({self.outbox_limit} frames not yet "
+                                      f"handed to the socket)")
             self._outbox.append((route, frame))
         self._wake()
 
@@ -243,7 +295,8 @@ class _Endpoint:
                 self._flush()
                 if self._sock in events:
                     self._drain_socket()
-                self._on_timers(time.monotonic())
+                if not self._stop.is_set():   # nothing follows a goodbye
+                    self._on_timers(time.monotonic())
             self._flush()
         except Exception as exc:   # the loop must never die silently: fail every connection
             log.exception("%s: control I/O thread failed", self.local.name)
@@ -283,7 +336,7 @@ class _Endpoint:
             conn = self._peers.get(route)
             if conn is None or not conn.alive:
                 continue
-            err = self._send_now(route, frame)
+            err = self._send_now(route, conn._channel.seal(frame))
             if err is not None:
                 self._fail(conn, PeerUnreachable(f"cannot send to {conn.peer.name!r}: {err}"))
         for fn in calls:
@@ -315,11 +368,20 @@ class _Endpoint:
         if conn is None:
             self._on_stranger(route, parts)
             return
-        conn.last_seen = time.monotonic()
         try:
             if len(parts) != 1:
                 raise ProtocolError(f"message: expected one frame, got {len(parts)}")
-            msg = decode(parts[0], (conn.peer.version, conn.peer.version), self.max_message_bytes)
+            plain = conn._channel.open(parts[0])
+        except SealError as exc:
+            self._fail(conn, AuthenticationError(f"{conn.peer.role} {conn.peer.name!r}: {exc}"), bye=str(exc))
+            return
+        except ProtocolError as exc:
+            self._fail(conn, ProtocolError(f"{conn.peer.role} {conn.peer.name!r} sent a bad message: {exc}"),
+                       bye=f"protocol error: {exc}")
+            return
+        conn.last_seen = time.monotonic()
+        try:
+            msg = decode(plain, (conn.peer.version, conn.peer.version), self.max_message_bytes)
         except ProtocolError as exc:
             self._fail(conn, ProtocolError(f"{conn.peer.role} {conn.peer.name!r} sent a bad message: {exc}"),
                        bye=f"protocol error: {exc}")
@@ -335,11 +397,21 @@ class _Endpoint:
         elif msg.type in HANDSHAKE_TYPES:
             self._fail(conn, ProtocolError(f"{conn.peer.name!r} sent {msg.type!r} after the handshake"),
                        bye=f"unexpected {msg.type!r} after the handshake")
-        elif conn._inbox.qsize() >= self.inbox_limit:
-            self._fail(conn, ProtocolError(f"{conn.peer.name!r} overflowed its inbox ({self.inbox_limit} "
-                                           f"unread messages)"), bye="inbox overflow")
         else:
+            hook = conn._on_arrival
+            if hook is not None:
+                try:
+                    if hook(conn, msg):
+                        return
+                except Exception:
+                    log.exception("%s: on-arrival hook failed for a %r from %s", self.local.name, msg.type,
+                                  conn.peer.name)
+            if conn._inbox.qsize() >= self.inbox_limit:
+                self._fail(conn, ProtocolError(f"{conn.peer.name!r} overflowed its inbox ({self.inbox_limit} "
+                                               f"unread messages)"), bye=f"inbox overflow ({self.inbox_limit} unread)")
+                return
             conn._inbox.put(msg)
+            conn._notify()
 
     def _on_stranger(self, route: bytes, parts: list[bytes]) -> None:
         log.debug("%s: ignoring a message from an unknown route %s", self.local.name, route.hex())
@@ -354,7 +426,8 @@ class _Endpoint:
                     f"heartbeats of {conn.peer.heartbeat_interval:.3f} s missed)"))
             elif now >= conn.next_heartbeat:
                 conn.next_heartbeat = now + self.local.heartbeat_interval
-                err = self._send_now(conn._route, encode(Message("heartbeat", {}, conn.peer.version)))
+                err = self._send_now(conn._route, conn._channel.seal(encode(Message("heartbeat", {},
+                                                                                     conn.peer.version))))
                 if err is not None:
                     self._fail(conn, PeerUnreachable(f"cannot send to {conn.peer.name!r}: {err}"))
 
@@ -365,8 +438,10 @@ class _Endpoint:
         conn._error = error
         self._peers.pop(conn._route, None)
         if bye is not None:
-            self._send_now(conn._route, encode(Message("bye", {"reason": bye[:1024]}, conn.peer.version)))
+            self._send_now(conn._route, conn._channel.seal(encode(Message("bye", {"reason": bye[:1024]},
+                                                                          conn.peer.version))))
         conn._inbox.put(_Lost(error))
+        conn._notify()
         log.warning("%s: connection to %s ended: %s", self.local.name, conn.peer.name, error)
         if notify and self.on_peer_lost is not None:
             try:
@@ -381,19 +456,27 @@ class ControlServer(_Endpoint):
     def __init__(self, local: LocalIdentity, secret: Secret = None, *, bind: str = "tcp://127.0.0.1:0",
                  accept_roles: tuple[str, ...] = ROLES, versions: tuple[int, int] = SUPPORTED_VERSIONS,
                  handshake_timeout: float = 5.0, heartbeat_misses: int = 3,
-                 on_peer_lost: PeerLostCallback | None = None, max_pending: int = 64,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, inbox_limit: int = 65536,
-                 layout_check: LayoutCheck = check_compatible, refusal_log_size: int = 1024) -> None:
+                 on_peer_lost: PeerLostCallback | None = None, max_pending: int = 1024,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, inbox_limit: int = 4096,
+                 layout_check: LayoutCheck = check_compatible, refusal_log_size: int = 1024,
+                 outbox_limit: int = 65536) -> None:
+        """``max_pending``: handshakes in progress at once; a new hello beyond it evicts the oldest (a
+        correct client answers its challenge within a round trip, strangers that never do are the
+        oldest). ``inbox_limit``: unread messages per peer before it is disconnected."""
         super().__init__(zmq.ROUTER, local, _as_key(secret), versions=versions, heartbeat_misses=heartbeat_misses,
                          on_peer_lost=on_peer_lost, max_message_bytes=max_message_bytes, inbox_limit=inbox_limit,
-                         layout_check=layout_check)
+                         layout_check=layout_check, outbox_limit=outbox_limit)
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ConfigError(f"max_pending must be an int >= 1, got {max_pending!r}")
         self.accept_roles = accept_roles
         self.handshake_timeout = check_timeout(handshake_timeout, "handshake_timeout")
         self.max_pending = max_pending
         self._pending: dict[bytes, tuple[ServerHandshake, float]] = {}
         self._nonces = NonceCache()
-        self._accepted: queue.Queue[PeerConnection] = queue.Queue()
+        self._accepted: queue.Queue[PeerConnection | None] = queue.Queue()   # None: closed
         self.refusals: deque[tuple[str, str]] = deque(maxlen=refusal_log_size)
+        self.evicted = 0
+        """Half-open handshakes dropped to make room for newer ones (a flood shows here)."""
         try:
             self._sock.bind(bind)
         except zmq.ZMQError as exc:
@@ -417,9 +500,18 @@ class ControlServer(_Endpoint):
         """The next authenticated peer; ControlTimeout if none completes a handshake within ``timeout`` s."""
         wait = check_timeout(timeout, "accept")
         try:
-            return self._accepted.get(timeout=wait) if wait > 0 else self._accepted.get_nowait()
+            conn = self._accepted.get(timeout=wait) if wait > 0 else self._accepted.get_nowait()
         except queue.Empty:
             raise ControlTimeout(f"{self.local.name}: no peer completed a handshake within {wait:.3f} s") from None
+        if conn is None:
+            self._accepted.put(None)
+            raise PeerUnreachable(f"{self.local.name}: control server closed")
+        return conn
+
+    def close(self, reason: str = "endpoint closing") -> None:
+        """Close as ``_Endpoint.close`` does, and end every ``accept`` waiting now or later."""
+        super().close(reason)
+        self._accepted.put(None)
 
     def _timer_deadlines(self) -> list[float]:
         return [deadline for _, deadline in self._pending.values()]
@@ -443,7 +535,7 @@ class ControlServer(_Endpoint):
                 if msg.type != "hello":
                     raise Refusal("protocol", f"expected 'hello' to start a handshake, got {msg.type!r}")
                 if len(self._pending) >= self.max_pending:
-                    raise Refusal("busy", f"too many handshakes in progress ({self.max_pending})")
+                    self._evict_oldest()
                 handshake = ServerHandshake(self.local, self.key, self.versions, self.accept_roles,
                                             self.layout_check, self._nonces)
             else:
@@ -461,7 +553,7 @@ class ControlServer(_Endpoint):
             self._send_now(route, encode(reply))
             return
         self._pending.pop(route, None)
-        conn = PeerConnection(self, route, peer)
+        conn = PeerConnection(self, route, peer, handshake.channel())
         self._peers[route] = conn
         if self._send_now(route, encode(reply)) is not None:
             self._fail(conn, PeerUnreachable(f"{peer.name!r} went away during the handshake"), notify=False)
@@ -470,11 +562,19 @@ class ControlServer(_Endpoint):
                  peer.version, peer.backend)
         self._accepted.put(conn)
 
-    def _refuse(self, route: bytes, refusal: Refusal) -> None:
+    def _evict_oldest(self) -> None:
+        """Drop the oldest half-open handshake (told "busy") to make room for a new hello."""
+        route = next(iter(self._pending))
+        self.evicted += 1
+        self._refuse(route, Refusal("busy", f"handshake evicted: {self.max_pending} newer handshakes started "
+                                            f"before it completed"), quiet=True)
+
+    def _refuse(self, route: bytes, refusal: Refusal, *, quiet: bool = False) -> None:
         """Tell a stranger why it is refused, log the detail, and keep nothing about it."""
         self._pending.pop(route, None)
         self.refusals.append((route.hex(), str(refusal)))
-        log.warning("%s: refused peer %s (%s): %s", self.local.name, route.hex(), refusal.code, refusal)
+        (log.debug if quiet else log.warning)("%s: refused peer %s (%s): %s", self.local.name, route.hex(),
+                                              refusal.code, refusal)
         frame = encode(Message("refuse", {"code": refusal.code, "reason": refusal.public[:1024]},
                                MIN_PROTOCOL_VERSION))
         self._send_now(route, frame)
@@ -509,7 +609,7 @@ class _ClientEndpoint(_Endpoint):
             if isinstance(step, Message):
                 self._sock.send(encode(step))
             else:
-                conn = PeerConnection(self, b"", step)
+                conn = PeerConnection(self, b"", step, hs.channel())
                 self._peers[b""] = conn
                 self._start()
                 return conn
@@ -523,8 +623,8 @@ class _ClientEndpoint(_Endpoint):
 def connect(address: str, local: LocalIdentity, secret: Secret = None, *, timeout: float = 5.0,
             expect_role: str | None = None, versions: tuple[int, int] = SUPPORTED_VERSIONS,
             heartbeat_misses: int = 3, on_peer_lost: PeerLostCallback | None = None,
-            max_message_bytes: int = MAX_MESSAGE_BYTES, inbox_limit: int = 65536,
-            layout_check: LayoutCheck = check_compatible) -> PeerConnection:
+            max_message_bytes: int = MAX_MESSAGE_BYTES, inbox_limit: int = 4096,
+            layout_check: LayoutCheck = check_compatible, outbox_limit: int = 65536) -> PeerConnection:
     """Connect to a ControlServer at ``address`` and authenticate both ways within ``timeout`` s.
 
     Raises AuthenticationError (wrong secret, altered or replayed handshake), HandshakeRefused (with
@@ -534,14 +634,10 @@ def connect(address: str, local: LocalIdentity, secret: Secret = None, *, timeou
     endpoint = _ClientEndpoint(zmq.DEALER, local, _as_key(secret), versions=versions,
                                heartbeat_misses=heartbeat_misses, on_peer_lost=on_peer_lost,
                                max_message_bytes=max_message_bytes, inbox_limit=inbox_limit,
-                               layout_check=layout_check)
+                               layout_check=layout_check, outbox_limit=outbox_limit)
     try:
         return endpoint.handshake(address, expect_role, wait)
     except BaseException:
         endpoint.close()
         raise
 
-
-def secret_from_env() -> bool:
-    """Whether ``$KVXFER_SECRET`` or ``$KVXFER_SECRET_FILE`` is set (the CLI's default source)."""
-    return bool(os.environ.get("KVXFER_SECRET") or os.environ.get("KVXFER_SECRET_FILE"))

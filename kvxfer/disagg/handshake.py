@@ -12,6 +12,8 @@ T = (client versions, role, name, Nc, chosen version, server role, name, Ns, ser
 Ps = MAC("server-challenge", T); Pc = MAC("client-auth", T, H(client payload));
 Pa = MAC("server-accept", T, H(client payload), H(server payload)).
 Nothing but a refusal reason leaves the server before Pc verified; no layout is decoded before then.
+Once both proofs verified, each side derives the connection's two sealing keys from the secret-derived
+key and the whole transcript (``channel()``): every later message is sealed (see ``seal``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.disagg.auth import AuthKey, digest, new_nonce
 from kvxfer.disagg.messages import ROLES, SUPPORTED_VERSIONS, Message
+from kvxfer.disagg.seal import SealedChannel
 from kvxfer.errors import (
     AuthenticationError,
     DecodeError,
@@ -135,10 +138,18 @@ def _check_layouts(check: LayoutCheck, mine: CacheLayoutDesc | None, theirs: Cac
         raise Refusal("layout", f"incompatible layout: {exc}") from exc
 
 
+def _channel(key: AuthKey, transcript: tuple[object, ...], client_hash: bytes, server_hash: bytes,
+             side: str) -> SealedChannel:
+    """The sealing keys of one connection: one per direction, bound to the whole handshake."""
+    c2s = key.proof("session-key client-to-server", *transcript, client_hash, server_hash)
+    s2c = key.proof("session-key server-to-client", *transcript, client_hash, server_hash)
+    return SealedChannel(c2s, s2c) if side == "client" else SealedChannel(s2c, c2s)
+
+
 class NonceCache:
     """Recently seen nonces (bounded, oldest forgotten first): a replayed hello is refused."""
 
-    def __init__(self, capacity: int = 65536) -> None:
+    def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
         self._seen: OrderedDict[bytes, None] = OrderedDict()
 
@@ -164,6 +175,7 @@ class ClientHandshake:
         self._challenge: Message | None = None
         self._payload = local.payload()
         self._payload_hash = b""
+        self._server_hash = b""
 
     def hello(self) -> Message:
         """The first message (sent in the envelope of the lowest version this side speaks)."""
@@ -207,10 +219,17 @@ class ClientHandshake:
         server_hash = digest(msg["layout"], msg["backend"], msg["metadata"])
         if not self.key.verify(msg["proof"], "server-accept", *self._transcript, self._payload_hash, server_hash):
             raise AuthenticationError("server accept proof does not verify (altered in transit)")
+        self._server_hash = server_hash
         layout, backend, metadata = _decode_payload(msg, "server")
         ch = self._challenge
         _check_layouts(self.layout_check, self.local.layout, layout, (self.local.role, ch["role"]))
         return PeerInfo(ch["role"], ch["name"], ch["version"], layout, backend, metadata, ch["heartbeat_interval"])
+
+    def channel(self) -> SealedChannel:
+        """This connection's sealing keys (after ``on_message`` returned the PeerInfo)."""
+        if not self._server_hash:
+            raise ProtocolError("handshake: no sealing keys before the server's accept verified")
+        return _channel(self.key, self._transcript, self._payload_hash, self._server_hash, "client")
 
 
 class ServerHandshake:
@@ -227,6 +246,7 @@ class ServerHandshake:
         self._hello: Message | None = None
         self._version = 0
         self._transcript: tuple[object, ...] = ()
+        self._hashes: tuple[bytes, bytes] | None = None
 
     def on_message(self, msg: Message) -> tuple[Message, PeerInfo | None]:
         """The reply to ``msg`` and, once the peer is authenticated and compatible, its PeerInfo."""
@@ -268,4 +288,11 @@ class ServerHandshake:
         proof = self.key.proof("server-accept", *self._transcript, client_hash, server_hash)
         peer = PeerInfo(hello["role"], hello["name"], version, layout, backend, metadata,
                         msg["heartbeat_interval"])
+        self._hashes = (client_hash, server_hash)
         return Message("accept", {**payload, "proof": proof}, version=peer.version), peer
+
+    def channel(self) -> SealedChannel:
+        """This connection's sealing keys (after ``on_message`` returned the PeerInfo)."""
+        if self._hashes is None:
+            raise ProtocolError("handshake: no sealing keys before the client's proof verified")
+        return _channel(self.key, self._transcript, *self._hashes, "server")

@@ -9,8 +9,10 @@ peer sends can make the decoder allocate more than ``max_bytes`` plus msgpack's 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import msgpack
@@ -112,14 +114,22 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-MESSAGE_SPECS: dict[str, MessageSpec] = {}
+_SPECS: dict[str, MessageSpec] = {}
+_SPECS_LOCK = threading.Lock()
+MESSAGE_SPECS: Mapping[str, MessageSpec] = MappingProxyType(_SPECS)
+"""Every registered message type (read-only: ``register`` is the one way in)."""
 
 
 def register(spec: MessageSpec) -> MessageSpec:
-    """Add a message type (workers register theirs); a second spec of the same type is refused."""
-    if spec.type in MESSAGE_SPECS and MESSAGE_SPECS[spec.type] != spec:
-        raise ProtocolError(f"message type {spec.type!r} is already registered with other fields")
-    MESSAGE_SPECS[spec.type] = spec
+    """Add a message type, explicitly, once (the handshake's below, the workers' in ``worker_protocol``).
+    Registering the same spec again is a no-op; another spec under a registered type is refused, so a
+    type can never change meaning while connections use it."""
+    if not isinstance(spec, MessageSpec):
+        raise ProtocolError(f"register: expected a MessageSpec, got {type(spec).__name__}")
+    with _SPECS_LOCK:
+        if spec.type in _SPECS and _SPECS[spec.type] != spec:
+            raise ProtocolError(f"message type {spec.type!r} is already registered with other fields")
+        _SPECS[spec.type] = spec
     return spec
 
 

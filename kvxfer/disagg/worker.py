@@ -8,6 +8,7 @@ transport that registers every rank's pools, in rank order; cross-rank transfer 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -24,7 +25,7 @@ from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.disagg.messages import Message
 from kvxfer.disagg.mutation import mutated_plan, mutation_for, mutation_setting
-from kvxfer.errors import ConfigError, ControlTimeout, KvxferError
+from kvxfer.errors import CapacityError, ConfigError, ControlTimeout, KvxferError, WorkerUnhealthy
 from kvxfer.extractor import multirank
 from kvxfer.extractor.multirank import all_regions as all_regions  # the workers' planning helpers
 from kvxfer.extractor.multirank import region_offsets as region_offsets
@@ -101,11 +102,14 @@ class WorkerConfig:
 
 
 def make_transport(config: WorkerConfig, options: Mapping[str, Any] | None) -> Transport:
-    """The worker's transport, registered with every rank's regions. The engine thread polls it, so NIXL
-    runs without its own progress thread (which spins a core the model needs) unless asked otherwise."""
+    """The worker's transport (not yet registered). NIXL runs with UCX peer-failure handling (a killed
+    peer fails transfers instead of taking this process down) and without its own progress thread
+    (which spins a core the model needs: the engine polls while transfers are pending, and the model
+    runs on another thread), unless ``options`` say otherwise; docs/transport.md has the costs."""
     opts = dict(options or {})
     if config.backend == "nixl":
         opts.setdefault("progress_thread", False)
+        opts.setdefault("error_handling", True)
     return create(config.backend, config.name, **opts)
 
 
@@ -166,25 +170,70 @@ def layer_groups(num_layers: int, per_send: int) -> list[list[int]]:
 Event = tuple[str, Any, Any]
 
 
+@dataclass(frozen=True)
+class Health:
+    """Whether a worker can be trusted to serve (what ``status``, metrics and ``/health`` report).
+
+    ``ok`` turns False for good once the engine met an error it did not expect (a bug, CUDA out of
+    memory): every request in flight was failed with that cause, and ``reason`` names it. A supervisor
+    should restart such a worker (``kvxfer serve`` exits non-zero)."""
+
+    ok: bool = True
+    reason: str = ""
+    since: float = 0.0
+    """Monotonic time of the change (0.0 while healthy)."""
+
+    def as_dict(self) -> dict[str, int | float | str]:
+        """Flat form for status maps and metrics: ``healthy`` (0/1) and ``health_reason``."""
+        return {"healthy": int(self.ok), "health_reason": self.reason}
+
+
+#: Events handled before the engine looks at its connections again, and messages taken from one
+#: connection per round (so one busy peer cannot starve the others).
+_EVENT_BURST = 256
+_MESSAGES_PER_ROUND = 16
+#: Longest sleep between ticks when nothing is due (a safety net: every event wakes the engine).
+_MAX_SLEEP_S = 1.0
+
+
 class Engine:
     """One thread owning a worker's caches, model and transport; everything else talks to it through
-    ``post``. Connections get a reader thread each that turns messages and loss into events."""
+    ``post`` and ``call``.
+
+    Nothing polls on the serving path: posted events, messages on watched connections, ended
+    connections, finished transfers (``wake`` as a done callback) and transport notifications wake the
+    thread, which then runs ``tick`` and handles what is waiting; it sleeps until the next deadline
+    ``tick`` returns otherwise. Connections are not read by threads of their own: the engine takes
+    messages from their bounded inboxes, at most ``_MESSAGES_PER_ROUND`` per connection per round, so
+    the control plane's inbox bound holds while the engine is busy, and a connection that ended
+    leaves nothing behind. Every event is handled under its own exception guard: an unexpected error
+    marks the worker unhealthy and fails its requests with the cause (``on_error``); the engine goes on
+    serving ``status``, cancels and ``close``.
+    """
 
     def __init__(self, name: str, handle: Callable[[Event], None], tick: Callable[[], float],
-                 on_receive: Callable[[PeerConnection, Message], bool] | None = None) -> None:
+                 on_receive: Callable[[PeerConnection, Message], bool] | None = None, *,
+                 on_error: Callable[[str], None] | None = None, max_events: int = 65536) -> None:
         """``handle(event)`` runs each event; ``tick()`` does periodic work and returns how long the
-        engine may sleep before the next call. ``on_receive(conn, msg)`` runs on a reader thread as each
-        message arrives and returns True when it dealt with it (it is then not queued): for what must
-        take effect on arrival even while the engine computes, such as lease renewals."""
+        engine may sleep before the next call. ``on_receive(conn, msg)`` runs on the control plane's I/O
+        thread as each message arrives and returns True when it dealt with it (it is then not queued):
+        for what must take effect on arrival even while the engine is busy, such as lease renewals.
+        ``on_error(reason)`` (engine thread) fails every request in flight after an unexpected error.
+        ``max_events``: events waiting before ``post`` refuses more (CapacityError)."""
         self.name = name
         self._handle = handle
         self._tick = tick
         self._on_receive = on_receive
-        self._events: queue.Queue[Event] = queue.Queue()
+        self._on_error = on_error
+        self.max_events = max_events
+        self._events: deque[Event] = deque()
+        self._ready: dict[PeerConnection, None] = {}   # connections with something to take, in order
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
         self._stop = threading.Event()
-        self._readers: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-engine-{name}", daemon=True)
-        self.error: BaseException | None = None
+        self._health = Health()
+        self._dead: str | None = None
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -195,14 +244,41 @@ class Engine:
         """True once ``stop`` was called."""
         return self._stop.is_set()
 
+    @property
+    def health(self) -> Health:
+        """Healthy until an unexpected error (see ``Health``)."""
+        return self._health
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """Record that the worker cannot be trusted any more (the first reason is kept)."""
+        if self._health.ok:
+            self._health = Health(False, reason, time.monotonic())
+            log.error("%s: worker unhealthy: %s", self.name, reason)
+
+    def wake(self, *_: object) -> None:
+        """Make the engine run its tick and look for work now (any thread; usable as a callback)."""
+        self._wakeup.set()
+
     def post(self, kind: str, a: Any = None, b: Any = None) -> None:
-        """Queue an event for the engine thread."""
-        self._events.put((kind, a, b))
+        """Queue an event for the engine thread; CapacityError when ``max_events`` already wait."""
+        with self._lock:
+            if len(self._events) >= self.max_events:
+                raise CapacityError(f"{self.name}: engine busy, {self.max_events} events already waiting")
+            self._events.append((kind, a, b))
+        self._wakeup.set()
+
+    def _post_internal(self, ev: Event) -> None:
+        """Queue what the engine itself must learn (results of its own work): never refused."""
+        with self._lock:
+            self._events.append(ev)
+        self._wakeup.set()
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run ``fn`` on the engine thread and return its result (re-raising its exception)."""
         if threading.current_thread() is self._thread:
             return fn()
+        if self._dead is not None:
+            raise WorkerUnhealthy(f"{self.name}: engine thread ended: {self._dead}")
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -214,64 +290,148 @@ class Engine:
             finally:
                 done.set()
 
-        self.post("call", run)
+        self._post_internal(("call", run, None))
         if not done.wait(timeout):
+            if self._dead is not None:
+                raise WorkerUnhealthy(f"{self.name}: engine thread ended: {self._dead}")
             raise ControlTimeout(f"{self.name}: engine did not answer within {timeout:.1f} s")
         if "error" in box:
             raise box["error"]
         return box.get("value")
 
     def read(self, conn: PeerConnection) -> None:
-        """Start a reader thread turning ``conn``'s messages into ``("message", conn, msg)`` events and
-        its end into ``("lost", conn, reason)``."""
-        def run() -> None:
-            while not self._stop.is_set():
-                try:
-                    msg = conn.recv(0.2)
-                except ControlTimeout:
-                    continue
-                except KvxferError as exc:
-                    self.post("lost", conn, str(exc))
-                    return
-                if self._on_receive is None or not self._on_receive(conn, msg):
-                    self.post("message", conn, msg)
+        """Serve ``conn``: its messages become ``("message", conn, msg)`` events and its end one
+        ``("lost", conn, reason)`` event (then the engine forgets it)."""
+        conn.watch(lambda: self._mark_ready(conn), self._on_receive)
 
-        t = threading.Thread(target=run, name=f"kvxfer-reader-{self.name}-{conn.peer.name}", daemon=True)
-        self._readers.append(t)
-        t.start()
+    def _mark_ready(self, conn: PeerConnection) -> None:
+        with self._lock:
+            self._ready[conn] = None
+        self._wakeup.set()
 
     @property
     def backlog(self) -> int:
-        """Events waiting (a tick with a backlog must not expire leases whose renewals may be queued)."""
-        return self._events.qsize()
+        """Events and connections waiting (a tick with a backlog must not expire leases whose renewals
+        may be queued)."""
+        return len(self._events) + len(self._ready)
+
+    @property
+    def num_connections_waiting(self) -> int:
+        """Connections with messages not yet taken (0 when idle: ended connections are forgotten)."""
+        return len(self._ready)
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                wait = self._tick()    # periodic work (transfers, leases, deadlines); seconds until the next
+                self._wakeup.clear()
                 try:
-                    ev = self._events.get(timeout=min(0.05, max(0.0005, wait)) if not self.backlog else 0)
-                except queue.Empty:
-                    continue
-                self._dispatch(ev)
-        except BaseException as exc:
+                    wait = self._tick()   # periodic work (transfers, leases, deadlines); seconds until the next
+                except Exception as exc:
+                    self._unexpected("periodic work", exc)
+                    wait = 0.01
+                if not self._serve() and not self._stop.is_set():
+                    self._wakeup.wait(min(_MAX_SLEEP_S, max(0.0, wait)))
+        except BaseException as exc:   # the loop's own machinery failed: nothing can be served any more
             log.exception("%s: engine thread failed", self.name)
-            self.error = exc
+            self._dead = f"{type(exc).__name__}: {exc}"
+            self.mark_unhealthy(f"engine thread ended: {self._dead}")
+            self._fail_waiting_calls()
+            raise
+
+    def _serve(self) -> bool:
+        """Handle waiting events, then a round of messages from ready connections; True if any."""
+        with self._lock:
+            n = min(len(self._events), _EVENT_BURST)
+            events = [self._events.popleft() for _ in range(n)]
+            ready = list(self._ready)
+            self._ready.clear()
+        for ev in events:
+            self._dispatch(ev)
+        for conn in ready:
+            for _ in range(_MESSAGES_PER_ROUND):
+                try:
+                    msg = conn.poll()
+                except KvxferError as exc:   # ended: one "lost" event, then it is forgotten
+                    self._dispatch(("lost", conn, str(exc)))
+                    break
+                if msg is None:
+                    break
+                self._dispatch(("message", conn, msg))
+            else:
+                self._mark_ready(conn)   # more waiting: after the other connections
+        return bool(events or ready)
 
     def _dispatch(self, ev: Event) -> None:
-        if ev[0] == "call":
-            ev[1]()
-        else:
-            self._handle(ev)
+        try:
+            if ev[0] == "call":
+                ev[1]()
+            else:
+                self._handle(ev)
+        except KvxferError as exc:   # a handler that let a request's failure escape: report, keep serving
+            log.warning("%s: %s event failed: %s", self.name, ev[0], exc)
+        except Exception as exc:
+            self._unexpected(f"handling a {ev[0]!r} event", exc)
+
+    def _unexpected(self, where: str, exc: Exception) -> None:
+        """An error the worker did not expect: mark it unhealthy, fail every request with the cause."""
+        log.error("%s: unexpected error while %s", self.name, where, exc_info=exc)
+        reason = f"unexpected error while {where}: {type(exc).__name__}: {exc}"
+        self.mark_unhealthy(reason)
+        if self._on_error is not None:
+            try:
+                self._on_error(reason)
+            except Exception:
+                log.exception("%s: failing the requests after an unexpected error failed too", self.name)
+
+    def _fail_waiting_calls(self) -> None:
+        with self._lock:
+            events, self._events = list(self._events), deque()
+        for ev in events:
+            if ev[0] == "call":
+                with contextlib.suppress(BaseException):
+                    ev[1]()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the engine and reader threads (the caller closes connections first)."""
+        """Stop the engine thread (the caller closes connections first)."""
         self._stop.set()
-        self.post("wake")
+        self._wakeup.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        for t in self._readers:
-            t.join(timeout)
+
+
+class ComputeThread:
+    """Runs model work off the engine thread, one job at a time, so the engine keeps serving cancels,
+    lease renewals, status and other peers meanwhile; each result comes back as an engine event."""
+
+    def __init__(self, name: str, engine: Engine) -> None:
+        self.name = name
+        self._engine = engine
+        self._jobs: queue.Queue[tuple[Any, Callable[[], Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"kvxfer-compute-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: Any, fn: Callable[[], Any]) -> None:
+        """Run ``fn()``; the engine then gets ``("computed", key, (value, None))`` or ``("computed", key,
+        (None, exception))``."""
+        self._jobs.put((key, fn))
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            key, fn = item
+            try:
+                result: tuple[Any, BaseException | None] = (fn(), None)
+            except BaseException as exc:   # handed to the engine, which fails the job with the cause
+                result = (None, exc)
+            self._engine._post_internal(("computed", key, result))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the job in progress (the engine no longer waits for it), then end the thread."""
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
 
 def now() -> float:
@@ -335,10 +495,11 @@ class StallWatch:
 
 
 def accept_loop(engine: Engine, server: ControlServer) -> None:
-    """Hand every accepted control connection to the engine until it stops (a worker thread's body)."""
+    """Hand every accepted control connection to the engine until it stops (a worker thread's body;
+    ``server.close`` ends the wait at once)."""
     while not engine.stopping:
         try:
-            conn = server.accept(0.2)
+            conn = server.accept(_MAX_SLEEP_S)
         except ControlTimeout:
             continue
         except KvxferError:

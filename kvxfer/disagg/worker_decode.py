@@ -22,7 +22,7 @@ import itertools
 import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -37,8 +37,10 @@ from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
 from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
 from kvxfer.disagg.session import Session, SessionState
 from kvxfer.disagg.worker import (
+    ComputeThread,
     Engine,
     Event,
+    Health,
     WorkerConfig,
     WorkerCounts,
     accept_loop,
@@ -62,6 +64,7 @@ from kvxfer.errors import (
     CapacityError,
     ConfigError,
     DecodeError,
+    HandshakeRefused,
     IntegrityError,
     KvxferError,
     LayoutMismatch,
@@ -71,6 +74,7 @@ from kvxfer.errors import (
     RequestCancelled,
     TransferFailed,
     TransferTimeout,
+    WorkerUnhealthy,
 )
 from kvxfer.extractor import check_writable, writable_block_ids
 from kvxfer.model import Model
@@ -78,6 +82,10 @@ from kvxfer.transport import TransferHandle, TransferStatus, Transport
 from kvxfer.transport.integrity import KVDigest, verify_kv
 
 log = logging.getLogger("kvxfer.disagg.decode")
+
+#: Longest wait of one automatic reconnect attempt, and the pause between two failed ones.
+RECONNECT_ATTEMPT_S = 1.0
+RECONNECT_PAUSE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,8 @@ class _Job:
     zombie_until: float = 0.0
     return_kv: int = 0
     """Prompt positions whose committed KV the result carries (0: none; see ``kvxfer.disagg.oracle``)."""
+    result: GenerationResult | None = None
+    """Set once the KV is in place; its tokens follow from the compute thread."""
 
 
 class DecodeWorker(WorkerCounts):
@@ -157,42 +167,53 @@ class DecodeWorker(WorkerCounts):
         self.versions = versions
         self.connect_timeout = connect_timeout
         self.prefill_address = prefill
-        self._reconnect_after = 0.0   # no automatic reconnect before (back-off after a failed one)
-        self._reconnect_error = ""
-        self._reconnecting: threading.Thread | None = None   # an automatic reconnect in progress
-        self._waiting: list[_Job] = []   # requests waiting for that reconnect (engine thread only)
+        self._reconnect_error = ""   # why the last automatic reconnect attempt failed ("" before any)
+        self._reconnecting: threading.Thread | None = None   # the automatic reconnect loop, while it runs
+        self._reconnect_stop = threading.Event()
+        self._waiting: list[_Job] = []   # requests waiting for the first attempt (engine thread only)
         self._secret = secret
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
-        self.model = config.load_model(model)
-        self.transport: Transport = make_transport(config, transport_options)
-        self.transport.register(all_regions(self.layouts))
+        self.engine = Engine(config.name, self._on_event, self._tick,
+                             on_error=lambda reason: self._fail_all(WorkerUnhealthy(f"decode worker unhealthy: "
+                                                                                    f"{reason}")))
+        self.server: ControlServer | None = None
+        self.address: str | None = None
+        self._accepting: threading.Thread | None = None
+        try:   # a worker that cannot start releases what it took (engine, transport, socket, caches)
+            self.model = config.load_model(model)
+            self.transport: Transport = make_transport(config, transport_options)
+            self.transport.register(all_regions(self.layouts))
+            self.transport.on_notification(self.engine.wake)
+        except BaseException:
+            for m in self.managers:
+                m.shutdown()
+            raise
         self._prefill: PeerConnection | None = None
         self._prefill_layouts: list[CacheLayoutDesc] = []
         self._jobs: dict[str, _Job] = {}
         self._zombies: dict[str, _Job] = {}
+        self._generating: dict[str, _Job] = {}   # KV in place, tokens being generated on the compute thread
+        self.compute: ComputeThread | None = None
         self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0}
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
-        self.engine = Engine(config.name, self._on_event, self._tick)
-        self.engine.start()
-        self.server: ControlServer | None = None
-        self.address: str | None = None
-        self._accepting: threading.Thread | None = None
-        if bind is not None:
-            identity = LocalIdentity("decode", config.name, self.layouts[0], config.backend, b"",
-                                     config.heartbeat_interval)
-            self.server = ControlServer(identity, secret, bind=bind, accept_roles=("client",))
-            self.address = self.server.address
-            self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}",
-                                               daemon=True)
-            self._accepting.start()
-        if prefill is not None:
-            try:
+        try:
+            self.engine.start()
+            self.compute = ComputeThread(config.name, self.engine)
+            if bind is not None:
+                identity = LocalIdentity("decode", config.name, self.layouts[0], config.backend, b"",
+                                         config.heartbeat_interval)
+                self.server = ControlServer(identity, secret, bind=bind, accept_roles=("client",))
+                self.address = self.server.address
+                self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}",
+                                                   daemon=True)
+                self._accepting.start()
+            if prefill is not None:
                 self.connect(prefill)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     # --- public -----------------------------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None) -> None:
@@ -213,7 +234,7 @@ class DecodeWorker(WorkerCounts):
             conn.close("decode could not finish connecting")
             raise
         self.prefill_address = address
-        self._reconnect_after, self._reconnect_error = 0.0, ""
+        self._reconnect_error = ""
 
     @property
     def connected(self) -> bool:
@@ -253,14 +274,20 @@ class DecodeWorker(WorkerCounts):
         are freed once nothing can write into them. False when no such request is in flight."""
         return bool(self.engine.call(lambda: self._cancel(request_id, reason), 10.0))
 
+    @property
+    def health(self) -> Health:
+        """Whether this worker can be trusted to serve (False after an unexpected error; see ``Health``)."""
+        return self.engine.health
+
     def status(self) -> dict[str, int | float | str]:
         """Slot accounting and counters (what ``worker_status`` answers)."""
         return dict(self.engine.call(self._status, 10.0))
 
     def _status(self) -> dict[str, int | float | str]:
-        return {"role": "decode", "name": self.config.name, "held_slots": held_slots(self.managers),
+        return {"role": "decode", "name": self.config.name, **self.engine.health.as_dict(),
+                "held_slots": held_slots(self.managers),
                 "open_caches": sum(len(m.open_caches) for m in self.managers),
-                "jobs": len(self._jobs) + len(self._waiting),
+                "jobs": len(self._jobs) + len(self._waiting) + len(self._generating),
                 "zombies": len(self._zombies), "connected": int(self.connected), **self.counts}
 
     def _cancel(self, request_id: str, reason: str) -> bool:
@@ -278,6 +305,7 @@ class DecodeWorker(WorkerCounts):
         """Fail open requests, stop the threads, close connections and the transport."""
         if self.engine.stopping:
             return
+        self._reconnect_stop.set()
         with contextlib.suppress(KvxferError):
             self.engine.call(lambda: self._fail_all(PeerUnreachable("decode worker shutting down")), 10.0)
         reconnecting = self._reconnecting
@@ -288,6 +316,13 @@ class DecodeWorker(WorkerCounts):
         if self._prefill is not None:
             self._prefill.close("decode worker shutting down")
         self.engine.stop()
+        if self.compute is not None:
+            self.compute.stop()   # the generation in progress finishes; the engine no longer answers it
+        for job in list(self._generating.values()):
+            self._close_caches(job)
+            if not job.future.done():
+                job.future.set_exception(PeerUnreachable("decode worker shutting down"))
+        self._generating.clear()
         if self._accepting is not None:
             self._accepting.join(5.0)
         self.transport.close()
@@ -313,7 +348,7 @@ class DecodeWorker(WorkerCounts):
                                  f"of decode's ({dst_tpb}): otherwise decode keeps window blocks prefill has freed")
         old = self._prefill
         if old is not None:
-            self._on_prefill_lost(old, "replaced by a new prefill connection")
+            self._on_prefill_lost(old, "replaced by a new prefill connection", reconnect=False)
             old.close("replaced by a new prefill connection")
         self.transport.connect(conn.peer.name, conn.peer.metadata)
         self._prefill, self._prefill_layouts = conn, layouts
@@ -323,8 +358,10 @@ class DecodeWorker(WorkerCounts):
         kind, a, b = ev
         if kind == "submit":
             self._start(a)
+        elif kind == "computed":
+            self._generated(a, *b)
         elif kind == "reconnected":
-            self._reconnected(a)
+            self._reconnected(a, b)
         elif kind == "lost":
             self._on_prefill_lost(a, b)
         elif kind == "message":
@@ -361,40 +398,55 @@ class DecodeWorker(WorkerCounts):
 
     def _start(self, job: _Job) -> None:
         self.counts["requests"] += 1
-        if job.request_id in self._jobs or job.request_id in self._zombies \
+        if job.request_id in self._jobs or job.request_id in self._zombies or job.request_id in self._generating \
                 or any(w.request_id == job.request_id for w in self._waiting):
             self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
             return
-        if not self.connected and self.prefill_address is not None \
-                and (self._reconnecting is not None or now() >= self._reconnect_after):
-            self._waiting.append(job)   # served (or failed) when the reconnect ends
+        if not self.connected and self.prefill_address is not None:
             if self._reconnecting is None:
-                self._reconnect_in_background(self.prefill_address)
-            return
+                self._start_reconnecting(self.prefill_address)
+            if not self._reconnect_error:   # the first attempt since the loss is running: wait for it
+                self._waiting.append(job)
+                return
         self._begin(job)
 
-    def _reconnect_in_background(self, address: str) -> None:
-        """Try the known prefill address again (a restarted prefill) on a thread of its own, so the engine
-        keeps serving ``cancel``, ``status`` and other requests; ends with a ``reconnected`` event."""
+    def _start_reconnecting(self, address: str) -> None:
+        """Reconnect to the known prefill address (a restarted prefill) on a thread of its own, so the
+        engine keeps serving ``cancel``, ``status`` and other requests, until it succeeds or the worker
+        closes. Each attempt ends with a ``reconnected`` event. After a failed attempt the next follows
+        in ``RECONNECT_PAUSE_S``, and ZeroMQ retries the TCP connection every 0.1 s within an attempt, so
+        a prefill listening again is found within a fraction of a second (requests arriving meanwhile
+        fail at once with the last attempt's reason). A refusal (wrong secret, incompatible layout) ends
+        the loop: the next request starts it again."""
+        self._reconnect_error = ""
+
         def run() -> None:
-            error: KvxferError | None = None
-            try:
-                self.connect(address)
-            except KvxferError as exc:
-                error = exc
-            except Exception as exc:   # reported to the waiting requests, not lost
-                error = PeerUnreachable(f"{type(exc).__name__}: {exc}")
-            self.engine.post("reconnected", error)
+            while not self._reconnect_stop.is_set() and not self.connected:
+                error: KvxferError | None = None
+                try:
+                    self.connect(address, timeout=min(self.connect_timeout, RECONNECT_ATTEMPT_S))
+                except KvxferError as exc:
+                    error = exc
+                except Exception as exc:   # reported to the waiting requests, not lost
+                    error = PeerUnreachable(f"{type(exc).__name__}: {exc}")
+                last = error is None or isinstance(error, HandshakeRefused) or self._reconnect_stop.is_set()
+                with contextlib.suppress(KvxferError):
+                    self.engine._post_internal(("reconnected", error, last))
+                if last:
+                    return
+                self._reconnect_stop.wait(RECONNECT_PAUSE_S)
+            with contextlib.suppress(KvxferError):
+                self.engine._post_internal(("reconnected", None, True))
 
         self._reconnecting = threading.Thread(target=run, name=f"kvxfer-reconnect-{self.config.name}", daemon=True)
         self._reconnecting.start()
 
-    def _reconnected(self, error: KvxferError | None) -> None:
-        """The automatic reconnect ended: start the requests that waited for it (they fail with the reason
-        when it failed); after a failure, pause automatic reconnects for 2 x connect_timeout."""
-        self._reconnecting = None
+    def _reconnected(self, error: KvxferError | None, last: bool) -> None:
+        """An automatic reconnect attempt ended: start the requests that waited for it (they fail with the
+        reason when it failed)."""
+        if last:
+            self._reconnecting = None
         if error is not None:
-            self._reconnect_after = now() + max(1.0, 2 * self.connect_timeout)
             self._reconnect_error = f"; reconnecting failed: {type(error).__name__}: {error}"
         waiting, self._waiting = self._waiting, []
         for job in waiting:
@@ -470,6 +522,7 @@ class DecodeWorker(WorkerCounts):
                 check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
                 job.read_posted = now()
                 job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
+                job.read.add_done_callback(self.engine.wake)
             except KvxferError as exc:
                 self._send("kv_release", request_id=rid)
                 self._fail(job, exc)
@@ -484,14 +537,18 @@ class DecodeWorker(WorkerCounts):
             for note in notes:
                 rid, _, part = note.decode("utf-8", "replace").rpartition("#")
                 job = self._jobs.get(rid)
-                if job is not None and job.peer == peer and part.isdigit():
+                # ASCII digits only: str.isdigit() accepts "²", which int() refuses.
+                if job is not None and job.peer == peer and part.isascii() and part.isdigit() and len(part) < 8:
                     job.parts.add(int(part))
+        polled = self.transport.notifications_need_polling
+        due = t + 1.0
         busy = False
         for job in list(self._jobs.values()):
             if job.session.state is not SessionState.TRANSFERRING:
                 continue
-            # Poll fast only once data is moving towards us; while prefill computes, its reply wakes us.
-            busy = busy or job.read is not None or job.pushed is not None
+            # Poll only for what cannot wake us: transfers that complete when polled, and a backend that
+            # delivers notifications (and, for NIXL, finishes the peer's writes to us) only when polled.
+            busy = busy or polled or (job.read is not None and job.read.completes_when_polled)
             if job.read is not None:
                 status = job.read.status
                 if status is TransferStatus.DONE:
@@ -518,6 +575,7 @@ class DecodeWorker(WorkerCounts):
                     job.lease_until = t + self.config.lease_s
                 job.last_renew = t
                 self._send("lease_renew", request_id=job.request_id)
+            due = min(due, job.deadline, job.last_renew + self.config.lease_s / 3)
         for zombie in list(self._zombies.values()):
             if zombie.read is not None and zombie.read.done():
                 self._bury(zombie)
@@ -525,7 +583,10 @@ class DecodeWorker(WorkerCounts):
                 log.info("%s: freeing blocks of %s without prefill's confirmation (its lease has run out)",
                          self.config.name, zombie.request_id)
                 self._bury(zombie)
-        return 0.001 if busy else 0.02
+            else:
+                due = min(due, zombie.zombie_until if zombie.read is None or not zombie.read.completes_when_polled
+                          else t + 0.001)
+        return 0.001 if busy else max(0.0, due - now())
 
     def _late(self, job: _Job) -> str:
         """What is missing when a request's deadline passes."""
@@ -584,27 +645,51 @@ class DecodeWorker(WorkerCounts):
             first = int(job.pushed["first_token"])
             ttft = now() - job.submitted
             prompt_kv = self._prompt_kv(job) if job.return_kv else None   # after TTFT: a check, not serving
-            with torch.inference_mode():
-                tokens = self.model.continue_greedy(kv, first, job.max_new_tokens)
         except KvxferError as exc:
             self.counts["failed"] += 1
             self._close_caches(job)
             self._resolve_error(job, exc)
             return
-        self._close_caches(job)
         nbytes = int(job.pushed["nbytes"]) if job.pushed.type == "kv_pushed" else \
             (job.read.nbytes if job.read is not None else 0)
+        job.result = GenerationResult(job.request_id, [], int(job.tokens.size), job.skip,
+                                      int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
+                                      float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft,
+                                      verify_s, prompt_kv)
+        model, max_new = self.model, job.max_new_tokens
+
+        def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)
+            with torch.inference_mode():
+                return model.continue_greedy(kv, first, max_new)
+
+        assert self.compute is not None
+        self._generating[job.request_id] = job
+        self.compute.submit(job, run)
+
+    def _generated(self, job: _Job, tokens: list[int] | None, error: BaseException | None) -> None:
+        """The compute thread finished a request's generation: free its pages, answer."""
+        self._generating.pop(job.request_id, None)
+        self._close_caches(job)
+        if error is not None or tokens is None:
+            self.counts["failed"] += 1
+            if isinstance(error, KvxferError):
+                self._resolve_error(job, error)
+                return
+            cause = f"{type(error).__name__}: {error}"
+            log.error("%s: generating request %s failed", self.config.name, job.request_id, exc_info=error)
+            self.engine.mark_unhealthy(f"decode generation failed: {cause}")
+            self._resolve_error(job, WorkerUnhealthy(f"request {job.request_id}: generation failed: {cause}"))
+            return
+        assert job.result is not None
         self.counts["completed"] += 1
-        result = GenerationResult(job.request_id, tokens, int(job.tokens.size), job.skip,
-                                  int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
-                                  float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft, verify_s,
-                                  prompt_kv)
-        job.future.set_result(result)
+        result = replace(job.result, tokens=tokens)
+        if not job.future.done():
+            job.future.set_result(result)
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
                 job.reply.send("generated", request_id=job.client_request_id, tokens=tokens,
                                stats=encode_stats(result.stats()),
-                               kv=prompt_kv.to_bytes() if prompt_kv is not None else b"")
+                               kv=result.prompt_kv.to_bytes() if result.prompt_kv is not None else b"")
 
     def _prompt_kv(self, job: _Job) -> PromptKV:
         """The committed prompt KV at up to ``job.return_kv`` positions, read through decode's own pages and
@@ -660,7 +745,7 @@ class DecodeWorker(WorkerCounts):
                 cache.close()
         job.caches = []
 
-    def _on_prefill_lost(self, conn: PeerConnection, reason: str) -> None:
+    def _on_prefill_lost(self, conn: PeerConnection, reason: str, *, reconnect: bool = True) -> None:
         """Fail the lost prefill's requests. Pushed-to blocks are quarantined, not freed: a prefill that is
         only frozen or cut off may still write until its lease runs out (it checks before each write, but a
         write posted just before the loss can land later), so they stay held until the lease plus one more
@@ -670,6 +755,9 @@ class DecodeWorker(WorkerCounts):
             return
         self._prefill = None
         conn.close(f"prefill lost: {reason}"[:1000])   # ends the client endpoint and its I/O thread
+        if reconnect and self.prefill_address is not None and self._reconnecting is None \
+                and not self._reconnect_stop.is_set():
+            self._start_reconnecting(self.prefill_address)
         peer = conn.peer.name
         what = reason if reason.startswith(f"prefill {peer!r}") else f"prefill {peer!r} lost: {reason}"
         for job in [j for j in self._jobs.values() if j.peer == peer]:

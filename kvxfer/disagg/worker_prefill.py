@@ -5,8 +5,11 @@ Per request (``kv_request`` from an authenticated decode peer): allocate caches 
 match), run the model on the tokens not reused, then either write the token range decode lacks into
 decode's blocks (push; layer-wise: one write per group of layers as soon as they are computed) and
 report ``kv_pushed``, or answer ``kv_pull`` with the source block ids and keep the blocks until
-``kv_release``. The source blocks are held under a lease decode renews; expiry, ``kv_cancel``, a failed
-transfer or a lost peer frees every block of the affected requests and nothing else. When decode asks
+``kv_release``. The model runs on a compute thread of its own (``ComputeThread``): the engine thread
+keeps answering cancels, lease renewals, status and other peers during a long prefill, and posts the
+layer-wise writes as the compute thread reports layers done. The source blocks are held under a lease
+decode renews; expiry, ``kv_cancel``, a failed transfer or a lost peer frees every block of the
+affected requests and nothing else. When decode asks
 for checksums, the reply carries a position-keyed digest of the source pages decode needs (see
 ``kvxfer.transport.integrity``). The pages a transfer reads stay pinned until it completed or was
 stopped, and the digest describes exactly those pages: a layer-wise push reads the request's own copy
@@ -34,8 +37,10 @@ from kvxfer.disagg.handshake import LocalIdentity, check_compatible
 from kvxfer.disagg.messages import Message
 from kvxfer.disagg.session import LeaseTable, Session, SessionState
 from kvxfer.disagg.worker import (
+    ComputeThread,
     Engine,
     Event,
+    Health,
     LayerwiseKV,
     StallWatch,
     WorkerConfig,
@@ -62,8 +67,10 @@ from kvxfer.errors import (
     KvxferError,
     OutOfSlotsError,
     ProtocolError,
+    RequestCancelled,
     SessionError,
     TransferFailed,
+    WorkerUnhealthy,
 )
 from kvxfer.model import Model, greedy
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
@@ -94,6 +101,11 @@ class _Job:
     prefill_s: float = 0.0
     posted_at: float = 0.0
     freed: bool = False
+    computing: bool = False
+    """The compute thread writes the request's pages now: they are freed once it is done with them."""
+    groups: dict[int, list[int]] = field(default_factory=dict)
+    """Layer-wise push: last layer of each group -> the group's layers."""
+    parts: int = 0
     started: float = field(default_factory=now)
     """When the request arrived: a process stall after this may have made decode give its blocks away."""
 
@@ -122,27 +134,45 @@ class PrefillWorker(WorkerCounts):
         self.config = config
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
-        self.model = config.load_model(model)
-        self.transport: Transport = make_transport(config, transport_options)
-        self.transport.register(all_regions(self.layouts))
         self.leases = LeaseTable()
         self.stats = PrefillStats()
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._peer_layouts: dict[str, list[CacheLayoutDesc]] = {}
         self._peers: dict[str, PeerConnection] = {}
-        identity = LocalIdentity("prefill", config.name, self.layouts[0], config.backend, self.transport.metadata(),
-                                 config.heartbeat_interval)
-        kw: dict[str, Any] = {} if versions is None else {"versions": versions}
-        self.engine = Engine(config.name, self._on_event, self._tick, on_receive=self._on_receive)
-        self.server = ControlServer(identity, secret, bind=bind, accept_roles=("decode", "client"),
-                                    handshake_timeout=handshake_timeout, **kw)
-        # Decode declares us lost after heartbeat_misses silent intervals; silence runs up to one interval
-        # longer than a stall, so a stall of (misses - 1) intervals may already have cost us the peer.
-        self.stall_watch = StallWatch(max(0.2, (self.server.heartbeat_misses - 1) * config.heartbeat_interval)).start()
-        self.address = self.server.address
-        self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}", daemon=True)
-        self.engine.start()
-        self._accepting.start()
+        self.engine = Engine(config.name, self._on_event, self._tick, on_receive=self._on_receive,
+                             on_error=lambda reason: self._fail_all(f"prefill worker unhealthy: {reason}"))
+        try:
+            self.model = config.load_model(model)
+            self.transport: Transport = make_transport(config, transport_options)
+        except BaseException:
+            for m in self.managers:
+                m.shutdown()
+            raise
+        self.server: ControlServer | None = None
+        self.stall_watch: StallWatch | None = None
+        self.compute: ComputeThread | None = None
+        self._accepting: threading.Thread | None = None
+        try:   # a worker that cannot start releases what it took (engine, transport, socket, caches)
+            self.transport.register(all_regions(self.layouts))
+            self.transport.on_notification(self.engine.wake)
+            identity = LocalIdentity("prefill", config.name, self.layouts[0], config.backend,
+                                     self.transport.metadata(), config.heartbeat_interval)
+            kw: dict[str, Any] = {} if versions is None else {"versions": versions}
+            self.server = ControlServer(identity, secret, bind=bind, accept_roles=("decode", "client"),
+                                        handshake_timeout=handshake_timeout, **kw)
+            # Decode declares us lost after heartbeat_misses silent intervals; silence runs up to one interval
+            # longer than a stall, so a stall of (misses - 1) intervals may already have cost us the peer.
+            self.stall_watch = StallWatch(max(0.2, (self.server.heartbeat_misses - 1) * config.heartbeat_interval))
+            self.stall_watch.start()
+            self.address = self.server.address
+            self.engine.start()
+            self.compute = ComputeThread(config.name, self.engine)
+            self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}",
+                                               daemon=True)
+            self._accepting.start()
+        except BaseException:
+            self._release()
+            raise
 
     # --- public -----------------------------------------------------------------------------------
     @property
@@ -150,12 +180,18 @@ class PrefillWorker(WorkerCounts):
         """Requests whose source blocks are held now."""
         return int(self.engine.call(lambda: len(self._jobs), 10.0))
 
+    @property
+    def health(self) -> Health:
+        """Whether this worker can be trusted to serve (False after an unexpected error; see ``Health``)."""
+        return self.engine.health
+
     def status(self) -> dict[str, int | float | str]:
         """Slot accounting and counters (what ``worker_status`` answers)."""
         return dict(self.engine.call(self._status, 10.0))
 
     def _status(self) -> dict[str, int | float | str]:
-        return {"role": "prefill", "name": self.config.name, "held_slots": held_slots(self.managers),
+        return {"role": "prefill", "name": self.config.name, **self.engine.health.as_dict(),
+                "held_slots": held_slots(self.managers),
                 "open_caches": sum(len(m.open_caches) for m in self.managers), "jobs": len(self._jobs),
                 "peers": len(self._peers), "requests": self.stats.requests, "completed": self.stats.completed,
                 "failed": self.stats.failed, "bytes_sent": self.stats.bytes_sent,
@@ -167,10 +203,22 @@ class PrefillWorker(WorkerCounts):
             return
         with contextlib.suppress(KvxferError):
             self.engine.call(lambda: self._fail_all("prefill worker shutting down"), 10.0)
-        self.server.close("prefill worker shutting down")
+        self._release()
+
+    def _release(self) -> None:
+        """Stop every thread and free the socket, transport and caches (whatever was started)."""
+        if self.server is not None:
+            self.server.close("prefill worker shutting down")
         self.engine.stop()
-        self.stall_watch.stop()
-        self._accepting.join(5.0)
+        if self.compute is not None:
+            self.compute.stop()   # the prompt in progress finishes (a layer-wise one stops at its next layer)
+        for job in list(self._jobs.values()):   # ended while computing: the engine no longer frees them
+            job.computing = False
+            self._free(job)
+        if self.stall_watch is not None:
+            self.stall_watch.stop()
+        if self._accepting is not None:
+            self._accepting.join(5.0)
         self.transport.close()
         for m in self.managers:
             m.shutdown()
@@ -183,11 +231,16 @@ class PrefillWorker(WorkerCounts):
 
     # --- threads ----------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        assert self.server is not None
         accept_loop(self.engine, self.server)
 
     def _on_event(self, ev: Event) -> None:
         kind, conn, payload = ev
-        if kind == "lost":
+        if kind == "computed":
+            self._computed(conn, *payload)
+        elif kind == "layer_done":
+            self._on_layer(conn, payload)
+        elif kind == "lost":
             self._on_lost(conn, payload)
         elif kind == "message":
             try:
@@ -270,11 +323,14 @@ class PrefillWorker(WorkerCounts):
         job = _Job(peer, rid, conn, session, [], msg["mode"], dst_ids, (skip, int(tokens.size)), checksum)
         self._jobs[(peer, rid)] = job
         try:
-            self._compute(job, tokens, skip, dst_ids, msg)
+            self._allocate(job, tokens)
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        self._start_compute(job, tokens, msg)
 
-    def _compute(self, job: _Job, tokens: np.ndarray, skip: int, dst_ids: BlockIdMaps, msg: Message) -> None:
+    def _allocate(self, job: _Job, tokens: np.ndarray) -> None:
+        """The request's source caches on every rank (prefix match first)."""
         for i, m in enumerate(self.managers):
             job.caches.append(m.create_kv_cache(tokens, id=f"{job.peer}/{job.request_id}/{i}"))
         for cache in job.caches:
@@ -286,49 +342,93 @@ class PrefillWorker(WorkerCounts):
         job.reused_tokens = reused.pop()
         self.stats.reused_tokens += job.reused_tokens
         job.session.ready("source blocks allocated")
+
+    def _start_compute(self, job: _Job, tokens: np.ndarray, msg: Message) -> None:
+        """Hand the model work to the compute thread; its layers (layer-wise push) and its end come back
+        as ``layer_done`` and ``computed`` events."""
+        assert self.compute is not None
         shards = list(zip(self.managers, job.caches, strict=True))
-        dst_layouts = self._peer_layouts[job.peer]
-        span = (skip, int(tokens.size))
-        started = now()
         if msg["mode"] == "push" and msg["layerwise"]:
-            groups = layer_groups(self.model.kv_spec.num_layers, int(msg["layers_per_send"]))
-            ends = {g[-1]: g for g in groups}
-            part = [0]
+            job.groups = {g[-1]: g for g in layer_groups(self.model.kv_spec.num_layers, int(msg["layers_per_send"]))}
+        model, chunk, engine = self.model, self.config.chunk_size, self.engine
 
-            def on_layer(layer: int) -> None:
-                if layer not in ends:
-                    return
-                if job.session.state is SessionState.READY:
-                    job.session.start_transfer("layer-wise writes posted")
-                    job.posted_at = now()
-                plan = plan_between(self.layouts, self._source_ids(job), dst_layouts, dst_ids, token_range=span,
-                                    layers=ends[layer], request_id=job.request_id)
-                part[0] += 1
-                self._check_may_write(job)
-                job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, part[0])))
+        def on_layer(layer: int) -> None:   # compute thread
+            if job.session.terminal:
+                raise RequestCancelled(f"request {job.request_id}: {job.session.reason}; computing stopped")
+            if layer in job.groups:
+                # Take (and pin) the pages the writes read now, on this thread: the commit at the end of the
+                # prompt may swap the last block for the prefix tree's copy before the engine posts them.
+                self._source_ids(job)
+                engine._post_internal(("layer_done", job, layer))
 
-            kv: Any = LayerwiseKV(shards, self.model.kv_spec, int(tokens.size), on_layer)
-        else:
-            kv = self.model.bind(shards)
-        with torch.inference_mode():
-            logits = self.model.prefill(kv, tokens[job.reused_tokens:], self.config.chunk_size, last_only=True)
-        job.first_token = greedy(logits[-1])
-        job.prefill_s = now() - started
-        if msg["mode"] == "pull":
-            src_ids = self._source_ids(job)
-            digest = self._digest(job)   # before decode may read: the pages are final
-            job.session.start_transfer("waiting for decode to read")
-            self._send(job.conn, "kv_pull", request_id=job.request_id, first_token=job.first_token,
-                       blocks=encode_block_ids(src_ids),
-                       reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest)
+        def run() -> tuple[int, float]:   # compute thread: only this request's pages are touched
+            started = now()
+            kv: Any = LayerwiseKV(shards, self.model.kv_spec, int(tokens.size), on_layer) if job.groups \
+                else model.bind(shards)
+            with torch.inference_mode():
+                logits = model.prefill(kv, tokens[job.reused_tokens:], chunk, last_only=True)
+            return greedy(logits[-1]), now() - started
+
+        job.computing = True
+        self.compute.submit(job, run)
+
+    def _on_layer(self, job: _Job, layer: int) -> None:
+        """A group of layers is in the pages (layer-wise push): write it to decode."""
+        if job.session.terminal or job.freed:
             return
-        if not msg["layerwise"]:
-            plan = plan_between(self.layouts, self._source_ids(job), dst_layouts, dst_ids, token_range=span,
-                                request_id=job.request_id)
+        try:
+            if job.session.state is SessionState.READY:
+                job.session.start_transfer("layer-wise writes posted")
+                job.posted_at = now()
+            plan = plan_between(self.layouts, job.src_ids, self._peer_layouts[job.peer], job.dst_ids,
+                                token_range=job.span, layers=job.groups[layer], request_id=job.request_id)
+            job.parts += 1
             self._check_may_write(job)
-            job.session.start_transfer("write posted")
-            job.posted_at = now()
-            job.handles.append(self.transport.write(job.peer, plan, _notify(job.request_id, 1)))
+            handle = self.transport.write(job.peer, plan, _notify(job.request_id, job.parts))
+            job.handles.append(handle)
+            handle.add_done_callback(self.engine.wake)
+        except KvxferError as exc:
+            self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
+
+    def _computed(self, job: _Job, result: tuple[int, float] | None, error: BaseException | None) -> None:
+        """The compute thread is done with the request's pages: free them if the request ended meanwhile,
+        else send (pull: tell decode where to read; push: write what layer-wise writes did not)."""
+        job.computing = False
+        if job.session.terminal:
+            self._free(job)
+            return
+        if error is not None:
+            if not isinstance(error, KvxferError):   # a bug or CUDA out of memory: the worker is suspect
+                cause = f"{type(error).__name__}: {error}"
+                log.error("%s: computing request %s failed", self.config.name, job.request_id, exc_info=error)
+                self.engine.mark_unhealthy(f"prefill compute failed: {cause}")
+                self._end(job, SessionState.FAILED, f"{WorkerUnhealthy.__name__}: prefill compute failed: {cause}")
+                return
+            self._end(job, SessionState.FAILED, f"{type(error).__name__}: {error}")
+            return
+        assert result is not None
+        job.first_token, job.prefill_s = result
+        self.engine.wake()   # layer-wise writes that already finished: the tick reports them now
+        try:
+            if job.mode == "pull":
+                src_ids = self._source_ids(job)
+                digest = self._digest(job)   # before decode may read: the pages are final
+                job.session.start_transfer("waiting for decode to read")
+                self._send(job.conn, "kv_pull", request_id=job.request_id, first_token=job.first_token,
+                           blocks=encode_block_ids(src_ids),
+                           reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest)
+                return
+            if not job.groups:
+                plan = plan_between(self.layouts, self._source_ids(job), self._peer_layouts[job.peer], job.dst_ids,
+                                    token_range=job.span, request_id=job.request_id)
+                self._check_may_write(job)
+                job.session.start_transfer("write posted")
+                job.posted_at = now()
+                handle = self.transport.write(job.peer, plan, _notify(job.request_id, 1))
+                job.handles.append(handle)
+                handle.add_done_callback(self.engine.wake)
+        except KvxferError as exc:
+            self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
 
     def _source_ids(self, job: _Job) -> BlockIdMaps:
         """The block ids the request's transfers read: taken (and pinned on every rank) at the first post;
@@ -352,6 +452,7 @@ class PrefillWorker(WorkerCounts):
         if job.session.lease is not None and job.session.lease.expired:
             raise TransferFailed(f"request {job.request_id}: not writing into the blocks of decode {job.peer!r}, "
                                  f"its lease expired")
+        assert self.stall_watch is not None
         stalled = self.stall_watch.stalled_since(job.started)
         if stalled:
             raise TransferFailed(f"request {job.request_id}: not writing into the blocks of decode {job.peer!r}: "
@@ -368,8 +469,14 @@ class PrefillWorker(WorkerCounts):
             if job is not None:
                 self._end(job, SessionState.FAILED, "lease expired: decode stopped renewing it")
         busy = False
+        polled = self.transport.notifications_need_polling
         for job in list(self._jobs.values()):
+            if job.mode == "pull" and polled and job.session.state is SessionState.TRANSFERRING:
+                busy = True   # NIXL: decode's read of our pages may need this side to progress
             if job.mode != "push" or not job.handles or job.session.state is not SessionState.TRANSFERRING:
+                continue
+            if job.computing:   # layer-wise: the last write may end before the first token is known
+                busy = busy or any(h.completes_when_polled for h in job.handles)
                 continue
             statuses = [h.status for h in job.handles]
             failed = [h for h, s in zip(job.handles, statuses, strict=True)
@@ -378,12 +485,12 @@ class PrefillWorker(WorkerCounts):
                 self._end(job, SessionState.FAILED, f"transfer failed: {failed[0].reason}")
             elif all(s is TransferStatus.DONE for s in statuses):
                 self._finish(job, now() - job.posted_at)
-            else:
-                busy = True
+            elif any(h.completes_when_polled for h in job.handles):
+                busy = True   # the others wake the engine when they finish
         if busy:
             return 0.001
         nxt = self.leases.next_deadline()
-        return 0.05 if nxt is None else min(0.05, max(0.0, nxt - now()))
+        return 1.0 if nxt is None else max(0.0, nxt - now())
 
     def _digest(self, job: _Job) -> bytes:
         """The position-keyed digest of the pages the request's transfers read (pinned), over the tokens
@@ -412,6 +519,9 @@ class PrefillWorker(WorkerCounts):
 
     def _end(self, job: _Job, state: SessionState, reason: str, *, tell: bool = True) -> None:
         """Fail or cancel one request: stop its transfers, free its blocks, tell decode (when asked)."""
+        if job.session.terminal:   # ended before (its pages may wait for the compute thread)
+            self._free(job)
+            return
         for h in job.handles:
             h.cancel()
         if not job.session.terminal:
@@ -426,6 +536,9 @@ class PrefillWorker(WorkerCounts):
     def _free(self, job: _Job) -> None:
         if job.freed:
             return
+        self.leases.release((job.peer, job.request_id))
+        if job.computing:   # the compute thread still writes these pages: freed when it reports back
+            return
         pending = [h for h in job.handles if not h.done()]
         if pending:   # a transfer that could not be cancelled still reads our pages: wait for it
             for h in pending:
@@ -438,7 +551,6 @@ class PrefillWorker(WorkerCounts):
         for pin in job.pins:   # after every transfer reading the pages ended (or was given up on above)
             with contextlib.suppress(KvxferError):
                 pin.release()
-        self.leases.release((job.peer, job.request_id))
         self._jobs.pop((job.peer, job.request_id), None)
 
     def _on_lost(self, conn: PeerConnection, reason: str) -> None:

@@ -7,6 +7,7 @@ advertised without asking it anything.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from kvxfer.cache.descriptors import BufferFormat, BufferId, CacheLayoutDesc
@@ -51,18 +52,22 @@ class Placement:
 
 _RECENT: dict[int, tuple[CacheLayoutDesc, dict[BufferId, Placement]]] = {}
 _RECENT_MAX = 32
+_RECENT_LOCK = threading.Lock()   # engine threads of several workers in one process plan at once
 
 
 def placements(layout: CacheLayoutDesc) -> dict[BufferId, Placement]:
     """The placement of every buffer of ``layout`` (one pass over its slots; the last few layouts'
-    results are remembered, since a worker plans against the same two layouts all the time)."""
-    hit = _RECENT.get(id(layout))
+    results are remembered, since a worker plans against the same two layouts all the time). Safe to
+    call from several threads: the memo is read and updated under a lock, the work is done outside it."""
+    with _RECENT_LOCK:
+        hit = _RECENT.get(id(layout))
     if hit is not None and hit[0] is layout:
         return dict(hit[1])
     out = _placements(layout)
-    if len(_RECENT) >= _RECENT_MAX:
-        _RECENT.pop(next(iter(_RECENT)))
-    _RECENT[id(layout)] = (layout, out)
+    with _RECENT_LOCK:
+        while len(_RECENT) >= _RECENT_MAX:
+            _RECENT.pop(next(iter(_RECENT)))
+        _RECENT[id(layout)] = (layout, out)
     return dict(out)
 
 

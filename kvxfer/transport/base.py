@@ -11,7 +11,7 @@ import itertools
 import re
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import ClassVar, Literal
 
@@ -43,6 +43,7 @@ class Transport(ABC):
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
+        self._on_notification: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, regions={len(self._regions)}, "
@@ -139,10 +140,25 @@ class Transport(ABC):
                                   f"(connected: {sorted(self._peers)})")
         return md
 
+    def on_notification(self, wake: Callable[[], None] | None) -> None:
+        """Call ``wake()`` whenever a notification reaches the inbox on its own (loopback, cuda_ipc, ucx).
+        A backend whose notifications arrive only when polled (``notifications_need_polling``) calls it
+        from ``notifications()`` instead; ``wake`` must be quick and must not raise."""
+        self._on_notification = wake
+
+    @property
+    def notifications_need_polling(self) -> bool:
+        """True when notifications reach the inbox only through ``notifications()`` (the backend holds
+        them until asked, as NIXL does): a caller waiting for one must poll."""
+        return type(self)._backend_poll_notifications is not Transport._backend_poll_notifications
+
     def _deliver(self, peer: str, message: bytes) -> None:
-        """Queue a notification from ``peer`` for ``notifications()``."""
+        """Queue a notification from ``peer`` for ``notifications()`` and wake whoever waits for one."""
         with self._lock:
             self._inbox.setdefault(peer, []).append(bytes(message))
+        wake = self._on_notification
+        if wake is not None:
+            wake()
 
     def _post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle:
         self._check_open()

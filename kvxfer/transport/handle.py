@@ -49,6 +49,7 @@ class TransferHandle:
         self._status = TransferStatus.PENDING
         self._reason = ""
         self._error_type: type[TransportError] = TransferFailed
+        self._callbacks: list[Callable[[TransferHandle], None]] = []
 
     def __repr__(self) -> str:
         return (f"TransferHandle(id={self.id}, op={self.op}, peer={self.peer!r}, nbytes={self.nbytes}, "
@@ -64,6 +65,21 @@ class TransferHandle:
     def reason(self) -> str:
         """Why the transfer failed or was cancelled ("" while pending or done)."""
         return self._reason
+
+    @property
+    def completes_when_polled(self) -> bool:
+        """True when the backend observes completion only when asked (``status``, ``done``, ``wait``):
+        a caller waiting for it must poll; otherwise ``add_done_callback`` tells it."""
+        return self._poll is not None
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        """Call ``fn(handle)`` once the transfer is terminal (at once if it already is), from the thread
+        that finishes it: ``fn`` must be quick and must not raise (to wake a waiting thread, say)."""
+        with self._cond:
+            if not self._status.terminal:
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def done(self) -> bool:
         """Whether the transfer reached a terminal state (done, failed or cancelled)."""
@@ -110,7 +126,10 @@ class TransferHandle:
             self._reason = reason
             self._error_type = error_type
             self._cond.notify_all()
-            return True
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+        return True
 
     def _poll_once(self) -> TransferStatus:
         if self._poll is not None and not self._status.terminal:

@@ -85,7 +85,12 @@ class NixlTransport(Transport):
 
     backend = "nixl"
 
-    def __init__(self, name: str, *, num_threads: int = 0, progress_thread: bool = True) -> None:
+    def __init__(self, name: str, *, num_threads: int = 0, progress_thread: bool = True,
+                 error_handling: bool = False) -> None:
+        """``progress_thread``: NIXL's own thread progresses UCX (and delivers notifications) while
+        this process computes; ``error_handling``: UCX endpoints with peer-failure handling
+        (``ucx_error_handling_mode=peer``: a dead peer fails transfers instead of stalling them, but on
+        one host UCX then avoids shared memory and CMA; see docs/transport.md for both costs)."""
         super().__init__(name)
         reason = nixl_unavailable_reason()
         if reason is not None:
@@ -99,7 +104,7 @@ class NixlTransport(Transport):
             raise BackendUnavailable(f"{module} is not importable: {exc}") from exc
 
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
-        params = {"ucx_error_handling_mode": "none"}
+        params = {"ucx_error_handling_mode": "peer" if error_handling else "none"}
         if num_threads > 0:
             params["num_threads"] = str(num_threads)
         try:

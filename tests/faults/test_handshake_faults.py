@@ -18,6 +18,7 @@ import zmq
 from kvxfer.disagg.auth import AuthKey
 from kvxfer.disagg.handshake import ClientHandshake, LocalIdentity, PeerInfo, ServerHandshake
 from kvxfer.disagg.messages import Message, decode, encode
+from kvxfer.disagg.seal import SealedChannel
 from kvxfer.disagg.worker import WorkerConfig, all_regions
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
@@ -45,13 +46,15 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def recv(sock: zmq.Socket[bytes], timeout: float) -> Message:
-    """The next message other than a heartbeat on a raw socket (AssertionError after ``timeout`` s)."""
+def recv(sock: zmq.Socket[bytes], timeout: float, channel: SealedChannel | None = None) -> Message:
+    """The next message other than a heartbeat on a raw socket, opened with ``channel`` after the handshake
+    (AssertionError after ``timeout`` s)."""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
         assert left > 0 and sock.poll(int(left * 1000) + 1, zmq.POLLIN), "no message in time"
-        msg = decode(sock.recv(), (0, 1 << 16))
+        frame = sock.recv()
+        msg = decode(frame if channel is None else channel.open(frame), (0, 1 << 16))
         if msg.type != "heartbeat":
             return msg
 
@@ -126,16 +129,20 @@ class FakePrefill:
         self.sock.bind("tcp://127.0.0.1:0")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.received: list[bytes] = []
+        self.channel: SealedChannel | None = None   # after the handshake, frames are sealed both ways
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-prefill", daemon=True)
         self._thread.start()
 
     def messages(self) -> list[Message]:
-        """What the client sent, decoded."""
+        """What the client sent, decoded (opened first once the handshake is done)."""
         return [decode(f, (0, 1 << 16)) for f in list(self.received)]
 
     def _answer(self, frame: bytes) -> bytes | None:
         msg = decode(frame, (0, 1 << 16))
+        if self.channel is not None:
+            return None if msg.type != "kv_ranks" or self.behaviour != "bad_ranks" else \
+                self.channel.seal(encode(Message("kv_ranks", {"layouts": b"\x01"}, self.version)))
         if msg.type in ("hello", "auth"):
             if self.behaviour == "silent":
                 return None
@@ -144,10 +151,9 @@ class FakePrefill:
             reply, peer = self.handshake.on_message(msg)
             if peer is not None:
                 self.version = peer.version
+                self.channel = self.handshake.channel()
             out = encode(reply)
             return out[: len(out) // 2] if self.behaviour == "truncated" else out
-        if msg.type == "kv_ranks" and self.behaviour == "bad_ranks":
-            return encode(Message("kv_ranks", {"layouts": b"\x01"}, self.version))
         return None
 
     def _run(self) -> None:
@@ -155,6 +161,8 @@ class FakePrefill:
             if not self.sock.poll(20, zmq.POLLIN):
                 continue
             route, frame = self.sock.recv_multipart()
+            if self.channel is not None:
+                frame = self.channel.open(frame)
             self.received.append(frame)
             answer = self._answer(frame)
             if answer is not None:
@@ -223,9 +231,13 @@ class RawDecode:
         peer = hs.on_message(recv(self.sock, 5))
         assert isinstance(peer, PeerInfo) and peer.role == "prefill"
         self.version = peer.version
+        self.channel = hs.channel()
 
     def send(self, type: str, **body: object) -> None:
-        self.sock.send(encode(Message(type, body, self.version)))
+        self.sock.send(self.channel.seal(encode(Message(type, body, self.version))))
+
+    def recv(self, timeout: float) -> Message:
+        return recv(self.sock, timeout, self.channel)
 
     def vanish(self) -> None:
         self.sock.close()
@@ -252,7 +264,7 @@ def test_vanished_decode_is_forgotten(prefill: PrefillWorker, ctx: zmq.Context[z
         wait_for("prefill to accept the raw decode", lambda: len(prefill.server.peers) == 1, 5)
         if stage != "after_auth":
             raw.send("kv_ranks", layouts=encode_layouts([m.layout for m in raw.managers]))
-            assert recv(raw.sock, 5).type == "kv_ranks"
+            assert raw.recv(5).type == "kv_ranks"
         if stage == "after_kv_request":
             tokens = prompt(2, 40)
             cache = raw.managers[0].create_kv_cache(tokens)
@@ -260,7 +272,7 @@ def test_vanished_decode_is_forgotten(prefill: PrefillWorker, ctx: zmq.Context[z
             raw.send("kv_request", request_id="r1", tokens=tokens.tolist(), skip=0,
                      blocks=encode_block_ids([cache.block_id_map()]), mode="pull", layerwise=False,
                      layers_per_send=1, lease_s=30.0, checksum=encode_checksum_policy(None))
-            pull = recv(raw.sock, 10)
+            pull = raw.recv(10)
             assert pull.type == "kv_pull" and pull["request_id"] == "r1"
             last_frame = time.monotonic()
             raw.send("heartbeat")

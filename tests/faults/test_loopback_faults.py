@@ -38,6 +38,11 @@ def prompt(seed: int, length: int) -> npt.NDArray[np.int64]:
     return np.random.default_rng(1000 + seed).integers(0, 512, length).astype(np.int64)
 
 
+def posted(prefill: PrefillWorker) -> bool:
+    """Whether prefill posted a write (it computes off its engine thread: a job exists before that)."""
+    return bool(prefill.engine.call(lambda: any(j.handles for j in prefill._jobs.values()), 5.0))
+
+
 @contextlib.contextmanager
 def pair(*, prefill_faults: LoopbackFaults | None = None, decode_faults: LoopbackFaults | None = None,
          mode: str = "push", layerwise: bool = False, deadline_s: float = 10.0,
@@ -102,6 +107,7 @@ def three() -> dict[str, npt.NDArray[np.int64]]:
     ("push", True, LAYERS + 2, "prefill"),       # B's second layer, after its first landed on decode
     ("pull", False, 2, "decode"),                # decode's read of B
 ], ids=["push", "push-layerwise", "pull"])
+
 def test_nth_post_fails_only_its_request(mode: str, layerwise: bool, post: int, side: str) -> None:
     faults = LoopbackFaults(fail_post=post)
     sides: dict[str, Any] = {f"{side}_faults": faults}
@@ -191,7 +197,7 @@ def test_stalled_layerwise_push_fails_only_its_request() -> None:
         requests = three()
         t0 = time.monotonic()
         stalled = decode.submit(requests["B"], NEW, request_id="B")
-        wait_for("prefill to post B's writes", lambda: prefill.status()["jobs"] == 1)
+        wait_for("prefill to post B's writes", lambda: posted(prefill))
         faults.never_complete = False          # read at each post: only B's writes stay stalled
         futures = submit_all(decode, {k: v for k, v in requests.items() if k != "B"})
         assert_survivors(futures, requests, ())
@@ -219,7 +225,7 @@ def test_late_completion_within_the_deadline_succeeds_and_past_it_fails() -> Non
         late = {"D": prompt(4, 40), "E": prompt(5, 20)}
         t0 = time.monotonic()
         slow = decode.submit(late["D"], NEW, request_id="D")
-        wait_for("prefill to post D's write", lambda: prefill.status()["jobs"] == 1)
+        wait_for("prefill to post D's write", lambda: posted(prefill))
         faults.delay_s = 0.0                    # read at each post: only D's write is late
         futures = submit_all(decode, {"E": late["E"]})
         assert_survivors(futures, late, ())
@@ -350,7 +356,7 @@ def test_cancel_while_a_push_stalls() -> None:
     with pair(prefill_faults=faults, deadline_s=30.0) as (prefill, decode):
         requests = three()
         stalled = decode.submit(requests["B"], NEW, request_id="B")
-        wait_for("prefill to post B's write", lambda: prefill.status()["jobs"] == 1)
+        wait_for("prefill to post B's write", lambda: posted(prefill))
         faults.never_complete = False
         futures = submit_all(decode, {"A": requests["A"]})
         assert_survivors(futures, requests, ())

@@ -233,8 +233,11 @@ def test_prefill_killed_during_transfers_fails_only_requests_in_flight(backend: 
                 decode.transport.notifications = notifications  # type: ignore[method-assign]
 
             served, victim, *queued = long_prompts(21, 3, 400)
-            futures = [decode.submit(served, NEW, request_id="served", return_kv=KV),
-                       decode.submit(victim, NEW, request_id="victim", return_kv=KV)]
+            # Served to the end first: prefill computes off its engine thread, so the victim's first layers
+            # could otherwise reach decode before the served request's own completion does.
+            futures = [decode.submit(served, NEW, request_id="served", return_kv=KV)]
+            outcome(futures[0], 120.0)
+            futures += [decode.submit(victim, NEW, request_id="victim", return_kv=KV)]
             futures += [decode.submit(p, NEW, request_id=f"queued-{i}") for i, p in enumerate(queued)]
             results = [outcome(f, 120.0) for f in futures]
             assert killed_at, "the victim's transfer never started"

@@ -132,6 +132,8 @@ def test_decode_quarantines_push_blocks_of_a_lost_prefill_until_the_lease_ran_ou
         deadline = time.monotonic() + 5.0
         while not prefill.stats.reasons and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert any("not writing into the blocks of decode" in r and "connection ended" in r
-                   for r in prefill.stats.reasons), list(prefill.stats.reasons)
+        # Prefill's engine learns of the loss while its compute thread still runs (the request ends then),
+        # or at the write after the compute (refused there): either way nothing is written.
+        assert any(("not writing into the blocks of decode" in r and "connection ended" in r)
+                   or r.startswith("decode peer lost") for r in prefill.stats.reasons), list(prefill.stats.reasons)
         assert_settled(prefill)
