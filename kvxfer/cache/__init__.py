@@ -16,7 +16,9 @@ from kvxfer.cache.descriptors import (
     SlotDesc,
     SlotDescVariant,
 )
-from kvxfer.cache.events import AllCleared, KVEvent, KVEventPublisher, Removed, Stored, Updated
+from kvxfer.cache.event_publisher import KVEventPublisher
+from kvxfer.cache.event_wire import WireContext
+from kvxfer.cache.events import AllCleared, Created, EventsDropped, KVEvent, Removed, Stored, Updated
 from kvxfer.cache.hashing import HASH_V2_BLAKE3, HASH_V2_BLAKE3_64, ReuseScope, block_keys
 from kvxfer.cache.kv_cache import CacheState, KVCache
 from kvxfer.cache.manager import KVCacheManager
@@ -37,7 +39,9 @@ __all__ = [
     "CacheLayoutDesc",
     "CacheState",
     "CoalescedBuffer",
+    "Created",
     "DiskTier",
+    "EventsDropped",
     "ExpandedBuffer",
     "HostTier",
     "IterationStats",
@@ -63,5 +67,6 @@ __all__ = [
     "TierStats",
     "TierTraffic",
     "Updated",
+    "WireContext",
     "block_keys",
 ]

@@ -19,7 +19,17 @@ from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.copy_engine import CopyEngine, CopyHandle
 from kvxfer.cache.descriptors import AggregatedPageDesc, BufferId, CacheLayoutDesc, PoolGroupDesc
 from kvxfer.cache.dtypes import torch_dtype
-from kvxfer.cache.events import AllCleared, EventQueue, KVEvent, Removed, Stored, Updated
+from kvxfer.cache.events import (
+    AllCleared,
+    Created,
+    EventQueue,
+    KVEvent,
+    Removed,
+    Stored,
+    Updated,
+    layer_group_subset,
+    stored_extra_keys,
+)
 from kvxfer.cache.hashing import DEFAULT_SCOPE, ExtraKeys, ReuseScope, block_keys, check_extra_keys
 from kvxfer.cache.kv_cache import CacheState, KVCache, _as_tokens
 from kvxfer.cache.layout import place_layout, plan_layout
@@ -136,6 +146,7 @@ class KVCacheManager:
         self._tree_owner: list[list[dict[int, tuple[BlockNode, int]]]] = [
             [{} for _ in self._layout.pool_groups] for _ in self._tiers]
         self._traffic = TierTrafficCounter(len(self._tiers))
+        self._put_created()
         self._page_bytes = [sum(p.slot_bytes for p in pg.pools) for pg in self._layout.pool_groups]
 
     # --- published view ---------------------------------------------------------------------
@@ -211,12 +222,14 @@ class KVCacheManager:
     def _evict(self, node: BlockNode) -> None:
         """Drop a tree-only leaf and its pages (in whatever tiers they are); emits Removed."""
         self._tree.remove(node)
+        held = layer_group_subset((node.pages >= 0).tolist())
         for lg, (page, tier) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
             if page >= 0:
                 pg = self._lg_pool_group[lg]
                 self._alloc_of(tier, pg).decref(np.array([page], dtype=np.int32))
                 self._unmark_tree_page(tier, pg, page)
-        self._events.put(Removed((node.key,), self._node_medium(node)))
+        if held != ():
+            self._events.put(Removed((node.key,), self._node_medium(node), held))
         self._traffic.dropped()
 
     def _release(self, layer_group: int, ids: IntArray, tiers: TierArray) -> None:
@@ -403,7 +416,7 @@ class KVCacheManager:
         if extra.size:
             dst_alloc.incref(extra)
         src_owner = self._tree_owner[src_tier][pool_group]
-        moved: list[bytes] = []
+        moved: dict[int, list[bytes]] = {}
         for s, d in zip(src.tolist(), dst.tolist(), strict=True):
             owner = src_owner.pop(s, None)
             if owner is not None:
@@ -411,7 +424,7 @@ class KVCacheManager:
                 node.pages[lg] = d
                 node.tiers[lg] = dst_tier
                 dst_owner[d] = owner
-                moved.append(node.key)
+                moved.setdefault(lg, []).append(node.key)
         src_in_tree = self._in_tree_t[src_tier][pool_group]
         dst_in_tree[dst] = src_in_tree[src]
         src_in_tree[src] = False
@@ -431,7 +444,28 @@ class KVCacheManager:
         if src_tier != dst_tier:
             self._traffic.moved(src_tier, dst_tier, int(src.size), int(src.size) * self._page_bytes[pool_group])
         if moved and src_tier != dst_tier:
-            self._events.put(Updated(tuple(dict.fromkeys(moved)), self._media[dst_tier]))
+            self._put_moves(moved, self._media[src_tier], self._media[dst_tier])
+
+    def _put_created(self) -> None:
+        """Created events: each layer group's slots per tier (one event when all layer groups agree)."""
+        counts = [tuple(t.layout.pool_groups[pg].num_slots for t in self._tiers) for pg in self._lg_pool_group]
+        if all(c == counts[0] for c in counts):
+            self._events.put(Created(tuple(self._media), counts[0]))
+            return
+        for lg, c in enumerate(counts):
+            self._events.put(Created(tuple(self._media), c, layer_group_subset([i == lg for i in range(len(counts))])))
+
+    def _put_moves(self, moved: dict[int, list[bytes]], old: str, new: str) -> None:
+        """Updated events for blocks whose pages of the listed layer groups moved ``old`` -> ``new``
+        (one event when every layer group moved the same blocks)."""
+        n_lg = len(self._layout.layer_groups)
+        keys = [tuple(dict.fromkeys(v)) for v in moved.values()]
+        if len(moved) == n_lg and all(k == keys[0] for k in keys):
+            self._events.put(Updated(keys[0], new, old_medium=old))
+            return
+        for lg, k in zip(moved, keys, strict=True):
+            self._events.put(Updated(k, new, old_medium=old, layer_groups=layer_group_subset(
+                [i == lg for i in range(n_lg)])))
 
     def _offloaded_pages(self, cache: KVCache) -> dict[int, dict[int, IntArray]]:
         """The cache's pages outside the primary tier: {pool group: {tier: slots}}."""
@@ -718,11 +752,14 @@ class KVCacheManager:
                 self._mark_tree_pages(node, range(len(cache._blocks)))
                 self._events.put(Stored(None if parent is None else parent.key, (key,),
                                         tuple(toks[b * tpb:(b + 1) * tpb].tolist()), tpb,
-                                        cache.reuse_scope.lora_id, self._medium))
+                                        cache.reuse_scope.lora_id, self._medium,
+                                        stored_extra_keys(b, 1, cache.reuse_scope.salt_bytes, cache._extra_keys),
+                                        layer_group_subset((pages[i] >= 0).tolist())))
             else:
                 self._adopt(cache, b, node)
+                old = node.priority
                 if priority is not None and self._tree.set_priority(node, priority):
-                    self._events.put(Updated((node.key,), self._node_medium(node), priority))
+                    self._events.put(Updated((node.key,), self._node_medium(node), priority, old_priority=old))
                 self._tree.touch(node)
             cache._tree_nodes.append(node)
 
@@ -755,6 +792,12 @@ class KVCacheManager:
                 node.pages[lg] = mine
                 node.tiers[lg] = cache._tiers[lg][block]
                 self._mark_tree_pages(node, [lg])
+                parent = node.parent
+                self._events.put(Stored(None if parent is None or parent.is_root else parent.key, (node.key,),
+                                        tuple(node.tokens.tolist()), self._layout.tokens_per_block,
+                                        cache.reuse_scope.lora_id, self._media[int(node.tiers[lg])],
+                                        stored_extra_keys(block, 1, cache.reuse_scope.salt_bytes, cache._extra_keys),
+                                        layer_group_subset([i == lg for i in range(len(cache._blocks))])))
 
     def _drop_window_pages(self, cache: KVCache, layer_group: int, start: int, released: IntArray,
                            tiers: TierArray) -> None:
@@ -772,13 +815,16 @@ class KVCacheManager:
                 alloc.decref(np.array([page], dtype=np.int32))
                 self._unmark_tree_page(tier, pg, page)
                 node.pages[layer_group] = -1
+                self._events.put(Removed((node.key,), self._media[tier], layer_group_subset(
+                    [i == layer_group for i in range(len(node.pages))])))
             self._tree.touch(node)
 
     def _set_priority(self, cache: KVCache, priority: int) -> None:
         with self._lock:
             for node in cache._tree_nodes:
+                old = None if node is None else node.priority
                 if node is not None and self._tree.set_priority(node, priority):
-                    self._events.put(Updated((node.key,), self._node_medium(node), priority))
+                    self._events.put(Updated((node.key,), self._node_medium(node), priority, old_priority=old))
 
     def _touch_blocks(self, cache: KVCache, start: int, stop: int) -> None:
         """Requeue the tree blocks tied to the cache's blocks [start, stop) for eviction."""
