@@ -63,7 +63,7 @@ def nixl_logs_to_stderr() -> None:
 def nixl_unavailable_reason() -> str | None:
     """None when the NIXL binding is installed, else why not (found without importing it)."""
     if nixl_module() is None:
-        return "no NIXL binding is installed (pip install --no-deps nixl-cu12, or nixl-cu13 for CUDA 13)"
+        return "no NIXL binding is installed (pip install nixl-cu12, or nixl-cu13 for CUDA 13)"
     return None
 
 
