@@ -393,3 +393,28 @@ def test_bad_configuration_is_refused() -> None:
         WireContext(wire="json")
     with pytest.raises(ConfigError, match="data_parallel_rank"):
         WireContext(data_parallel_rank=-1)
+
+
+def test_reference_wire_publishes_every_event_with_ids_windows_and_rank() -> None:
+    """The reference form carries what vLLM's cannot: Created, priority diffs, event ids, window sizes."""
+    mgr = make_manager(16, windows=[None, 2 * TPB])
+    wctx = WireContext.for_manager(mgr, wire="reference", data_parallel_rank=2, hash_name="v2_blake3")
+    p = np.arange(9)
+    kv = prefill(mgr, p, close=False)
+    kv.set_priority(80)
+    kv.close()
+    payload = encode_batch(mgr.drain_events(), 3.0, wctx)
+    assert payload is not None
+    body = msgspec.msgpack.decode(payload)
+    assert body["ts"] == 3.0 and body["data_parallel_rank"] == 2
+    records = body["events"]
+    kinds = [r["data"]["type"] for r in records]
+    assert kinds[0] == "created" and "stored" in kinds and "updated" in kinds
+    assert {r["layer_group_id"]: r["window_size"] for r in records if r["data"]["type"] == "stored"} == {0: 0, 1: 8}
+    upd = [r for r in records if r["data"]["type"] == "updated"]
+    assert all(r["data"]["priority"] == {"old_value": 35, "new_value": 80} and r["data"]["cache_level"] is None
+               for r in upd)
+    keys = block_keys(p, TPB, ReuseScope().root_key)
+    assert {r["data"]["block_hash"] for r in upd} == {k.hex() for k in keys}
+    ids = [r["event_id"] for r in records]
+    assert ids == sorted(ids) and all(r["hash_algo"] == "v2_blake3" and r["attention_dp_rank"] == 2 for r in records)

@@ -29,8 +29,9 @@ from kvxfer.errors import ConfigError
 
 WIRE_MAP = "vllm"
 WIRE_ARRAY = "vllm-array"
-WireFormat = Literal["vllm", "vllm-array"]
-WIRE_FORMATS: tuple[str, ...] = (WIRE_MAP, WIRE_ARRAY)
+WIRE_REFERENCE = "reference"
+WireFormat = Literal["vllm", "vllm-array", "reference"]
+WIRE_FORMATS: tuple[str, ...] = (WIRE_MAP, WIRE_ARRAY, WIRE_REFERENCE)
 KIND_FULL = "full_attention"
 KIND_SLIDING = "sliding_window"
 
@@ -130,6 +131,8 @@ class WireContext:
     block_size: int = 0
     data_parallel_rank: int = 0
     wire: str = WIRE_MAP
+    media: tuple[str, ...] = ("GPU", "CPU", "DISK")
+    """The cache's tiers' media, hottest first (cache levels of the reference records)."""
 
     def __post_init__(self) -> None:
         if self.hash_name not in HASH_NAMES:
@@ -148,6 +151,11 @@ class WireContext:
         its tokens per block)."""
         groups = tuple(GroupSpec(int(lg.layer_group_id), lg.window) for lg in layout.layer_groups)
         return cls(groups=groups, block_size=int(layout.tokens_per_block), **kw)
+
+    @classmethod
+    def for_manager(cls, manager: Any, **kw: Any) -> WireContext:
+        """The context of a KVCacheManager: its layout and its tiers' media."""
+        return cls.for_layout(manager.layout, media=tuple(manager.tier_media), **kw)
 
     def groups_of(self, layer_groups: tuple[int, ...] | None) -> tuple[GroupSpec, ...]:
         """The groups an event concerns (all of them for None)."""
@@ -213,7 +221,12 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode_batch(events: Iterable[KVEvent], timestamp: float, ctx: WireContext) -> bytes | None:
-    """A batch payload in ``ctx.wire`` form, or None when no event has a vLLM form."""
+    """A batch payload in ``ctx.wire`` form, or None when no event has a form there. The reference form
+    is a msgpack map ``{ts, events: [reference records], data_parallel_rank}`` carrying every event."""
+    if ctx.wire == WIRE_REFERENCE:
+        records = [r for e in events for r in reference_events(e, ctx, ctx.media)]
+        return _ENCODER.encode({"ts": timestamp, "events": records, "data_parallel_rank": ctx.data_parallel_rank}) \
+            if records else None
     wire = [w for e in events for w in vllm_events(e, ctx)]
     if not wire:
         return None
@@ -280,6 +293,7 @@ __all__ = [
     "WIRE_ARRAY",
     "WIRE_FORMATS",
     "WIRE_MAP",
+    "WIRE_REFERENCE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",

@@ -933,6 +933,11 @@ class KVCacheManager:
 
     # --- tiers: public view and quotas -----------------------------------------------------------
     @property
+    def tier_media(self) -> tuple[str, ...]:
+        """Each tier's medium name in events ("GPU", "CPU", "DISK"), primary first."""
+        return tuple(self._media)
+
+    @property
     def num_tiers(self) -> int:
         """Tiers of this manager, primary first (1 without host or disk tiers)."""
         return len(self._tiers)

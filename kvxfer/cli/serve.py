@@ -82,7 +82,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="also answer replay requests on this ZeroMQ ROUTER endpoint (e.g. tcp://*:5558)")
     p.add_argument("--kv-events-topic", default="kv-events")
     p.add_argument("--kv-events-wire", choices=WIRE_FORMATS, default=WIRE_FORMATS[0],
-                   help="vllm: tagged maps (vLLM since mid-2026); vllm-array: the positional form of vLLM 0.9-0.13")
+                   help="vllm: tagged maps (vLLM since mid-2026); vllm-array: the positional form of vLLM 0.9-0.13; "
+                        "reference: every event (Created, Updated diffs too) as the reference design's records")
     p.add_argument("--kv-events-hash", choices=HASH_NAMES, default=HASH_V2_BLAKE3_64,
                    help="block hashes as 64-bit ints or full 32-byte digests")
     p.add_argument("--data-parallel-rank", type=int, default=0, help="the rank stamped on every event batch")
@@ -162,8 +163,8 @@ def serve(a: argparse.Namespace) -> int:
             ops = OpsServer(worker, metrics, worker.health, a.metrics_port, a.metrics_host)
         if a.kv_events is not None:
             manager = worker.managers[0]      # every rank's prefix tree sees the same requests: rank 0 speaks
-            ctx = WireContext.for_layout(manager.layout, hash_name=a.kv_events_hash, wire=a.kv_events_wire,
-                                         data_parallel_rank=a.data_parallel_rank)
+            ctx = WireContext.for_manager(manager, hash_name=a.kv_events_hash, wire=a.kv_events_wire,
+                                          data_parallel_rank=a.data_parallel_rank)
             publisher = KVEventPublisher(a.kv_events, context=ctx, topic=a.kv_events_topic,
                                          replay_endpoint=a.kv_events_replay)
             pump = EventPump(publisher, manager, worker.health)
