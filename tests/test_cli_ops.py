@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import time
 import urllib.error
@@ -192,3 +193,14 @@ def test_status_without_secret_names_both_ways(monkeypatch: pytest.MonkeyPatch,
     assert cli_main(["status", "tcp://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
     assert "--secret-file" in err and "$KVXFER_SECRET" in err
+
+
+def test_clean_disconnects_are_debug_not_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    from kvxfer.disagg.worker_client import query_status
+    from kvxfer.disagg.worker_prefill import PrefillWorker
+    caplog.set_level(logging.DEBUG, logger="kvxfer")
+    with PrefillWorker(WorkerConfig(f"ops-quiet-{os.getpid()}-{next(_names)}"), SECRET) as prefill:
+        for _ in range(2):                        # status clients connect, ask and say goodbye
+            assert query_status(prefill.address, SECRET)["role"] == "prefill"
+    ended = [r for r in caplog.records if "connection to" in r.getMessage() and "ended" in r.getMessage()]
+    assert ended and all(r.levelno == logging.DEBUG for r in ended), [(r.levelname, r.getMessage()) for r in ended]

@@ -195,7 +195,7 @@ class _Endpoint:
             with contextlib.suppress(PeerUnreachable):
                 self.enqueue(route, encode(Message("bye", {"reason": reason[:1024]}, conn.peer.version)))
             self._call_soon(lambda: self._fail(conn, PeerUnreachable(f"connection to {conn.peer.name!r} closed "
-                                                                     f"locally: {reason}"), notify=False))
+                                                                     f"locally: {reason}"), notify=False, clean=True))
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -254,7 +254,8 @@ class _Endpoint:
             with self._lock:
                 self._closed = True
             for conn in list(self._peers.values()):
-                self._fail(conn, PeerUnreachable(f"control endpoint {self.local.name} closed"), notify=False)
+                self._fail(conn, PeerUnreachable(f"control endpoint {self.local.name} closed"), notify=False,
+                           clean=True)
             self._sock.close(linger=200)
 
     def _poll_ms(self) -> int:
@@ -361,7 +362,7 @@ class _Endpoint:
     def _fail(self, conn: PeerConnection, error: KvxferError, bye: str | None = None, notify: bool = True,
               clean: bool = False) -> None:
         """End ``conn`` with ``error`` (I/O thread only): wake its readers and tell the callback. A clean
-        end (the peer said goodbye) is logged at DEBUG, any other at WARNING."""
+        end (the peer said goodbye, or we closed it) is logged at DEBUG, any other at WARNING."""
         if conn._error is not None:
             return
         conn._error = error
