@@ -226,11 +226,14 @@ def replay_all(endpoint: str, ctx: zmq.Context[Any], start: int = 0) -> list[tup
         sock.close()
 
 
-@pytest.mark.parametrize("hash_name", ["v2_blake3_64", "v2_blake3"])
-def test_vllm_subscriber_follows_store_reuse_tier_moves_evict_and_reset(tmp_path: Path, hash_name: str) -> None:
+@pytest.mark.parametrize(("hash_name", "windows"), [("v2_blake3_64", None), ("v2_blake3", None),
+                                                    ("v2_blake3_64", [None, 2 * TPB])])
+def test_vllm_subscriber_follows_store_reuse_tier_moves_evict_and_reset(tmp_path: Path, hash_name: str,
+                                                                        windows: list[int | None] | None) -> None:
     """Every batch of a run decodes with vLLM's classes; the subscriber's picture equals the tree after
-    every step (tier moves published as stored-at-new / removed-at-old), with no unexplained gap."""
-    mgr = drained(make_manager(4, host_blocks=2, disk_blocks=2, disk_path=str(tmp_path)))
+    every step (tier moves published as stored-at-new / removed-at-old; with a sliding-window group,
+    its dropped pages too), with no unexplained gap."""
+    mgr = drained(make_manager(4, host_blocks=2, disk_blocks=2, disk_path=str(tmp_path), windows=windows))
     zctx = zmq.Context()
     wctx = WireContext.for_layout(mgr.layout, hash_name=hash_name)
     sub = VllmSubscriber()

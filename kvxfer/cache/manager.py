@@ -222,14 +222,15 @@ class KVCacheManager:
     def _evict(self, node: BlockNode) -> None:
         """Drop a tree-only leaf and its pages (in whatever tiers they are); emits Removed."""
         self._tree.remove(node)
-        held = layer_group_subset((node.pages >= 0).tolist())
+        media = [self._media[int(t)] if p >= 0 else None for p, t in zip(node.pages.tolist(), node.tiers.tolist(),
+                                                                         strict=True)]
         for lg, (page, tier) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
             if page >= 0:
                 pg = self._lg_pool_group[lg]
                 self._alloc_of(tier, pg).decref(np.array([page], dtype=np.int32))
                 self._unmark_tree_page(tier, pg, page)
-        if held != ():
-            self._events.put(Removed((node.key,), self._node_medium(node), held))
+        for medium in dict.fromkeys(m for m in media if m is not None):   # one Removed per medium held
+            self._events.put(Removed((node.key,), medium, layer_group_subset([m == medium for m in media])))
         self._traffic.dropped()
 
     def _release(self, layer_group: int, ids: IntArray, tiers: TierArray) -> None:
