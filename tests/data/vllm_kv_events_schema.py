@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vLLM's KV-event wire schema, as a router built on vLLM's classes decodes it (test data).
 
 Transcribed from the msgspec struct definitions of vLLM's ``vllm/distributed/kv_events.py`` (the
