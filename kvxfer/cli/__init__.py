@@ -20,8 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
-    parser.add_argument("--log-level", choices=LEVELS, default=None,
-                        help="kvxfer's log level on stderr (default: info for serve, warning otherwise)")
+    parser.add_argument("--log-level", choices=LEVELS, default="warning", help="kvxfer's log level on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="show the cache layout a model shape produces")
     inspect_layout.add_arguments(p_inspect)
@@ -66,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvxfer` console script."""
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
-    configure_logging(args.log_level or ("info" if args.command == "serve" else "warning"))
+    configure_logging(args.log_level)
     from kvxfer.cli.output import stdout_for_json_only
     try:
         if wants_json(args):
