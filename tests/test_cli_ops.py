@@ -204,3 +204,48 @@ def test_clean_disconnects_are_debug_not_warnings(caplog: pytest.LogCaptureFixtu
             assert query_status(prefill.address, SECRET)["role"] == "prefill"
     ended = [r for r in caplog.records if "connection to" in r.getMessage() and "ended" in r.getMessage()]
     assert ended and all(r.levelno == logging.DEBUG for r in ended), [(r.levelname, r.getMessage()) for r in ended]
+
+
+def test_event_pump_failure_marks_the_worker_unhealthy() -> None:
+    from kvxfer.cache import KVEventPublisher
+    from kvxfer.errors import KVCacheError
+    from kvxfer.ops.events import EventPump
+
+    class BrokenSource:
+        def drain_events(self) -> list[Any]:
+            raise KVCacheError("manager shut down")
+
+    health = WorkerHealth()
+    zctx = zmq.Context()
+    pump = EventPump(KVEventPublisher("tcp://127.0.0.1:*", zmq_context=zctx), BrokenSource(), health, 0.01)
+    try:
+        deadline = time.monotonic() + 10
+        while health.state().healthy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        state = health.state()
+        assert not state.healthy and "manager shut down" in state.reason
+        assert isinstance(pump.error, KVCacheError)
+    finally:
+        pump.close()
+        zctx.term()
+
+
+def test_replay_ignores_malformed_requests_and_keeps_serving() -> None:
+    from kvxfer.cache import AllCleared, KVEventPublisher
+    from kvxfer.cache.event_publisher import END_SEQ
+    zctx = zmq.Context()
+    try:
+        with KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", zmq_context=zctx) as pub:
+            assert pub.publish([AllCleared()]) == 0 and pub.publish([AllCleared()]) == 1
+            sock = zctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(pub.replay_endpoint or "")
+            sock.send_multipart([b"", b"\x00\x01"])                  # not 8 bytes: ignored, no answer
+            sock.send_multipart([b"", (1).to_bytes(8, "big")])
+            assert sock.poll(5000)
+            assert sock.recv_multipart()[1] == (1).to_bytes(8, "big")
+            assert sock.poll(5000) and sock.recv_multipart()[1] == END_SEQ
+            sock.close()
+            assert pub.replay_error is None
+    finally:
+        zctx.term()
