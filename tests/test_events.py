@@ -32,7 +32,7 @@ from kvxfer.cache import (
 )
 from kvxfer.cache.event_publisher import END_SEQ
 from kvxfer.cache.event_wire import WIRE_ARRAY, encode_batch, reference_events
-from kvxfer.cache.events import EventQueue
+from kvxfer.cache.events import EventQueue, stored_extra_keys
 from kvxfer.errors import ConfigError
 
 
@@ -129,12 +129,14 @@ def test_clear_emits_one_event() -> None:
 
 def test_salt_and_extra_keys_are_published_per_block() -> None:
     mgr = drained(make_manager(16))
-    scope = ReuseScope(salt=b"tenant")
-    p = np.arange(12)
-    prefill(mgr, p, reuse_scope=scope, extra_keys={1: b"\x01\x02"})
+    prefill(mgr, np.arange(12), extra_keys={1: b"\x01\x02"})
     (ev,) = mgr.drain_events()
     assert isinstance(ev, Stored)
-    assert ev.extra_keys == ((("salt", b"tenant".hex()),), (("mm", "0102"),), None)
+    assert ev.extra_keys == (None, (("mm", "0102"),), None)
+    assert stored_extra_keys(0, 2, b"tenant", {}) == ((("salt", b"tenant".hex()),), None)
+    assert stored_extra_keys(0, 1, "acme", {0: b"\xff"}) == ((("salt", "acme"), ("mm", "ff")),)
+    assert stored_extra_keys(3, 1, 12345, {}) is None         # the salt goes on a scope's first block only
+    assert stored_extra_keys(0, 1, 12345, {}) == ((("salt", "12345"),),)
 
 
 def test_sliding_window_drops_are_announced_for_their_layer_group() -> None:

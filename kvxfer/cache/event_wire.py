@@ -24,7 +24,7 @@ from kvxfer.cache.events import (
     Stored,
     Updated,
 )
-from kvxfer.cache.hashing import HASH_NAMES, HASH_V2_BLAKE3, HASH_V2_BLAKE3_64, external_hash
+from kvxfer.cache.hashing import HASH_V2_BLAKE3, HASH_V2_BLAKE3_64
 from kvxfer.errors import ConfigError
 
 WIRE_MAP = "vllm"
@@ -36,6 +36,18 @@ KIND_FULL = "full_attention"
 KIND_SLIDING = "sliding_window"
 
 ExternalBlockHash = bytes | int
+#: The reference design's hash option names. Published width: the two full-width names send the whole
+#: key (msgpack bin on vLLM's wire, hex in reference records), every other one its first 8 bytes as an
+#: unsigned big-endian int.
+EVENT_HASH_ALGOS: tuple[str, ...] = ("auto", "v1_block_key", "v2_sha256", "v2_sha256_64", HASH_V2_BLAKE3,
+                                     HASH_V2_BLAKE3_64)
+FULL_WIDTH_ALGOS: tuple[str, ...] = ("v2_sha256", HASH_V2_BLAKE3)
+
+
+def manager_hash_algo(manager: Any) -> str:
+    """The hash option a manager's events are published under: kvxfer's keys are blake3 digests and its
+    cache config has no hash option yet, so the 64-bit form (the seam for ``CacheConfig.hash_algo``)."""
+    return HASH_V2_BLAKE3_64
 
 
 # --- vLLM's current structs (tagged maps) ----------------------------------------------------------
@@ -135,8 +147,8 @@ class WireContext:
     """The cache's tiers' media, hottest first (cache levels of the reference records)."""
 
     def __post_init__(self) -> None:
-        if self.hash_name not in HASH_NAMES:
-            raise ConfigError(f"KV events: unknown hash name {self.hash_name!r} (have {', '.join(HASH_NAMES)})")
+        if self.hash_name not in EVENT_HASH_ALGOS:
+            raise ConfigError(f"KV events: unknown hash name {self.hash_name!r} (have {', '.join(EVENT_HASH_ALGOS)})")
         if self.wire not in WIRE_FORMATS:
             raise ConfigError(f"KV events: unknown wire format {self.wire!r} (have {', '.join(WIRE_FORMATS)})")
         if not self.groups:
@@ -153,9 +165,11 @@ class WireContext:
         return cls(groups=groups, block_size=int(layout.tokens_per_block), **kw)
 
     @classmethod
-    def for_manager(cls, manager: Any, **kw: Any) -> WireContext:
-        """The context of a KVCacheManager: its layout and its tiers' media."""
-        return cls.for_layout(manager.layout, media=tuple(manager.tier_media), **kw)
+    def for_manager(cls, manager: Any, hash_name: str | None = None, **kw: Any) -> WireContext:
+        """The context of a KVCacheManager: its layout, its tiers' media and (unless ``hash_name`` says
+        otherwise) its hash option."""
+        return cls.for_layout(manager.layout, media=tuple(manager.tier_media),
+                              hash_name=hash_name or manager_hash_algo(manager), **kw)
 
     def groups_of(self, layer_groups: tuple[int, ...] | None) -> tuple[GroupSpec, ...]:
         """The groups an event concerns (all of them for None)."""
@@ -165,8 +179,9 @@ class WireContext:
         return tuple(by_id[i] for i in layer_groups if i in by_id)
 
     def ext(self, key: bytes) -> ExternalBlockHash:
-        """A block key as published: a 64-bit int, or the full digest (msgpack bin on vLLM's wire)."""
-        return external_hash(key, self.hash_name)
+        """A block key as published: its first 8 bytes as an unsigned big-endian int, or (full-width
+        options) the whole key (msgpack bin on vLLM's wire)."""
+        return key if self.hash_name in FULL_WIDTH_ALGOS else int.from_bytes(key[:8], "big")
 
 
 def _extra(keys: tuple[tuple[tuple[str, str], ...] | None, ...] | None) -> list[tuple[Any, ...] | None] | None:
@@ -289,6 +304,7 @@ def reference_events(event: KVEvent, ctx: WireContext, media: Sequence[str]) -> 
 
 
 __all__ = [
+    "EVENT_HASH_ALGOS",
     "HASH_V2_BLAKE3",
     "WIRE_ARRAY",
     "WIRE_FORMATS",
@@ -302,6 +318,7 @@ __all__ = [
     "WireContext",
     "decode_batch",
     "encode_batch",
+    "manager_hash_algo",
     "reference_events",
     "vllm_events",
 ]

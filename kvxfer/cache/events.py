@@ -183,13 +183,24 @@ def layer_group_subset(present: Sequence[bool]) -> tuple[int, ...] | None:
     return None if len(ids) == len(present) else ids
 
 
-def stored_extra_keys(first_block: int, n_blocks: int, salt: bytes | None,
+def salt_text(salt: bytes | str | int | None) -> str | None:
+    """A reuse scope's salt as events show it: a string as is, bytes as hex, an integer in decimal."""
+    if salt is None:
+        return None
+    if isinstance(salt, bytes):
+        return salt.hex()
+    return str(salt)
+
+
+def stored_extra_keys(first_block: int, n_blocks: int, salt: bytes | str | int | None,
                       block_extra: Mapping[int, bytes]) -> tuple[tuple[tuple[str, str], ...] | None, ...] | None:
     """``Stored.extra_keys`` for blocks [first_block, first_block + n_blocks) of a request: the salt on
-    block 0, each block's extra key (None when no block has any)."""
+    block 0 (as vLLM puts ``cache_salt`` in the first block's extra keys), each block's extra key as
+    hex (None when no block has any)."""
+    salt_str = salt_text(salt)
     out: list[tuple[tuple[str, str], ...] | None] = []
     for b in range(first_block, first_block + n_blocks):
-        keys = ((("salt", salt.hex()),) if b == 0 and salt else ()) + (
+        keys = ((("salt", salt_str),) if b == 0 and salt_str else ()) + (
             (("mm", block_extra[b].hex()),) if b in block_extra else ())
         out.append(keys or None)
     return None if all(k is None for k in out) else tuple(out)

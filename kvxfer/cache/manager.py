@@ -754,7 +754,7 @@ class KVCacheManager:
                 self._events.put(Stored(None if parent is None else parent.key, (key,),
                                         tuple(toks[b * tpb:(b + 1) * tpb].tolist()), tpb,
                                         cache.reuse_scope.lora_id, self._medium,
-                                        stored_extra_keys(b, 1, cache.reuse_scope.salt_bytes, cache._extra_keys),
+                                        stored_extra_keys(b, 1, cache.reuse_scope.salt, cache._extra_keys),
                                         layer_group_subset((pages[i] >= 0).tolist())))
             else:
                 self._adopt(cache, b, node)
@@ -797,7 +797,7 @@ class KVCacheManager:
                 self._events.put(Stored(None if parent is None or parent.is_root else parent.key, (node.key,),
                                         tuple(node.tokens.tolist()), self._layout.tokens_per_block,
                                         cache.reuse_scope.lora_id, self._media[int(node.tiers[lg])],
-                                        stored_extra_keys(block, 1, cache.reuse_scope.salt_bytes, cache._extra_keys),
+                                        stored_extra_keys(block, 1, cache.reuse_scope.salt, cache._extra_keys),
                                         layer_group_subset([i == lg for i in range(len(cache._blocks))])))
 
     def _drop_window_pages(self, cache: KVCache, layer_group: int, start: int, released: IntArray,

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from kvxfer.cache.event_publisher import KVEventPublisher
-from kvxfer.cache.event_wire import WIRE_FORMATS, WireContext
-from kvxfer.cache.hashing import HASH_NAMES, HASH_V2_BLAKE3_64
+from kvxfer.cache.event_wire import EVENT_HASH_ALGOS, WIRE_FORMATS, WireContext
 from kvxfer.cli.output import ms, print_json
 from kvxfer.disagg.auth import SECRET_ENV, SECRET_FILE_ENV, AuthKey
 from kvxfer.disagg.worker import WorkerConfig
@@ -84,8 +83,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-wire", choices=WIRE_FORMATS, default=WIRE_FORMATS[0],
                    help="vllm: tagged maps (vLLM since mid-2026); vllm-array: the positional form of vLLM 0.9-0.13; "
                         "reference: every event (Created, Updated diffs too) as the reference design's records")
-    p.add_argument("--kv-events-hash", choices=HASH_NAMES, default=HASH_V2_BLAKE3_64,
-                   help="block hashes as 64-bit ints or full 32-byte digests")
+    p.add_argument("--kv-events-hash", choices=EVENT_HASH_ALGOS, default=None,
+                   help="hash option of the published block hashes (default: the cache's; the *_64 and v1 "
+                        "options publish 64-bit ints, v2_blake3 / v2_sha256 the full digest)")
     p.add_argument("--data-parallel-rank", type=int, default=0, help="the rank stamped on every event batch")
 
 
