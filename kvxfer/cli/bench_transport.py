@@ -24,9 +24,10 @@ from kvxfer.cache.memory import MemoryRegion
 from kvxfer.cli.output import ms, print_json
 from kvxfer.errors import BackendUnavailable
 from kvxfer.pagetable import PageTable, TransferPlan
-from kvxfer.transport import BACKENDS, REGISTRY, available_backends, create
+from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
 from kvxfer.transport.copy import merge_adjacent
+from kvxfer.transport.registry import host_backends
 from kvxfer.transport.ucp_iov import iov_array, ucp_iov
 from kvxfer.transport.ucx_env import apply_ucx_defaults
 
@@ -372,7 +373,7 @@ def json_view(res: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvxfer bench transport``; returns the process exit status."""
     ap = argparse.ArgumentParser(prog="kvxfer bench transport", description=__doc__)
-    ap.add_argument("--backend", choices=tuple(n for n in BACKENDS if not REGISTRY[n].cuda_only), default="loopback",
+    ap.add_argument("--backend", choices=host_backends(), default="loopback",
                     help="host-memory transports (GPU pools: benchmarks/bench_gpu.py)")
     ap.add_argument("--pages", type=int, default=4096)
     ap.add_argument("--page-bytes", type=int, default=16384)

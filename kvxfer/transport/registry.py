@@ -83,6 +83,11 @@ def backend_names(*, cross_process: bool | None = None) -> tuple[str, ...]:
     return tuple(s.name for s in _SPECS if cross_process is None or s.cross_process == cross_process)
 
 
+def host_backends() -> tuple[str, ...]:
+    """Backends that move host (CPU) memory: every one but the CUDA-only ones."""
+    return tuple(s.name for s in _SPECS if not s.cuda_only)
+
+
 def spec(name: str) -> BackendSpec:
     """The registry entry of ``name`` (ConfigError naming the known ones otherwise)."""
     found = REGISTRY.get(name)
