@@ -56,7 +56,8 @@ def nixl_logs_to_stderr() -> None:
     """Point the ``nixl`` Python logger's console handlers at stderr: NIXL configures them on sys.stdout,
     which would mix its INFO lines into a command's machine-readable output."""
     for handler in logging.getLogger("nixl").handlers:
-        if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) is sys.stdout:
+        if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (sys.stdout,
+                                                                                               sys.__stdout__):
             handler.setStream(sys.stderr)
 
 
