@@ -92,6 +92,8 @@ def test_bench_transport_json_is_clean_with_nixl_installed() -> None:
     out = json.loads(proc.stdout)
     assert out["schema"] == "kvxfer.bench.transport/1" and out["verified"] is True and out["backend"] == backend
     assert {"gb_per_s", "memcpy_gb_per_s", "median_ms"} <= set(out) and "gbps" not in out
+    if backend == "nixl":
+        assert "Initialized NIXL agent" in proc.stderr          # NIXL did log: on stderr
 
 
 def test_backend_choices_come_from_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
