@@ -10,7 +10,6 @@ import os
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -146,7 +145,8 @@ def _line(proc: WorkerProcess, marker: str) -> str:
 
 
 @pytest.mark.ucx
-def test_serve_publishes_metrics_health_status_and_kv_events(backend: str, tmp_path: Path) -> None:
+def test_serve_publishes_metrics_health_status_and_kv_events(backend: str, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``kvxfer serve prefill --metrics-port 0 --kv-events ...`` in its own process; a decode worker here
     sends one request; the scrape shows it, the events decode with vLLM's classes, ``kvxfer status`` works
     without the secret."""
@@ -162,15 +162,22 @@ def test_serve_publishes_metrics_health_status_and_kv_events(backend: str, tmp_p
         replay = events_line.split("replay on ", 1)[1].split()[0]
         tokens = np.arange(1, 42)
         cfg = WorkerConfig(f"ops-decode-{os.getpid()}-{next(_names)}", backend=backend, tokens_per_block=8)
-        with DecodeWorker(cfg, SECRET, prefill=proc.address) as decode:
+        with DecodeWorker(cfg, SECRET, prefill=proc.address, bind="tcp://127.0.0.1:0") as decode:
             seen: list[dict[str, Any]] = []
             decode.result_observers.append(lambda r: seen.append(r.stats()))
             assert len(decode.generate(tokens, 8, timeout=60).tokens) == 8
             assert len(seen) == 1 and seen[0]["bytes_moved"] > 0
+            monkeypatch.setenv("KVXFER_SECRET", SECRET)
+            capsys.readouterr()
+            assert cli_main(["generate", "hello", "--decode", decode.address or "", "--max-new-tokens", "8",
+                             "--json", "--timeout", "60"]) == 0
+            out = json.loads(capsys.readouterr().out)
+            assert out["schema"] == "kvxfer.generate/1" and len(out["tokens"]) == 8
+            assert out["ttft_ms"] > 0 and "ttft_s" not in out and "transfer_ms" in out
         code, text = get(metrics_url + "/metrics")
         got = samples(text)
         assert code == 200
-        assert got[("kvxfer_requests_total", (("outcome", "completed"), ("role", "prefill")))] == 1
+        assert got[("kvxfer_requests_total", (("outcome", "completed"), ("role", "prefill")))] == 2   # the two requests above
         assert got[("kvxfer_sent_bytes_total", (("role", "prefill"),))] > 0
         assert get(metrics_url + "/health")[0] == 200
         deadline = time.monotonic() + 10
@@ -181,6 +188,8 @@ def test_serve_publishes_metrics_health_status_and_kv_events(backend: str, tmp_p
                   if isinstance(e, VLLM.BlockStored)]
         assert stored and stored[0].token_ids == list(range(1, 41)) and stored[0].block_size == 8
         assert cli_main(["status", metrics_url, "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["schema"] == "kvxfer.status/1" and status["status"]["completed"] == 2
     finally:
         zctx.term()
         proc.stop()
