@@ -8,7 +8,6 @@ which hit the prefix trees on both sides, so only the tokens decode lacks travel
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import secrets
@@ -27,11 +26,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvxfer.cache.manager import KVCacheManager
-from kvxfer.cli.serve import best_backend, parse_checksum
+from kvxfer.cli.output import ms, print_json
+from kvxfer.cli.serve import check_device, parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV, AuthKey
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient
-from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
+from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.model import ReferenceModel, preset
+from kvxfer.transport import backend_names, best_backend, check_backend
 
 MODEL = "tiny"
 TOKENS_PER_BLOCK = 16
@@ -40,8 +41,8 @@ TOKENS_PER_BLOCK = 16
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """``demo`` options."""
     p.add_argument("--device", default="cpu", help="cpu, or cuda:N (both worker processes share that GPU)")
-    p.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx", "cuda_ipc", "loopback"),
-                   help="transport between the two processes (auto: nixl, else ucx)")
+    p.add_argument("--backend", default="auto", choices=("auto", *backend_names(cross_process=True)),
+                   help="transport between the two processes (auto: nixl, else ucx; cuda_ipc needs --device cuda:N)")
     p.add_argument("--mode", choices=("push", "pull"), default="push")
     p.add_argument("--layerwise", action="store_true", help="send each layer as soon as it is computed")
     p.add_argument("--checksum", default="off", type=_checked_policy_text, metavar="off|full|every:K|sample:F",
@@ -103,8 +104,10 @@ class WorkerProcess:
         threading.Thread(target=watch, args=(self.proc.stdout,), daemon=True).start()
         ready.wait(timeout)
         if not found:
+            code = self.proc.poll()
             self.stop()
-            raise KvxferError(f"worker {' '.join(args[:1])} did not start within {timeout:.0f} s: "
+            what = f"exited with status {code}" if code is not None else f"did not start within {timeout:.0f} s"
+            raise KvxferError(f"worker {' '.join(args[:1])} {what}: "
                               f"{''.join(self.stderr[-20:]).strip() or 'no output'}")
         line = found
         self.address = line[0].split("listening on ", 1)[1].split()[0]
@@ -134,10 +137,9 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
              checksum: str = "off") -> dict[str, Any]:
     """Run the demo and return its figures (``rows`` holds one dict per request)."""
     torch.set_num_threads(1)
-    if backend == "loopback":
-        raise BackendUnavailable("loopback moves bytes only between transports of one process; the demo runs "
-                                 "two processes, so it needs nixl or ucx")
+    check_device(device)
     backend = best_backend() if backend == "auto" else backend
+    check_backend(backend, device=device, cross_process=True)
     secret = secrets.token_hex(32)
     env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     common = ["--backend", backend, "--model", MODEL, "--tokens-per-block", str(TOKENS_PER_BLOCK),
@@ -184,11 +186,11 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
                      "error": res.error, "match": res.ok and res.tokens == expected,
                      "reused_blocks_decode": int(s.get("reused_tokens_decode", 0)) // TOKENS_PER_BLOCK,
                      "reused_blocks_prefill": int(s.get("reused_tokens_prefill", 0)) // TOKENS_PER_BLOCK,
-                     "bytes_moved": int(s.get("bytes_moved", 0)), "transfer_s": float(s.get("transfer_s", 0.0)),
-                     "ttft_ms": float(s.get("ttft_s", 0.0)) * 1e3, "verify_ms": float(s.get("verify_s", 0.0)) * 1e3})
+                     "bytes_moved": int(s.get("bytes_moved", 0)), "transfer_ms": ms(float(s.get("transfer_s", 0.0))),
+                     "ttft_ms": ms(float(s.get("ttft_s", 0.0))), "verify_ms": ms(float(s.get("verify_s", 0.0)))})
     ok = [row for row in rows if row["ok"]]
     moved = sum(row["bytes_moved"] for row in ok)
-    xfer_s = sum(row["transfer_s"] for row in ok)
+    xfer_s = sum(row["transfer_ms"] for row in ok) / 1e3
     ttfts = sorted(row["ttft_ms"] for row in ok)
     return {
         "requests": len(rows), "device": device, "mismatches": sum(1 for row in rows if not row["match"]),
@@ -196,9 +198,9 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
         "layerwise": layerwise, "checksum": checksum, "bytes_moved": moved,
         "reused_blocks_decode": sum(row["reused_blocks_decode"] for row in ok),
         "reused_blocks_prefill": sum(row["reused_blocks_prefill"] for row in ok),
-        "transfer_gbps": moved / xfer_s / 1e9 if xfer_s > 0 else 0.0,
+        "transfer_gb_per_s": moved / xfer_s / 1e9 if xfer_s > 0 else 0.0,
         "ttft_ms_p50": ttfts[len(ttfts) // 2] if ttfts else 0.0,
-        "generated_tokens": max_new_tokens * len(ok), "elapsed_s": elapsed, "rows": rows,
+        "generated_tokens": max_new_tokens * len(ok), "elapsed_ms": ms(elapsed), "rows": rows,
     }
 
 
@@ -212,7 +214,7 @@ def print_table(summary: dict[str, Any], console: Console) -> None:
     for col in ("req", "fam", "prompt", "new", "reused D", "reused P", "bytes", "GB/s", "TTFT ms", "check"):
         t.add_column(col, justify="right")
     for row in summary["rows"]:
-        gbps = row["bytes_moved"] / row["transfer_s"] / 1e9 if row["transfer_s"] > 0 else 0.0
+        gbps = row["bytes_moved"] / row["transfer_ms"] / 1e6 if row["transfer_ms"] > 0 else 0.0
         verdict = "[green]match[/]" if row["match"] else f"[red]{'MISMATCH' if row['ok'] else row['error'][:40]}[/]"
         t.add_row(str(row["request"]), str(row["family"]), str(row["prompt_tokens"]),
                   str(summary["generated_tokens"] // max(1, summary["requests"] - summary["failed"])),
@@ -220,9 +222,9 @@ def print_table(summary: dict[str, Any], console: Console) -> None:
                   f"{gbps:.3f}", f"{row['ttft_ms']:.1f}", verdict)
     console.print(t)
     console.print(f"{summary['requests']} requests, {summary['mismatches']} mismatches, {summary['failed']} failed; "
-                  f"{summary['bytes_moved']:,} bytes moved at {summary['transfer_gbps']:.3f} GB/s; blocks reused: "
+                  f"{summary['bytes_moved']:,} bytes moved at {summary['transfer_gb_per_s']:.3f} GB/s; blocks reused: "
                   f"decode {summary['reused_blocks_decode']}, prefill {summary['reused_blocks_prefill']}; "
-                  f"TTFT p50 {summary['ttft_ms_p50']:.1f} ms; {summary['elapsed_s']:.1f} s in all")
+                  f"TTFT p50 {summary['ttft_ms_p50']:.1f} ms; {summary['elapsed_ms'] / 1e3:.1f} s in all")
 
 
 def demo(a: argparse.Namespace) -> int:
@@ -236,7 +238,7 @@ def demo(a: argparse.Namespace) -> int:
         summary = run_demo(a.backend, a.mode, a.layerwise, a.families, a.per_family, a.max_new_tokens, a.seed,
                            a.timeout, progress, a.device, a.checksum)
     if a.json:
-        print(json.dumps({k: v for k, v in summary.items() if k != "rows"} | {"rows": summary["rows"]}))
+        print_json("demo", summary)
     else:
         print_table(summary, console)
     return 0 if summary["mismatches"] == 0 and summary["failed"] == 0 else 1

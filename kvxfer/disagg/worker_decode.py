@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.disagg.control import ControlServer, PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
+from kvxfer.disagg.health import WorkerHealth
 from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
 from kvxfer.disagg.session import Session, SessionState
 from kvxfer.disagg.worker import (
@@ -164,7 +166,11 @@ class DecodeWorker(WorkerCounts):
         self._prefill_layouts: list[CacheLayoutDesc] = []
         self._jobs: dict[str, _Job] = {}
         self._zombies: dict[str, _Job] = {}
-        self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0}
+        self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0,
+                       "peer_losses": 0}
+        self.health = WorkerHealth()
+        #: Called on the engine thread with each completed request's result (metrics); must not raise.
+        self.result_observers: list[Callable[[GenerationResult], None]] = []
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
         self.engine = Engine(config.name, self._on_event, self._tick)
@@ -335,7 +341,10 @@ class DecodeWorker(WorkerCounts):
                 conn.send("worker_status_reply", stats=encode_stats(self._status()))
             return
         if msg.type == "generate_cancel":
-            self._cancel(f"{conn.peer.name}/{msg['request_id']}", msg["reason"] or "cancelled by the client")
+            rid = f"{conn.peer.name}/{msg['request_id']}"
+            owner = self._jobs.get(rid) or next((w for w in self._waiting if w.request_id == rid), None)
+            if owner is not None and owner.reply is conn:   # a client cancels only what it submitted itself
+                self._cancel(rid, msg["reason"] or "cancelled by the client")
             return
         if msg.type != "generate":
             raise ProtocolError(f"unexpected message {msg.type!r} from a client")
@@ -588,6 +597,11 @@ class DecodeWorker(WorkerCounts):
                                   int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
                                   float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft, verify_s)
         job.future.set_result(result)
+        for observe in self.result_observers:
+            try:
+                observe(result)
+            except Exception:
+                log.exception("%s: a result observer failed", self.config.name)
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
                 job.reply.send("generated", request_id=job.client_request_id, tokens=tokens,
@@ -648,6 +662,7 @@ class DecodeWorker(WorkerCounts):
         if conn is not self._prefill:
             return
         self._prefill = None
+        self.counts["peer_losses"] += 1
         conn.close(f"prefill lost: {reason}"[:1000])   # ends the client endpoint and its I/O thread
         peer = conn.peer.name
         what = reason if reason.startswith(f"prefill {peer!r}") else f"prefill {peer!r} lost: {reason}"

@@ -31,6 +31,7 @@ from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.pins import PinnedPages
 from kvxfer.disagg.control import ControlServer, PeerConnection, Secret
 from kvxfer.disagg.handshake import LocalIdentity, check_compatible
+from kvxfer.disagg.health import WorkerHealth
 from kvxfer.disagg.messages import Message
 from kvxfer.disagg.session import LeaseTable, Session, SessionState
 from kvxfer.disagg.worker import (
@@ -107,6 +108,7 @@ class PrefillStats:
     failed: int = 0
     bytes_sent: int = 0
     reused_tokens: int = 0
+    peer_losses: int = 0
     reasons: deque[str] = field(default_factory=lambda: deque(maxlen=256))
     """The latest failure reasons (bounded: a long-running worker must not grow without limit)."""
 
@@ -121,6 +123,7 @@ class PrefillWorker(WorkerCounts):
         self.config = config
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
+        self.health = WorkerHealth()
         self.model = ReferenceModel(config.model, config.device)
         self.transport: Transport = make_transport(config, transport_options)
         self.transport.register(all_regions(self.layouts))
@@ -158,7 +161,7 @@ class PrefillWorker(WorkerCounts):
                 "open_caches": sum(len(m.open_caches) for m in self.managers), "jobs": len(self._jobs),
                 "peers": len(self._peers), "requests": self.stats.requests, "completed": self.stats.completed,
                 "failed": self.stats.failed, "bytes_sent": self.stats.bytes_sent,
-                "reused_tokens": self.stats.reused_tokens}
+                "reused_tokens": self.stats.reused_tokens, "peer_losses": self.stats.peer_losses}
 
     def close(self) -> None:
         """Fail every open request, stop the threads, close the server and transport."""
@@ -443,6 +446,7 @@ class PrefillWorker(WorkerCounts):
         peer = conn.peer.name
         if self._peers.get(peer) is not conn:
             return
+        self.stats.peer_losses += 1
         for job in [j for j in self._jobs.values() if j.peer == peer]:
             self._end(job, SessionState.FAILED, f"decode peer lost: {reason}", tell=False)
         self._peers.pop(peer, None)
