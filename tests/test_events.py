@@ -28,11 +28,13 @@ from kvxfer.cache import (
     Stored,
     Updated,
     WireContext,
+    block_hash_for_event,
     block_keys,
 )
 from kvxfer.cache.event_publisher import END_SEQ
 from kvxfer.cache.event_wire import WIRE_ARRAY, encode_batch, reference_events
 from kvxfer.cache.events import EventQueue, stored_extra_keys
+from kvxfer.cache.hashing import HASH_ALGOS
 from kvxfer.errors import ConfigError
 
 
@@ -398,6 +400,40 @@ def test_bad_configuration_is_refused() -> None:
         WireContext(wire="json")
     with pytest.raises(ConfigError, match="data_parallel_rank"):
         WireContext(data_parallel_rank=-1)
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_published_hashes_follow_the_cache_hash_algorithm(algo: str) -> None:
+    """Events go out under the manager's resolved algorithm: v1 (40-byte composite keys) and the _64
+    options publish the 64-bit hash, the full-width ones the digest; both wires agree with
+    ``block_hash_for_event``, and an override naming other keys is refused."""
+    mgr = make_manager(16, hash_algo=algo)
+    resolved = mgr.resolved_hash_algo
+    vctx = WireContext.for_manager(mgr)
+    rctx = WireContext.for_manager(mgr, wire="reference")
+    assert vctx.hash_name == resolved == ("v1_block_key" if algo == "auto" else algo)
+    prefill(mgr, np.arange(100, 117))
+    events = mgr.drain_events()
+    keys = [k for e in events if isinstance(e, Stored) for k in e.block_hashes]
+    assert len(keys) == 17 // TPB
+    expected = [block_hash_for_event(k, resolved) for k in keys]
+    payload = encode_batch(events, 1.0, vctx)
+    assert payload is not None
+    stored = [e for e in msgspec.msgpack.decode(payload, type=VLLM.KVEventBatch).events
+              if isinstance(e, VLLM.BlockStored)]
+    wire = [h for e in stored for h in e.block_hashes]
+    assert wire == [bytes.fromhex(h) if isinstance(h, str) else h for h in expected]
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in wire) if algo in ("v2_sha256", "v2_blake3") \
+        else all(isinstance(h, int) and 0 <= h < 2**64 for h in wire)
+    ref = msgspec.msgpack.decode(encode_batch(events, 1.0, rctx) or b"")["events"]
+    ref_stored = [r for r in ref if r["data"]["type"] == "stored"]
+    assert [b["block_hash"] for r in ref_stored for b in r["data"]["blocks"]] == expected
+    assert {r["hash_algo"] for r in ref} == {resolved}
+    other = "v2_sha256" if resolved.startswith("v2_blake3") else "v2_blake3_64"
+    with pytest.raises(ConfigError, match="names other keys than the cache's"):
+        WireContext.for_manager(mgr, hash_name=other)
+    with pytest.raises(ConfigError, match="unknown hash name"):
+        WireContext.for_manager(mgr, hash_name="md5")
 
 
 def test_reference_wire_publishes_every_event_with_ids_windows_and_rank() -> None:

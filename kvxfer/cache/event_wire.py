@@ -24,7 +24,14 @@ from kvxfer.cache.events import (
     Stored,
     Updated,
 )
-from kvxfer.cache.hashing import HASH_V2_BLAKE3, HASH_V2_BLAKE3_64
+from kvxfer.cache.hashing import (
+    HASH_ALGOS,
+    HASH_V2_BLAKE3,
+    HASH_V2_BLAKE3_64,
+    HASH_V2_SHA256,
+    block_hash_for_event,
+    resolve_hash_algo,
+)
 from kvxfer.errors import ConfigError
 
 WIRE_MAP = "vllm"
@@ -36,18 +43,24 @@ KIND_FULL = "full_attention"
 KIND_SLIDING = "sliding_window"
 
 ExternalBlockHash = bytes | int
-#: The reference design's hash option names. Published width: the two full-width names send the whole
-#: key (msgpack bin on vLLM's wire, hex in reference records), every other one its first 8 bytes as an
-#: unsigned big-endian int.
-EVENT_HASH_ALGOS: tuple[str, ...] = ("auto", "v1_block_key", "v2_sha256", "v2_sha256_64", HASH_V2_BLAKE3,
-                                     HASH_V2_BLAKE3_64)
-FULL_WIDTH_ALGOS: tuple[str, ...] = ("v2_sha256", HASH_V2_BLAKE3)
+#: The reference design's hash option names (``CacheConfig.hash_algo``'s). Published width: the two
+#: full-width names send the whole key (msgpack bin on vLLM's wire, hex in reference records), every
+#: other one the key's 64-bit hash as an unsigned int (``hashing.block_hash_for_event``).
+EVENT_HASH_ALGOS: tuple[str, ...] = HASH_ALGOS
+FULL_WIDTH_ALGOS: tuple[str, ...] = (HASH_V2_SHA256, HASH_V2_BLAKE3)
 
 
 def manager_hash_algo(manager: Any) -> str:
-    """The hash option a manager's events are published under: kvxfer's keys are blake3 digests and its
-    cache config has no hash option yet, so the 64-bit form (the seam for ``CacheConfig.hash_algo``)."""
-    return HASH_V2_BLAKE3_64
+    """The hash option a manager's events are published under: the algorithm its keys are made with
+    (``manager.resolved_hash_algo``; ``auto`` already resolved to ``v1_block_key``)."""
+    return str(manager.resolved_hash_algo)
+
+
+def same_key_chain(a: str, b: str) -> bool:
+    """Whether hash options ``a`` and ``b`` make the same block keys (they may differ only in the
+    published width: ``v2_blake3`` / ``v2_blake3_64``, ``v2_sha256`` / ``v2_sha256_64``, ``auto`` /
+    ``v1_block_key``)."""
+    return resolve_hash_algo(a).removesuffix("_64") == resolve_hash_algo(b).removesuffix("_64")
 
 
 # --- vLLM's current structs (tagged maps) ----------------------------------------------------------
@@ -166,10 +179,16 @@ class WireContext:
 
     @classmethod
     def for_manager(cls, manager: Any, hash_name: str | None = None, **kw: Any) -> WireContext:
-        """The context of a KVCacheManager: its layout, its tiers' media and (unless ``hash_name`` says
-        otherwise) its hash option."""
-        return cls.for_layout(manager.layout, media=tuple(manager.tier_media),
-                              hash_name=hash_name or manager_hash_algo(manager), **kw)
+        """The context of a KVCacheManager: its layout, its tiers' media and its hash option. ``hash_name``
+        may change only the published width (a name making the same keys, see ``same_key_chain``):
+        ConfigError for one whose keys the manager does not make."""
+        algo = manager_hash_algo(manager)
+        if hash_name is not None and hash_name not in EVENT_HASH_ALGOS:
+            raise ConfigError(f"KV events: unknown hash name {hash_name!r} (have {', '.join(EVENT_HASH_ALGOS)})")
+        if hash_name is not None and not same_key_chain(hash_name, algo):
+            raise ConfigError(f"KV events: hash name {hash_name!r} names other keys than the cache's {algo!r} "
+                              f"(only the published width may differ)")
+        return cls.for_layout(manager.layout, media=tuple(manager.tier_media), hash_name=hash_name or algo, **kw)
 
     def groups_of(self, layer_groups: tuple[int, ...] | None) -> tuple[GroupSpec, ...]:
         """The groups an event concerns (all of them for None)."""
@@ -179,9 +198,10 @@ class WireContext:
         return tuple(by_id[i] for i in layer_groups if i in by_id)
 
     def ext(self, key: bytes) -> ExternalBlockHash:
-        """A block key as published: its first 8 bytes as an unsigned big-endian int, or (full-width
-        options) the whole key (msgpack bin on vLLM's wire)."""
-        return key if self.hash_name in FULL_WIDTH_ALGOS else int.from_bytes(key[:8], "big")
+        """A block key as published on vLLM's wire: ``block_hash_for_event``'s 64-bit int, or (full-width
+        options) the whole key as bytes (msgpack bin)."""
+        value = block_hash_for_event(key, self.hash_name)
+        return bytes.fromhex(value) if isinstance(value, str) else value
 
 
 def _extra(keys: tuple[tuple[tuple[str, str], ...] | None, ...] | None) -> list[tuple[Any, ...] | None] | None:
@@ -258,8 +278,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 # --- the reference design's event records ------------------------------------------------------------
 def _ref_hash(key: bytes, ctx: WireContext) -> int | str:
     """The reference publishes 64-bit hashes as ints and full-width ones as hex strings."""
-    value = ctx.ext(key)
-    return value.hex() if isinstance(value, bytes) else value
+    return block_hash_for_event(key, ctx.hash_name)
 
 
 def reference_events(event: KVEvent, ctx: WireContext, media: Sequence[str]) -> list[dict[str, Any]]:
@@ -320,5 +339,6 @@ __all__ = [
     "encode_batch",
     "manager_hash_algo",
     "reference_events",
+    "same_key_chain",
     "vllm_events",
 ]

@@ -84,8 +84,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm: tagged maps (vLLM since mid-2026); vllm-array: the positional form of vLLM 0.9-0.13; "
                         "reference: every event (Created, Updated diffs too) as the reference design's records")
     p.add_argument("--kv-events-hash", choices=EVENT_HASH_ALGOS, default=None,
-                   help="hash option of the published block hashes (default: the cache's; the *_64 and v1 "
-                        "options publish 64-bit ints, v2_blake3 / v2_sha256 the full digest)")
+                   help="hash option of the published block hashes (default: the cache's; an override may "
+                        "only change the width: the *_64 and v1 options publish 64-bit ints, v2_blake3 / "
+                        "v2_sha256 the full digest)")
     p.add_argument("--data-parallel-rank", type=int, default=0, help="the rank stamped on every event batch")
 
 
