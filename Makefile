@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev,ucx,hf]"
-	# NIXL wheels declare a CUDA torch dependency: install without dependencies (numpy, torch are here).
-	$(PIP) install -q --no-deps "$(NIXL_SPEC)"
+	# NIXL 1.5.1 requires torch and numpy of any version: the CPU torch above satisfies it.
+	$(PIP) install -q "$(NIXL_SPEC)"
 	touch $(STAMP)
 
 demo: venv

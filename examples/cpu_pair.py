@@ -18,11 +18,12 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.model import ByteTokenizer, ReferenceModel, preset
+from kvxfer.transport.registry import host_backends
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=("loopback", "nixl", "ucx"), default="loopback")
+    ap.add_argument("--backend", choices=host_backends(), default="loopback")
     ap.add_argument("--mode", choices=("push", "pull"), default="push")
     ap.add_argument("--layerwise", action="store_true", help="send each layer as soon as it is computed")
     ap.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 3)

@@ -18,11 +18,12 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.model import ReferenceModel, preset
+from kvxfer.transport.registry import host_backends
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=("loopback", "nixl", "ucx"), default="loopback")
+    ap.add_argument("--backend", choices=host_backends(), default="loopback")
     ap.add_argument("--mode", choices=("push", "pull"), default="push")
     ap.add_argument("--decode-ranks", type=int, default=2, help="decode tensor-parallel ranks (divides 2 KV heads)")
     ap.add_argument("--requests", type=int, default=3)

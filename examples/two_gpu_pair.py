@@ -15,6 +15,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
+from kvxfer.transport.registry import backend_names
+
 SECRET = "two-gpu-example-shared-secret"
 
 
@@ -31,7 +33,7 @@ def _prefill(conn: Connection, model: str, backend: str, device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=("cuda_ipc", "nixl", "ucx"), default="cuda_ipc")
+    ap.add_argument("--backend", choices=backend_names(cross_process=True), default="cuda_ipc")
     ap.add_argument("--model", default="tiny", help="model preset (tiny, small, medium)")
     ap.add_argument("--mode", choices=("push", "pull"), default="push")
     ap.add_argument("--prompt-tokens", type=int, default=512)

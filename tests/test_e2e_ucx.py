@@ -114,9 +114,9 @@ def test_demo_json_runs_two_processes_and_matches(backend: str) -> None:
                           text=True, env=env,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"requests", "mismatches", "transport", "mode", "bytes_moved", "reused_blocks_decode",
-            "transfer_gbps"} <= set(out)
+    out = json.loads(proc.stdout)                  # stdout holds the JSON object and nothing else
+    assert {"schema", "requests", "mismatches", "transport", "mode", "bytes_moved", "reused_blocks_decode",
+            "transfer_gb_per_s"} <= set(out)
     assert out["requests"] == 4 and out["mismatches"] == 0 and out["transport"] == backend and out["mode"] == "pull"
     assert out["kv_mismatches"] == 0 and all(row["kv_match"] and row["kv_compared"] > 0 for row in out["rows"])
     assert out["kv_max_error"] <= out["kv_tolerance"]

@@ -1,23 +1,65 @@
-"""KV events: sequences for store / reuse / evict / update / clear, the bounded queue, and the
-ZeroMQ publisher's vLLM-compatible wire format received by a real SUB socket."""
+"""KV events: sequences for store / reuse / evict / update / clear, ids and drop markers of the bounded
+queue, sliding-window drops, and vLLM's wire format decoded by a subscriber built on vLLM's own schema
+(tests/data/vllm_kv_events_schema.py) over real ZeroMQ PUB and replay ROUTER sockets."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
 from reuse_support import TPB, make_manager, prefill, write_kv
 
-from kvxfer.cache import AllCleared, KVEventPublisher, Removed, ReuseScope, Stored, Updated, block_keys
-from kvxfer.cache.events import EventQueue, encode_batch
+from kvxfer.cache import (
+    AllCleared,
+    Created,
+    EventsDropped,
+    KVCacheManager,
+    KVEventPublisher,
+    Removed,
+    ReuseScope,
+    Stored,
+    Updated,
+    WireContext,
+    block_hash_for_event,
+    block_keys,
+)
+from kvxfer.cache.event_publisher import END_SEQ
+from kvxfer.cache.event_wire import WIRE_ARRAY, encode_batch, reference_events
+from kvxfer.cache.events import EventQueue, stored_extra_keys
+from kvxfer.cache.hashing import HASH_ALGOS
 from kvxfer.errors import ConfigError
 
 
+def _load_schema() -> ModuleType:
+    path = Path(__file__).parent / "data" / "vllm_kv_events_schema.py"
+    spec = importlib.util.spec_from_file_location("vllm_kv_events_schema", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+VLLM = _load_schema()
+
+
+def drained(mgr: KVCacheManager) -> KVCacheManager:
+    mgr.drain_events()          # the Created event of construction
+    return mgr
+
+
+# --- in-process events ----------------------------------------------------------------------------
 def test_store_reuse_evict_sequence() -> None:
     mgr = make_manager(8)
+    assert mgr.drain_events() == [Created(("CPU",), (8,))]
     scope = ReuseScope(lora_id=4)
     root = scope.root_key
     p = np.arange(10, 23)                                   # 13 tokens: 3 full blocks
@@ -33,7 +75,8 @@ def test_store_reuse_evict_sequence() -> None:
 
     kv = mgr.create_kv_cache(q, reuse_scope=scope)           # reuse alone stores nothing
     kv.set_priority(90)
-    assert mgr.drain_events() == [Updated(tuple(qkeys[:4]), "CPU", 90)]
+    events = mgr.drain_events()
+    assert events == [Updated(tuple(qkeys[:4]), "CPU", 90, old_priority=35)]
     kv.close()
 
     big = mgr.create_kv_cache()                              # 3 free: 3 evictions needed
@@ -45,95 +88,374 @@ def test_store_reuse_evict_sequence() -> None:
     assert mgr.drain_events() == []
 
 
-def test_consecutive_chains_coalesce_only_when_they_continue() -> None:
+def test_event_ids_are_consecutive_and_merges_keep_the_first() -> None:
     q = EventQueue(8)
     a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
     q.put(Stored(None, (a,), (1, 2), 2, None, "CPU"))
-    q.put(Stored(a, (b,), (3, 4), 2, None, "CPU"))
+    q.put(Stored(a, (b,), (3, 4), 2, None, "CPU"))           # continues: merged, keeps id 0
     q.put(Stored(None, (c,), (5, 6), 2, None, "CPU"))         # a new chain: not merged
     q.put(Stored(c, (a,), (7, 8), 2, 1, "CPU"))               # other LoRA: not merged
     q.put(Removed((a,), "CPU"))
     q.put(Removed((b,), "CPU"))
-    assert q.drain() == [Stored(None, (a, b), (1, 2, 3, 4), 2, None, "CPU"), Stored(None, (c,), (5, 6), 2, None, "CPU"),
-                         Stored(c, (a,), (7, 8), 2, 1, "CPU"), Removed((a, b), "CPU")]
-    assert len(q) == 0
+    q.put(Removed((c,), "CPU", (1,)))                         # another layer group: not merged
+    out = q.drain()
+    assert out == [Stored(None, (a, b), (1, 2, 3, 4), 2, None, "CPU"), Stored(None, (c,), (5, 6), 2, None, "CPU"),
+                   Stored(c, (a,), (7, 8), 2, 1, "CPU"), Removed((a, b), "CPU"), Removed((c,), "CPU", (1,))]
+    assert [e.event_id for e in out] == [0, 1, 2, 3, 4]      # a merge takes no id: ids skip only at drops
+    assert len(q) == 0 and q.next_event_id == 5
 
 
-def test_bounded_queue_drops_the_oldest_and_counts() -> None:
-    mgr = make_manager(64, event_queue_capacity=2)
+def test_bounded_queue_drops_the_oldest_and_says_so() -> None:
+    mgr = drained(make_manager(64, event_queue_capacity=2))
     for i in range(4):                                       # four unrelated chains: four events
         prefill(mgr, np.arange(100 * i, 100 * i + 5))
     events = mgr.drain_events()
     assert mgr.events_dropped == 2
-    assert [e.token_ids[0] for e in events if isinstance(e, Stored)] == [200, 300]
+    marker, *kept = events
+    assert marker == EventsDropped(2)
+    assert [e.token_ids[0] for e in kept if isinstance(e, Stored)] == [200, 300]
+    ids = [e.event_id for e in kept]
+    assert ids[1] == ids[0] + 1 and marker.event_id == ids[0] - 1
+    assert mgr.drain_events() == []                          # the marker is reported once
     with pytest.raises(ConfigError, match="capacity"):
         EventQueue(0)
 
 
 def test_clear_emits_one_event() -> None:
-    mgr = make_manager(16)
+    mgr = drained(make_manager(16))
     prefill(mgr, np.arange(9))
     mgr.drain_events()
     assert mgr.reset_prefix_tree()
     assert mgr.drain_events() == [AllCleared()]
 
 
-def _subscribe(ctx: zmq.Context, endpoint: str, topic: bytes) -> zmq.Socket:
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, topic)
-    sub.connect(endpoint)
-    return sub
+def test_salt_and_extra_keys_are_published_per_block() -> None:
+    mgr = drained(make_manager(16))
+    prefill(mgr, np.arange(12), extra_keys={1: b"\x01\x02"})
+    (ev,) = mgr.drain_events()
+    assert isinstance(ev, Stored)
+    assert ev.extra_keys == (None, (("mm", "0102"),), None)
+    assert stored_extra_keys(0, 2, b"tenant", {}) == ((("salt", b"tenant".hex()),), None)
+    assert stored_extra_keys(0, 1, "acme", {0: b"\xff"}) == ((("salt", "acme"), ("mm", "ff")),)
+    assert stored_extra_keys(3, 1, 12345, {}) is None         # the salt goes on a scope's first block only
+    assert stored_extra_keys(0, 1, 12345, {}) == ((("salt", "12345"),),)
 
 
-def _sync(pub: KVEventPublisher, sub: zmq.Socket) -> int:
-    """Publish AllCleared probes until the subscription is live (PUB drops messages before it)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        pub.publish([AllCleared()])
-        if sub.poll(50):
-            _, seq, _ = sub.recv_multipart()
-            while sub.poll(20):
-                _, seq, _ = sub.recv_multipart()
-            return int.from_bytes(seq, "big")
-    raise AssertionError("SUB never received a probe")
-
-
-@pytest.mark.parametrize("hash_name", ["v2_blake3_64", "v2_blake3"])
-def test_publisher_speaks_the_vllm_batch_format(hash_name: str) -> None:
-    mgr = make_manager(8)
-    p = np.arange(40, 49)
+def test_sliding_window_drops_are_announced_for_their_layer_group() -> None:
+    """A window group letting go of a block's pages says so: the block is not reusable there any more."""
+    mgr = drained(make_manager(64, windows=[None, 2 * TPB]))
+    p = np.arange(6 * TPB)
     kv = mgr.create_kv_cache(p)
-    assert kv.resume() and kv.resize(9)
-    write_kv(mgr, kv, p, 0, 9)
+    assert kv.resume() and kv.resize(p.size)
+    write_kv(mgr, kv, p, 0, p.size)
     kv.commit(p)
-    kv.close()
-    big = mgr.create_kv_cache()
-    assert big.resume() and big.resize(7 * TPB)              # evicts one block
-    events = mgr.drain_events()
     keys = block_keys(p, TPB, ReuseScope().root_key)
-    ctx = zmq.Context()
+    events = mgr.drain_events()
+    removed = [e for e in events if isinstance(e, Removed)]
+    assert removed, events
+    assert all(e.layer_groups == (1,) for e in removed)
+    gone = {h for e in removed for h in e.block_hashes}
+    assert gone and gone < set(keys[:-1])
+    in_tree = {n.key: n.pages.tolist() for n in mgr.prefix_tree.nodes()}
+    for h in gone:                                            # exactly the blocks without a window page
+        assert in_tree[h][1] == -1 and in_tree[h][0] >= 0
+    kv.close()
+
+
+# --- the wire: vLLM's schema decodes what kvxfer sends --------------------------------------------
+class VllmSubscriber:
+    """A router's view of one worker, built only on vLLM's classes: per (medium, group) the hashes
+    stored there; every removal must name a stored hash unless a clear (a drop marker) came since."""
+
+    def __init__(self) -> None:
+        self.decoder = msgspec.msgpack.Decoder(type=VLLM.KVEventBatch)
+        self.blocks: dict[tuple[str | None, int | None], set[Any]] = {}
+        self.unexplained: list[str] = []
+        self.cleared_since_start = False
+        self.next_seq = 0
+
+    def feed(self, seq: int, payload: bytes) -> Any:
+        if seq != self.next_seq:
+            self.unexplained.append(f"sequence gap {self.next_seq} -> {seq}")
+        self.next_seq = seq + 1
+        batch = self.decoder.decode(payload)
+        assert batch.data_parallel_rank == 0
+        for ev in batch.events:
+            if isinstance(ev, VLLM.BlockStored):
+                self.blocks.setdefault((ev.medium, ev.group_idx), set()).update(ev.block_hashes)
+            elif isinstance(ev, VLLM.BlockRemoved):
+                have = self.blocks.setdefault((ev.medium, ev.group_idx), set())
+                missing = set(ev.block_hashes) - have
+                if missing and not self.cleared_since_start:
+                    self.unexplained.append(f"removal of {len(missing)} unknown hashes on {ev.medium}")
+                have.difference_update(ev.block_hashes)
+            else:
+                assert isinstance(ev, VLLM.AllBlocksCleared)
+                self.blocks.clear()
+                self.cleared_since_start = True
+        return batch
+
+    def state(self) -> dict[tuple[str | None, int | None], set[Any]]:
+        return {k: v for k, v in self.blocks.items() if v}
+
+
+def tree_state(mgr: KVCacheManager, ctx: WireContext) -> dict[tuple[str | None, int | None], set[Any]]:
+    """What the subscriber must believe: each tree block's page per layer group, on its tier's medium."""
+    media = {0: "CPU", 1: "CPU", 2: "DISK"}
+    out: dict[tuple[str | None, int | None], set[Any]] = {}
+    for node in mgr.prefix_tree.nodes():
+        for lg, (page, tier) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
+            if page >= 0:
+                out.setdefault((media[tier], lg), set()).add(ctx.ext(node.key))
+    return out
+
+
+def replay_all(endpoint: str, ctx: zmq.Context[Any], start: int = 0) -> list[tuple[int, bytes]]:
+    """Ask the replay ROUTER for every batch from ``start`` (vLLM's framing) until the end marker."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
     try:
-        with KVEventPublisher("tcp://127.0.0.1:*", hash_name=hash_name, context=ctx) as pub:
-            sub = _subscribe(ctx, pub.endpoint, b"kv-events")
-            last = _sync(pub, sub)
-            assert pub.publish(events) == last + 1
-            assert pub.publish([]) is None and pub.publish([Updated((keys[0],), "CPU", 3)]) is None
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        out: list[tuple[int, bytes]] = []
+        while True:
+            assert sock.poll(5000), "replay did not answer"
+            empty, seq, payload = sock.recv_multipart()
+            assert empty == b""
+            if seq == END_SEQ:
+                assert payload == b""
+                return out
+            out.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(("hash_name", "windows"), [("v2_blake3_64", None), ("v2_blake3", None),
+                                                    ("v2_blake3_64", [None, 2 * TPB])])
+def test_vllm_subscriber_follows_store_reuse_tier_moves_evict_and_reset(tmp_path: Path, hash_name: str,
+                                                                        windows: list[int | None] | None) -> None:
+    """Every batch of a run decodes with vLLM's classes; the subscriber's picture equals the tree after
+    every step (tier moves published as stored-at-new / removed-at-old; with a sliding-window group,
+    its dropped pages too), with no unexplained gap."""
+    mgr = drained(make_manager(4, host_blocks=2, disk_blocks=2, disk_path=str(tmp_path), windows=windows))
+    zctx = zmq.Context()
+    wctx = WireContext.for_layout(mgr.layout, hash_name=hash_name)
+    sub = VllmSubscriber()
+    try:
+        with KVEventPublisher("tcp://127.0.0.1:*", context=wctx, replay_endpoint="tcp://127.0.0.1:*",
+                              zmq_context=zctx) as pub:
+            steps = 0
+
+            def step() -> None:
+                nonlocal steps
+                seq = pub.publish_from(mgr)
+                if seq is not None:
+                    (got,) = replay_all(pub.replay_endpoint or "", zctx, seq)
+                    sub.feed(*got)
+                assert sub.state() == tree_state(mgr, wctx), f"after step {steps}"
+                steps += 1
+
+            p1, p2, p3 = np.arange(0, 8), np.arange(50, 58), np.arange(90, 98)
+            for p in (p1, p2):                                  # store
+                prefill(mgr, p)
+                step()
+            prefill(mgr, np.concatenate([p1, [7, 7, 7, 7]]))     # reuse p1, store one more block
+            step()
+            kv = mgr.create_kv_cache()                            # pressure: tree pages move to host, disk
+            assert kv.resume() and kv.resize(4 * TPB)
+            step()
+            kv.close()
+            prefill(mgr, p3)                                      # more pressure: the coldest tier drops
+            step()
+            kv = mgr.create_kv_cache()
+            assert kv.resume() and kv.resize(4 * TPB)
+            step()
+            kv.close()
+            prefill(mgr, p2)                                      # reuse from colder tiers (onboarding)
+            step()
+            assert mgr.reset_prefix_tree()                        # reset
+            step()
+            assert sub.state() == {} and steps == 8
+            history = replay_all(pub.replay_endpoint or "", zctx)  # the replay buffer holds every batch
+            assert [s for s, _ in history] == list(range(pub.next_sequence))
+    finally:
+        zctx.term()
+    assert sub.unexplained == []
+    replayed = VllmSubscriber()
+    for seq, payload in history:
+        replayed.feed(seq, payload)
+    assert replayed.unexplained == [] and replayed.state() == {}
+    kinds = {type(e).__name__ for _, p in history for e in msgspec.msgpack.decode(p, type=VLLM.KVEventBatch).events}
+    assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+    media = {(type(e).__name__, e.medium) for _, p in history
+             for e in msgspec.msgpack.decode(p, type=VLLM.KVEventBatch).events if not isinstance(e, VLLM.AllBlocksCleared)}
+    assert {("BlockStored", "DISK"), ("BlockRemoved", "DISK"), ("BlockRemoved", "CPU")} <= media   # moves and drops
+
+
+def test_dropped_events_become_a_clear_the_subscriber_can_explain() -> None:
+    mgr = drained(make_manager(8, event_queue_capacity=2))
+    wctx = WireContext.for_layout(mgr.layout)
+    sub = VllmSubscriber()
+    for i in range(4):
+        prefill(mgr, np.arange(100 * i, 100 * i + 5))
+    payload = encode_batch(mgr.drain_events(), 1.0, wctx)
+    assert payload is not None
+    batch = sub.feed(0, payload)
+    assert type(batch.events[0]).__name__ == "AllBlocksCleared"
+    big = mgr.create_kv_cache()                               # evicts blocks whose Stored was dropped
+    assert big.resume() and big.resize(8 * TPB)
+    payload = encode_batch(mgr.drain_events(), 2.0, wctx)
+    assert payload is not None
+    sub.feed(1, payload)
+    assert sub.unexplained == [] and sub.state() == {}
+
+
+def test_a_removal_nobody_stored_is_flagged_by_the_subscriber() -> None:
+    """Mutation check of the subscriber: a Removed for a hash never stored is unexplained."""
+    mgr = drained(make_manager(8))
+    wctx = WireContext.for_layout(mgr.layout)
+    sub = VllmSubscriber()
+    payload = encode_batch([Removed((b"\x07" * 32,), "CPU")], 1.0, wctx)
+    assert payload is not None
+    sub.feed(3, payload)
+    assert len(sub.unexplained) == 2        # the sequence gap and the unknown hash
+
+
+def test_wire_fields_groups_and_windows() -> None:
+    mgr = drained(make_manager(32, windows=[None, 2 * TPB]))
+    wctx = WireContext.for_layout(mgr.layout, data_parallel_rank=3)
+    prefill(mgr, np.arange(9), reuse_scope=ReuseScope(lora_id=5))
+    payload = encode_batch(mgr.drain_events(), 12.5, wctx)
+    assert payload is not None
+    raw = msgspec.msgpack.decode(payload)
+    assert raw["ts"] == 12.5 and raw["data_parallel_rank"] == 3
+    assert [e["type"] for e in raw["events"]] == ["BlockStored", "BlockStored"]
+    full, window = msgspec.msgpack.decode(payload, type=VLLM.KVEventBatch).events
+    assert (full.group_idx, full.kv_cache_spec_kind, full.kv_cache_spec_sliding_window) == (0, "full_attention", None)
+    assert (window.group_idx, window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window) == (
+        1, "sliding_window", 2 * TPB)
+    keys = block_keys(np.arange(9), TPB, ReuseScope(lora_id=5).root_key)
+    assert full.block_hashes == [int.from_bytes(k[:8], "big") for k in keys]
+    assert (full.lora_id, full.lora_name, full.medium, full.token_ids) == (5, "5", "CPU", list(range(8)))
+
+
+def test_legacy_array_form_behind_the_flag() -> None:
+    a = b"\x01" * 32
+    events = [Stored(None, (a,), (1, 2), 2, None, "CPU"), Removed((a,), "CPU"), AllCleared()]
+    payload = encode_batch(events, 2.0, WireContext(wire=WIRE_ARRAY, data_parallel_rank=1))
+    assert payload is not None
+    assert msgspec.msgpack.decode(payload) == [2.0, [["BlockStored", [int.from_bytes(a[:8], "big")], None, [1, 2], 2,
+                                                       None, "CPU"], ["BlockRemoved", [int.from_bytes(a[:8], "big")],
+                                                                      "CPU"], ["AllBlocksCleared"]], 1]
+    batch = msgspec.msgpack.decode(payload, type=VLLM.LegacyKVEventBatch)
+    assert len(batch.events) == 3
+    with pytest.raises(msgspec.ValidationError):              # the two forms are not interchangeable
+        msgspec.msgpack.decode(payload, type=VLLM.KVEventBatch)
+
+
+def test_priority_and_created_have_no_vllm_form_but_a_reference_record() -> None:
+    a = b"\x02" * 32
+    wctx = WireContext(hash_name="v2_blake3", groups=WireContext().groups)
+    assert encode_batch([Updated((a,), "CPU", 90, old_priority=35), Created(("CPU",), (8,))], 1.0, wctx) is None
+    (rec,) = reference_events(Updated((a,), "DISK", None, old_medium="CPU", event_id=7), wctx, ("CPU", "CPU", "DISK"))
+    assert rec == {"event_id": 7, "data": {"type": "updated", "block_hash": a.hex(),
+                                           "cache_level": {"old_value": 0, "new_value": 2}, "priority": None},
+                   "window_size": 0, "hash_algo": "v2_blake3", "attention_dp_rank": 0, "layer_group_id": 0}
+    (created,) = reference_events(Created(("CPU", "DISK"), (8, 4), event_id=0), wctx, ("CPU", "DISK"))
+    assert created["data"] == {"type": "created", "num_blocks_per_cache_level": [8, 4]}
+
+
+def test_live_sub_socket_receives_the_batches() -> None:
+    mgr = drained(make_manager(8))
+    prefill(mgr, np.arange(40, 49))
+    zctx = zmq.Context()
+    try:
+        with KVEventPublisher("tcp://127.0.0.1:*", context=WireContext.for_layout(mgr.layout),
+                              zmq_context=zctx) as pub:
+            sub = zctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+            sub.connect(pub.endpoint)
+            deadline = time.monotonic() + 10                  # PUB drops messages until the SUB joined
+            while not sub.poll(50):
+                assert time.monotonic() < deadline, "SUB never received a probe"
+                pub.publish([AllCleared()])
+            while sub.poll(20):
+                sub.recv_multipart()
+            seq = pub.publish_from(mgr)
             assert sub.poll(5000)
-            topic, seq, payload = sub.recv_multipart()
+            topic, seq_bytes, payload = sub.recv_multipart()
             sub.close()
     finally:
-        ctx.term()
-    assert topic == b"kv-events" and int.from_bytes(seq, "big") == last + 1 and len(seq) == 8
-    ts, wire = msgpack.unpackb(payload, raw=False)
-    assert abs(ts - time.time()) < 60
-    ext = [int.from_bytes(k[:8], "big") for k in keys] if hash_name == "v2_blake3_64" else keys
-    assert wire == [["BlockStored", ext, None, list(range(40, 48)), TPB, None, "CPU"],
-                    ["BlockRemoved", [ext[1]], "CPU"]]
+        zctx.term()
+    assert topic == b"kv-events" and int.from_bytes(seq_bytes, "big") == seq and len(seq_bytes) == 8
+    (ev,) = msgspec.msgpack.decode(payload, type=VLLM.KVEventBatch).events
+    assert isinstance(ev, VLLM.BlockStored) and ev.token_ids == list(range(40, 48))
 
 
-def test_batch_encoding_with_rank_and_clear() -> None:
-    body = msgpack.unpackb(encode_batch([AllCleared()], 12.5, data_parallel_rank=3), raw=False)
-    assert body == [12.5, [["AllBlocksCleared"]], 3]
+def test_bad_configuration_is_refused() -> None:
     with pytest.raises(ConfigError, match="unknown hash name"):
-        KVEventPublisher("tcp://127.0.0.1:*", hash_name="md5")
+        WireContext(hash_name="md5")
+    with pytest.raises(ConfigError, match="wire format"):
+        WireContext(wire="json")
+    with pytest.raises(ConfigError, match="data_parallel_rank"):
+        WireContext(data_parallel_rank=-1)
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_published_hashes_follow_the_cache_hash_algorithm(algo: str) -> None:
+    """Events go out under the manager's resolved algorithm: v1 (40-byte composite keys) and the _64
+    options publish the 64-bit hash, the full-width ones the digest; both wires agree with
+    ``block_hash_for_event``, and an override naming other keys is refused."""
+    mgr = make_manager(16, hash_algo=algo)
+    resolved = mgr.resolved_hash_algo
+    vctx = WireContext.for_manager(mgr)
+    rctx = WireContext.for_manager(mgr, wire="reference")
+    assert vctx.hash_name == resolved == ("v1_block_key" if algo == "auto" else algo)
+    prefill(mgr, np.arange(100, 117))
+    events = mgr.drain_events()
+    keys = [k for e in events if isinstance(e, Stored) for k in e.block_hashes]
+    assert len(keys) == 17 // TPB
+    expected = [block_hash_for_event(k, resolved) for k in keys]
+    payload = encode_batch(events, 1.0, vctx)
+    assert payload is not None
+    stored = [e for e in msgspec.msgpack.decode(payload, type=VLLM.KVEventBatch).events
+              if isinstance(e, VLLM.BlockStored)]
+    wire = [h for e in stored for h in e.block_hashes]
+    assert wire == [bytes.fromhex(h) if isinstance(h, str) else h for h in expected]
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in wire) if algo in ("v2_sha256", "v2_blake3") \
+        else all(isinstance(h, int) and 0 <= h < 2**64 for h in wire)
+    ref = msgspec.msgpack.decode(encode_batch(events, 1.0, rctx) or b"")["events"]
+    ref_stored = [r for r in ref if r["data"]["type"] == "stored"]
+    assert [b["block_hash"] for r in ref_stored for b in r["data"]["blocks"]] == expected
+    assert {r["hash_algo"] for r in ref} == {resolved}
+    other = "v2_sha256" if resolved.startswith("v2_blake3") else "v2_blake3_64"
+    with pytest.raises(ConfigError, match="names other keys than the cache's"):
+        WireContext.for_manager(mgr, hash_name=other)
+    with pytest.raises(ConfigError, match="unknown hash name"):
+        WireContext.for_manager(mgr, hash_name="md5")
+
+
+def test_reference_wire_publishes_every_event_with_ids_windows_and_rank() -> None:
+    """The reference form carries what vLLM's cannot: Created, priority diffs, event ids, window sizes."""
+    mgr = make_manager(16, windows=[None, 2 * TPB])
+    wctx = WireContext.for_manager(mgr, wire="reference", data_parallel_rank=2, hash_name="v2_blake3")
+    p = np.arange(9)
+    kv = prefill(mgr, p, close=False)
+    kv.set_priority(80)
+    kv.close()
+    payload = encode_batch(mgr.drain_events(), 3.0, wctx)
+    assert payload is not None
+    body = msgspec.msgpack.decode(payload)
+    assert body["ts"] == 3.0 and body["data_parallel_rank"] == 2
+    records = body["events"]
+    kinds = [r["data"]["type"] for r in records]
+    assert kinds[0] == "created" and "stored" in kinds and "updated" in kinds
+    assert {r["layer_group_id"]: r["window_size"] for r in records if r["data"]["type"] == "stored"} == {0: 0, 1: 8}
+    upd = [r for r in records if r["data"]["type"] == "updated"]
+    assert all(r["data"]["priority"] == {"old_value": 35, "new_value": 80} and r["data"]["cache_level"] is None
+               for r in upd)
+    keys = block_keys(p, TPB, ReuseScope().root_key)
+    assert {r["data"]["block_hash"] for r in upd} == {k.hex() for k in keys}
+    ids = [r["event_id"] for r in records]
+    assert ids == sorted(ids) and all(r["hash_algo"] == "v2_blake3" and r["attention_dp_rank"] == 2 for r in records)

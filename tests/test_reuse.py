@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from reuse_support import TPB, check_kv, check_references, make_manager, prefill, slot_bytes, write_kv
 
-from kvxfer.cache import AllCleared, CacheState, Removed, ReuseScope, Stored, block_keys
+from kvxfer.cache import AllCleared, CacheState, Created, Removed, ReuseScope, Stored, block_keys
 from kvxfer.errors import CapacityError, ConfigError
 
 
@@ -120,7 +120,7 @@ def test_duplicate_commit_adopts_the_existing_pages() -> None:
         assert kv.num_reused_tokens == 0 and kv.resume() and kv.resize(p.size)
         write_kv(mgr, kv, p, 0, p.size)
     a.commit(p)
-    assert [type(e) for e in mgr.drain_events()] == [Stored]
+    assert [type(e) for e in mgr.drain_events()] == [Created, Stored]
     free = mgr.num_free_slots()
     own = b.block_ids(0)
     b.commit(p)

@@ -124,8 +124,8 @@ def test_status_in_process_over_a_client_connection_and_from_the_cli(capsys: pyt
         assert remote == prefill.status()
         assert remote["role"] == "prefill" and remote["completed"] == 1 and remote["jobs"] == 0
         assert remote["held_slots"] == 0 and remote["open_caches"] == 0
-        assert cli_main(["status", prefill.address]) == 0
-        assert json.loads(capsys.readouterr().out)["completed"] == 1
+        assert cli_main(["status", prefill.address, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["status"]["completed"] == 1
         assert_idle(prefill, decode)
 
 

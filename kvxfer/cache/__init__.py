@@ -16,7 +16,9 @@ from kvxfer.cache.descriptors import (
     SlotDesc,
     SlotDescVariant,
 )
-from kvxfer.cache.events import AllCleared, KVEvent, KVEventPublisher, Removed, Stored, Updated
+from kvxfer.cache.event_publisher import KVEventPublisher
+from kvxfer.cache.event_wire import WireContext
+from kvxfer.cache.events import AllCleared, Created, EventsDropped, KVEvent, Removed, Stored, Updated
 from kvxfer.cache.hashing import (
     DEFAULT_HASH_ALGO,
     HASH_ALGOS,
@@ -55,7 +57,9 @@ __all__ = [
     "CacheLayoutDesc",
     "CacheState",
     "CoalescedBuffer",
+    "Created",
     "DiskTier",
+    "EventsDropped",
     "ExpandedBuffer",
     "HostTier",
     "KVCache",
@@ -83,6 +87,7 @@ __all__ = [
     "TierStats",
     "TierTraffic",
     "Updated",
+    "WireContext",
     "block_hash_for_event",
     "block_keys",
     "cache_salt_id",

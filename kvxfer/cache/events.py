@@ -1,30 +1,51 @@
-"""KV-cache events: what the prefix tree stored, updated and removed, for KV-aware routers.
+"""KV-cache events: what the prefix tree stored, moved, updated and removed, for KV-aware routers.
 
-Events go to a bounded queue (the oldest are dropped when full, and counted); consecutive stored
-blocks of one chain coalesce into one ``Stored``, consecutive removals into one ``Removed``.
-``KVEventPublisher`` sends drained events over a ZeroMQ PUB socket in the wire format of vLLM's KV
-events (see docs/events.md), so a router that subscribes to vLLM can subscribe here unchanged.
+The manager puts events on a bounded ``EventQueue``: each queued event gets the next ``event_id``;
+when the queue is full the oldest event is dropped, so the drained ids skip, and the next drain starts
+with an ``EventsDropped`` marker counting them. Consecutive stored blocks of one chain coalesce into
+one ``Stored``, consecutive removals into one ``Removed``. ``layer_groups`` names the layer groups an
+event concerns (None: every layer group of the layout): a sliding-window group that lets go of a
+block's pages gets its own ``Removed``, so a router is never told that block is still reusable there.
+
+``kvxfer.cache.event_wire`` turns these into vLLM's wire format (docs/events.md).
 """
 
 from __future__ import annotations
 
 import collections
-import time
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-import msgpack
-import zmq
+from kvxfer.errors import ConfigError
 
-from kvxfer.cache.hashing import HASH_NAMES, HASH_V2_BLAKE3_64, external_hash
-from kvxfer.errors import ConfigError, TransportError
+#: Event ``medium`` names, as vLLM's routers know them (``"GPU"``, its CPU offload tier ``"CPU"``, ``"DISK"``).
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
+_NO_ID = -1
+
+
+@dataclass(frozen=True)
+class Created:
+    """A cache manager came up: ``num_blocks_per_medium[i]`` slots of the layer groups' pool group on
+    ``media[i]`` (the primary tier first)."""
+
+    media: tuple[str, ...]
+    num_blocks_per_medium: tuple[int, ...]
+    layer_groups: tuple[int, ...] | None = None
+    event_id: int = field(default=_NO_ID, compare=False)
 
 
 @dataclass(frozen=True)
 class Stored:
     """Blocks entered the prefix tree: ``block_hashes`` continue the chain after ``parent_hash``
-    (None: the first block of its scope); ``token_ids`` are all their tokens in order."""
+    (None: the first block of its scope); ``token_ids`` are all their tokens in order.
+
+    ``extra_keys`` has one entry per block (None: the block's hash has no extra input), each a tuple
+    of what went into the hash besides the tokens: ``("salt", hex)`` on a scope's first block and
+    ``("mm", hex)`` for a block's extra key (a multimodal digest).
+    """
 
     parent_hash: bytes | None
     block_hashes: tuple[bytes, ...]
@@ -32,39 +53,62 @@ class Stored:
     block_size: int
     lora_id: int | None
     medium: str
+    extra_keys: tuple[tuple[tuple[str, str], ...] | None, ...] | None = None
+    layer_groups: tuple[int, ...] | None = None
+    event_id: int = field(default=_NO_ID, compare=False)
 
 
 @dataclass(frozen=True)
 class Removed:
-    """Blocks left the prefix tree (evicted)."""
+    """Blocks left the prefix tree (evicted), or only the listed layer groups' pages of them
+    (a sliding-window group letting go of pages no request can attend to any more)."""
 
     block_hashes: tuple[bytes, ...]
     medium: str
+    layer_groups: tuple[int, ...] | None = None
+    event_id: int = field(default=_NO_ID, compare=False)
 
 
 @dataclass(frozen=True)
 class Updated:
-    """Stored blocks changed in place: now on ``medium`` (a tier move) and/or with a new eviction
-    ``priority`` (None: unchanged)."""
+    """Stored blocks changed in place: now on ``medium`` (moved from ``old_medium`` when that is not
+    None: a tier move) and/or with eviction ``priority`` changed from ``old_priority`` (None: unchanged)."""
 
     block_hashes: tuple[bytes, ...]
     medium: str
     priority: int | None = None
+    old_medium: str | None = None
+    old_priority: int | None = None
+    layer_groups: tuple[int, ...] | None = None
+    event_id: int = field(default=_NO_ID, compare=False)
 
 
 @dataclass(frozen=True)
 class AllCleared:
     """Every block left the prefix tree at once."""
 
+    event_id: int = field(default=_NO_ID, compare=False)
 
-KVEvent = Stored | Removed | Updated | AllCleared
+
+@dataclass(frozen=True)
+class EventsDropped:
+    """``count`` events were dropped (the bounded queue was full) just before this marker: a
+    subscriber must forget what it knows of this cache (vLLM's wire carries it as AllBlocksCleared)."""
+
+    count: int
+    event_id: int = field(default=_NO_ID, compare=False)
+
+
+KVEvent = Created | Stored | Removed | Updated | AllCleared | EventsDropped
 
 
 class EventQueue:
     """Bounded FIFO of events; when full the oldest event is dropped and counted.
 
-    Consecutive events merge: ``Stored`` continuing the previous chain (same LoRA, block size and
-    medium), ``Removed`` of one medium, ``Updated`` with the same medium and priority.
+    Every event put gets the next ``event_id`` (a merged event keeps the id of the one it extends),
+    so the ids a consumer drains skip exactly where events were dropped. Consecutive events merge:
+    ``Stored`` continuing the previous chain (same LoRA, block size, medium, layer groups),
+    ``Removed`` of one medium and layer groups, ``Updated`` with the same change.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -73,9 +117,16 @@ class EventQueue:
         self.capacity = capacity
         self._events: collections.deque[KVEvent] = collections.deque()
         self.dropped = 0
+        self._dropped_since_drain = 0
+        self._next_id = 0
 
     def __len__(self) -> int:
         return len(self._events)
+
+    @property
+    def next_event_id(self) -> int:
+        """The id the next new event will get."""
+        return self._next_id
 
     def put(self, event: KVEvent) -> None:
         """Append ``event``, merging it into the newest queued event when it continues it."""
@@ -87,11 +138,19 @@ class EventQueue:
         if len(self._events) >= self.capacity:
             self._events.popleft()
             self.dropped += 1
-        self._events.append(event)
+            self._dropped_since_drain += 1
+        self._events.append(dataclasses.replace(event, event_id=self._next_id))
+        self._next_id += 1
 
     def drain(self) -> list[KVEvent]:
-        """Every queued event, oldest first; the queue is left empty."""
-        out = list(self._events)
+        """Every queued event, oldest first, after an ``EventsDropped`` marker when events were
+        dropped since the last drain; the queue is left empty."""
+        out: list[KVEvent] = []
+        if self._dropped_since_drain:
+            first = self._events[0].event_id if self._events else self._next_id
+            out.append(EventsDropped(self._dropped_since_drain, event_id=first - 1))
+            self._dropped_since_drain = 0
+        out.extend(self._events)
         self._events.clear()
         return out
 
@@ -99,88 +158,49 @@ class EventQueue:
 def _coalesce(last: KVEvent, new: KVEvent) -> KVEvent | None:
     if isinstance(last, Stored) and isinstance(new, Stored):
         if (new.parent_hash is not None and new.parent_hash == last.block_hashes[-1]
-                and (new.block_size, new.lora_id, new.medium) == (last.block_size, last.lora_id, last.medium)):
-            return Stored(last.parent_hash, last.block_hashes + new.block_hashes, last.token_ids + new.token_ids,
-                          last.block_size, last.lora_id, last.medium)
+                and (new.block_size, new.lora_id, new.medium, new.layer_groups)
+                == (last.block_size, last.lora_id, last.medium, last.layer_groups)):
+            extra = None
+            if last.extra_keys is not None or new.extra_keys is not None:
+                extra = ((last.extra_keys or (None,) * len(last.block_hashes))
+                         + (new.extra_keys or (None,) * len(new.block_hashes)))
+            return dataclasses.replace(last, block_hashes=last.block_hashes + new.block_hashes,
+                                       token_ids=last.token_ids + new.token_ids, extra_keys=extra)
         return None
-    if isinstance(last, Removed) and isinstance(new, Removed) and last.medium == new.medium:
-        return Removed(last.block_hashes + new.block_hashes, last.medium)
-    if isinstance(last, Updated) and isinstance(new, Updated) and (last.medium, last.priority) == (
-            new.medium, new.priority):
-        return Updated(last.block_hashes + new.block_hashes, last.medium, last.priority)
+    if isinstance(last, Removed) and isinstance(new, Removed) and (last.medium, last.layer_groups) == (
+            new.medium, new.layer_groups):
+        return dataclasses.replace(last, block_hashes=last.block_hashes + new.block_hashes)
+    if isinstance(last, Updated) and isinstance(new, Updated) and (
+            last.medium, last.priority, last.old_medium, last.old_priority, last.layer_groups) == (
+            new.medium, new.priority, new.old_medium, new.old_priority, new.layer_groups):
+        return dataclasses.replace(last, block_hashes=last.block_hashes + new.block_hashes)
     return None
 
 
-# --- wire format -----------------------------------------------------------------------------------
-def event_to_wire(event: KVEvent, hash_name: str = HASH_V2_BLAKE3_64) -> list[Any]:
-    """One event as vLLM's tagged array: ``[tag, field, ...]`` (see docs/events.md).
-
-    ``Updated`` has no counterpart in that schema and is not sent (returns an empty list).
-    """
-    if isinstance(event, Stored):
-        parent = None if event.parent_hash is None else external_hash(event.parent_hash, hash_name)
-        return ["BlockStored", [external_hash(h, hash_name) for h in event.block_hashes], parent,
-                list(event.token_ids), event.block_size, event.lora_id, event.medium]
-    if isinstance(event, Removed):
-        return ["BlockRemoved", [external_hash(h, hash_name) for h in event.block_hashes], event.medium]
-    if isinstance(event, AllCleared):
-        return ["AllBlocksCleared"]
-    return []
+def layer_group_subset(present: Sequence[bool]) -> tuple[int, ...] | None:
+    """The ``layer_groups`` of an event about the layer groups where ``present`` is true (None: all)."""
+    ids = tuple(i for i, p in enumerate(present) if p)
+    return None if len(ids) == len(present) else ids
 
 
-def encode_batch(events: Iterable[KVEvent], timestamp: float, hash_name: str = HASH_V2_BLAKE3_64,
-                 data_parallel_rank: int | None = None) -> bytes:
-    """A batch payload: msgpack ``[ts, [event, ...]]`` (plus the data-parallel rank when given)."""
-    wire = [w for w in (event_to_wire(e, hash_name) for e in events) if w]
-    body: list[Any] = [timestamp, wire]
-    if data_parallel_rank is not None:
-        body.append(data_parallel_rank)
-    return msgpack.packb(body, use_bin_type=True)
+def salt_text(salt: bytes | str | int | None) -> str | None:
+    """A reuse scope's salt as events show it: a string as is, bytes as hex, an integer in decimal."""
+    if salt is None:
+        return None
+    if isinstance(salt, bytes):
+        return salt.hex()
+    return str(salt)
 
 
-class KVEventPublisher:
-    """Publishes event batches on a ZeroMQ PUB socket as ``[topic, seq (8 bytes, big-endian), payload]``."""
-
-    def __init__(self, endpoint: str, *, topic: str = "kv-events", hash_name: str = HASH_V2_BLAKE3_64,
-                 data_parallel_rank: int | None = None, context: zmq.Context[Any] | None = None) -> None:
-        if hash_name not in HASH_NAMES:
-            raise ConfigError(f"KVEventPublisher: unknown hash name {hash_name!r} (have {', '.join(HASH_NAMES)})")
-        self.topic = topic.encode()
-        self.hash_name = hash_name
-        self.data_parallel_rank = data_parallel_rank
-        self._seq = 0
-        self._context = context or zmq.Context.instance()
-        self._socket = self._context.socket(zmq.PUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        try:
-            self._socket.bind(endpoint)
-        except zmq.ZMQError as exc:
-            self._socket.close()
-            raise TransportError(f"KVEventPublisher: cannot bind {endpoint!r}: {exc}") from exc
-        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-
-    @property
-    def next_sequence(self) -> int:
-        """The sequence number the next batch will carry."""
-        return self._seq
-
-    def publish(self, events: Iterable[KVEvent]) -> int | None:
-        """Send ``events`` as one batch; returns its sequence number (None: nothing to send)."""
-        items = list(events)
-        if not any(event_to_wire(e, self.hash_name) for e in items):
-            return None
-        payload = encode_batch(items, time.time(), self.hash_name, self.data_parallel_rank)
-        seq = self._seq
-        self._socket.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
-        self._seq += 1
-        return seq
-
-    def close(self) -> None:
-        """Close the socket (pending messages are dropped)."""
-        self._socket.close()
-
-    def __enter__(self) -> KVEventPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def stored_extra_keys(first_block: int, n_blocks: int, salt: bytes | str | int | None,
+                      block_extra: Mapping[int, bytes]) -> tuple[tuple[tuple[str, str], ...] | None, ...] | None:
+    """``Stored.extra_keys`` for blocks [first_block, first_block + n_blocks) of a request: the salt on
+    block 0 (as vLLM puts ``cache_salt`` in the first block's extra keys), each block's extra key as
+    hex (None when no block has any)."""
+    salt_str = salt_text(salt)
+    out: list[tuple[tuple[str, str], ...] | None] = []
+    for b in range(first_block, first_block + n_blocks):
+        keys = ((("salt", salt_str),) if b == 0 and salt_str else ()) + (
+            (("mm", block_extra[b].hex()),) if b in block_extra else ())
+        out.append(keys or None)
+    return None if all(k is None for k in out) else tuple(out)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.cache.events import Removed
+from kvxfer.cache.events import Removed, layer_group_subset
 from kvxfer.cache.kv_cache import CacheState
 from kvxfer.cache.page_movement import PageMovement
 from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode
@@ -47,6 +47,8 @@ class EvictionController(PageMovement):
     def _evict(self, node: BlockNode) -> None:
         """Drop a tree-only leaf and its pages (in whatever tiers they are); emits Removed."""
         self._tree.remove(node)
+        media = [self._media[int(t)] if p >= 0 else None for p, t in zip(node.pages.tolist(), node.tiers.tolist(),
+                                                                         strict=True)]
         for lg, (page, tier) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
             if page >= 0:
                 pg = self._lg_pool_group[lg]
@@ -55,7 +57,8 @@ class EvictionController(PageMovement):
                 if tier > 0 and (delta := self._stats.traffic(lg)) is not None:
                     delta.iter_host_dropped_blocks += 1
                     delta.iter_host_dropped_bytes += self._page_bytes[pg]
-        self._events.put(Removed((node.key,), self._node_medium(node)))
+        for medium in dict.fromkeys(m for m in media if m is not None):   # one Removed per medium held
+            self._events.put(Removed((node.key,), medium, layer_group_subset([m == medium for m in media])))
         self._traffic.dropped()
 
     def _locked_mask(self, tier: int, pool_group: int) -> npt.NDArray[np.bool_]:

@@ -20,7 +20,7 @@ from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.copy_engine import CopyEngine
 from kvxfer.cache.descriptors import AggregatedPageDesc, BufferId, CacheLayoutDesc
 from kvxfer.cache.dtypes import torch_dtype
-from kvxfer.cache.events import EventQueue, KVEvent
+from kvxfer.cache.events import Created, EventQueue, KVEvent, layer_group_subset
 from kvxfer.cache.hashing import ExtraKeys, ReuseScope, check_extra_keys, resolve_hash_algo
 from kvxfer.cache.kv_cache import CacheState, KVCache, _as_tokens
 from kvxfer.cache.layout import place_layout, plan_layout
@@ -122,6 +122,7 @@ class KVCacheManager(PrefixReuse):
         self._tree_owner: list[list[dict[int, tuple[BlockNode, int]]]] = [
             [{} for _ in self._layout.pool_groups] for _ in self._tiers]
         self._traffic = TierTrafficCounter(len(self._tiers))
+        self._put_created()
         self._page_bytes = [sum(p.slot_bytes for p in pg.pools) for pg in self._layout.pool_groups]
         self._stats = StatsCollector(config.enable_stats, len(self._tiers), len(self._layout.pool_groups))
         self._sample_usage()
@@ -228,6 +229,15 @@ class KVCacheManager(PrefixReuse):
         """KV events since the last drain, oldest first."""
         with self._lock:
             return self._events.drain()
+
+    def _put_created(self) -> None:
+        """Created events: each layer group's slots per tier (one event when all layer groups agree)."""
+        counts = [tuple(t.layout.pool_groups[pg].num_slots for t in self._tiers) for pg in self._lg_pool_group]
+        if all(c == counts[0] for c in counts):
+            self._events.put(Created(tuple(self._media), counts[0]))
+            return
+        for lg, c in enumerate(counts):
+            self._events.put(Created(tuple(self._media), c, layer_group_subset([i == lg for i in range(len(counts))])))
 
     @property
     def events_dropped(self) -> int:

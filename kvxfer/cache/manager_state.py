@@ -140,6 +140,11 @@ class ManagerState:
         return list(self._caches.values())
 
     @property
+    def tier_media(self) -> tuple[str, ...]:
+        """Each tier's medium name in events ("GPU", "CPU", "DISK"), primary first."""
+        return tuple(self._media)
+
+    @property
     def num_tiers(self) -> int:
         """Tiers of this manager, primary first (1 without host or disk tiers)."""
         return len(self._tiers)

@@ -11,7 +11,7 @@ import torch
 
 from kvxfer.cache.allocator import SlotAllocator
 from kvxfer.cache.copy_engine import CopyHandle
-from kvxfer.cache.events import Updated
+from kvxfer.cache.events import Updated, layer_group_subset
 from kvxfer.cache.radix_tree import BlockNode
 from kvxfer.cache.stream_ordering import StreamOrdering
 from kvxfer.errors import KvxferError
@@ -63,7 +63,7 @@ class PageMovement(StreamOrdering):
         if extra.size:
             dst_alloc.incref(extra)
         src_owner = self._tree_owner[src_tier][pool_group]
-        moved: list[bytes] = []
+        moved: dict[int, list[bytes]] = {}
         owner_lgs = np.full(src.size, self._pg_layer_groups[pool_group][0], dtype=np.int64)
         for i, (s, d) in enumerate(zip(src.tolist(), dst.tolist(), strict=True)):
             owner = src_owner.pop(s, None)
@@ -73,7 +73,7 @@ class PageMovement(StreamOrdering):
                 node.pages[lg] = d
                 node.tiers[lg] = dst_tier
                 dst_owner[d] = owner
-                moved.append(node.key)
+                moved.setdefault(lg, []).append(node.key)
         src_in_tree = self._in_tree_t[src_tier][pool_group]
         dst_in_tree[dst] = src_in_tree[src]
         src_in_tree[src] = False
@@ -96,7 +96,19 @@ class PageMovement(StreamOrdering):
             self._count_copies(pool_group, "onboard" if dst_tier < src_tier else "offload", int(src.size),
                                owner_lgs)
         if moved and src_tier != dst_tier:
-            self._events.put(Updated(tuple(dict.fromkeys(moved)), self._media[dst_tier]))
+            self._put_moves(moved, self._media[src_tier], self._media[dst_tier])
+
+    def _put_moves(self, moved: dict[int, list[bytes]], old: str, new: str) -> None:
+        """Updated events for blocks whose pages of the listed layer groups moved ``old`` -> ``new``
+        (one event when every layer group moved the same blocks)."""
+        n_lg = len(self._layout.layer_groups)
+        keys = [tuple(dict.fromkeys(v)) for v in moved.values()]
+        if len(moved) == n_lg and all(k == keys[0] for k in keys):
+            self._events.put(Updated(keys[0], new, old_medium=old))
+            return
+        for lg, k in zip(moved, keys, strict=True):
+            self._events.put(Updated(k, new, old_medium=old, layer_groups=layer_group_subset(
+                [i == lg for i in range(n_lg)])))
 
     def _count_copies(self, pool_group: int, kind: str, pages: int, layer_groups: npt.NDArray[np.int64] | None) -> None:
         """Count ``pages`` copied pages of a pool group in the iteration stats of the layer groups

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvxfer.cache.events import AllCleared, Stored, Updated
+from kvxfer.cache.events import AllCleared, Removed, Stored, Updated, layer_group_subset, stored_extra_keys
 from kvxfer.cache.hashing import DEFAULT_SCOPE, ExtraKeys, ReuseScope, block_keys, check_extra_keys
 from kvxfer.cache.kv_cache import KVCache, _as_tokens
 from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode
@@ -257,11 +257,14 @@ class PrefixReuse(TierQuotas):
                 self._mark_tree_pages(node, range(len(cache._blocks)))
                 self._events.put(Stored(None if parent is None else parent.key, (key,),
                                         tuple(toks[b * tpb:(b + 1) * tpb].tolist()), tpb,
-                                        cache.reuse_scope.lora_id, self._medium))
+                                        cache.reuse_scope.lora_id, self._medium,
+                                        stored_extra_keys(b, 1, cache.reuse_scope.salt, cache._extra_keys),
+                                        layer_group_subset((pages[i] >= 0).tolist())))
             else:
                 self._adopt(cache, b, node)
+                old = node.priority
                 if priority is not None and self._tree.set_priority(node, priority):
-                    self._events.put(Updated((node.key,), self._node_medium(node), priority))
+                    self._events.put(Updated((node.key,), self._node_medium(node), priority, old_priority=old))
                 self._tree.touch(node)
             cache._tree_nodes.append(node)
 
@@ -294,6 +297,12 @@ class PrefixReuse(TierQuotas):
                 node.pages[lg] = mine
                 node.tiers[lg] = cache._tiers[lg][block]
                 self._mark_tree_pages(node, [lg])
+                parent = node.parent
+                self._events.put(Stored(None if parent is None or parent.is_root else parent.key, (node.key,),
+                                        tuple(node.tokens.tolist()), self._layout.tokens_per_block,
+                                        cache.reuse_scope.lora_id, self._media[int(node.tiers[lg])],
+                                        stored_extra_keys(block, 1, cache.reuse_scope.salt, cache._extra_keys),
+                                        layer_group_subset([i == lg for i in range(len(cache._blocks))])))
 
     def _drop_window_pages(self, cache: KVCache, layer_group: int, start: int, released: IntArray,
                            tiers: TierArray) -> None:
@@ -311,13 +320,16 @@ class PrefixReuse(TierQuotas):
                 alloc.decref(np.array([page], dtype=np.int32))
                 self._unmark_tree_page(tier, pg, page)
                 node.pages[layer_group] = -1
+                self._events.put(Removed((node.key,), self._media[tier], layer_group_subset(
+                    [i == layer_group for i in range(len(node.pages))])))
             self._tree.touch(node)
 
     def _set_priority(self, cache: KVCache, priority: int) -> None:
         with self._lock:
             for node in cache._tree_nodes:
+                old = None if node is None else node.priority
                 if node is not None and self._tree.set_priority(node, priority):
-                    self._events.put(Updated((node.key,), self._node_medium(node), priority))
+                    self._events.put(Updated((node.key,), self._node_medium(node), priority, old_priority=old))
 
     def _touch_blocks(self, cache: KVCache, start: int, stop: int) -> None:
         """Requeue the tree blocks tied to the cache's blocks [start, stop) for eviction."""

@@ -9,7 +9,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvxfer import __version__
 from kvxfer.errors import KvxferError
+from kvxfer.ops.logs import LEVELS, configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvxfer.cli import inspect as inspect_layout
 
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
+    parser.add_argument("--log-level", choices=LEVELS, default="warning", help="kvxfer's log level on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="show the cache layout a model shape produces")
     inspect_layout.add_arguments(p_inspect)
@@ -30,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen = sub.add_parser("generate", help="ask a decode worker for one completion")
     worker_cli.add_generate_arguments(p_gen)
     p_gen.set_defaults(func=worker_cli.generate)
-    p_status = sub.add_parser("status", help="a running worker's slot accounting and counters (JSON)")
+    p_status = sub.add_parser("status", help="a running worker's slot accounting and counters")
     worker_cli.add_status_arguments(p_status)
     p_status.set_defaults(func=worker_cli.status)
     p_demo = sub.add_parser("demo", help="prefill + decode processes on 127.0.0.1, tokens checked end to end")
@@ -52,11 +56,21 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_e2e(list(args.args))
 
 
+def wants_json(args: argparse.Namespace) -> bool:
+    """Whether the command was asked for JSON output (``--json``, also among a benchmark's options)."""
+    return bool(getattr(args, "json", False)) or "--json" in getattr(args, "args", ())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvxfer` console script."""
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
+    configure_logging(args.log_level)
+    from kvxfer.cli.output import stdout_for_json_only
     try:
+        if wants_json(args):
+            with stdout_for_json_only():
+                return int(args.func(args))
         return int(args.func(args))
     except KvxferError as exc:
         print(f"kvxfer {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -31,14 +31,17 @@ import torch
 
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli.demo import WorkerProcess
-from kvxfer.cli.serve import best_backend, parse_checksum
+from kvxfer.cli.output import print_json
+from kvxfer.cli.serve import parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV
 from kvxfer.disagg.oracle import DEFAULT_POSITIONS, TOLERANCE, PromptKV, compare_kv, read_prompt_kv
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import ConfigError
 from kvxfer.model import ReferenceModel, greedy, preset
+from kvxfer.transport import best_backend
 from kvxfer.transport.integrity import ChecksumPolicy
+from kvxfer.transport.registry import AUTO_PREFERENCE
 
 TOKENS_PER_BLOCK = 16
 
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvxfer bench e2e``."""
     ap = argparse.ArgumentParser(prog="kvxfer bench e2e", description=__doc__)
     ap.add_argument("--lengths", default="1024,4096", help="comma-separated prompt lengths (e.g. 1024,...,32768)")
-    ap.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx"))
+    ap.add_argument("--backend", default="auto", choices=("auto", *AUTO_PREFERENCE))
     ap.add_argument("--mode", choices=("push", "pull"), default="push")
     ap.add_argument("--layerwise", action="store_true")
     ap.add_argument("--iters", type=int, default=2)
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2))
     if a.json:
-        print(json.dumps(result))
+        rows = [{("transfer_gb_per_s" if k == "transfer_gbps" else k): v for k, v in r.items()} for r in result["rows"]]
+        print_json("bench.e2e", result | {"rows": rows})
     else:
         print_table(result)
     return 0 if result["verified"] else 1

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import multiprocessing as mp
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -29,11 +29,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
+from kvxfer.cli.output import ms, print_json
 from kvxfer.errors import BackendUnavailable
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
 from kvxfer.transport.copy import merge_adjacent
+from kvxfer.transport.registry import host_backends
 from kvxfer.transport.ucp_iov import iov_array, ucp_iov
 from kvxfer.transport.ucx_env import apply_ucx_defaults
 
@@ -413,10 +415,18 @@ def _ask(conn: Connection | None, cmd: str, table: PageTable, *extra: int) -> An
     return conn.recv()
 
 
+def json_view(res: dict[str, Any]) -> dict[str, Any]:
+    """``run_bench``'s figures with explicit units: ``..._gb_per_s`` (GB/s, 1e9 bytes) and ``median_ms``."""
+    out = {k: v for k, v in res.items() if k not in ("gbps", "memcpy_gbps", "raw_gbps", "raw_ways_gbps", "seconds")}
+    return out | {"median_ms": ms(res["seconds"]), "gb_per_s": res["gbps"], "memcpy_gb_per_s": res["memcpy_gbps"],
+                  "raw_gb_per_s": res["raw_gbps"], "raw_ways_gb_per_s": res["raw_ways_gbps"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvxfer bench transport``; returns the process exit status."""
     ap = argparse.ArgumentParser(prog="kvxfer bench transport", description=__doc__)
-    ap.add_argument("--backend", choices=("loopback", "nixl", "ucx"), default="loopback")
+    ap.add_argument("--backend", choices=host_backends(), default="loopback",
+                    help="host-memory transports (GPU pools: benchmarks/bench_gpu.py)")
     ap.add_argument("--pages", type=int, default=4096)
     ap.add_argument("--page-bytes", type=int, default=16384)
     ap.add_argument("--mode", choices=("read", "write"), default="write")
@@ -450,10 +460,10 @@ def main(argv: list[str] | None = None) -> int:
             options["progress_thread"] = True
         res = run_bench(args.backend, args.pages, args.page_bytes, args.mode, args.layout, args.iters, options)
     except BackendUnavailable as exc:
-        print(f"error: {exc}")
+        print(f"kvxfer bench transport: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(res))
+        print_json("bench.transport", json_view(res))
     else:
         raw = "-" if res["raw_gbps"] is None else f"{res['raw_gbps']:.2f}"
         print(f"median of {res['iters']} iterations each; every timed iteration verified "

@@ -10,7 +10,6 @@ which hit the prefix trees on both sides, so only the tokens decode lacks travel
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import secrets
@@ -28,12 +27,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvxfer.cli.serve import best_backend, checked_model_name, parse_checksum
+from kvxfer.cli.output import ms, print_json
+from kvxfer.cli.serve import check_device, checked_model_name, parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV, AuthKey
 from kvxfer.disagg.oracle import DEFAULT_POSITIONS, KVOracle
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient
-from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
+from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.model import model_source
+from kvxfer.transport import backend_names, best_backend, check_backend
 
 MODEL = "tiny"
 TOKENS_PER_BLOCK = 16
@@ -42,8 +43,8 @@ TOKENS_PER_BLOCK = 16
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """``demo`` options."""
     p.add_argument("--device", default="cpu", help="cpu, or cuda:N (both worker processes share that GPU)")
-    p.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx", "cuda_ipc", "loopback"),
-                   help="transport between the two processes (auto: nixl, else ucx)")
+    p.add_argument("--backend", default="auto", choices=("auto", *backend_names(cross_process=True)),
+                   help="transport between the two processes (auto: nixl, else ucx; cuda_ipc needs --device cuda:N)")
     p.add_argument("--mode", choices=("push", "pull"), default="push")
     p.add_argument("--model", default=MODEL, type=checked_model_name, metavar="NAME|hf:PRESET|hf:DIR",
                    help="the model both workers serve (see kvxfer serve --help), e.g. hf:tiny")
@@ -108,8 +109,10 @@ class WorkerProcess:
         threading.Thread(target=watch, args=(self.proc.stdout,), daemon=True).start()
         ready.wait(timeout)
         if not found:
+            code = self.proc.poll()
             self.stop()
-            raise KvxferError(f"worker {' '.join(args[:1])} did not start within {timeout:.0f} s: "
+            what = f"exited with status {code}" if code is not None else f"did not start within {timeout:.0f} s"
+            raise KvxferError(f"worker {' '.join(args[:1])} {what}: "
                               f"{''.join(self.stderr[-20:]).strip() or 'no output'}")
         line = found
         self.address = line[0].split("listening on ", 1)[1].split()[0]
@@ -139,10 +142,9 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
              checksum: str = "off", decode_tp: int = 1, model: str = MODEL) -> dict[str, Any]:
     """Run the demo and return its figures (``rows`` holds one dict per request)."""
     torch.set_num_threads(1)
-    if backend == "loopback":
-        raise BackendUnavailable("loopback moves bytes only between transports of one process; the demo runs "
-                                 "two processes, so it needs nixl or ucx")
+    check_device(device)
     backend = best_backend() if backend == "auto" else backend
+    check_backend(backend, device=device, cross_process=True)
     secret = secrets.token_hex(32)
     env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     common = ["--backend", backend, "--model", model, "--tokens-per-block", str(TOKENS_PER_BLOCK),
@@ -195,11 +197,11 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
                      "kv_detail": check.kv.describe() if check is not None else "",
                      "reused_blocks_decode": int(s.get("reused_tokens_decode", 0)) // TOKENS_PER_BLOCK,
                      "reused_blocks_prefill": int(s.get("reused_tokens_prefill", 0)) // TOKENS_PER_BLOCK,
-                     "bytes_moved": int(s.get("bytes_moved", 0)), "transfer_s": float(s.get("transfer_s", 0.0)),
-                     "ttft_ms": float(s.get("ttft_s", 0.0)) * 1e3, "verify_ms": float(s.get("verify_s", 0.0)) * 1e3})
+                     "bytes_moved": int(s.get("bytes_moved", 0)), "transfer_ms": ms(float(s.get("transfer_s", 0.0))),
+                     "ttft_ms": ms(float(s.get("ttft_s", 0.0))), "verify_ms": ms(float(s.get("verify_s", 0.0)))})
     ok = [row for row in rows if row["ok"]]
     moved = sum(row["bytes_moved"] for row in ok)
-    xfer_s = sum(row["transfer_s"] for row in ok)
+    xfer_s = sum(row["transfer_ms"] for row in ok) / 1e3
     ttfts = sorted(row["ttft_ms"] for row in ok)
     return {
         "requests": len(rows), "device": device, "model": model, "mismatches": sum(1 for row in rows if not row["match"]),
@@ -210,9 +212,9 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
         "layerwise": layerwise, "checksum": checksum, "decode_tp": decode_tp, "bytes_moved": moved,
         "reused_blocks_decode": sum(row["reused_blocks_decode"] for row in ok),
         "reused_blocks_prefill": sum(row["reused_blocks_prefill"] for row in ok),
-        "transfer_gbps": moved / xfer_s / 1e9 if xfer_s > 0 else 0.0,
+        "transfer_gb_per_s": moved / xfer_s / 1e9 if xfer_s > 0 else 0.0,
         "ttft_ms_p50": ttfts[len(ttfts) // 2] if ttfts else 0.0,
-        "generated_tokens": max_new_tokens * len(ok), "elapsed_s": elapsed, "rows": rows,
+        "generated_tokens": max_new_tokens * len(ok), "elapsed_ms": ms(elapsed), "rows": rows,
     }
 
 
@@ -228,7 +230,7 @@ def print_table(summary: dict[str, Any], console: Console) -> None:
     for col in ("req", "fam", "prompt", "new", "reused D", "reused P", "bytes", "GB/s", "TTFT ms", "tokens", "KV"):
         t.add_column(col, justify="right")
     for row in summary["rows"]:
-        gbps = row["bytes_moved"] / row["transfer_s"] / 1e9 if row["transfer_s"] > 0 else 0.0
+        gbps = row["bytes_moved"] / row["transfer_ms"] / 1e6 if row["transfer_ms"] > 0 else 0.0
         if not row["ok"]:
             tokens_cell, kv_cell = f"[red]{row['error'][:40]}[/]", "[red]-[/]"
         else:
@@ -244,9 +246,9 @@ def print_table(summary: dict[str, Any], console: Console) -> None:
     console.print(f"{summary['requests']} requests, {summary['mismatches']} mismatches ({summary['token_mismatches']} "
                   f"tokens, {summary['kv_mismatches']} KV; max KV error {summary['kv_max_error']:.1e}), "
                   f"{summary['failed']} failed; "
-                  f"{summary['bytes_moved']:,} bytes moved at {summary['transfer_gbps']:.3f} GB/s; blocks reused: "
+                  f"{summary['bytes_moved']:,} bytes moved at {summary['transfer_gb_per_s']:.3f} GB/s; blocks reused: "
                   f"decode {summary['reused_blocks_decode']}, prefill {summary['reused_blocks_prefill']}; "
-                  f"TTFT p50 {summary['ttft_ms_p50']:.1f} ms; {summary['elapsed_s']:.1f} s in all")
+                  f"TTFT p50 {summary['ttft_ms_p50']:.1f} ms; {summary['elapsed_ms'] / 1e3:.1f} s in all")
 
 
 def demo(a: argparse.Namespace) -> int:
@@ -260,7 +262,7 @@ def demo(a: argparse.Namespace) -> int:
         summary = run_demo(a.backend, a.mode, a.layerwise, a.families, a.per_family, a.max_new_tokens, a.seed,
                            a.timeout, progress, a.device, a.checksum, a.decode_tp, a.model)
     if a.json:
-        print(json.dumps({k: v for k, v in summary.items() if k != "rows"} | {"rows": summary["rows"]}))
+        print_json("demo", summary)
     else:
         print_table(summary, console)
     return 0 if summary["mismatches"] == 0 and summary["failed"] == 0 else 1

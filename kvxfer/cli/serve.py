@@ -1,45 +1,66 @@
-"""``kvxfer serve prefill|decode`` and ``kvxfer generate``: run a worker until stopped, or ask a decode
-worker for one completion. The shared secret comes from ``--secret-file``, ``$KVXFER_SECRET`` or
-``$KVXFER_SECRET_FILE``."""
+"""``kvxfer serve prefill|decode``, ``kvxfer generate`` and ``kvxfer status``: run a worker until stopped
+(optionally with Prometheus metrics, ``/health`` and KV events: docs/operations.md, docs/events.md), ask a
+decode worker for one completion, or read a worker's status. The shared secret comes from
+``--secret-file``, ``$KVXFER_SECRET`` or ``$KVXFER_SECRET_FILE``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
+import time
+import urllib.request
 from typing import Any
 
 import torch
 
-from kvxfer.disagg.auth import AuthKey
+from kvxfer.cache.event_publisher import KVEventPublisher
+from kvxfer.cache.event_wire import EVENT_HASH_ALGOS, WIRE_FORMATS, WireContext
+from kvxfer.cli.output import ms, print_json
+from kvxfer.disagg.auth import SECRET_ENV, SECRET_FILE_ENV, AuthKey
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import GenerateClient, query_status
-from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError
+from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError, PeerUnreachable
 from kvxfer.model import model_source
-from kvxfer.transport import available_backends
+from kvxfer.ops.events import EventPump
+from kvxfer.ops.http import OpsServer
+from kvxfer.ops.metrics import WorkerMetrics
+from kvxfer.transport import BACKENDS, check_backend
+from kvxfer.transport import best_backend as best_backend  # re-exported: benchmarks and tests use it
 from kvxfer.transport.integrity import ChecksumPolicy
 
-UCX_BACKENDS = ("nixl", "ucx")
+
+def load_key(secret_file: str | None) -> AuthKey:
+    """The shared secret of ``--secret-file`` or the environment; a ConfigError naming every way to give
+    one when there is none."""
+    if secret_file is None and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
+        raise ConfigError(f"no shared secret: pass --secret-file FILE, or set ${SECRET_ENV} (the secret itself) "
+                          f"or ${SECRET_FILE_ENV} (a file holding it)")
+    return AuthKey.load(None, secret_file)
 
 
-def best_backend() -> str:
-    """The best installed transport that crosses processes: nixl, then ucx (BackendUnavailable otherwise:
-    loopback only works between workers of one process)."""
-    reasons = available_backends()
-    for name in UCX_BACKENDS:
-        if reasons.get(name) is None:
-            return name
-    raise BackendUnavailable("no UCX transport is installed (" + "; ".join(f"{n}: {reasons.get(n)}" for n in UCX_BACKENDS)
-                             + "); loopback cannot cross processes, so two worker processes cannot talk")
+def check_device(device: str) -> None:
+    """Refuse at once a device this machine cannot use (rather than a worker failing to start later)."""
+    if device == "cpu":
+        return
+    if not device.startswith("cuda"):
+        raise ConfigError(f"--device {device!r}: expected cpu or cuda:N")
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(f"--device {device!r}: CUDA is not available here (torch.cuda.is_available() is "
+                                 f"False: no GPU, or a CPU-only torch build)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     """Options of a worker's model, cache and transport."""
     p.add_argument("--listen", default="tcp://127.0.0.1:0", help="control address to bind (port 0: pick one)")
     p.add_argument("--name", default=None, help="worker name (its transport name; default: role-pid)")
-    p.add_argument("--backend", default="auto", choices=("auto", "nixl", "ucx", "loopback", "cuda_ipc"),
+    p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
                    help="transport (auto: nixl, else ucx)")
     p.add_argument("--model", default="tiny", type=checked_model_name, metavar="NAME|hf:PRESET|hf:DIR",
                    help="reference preset (tiny, tiny-swa, small, medium), or a transformers model: hf:tiny, "
@@ -54,12 +75,29 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline", type=float, default=30.0, help="per-request KV deadline in seconds (decode)")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size in tokens")
     p.add_argument("--secret-file", default=None, help="file holding the shared secret")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus /metrics, /health and a read-only /status over HTTP on port N (0: any)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics server binds")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish KV events on this ZeroMQ PUB endpoint (e.g. tcp://*:5557), vLLM's wire format")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="also answer replay requests on this ZeroMQ ROUTER endpoint (e.g. tcp://*:5558)")
+    p.add_argument("--kv-events-topic", default="kv-events")
+    p.add_argument("--kv-events-wire", choices=WIRE_FORMATS, default=WIRE_FORMATS[0],
+                   help="vllm: tagged maps (vLLM since mid-2026); vllm-array: the positional form of vLLM 0.9-0.13; "
+                        "reference: every event (Created, Updated diffs too) as the reference design's records")
+    p.add_argument("--kv-events-hash", choices=EVENT_HASH_ALGOS, default=None,
+                   help="hash option of the published block hashes (default: the cache's; an override may "
+                        "only change the width: the *_64 and v1 options publish 64-bit ints, v2_blake3 / "
+                        "v2_sha256 the full digest)")
+    p.add_argument("--data-parallel-rank", type=int, default=0, help="the rank stamped on every event batch")
 
 
 def worker_config(a: argparse.Namespace, role: str) -> WorkerConfig:
-    """The WorkerConfig the options describe."""
-    import os
+    """The WorkerConfig the options describe (refused at once when the device or transport cannot run)."""
+    check_device(a.device)
     backend = best_backend() if a.backend == "auto" else a.backend
+    check_backend(backend, device=a.device)
     return WorkerConfig(a.name or f"{role}-{os.getpid()}", model_source(a.model), a.tokens_per_block, a.blocks,
                         a.head_order, a.tp_size, a.device, backend, a.lease, a.deadline, chunk_size=a.chunk_size,
                         checksum=getattr(a, "checksum", None))
@@ -123,11 +161,11 @@ def _wait_for_signal(worker: Any) -> str | None:
 
 def serve(a: argparse.Namespace) -> int:
     """Run one worker until SIGTERM/SIGINT (exit 0) or until it turns unhealthy (exit ``EXIT_UNHEALTHY``);
-    prints ``listening on ADDRESS`` once ready."""
+    prints ``listening on ADDRESS`` once ready, then where its metrics and KV events are served."""
     torch.set_num_threads(1)
     from kvxfer.disagg.worker_decode import DecodeWorker
     from kvxfer.disagg.worker_prefill import PrefillWorker
-    key = AuthKey.load(None, a.secret_file)
+    key = load_key(a.secret_file)
     cfg = worker_config(a, a.role)
     worker: Any
     if a.role == "prefill":
@@ -135,10 +173,34 @@ def serve(a: argparse.Namespace) -> int:
     else:
         worker = DecodeWorker(cfg, key, prefill=a.prefill, bind=a.listen, mode=a.mode, layerwise=a.layerwise,
                               layers_per_send=a.layers_per_send)
+    ops: OpsServer | None = None
+    pump: EventPump | None = None
     try:
+        if a.metrics_port is not None:
+            metrics = WorkerMetrics(worker, worker.engine)
+            if a.role == "decode":
+                worker.result_observers.append(metrics.observer())
+            ops = OpsServer(worker, metrics, worker.engine, a.metrics_port, a.metrics_host)
+        if a.kv_events is not None:
+            manager = worker.managers[0]      # every rank's prefix tree sees the same requests: rank 0 speaks
+            ctx = WireContext.for_manager(manager, hash_name=a.kv_events_hash, wire=a.kv_events_wire,
+                                          data_parallel_rank=a.data_parallel_rank)
+            publisher = KVEventPublisher(a.kv_events, context=ctx, topic=a.kv_events_topic,
+                                         replay_endpoint=a.kv_events_replay)
+            pump = EventPump(publisher, manager, worker.engine)
         print(f"kvxfer {a.role} {cfg.name}: listening on {worker.address} (transport {cfg.backend})", flush=True)
+        if ops is not None:
+            print(f"kvxfer {a.role} {cfg.name}: metrics on http://{ops.host}:{ops.port}/metrics", flush=True)
+        if pump is not None:
+            replay = pump.publisher.replay_endpoint
+            print(f"kvxfer {a.role} {cfg.name}: KV events on {pump.publisher.endpoint}"
+                  + (f", replay on {replay}" if replay else ""), flush=True)
         unhealthy = _wait_for_signal(worker)
     finally:
+        if pump is not None:
+            pump.close()
+        if ops is not None:
+            ops.close()
         worker.close()
     if unhealthy is not None:   # its requests already failed with the cause; a restart gives a sound worker
         print(f"kvxfer {a.role} {cfg.name}: unhealthy, exiting for a restart: {unhealthy}", file=sys.stderr, flush=True)
@@ -159,34 +221,69 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def stats_with_units(stats: dict[str, Any]) -> dict[str, Any]:
+    """A request's figures for JSON: every ``..._s`` duration as ``..._ms``."""
+    return {(k[:-2] + "_ms" if k.endswith("_s") else k): (ms(v) if k.endswith("_s") else v) for k, v in stats.items()}
+
+
 def generate(a: argparse.Namespace) -> int:
-    """Send one prompt to a decode worker and print the completion."""
+    """Send one prompt to a decode worker and print the completion (``--timeout`` bounds everything:
+    connecting, waiting, receiving)."""
+    if not a.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 s, got {a.timeout}")
+    deadline = time.monotonic() + a.timeout
     tok = model_source(a.model).tokenizer()
-    client = GenerateClient(a.decode, AuthKey.load(None, a.secret_file))
+    client = GenerateClient(a.decode, load_key(a.secret_file), timeout=a.timeout)
     try:
-        res = client.generate(tok.encode(a.prompt), a.max_new_tokens, a.timeout, mode=a.mode)
+        res = client.generate(tok.encode(a.prompt), a.max_new_tokens, max(0.001, deadline - time.monotonic()),
+                              mode=a.mode)
     finally:
         client.close()
     if a.json:
-        print(json.dumps({"tokens": res.tokens, "text": tok.decode(res.tokens), **res.stats}))
+        print_json("generate", {"tokens": res.tokens, "text": tok.decode(res.tokens), **stats_with_units(res.stats)})
     else:
         print(f"tokens: {res.tokens}")
         print(f"text:   {tok.decode(res.tokens)!r}")
-        print(f"ttft {float(res.stats['ttft_s']) * 1e3:.1f} ms, {res.stats['bytes_moved']} bytes moved, "
+        print(f"ttft {ms(float(res.stats['ttft_s'])):.1f} ms, {res.stats['bytes_moved']} bytes moved, "
               f"{res.stats['reused_tokens_decode']} prompt tokens reused on decode")
     return 0
 
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
     """``status`` options."""
-    p.add_argument("address", help="control address of a prefill or decode worker")
+    p.add_argument("address", help="control address of a worker (tcp://..., needs the shared secret), or its "
+                                   "metrics server (http://HOST:PORT, read-only, no secret)")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--secret-file", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def read_public_status(url: str, timeout: float) -> dict[str, Any]:
+    """``GET {url}/status`` of a worker's metrics server (no secret needed: counters only)."""
+    target = url.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as resp:
+            body: dict[str, Any] = json.loads(resp.read())
+            return body
+    except (OSError, ValueError) as exc:
+        raise PeerUnreachable(f"cannot read {target}: {exc}") from exc
 
 
 def status(a: argparse.Namespace) -> int:
-    """Print a worker's slot accounting and counters as one JSON object."""
-    print(json.dumps(query_status(a.address, AuthKey.load(None, a.secret_file), a.timeout), sort_keys=True))
+    """Print a worker's status: slot accounting and counters over the authenticated control plane, or the
+    read-only subset its metrics server shows to anyone (docs/operations.md)."""
+    if a.address.startswith(("http://", "https://")):
+        result = read_public_status(a.address, a.timeout)
+        source = "metrics server (read-only)"
+    else:
+        result = dict(query_status(a.address, load_key(a.secret_file), a.timeout))
+        source = "control plane"
+    if a.json:
+        print_json("status", {"address": a.address, "source": source, "status": result})
+    else:
+        print(f"{a.address} ({source})")
+        for k in sorted(result):
+            print(f"  {k:20} {result[k]}")
     return 0
 
 

@@ -247,7 +247,7 @@ class _Endpoint:
             with contextlib.suppress(PeerUnreachable):
                 self.enqueue(route, encode(Message("bye", {"reason": reason[:1024]}, conn.peer.version)))
             self._call_soon(lambda: self._fail(conn, PeerUnreachable(f"connection to {conn.peer.name!r} closed "
-                                                                     f"locally: {reason}"), notify=False))
+                                                                     f"locally: {reason}"), notify=False, clean=True))
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -307,7 +307,8 @@ class _Endpoint:
             with self._lock:
                 self._closed = True
             for conn in list(self._peers.values()):
-                self._fail(conn, PeerUnreachable(f"control endpoint {self.local.name} closed"), notify=False)
+                self._fail(conn, PeerUnreachable(f"control endpoint {self.local.name} closed"), notify=False,
+                           clean=True)
             self._sock.close(linger=200)
 
     def _poll_ms(self) -> int:
@@ -390,7 +391,7 @@ class _Endpoint:
             return
         if msg.type == "bye":
             self._fail(conn, PeerUnreachable(f"{conn.peer.role} {conn.peer.name!r} closed the connection: "
-                                             f"{msg['reason']}"))
+                                             f"{msg['reason']}"), clean=True)
         elif msg.type == "refuse":
             self._fail(conn, PeerUnreachable(f"{conn.peer.role} {conn.peer.name!r} refused us ({msg['code']}): "
                                              f"{msg['reason']}"))
@@ -431,8 +432,10 @@ class _Endpoint:
                 if err is not None:
                     self._fail(conn, PeerUnreachable(f"cannot send to {conn.peer.name!r}: {err}"))
 
-    def _fail(self, conn: PeerConnection, error: KvxferError, bye: str | None = None, notify: bool = True) -> None:
-        """End ``conn`` with ``error`` (I/O thread only): wake its readers and tell the callback."""
+    def _fail(self, conn: PeerConnection, error: KvxferError, bye: str | None = None, notify: bool = True,
+              clean: bool = False) -> None:
+        """End ``conn`` with ``error`` (I/O thread only): wake its readers and tell the callback. A clean
+        end (the peer said goodbye, or we closed it) is logged at DEBUG, any other at WARNING."""
         if conn._error is not None:
             return
         conn._error = error
@@ -442,7 +445,8 @@ class _Endpoint:
                                                                           conn.peer.version))))
         conn._inbox.put(_Lost(error))
         conn._notify()
-        log.warning("%s: connection to %s ended: %s", self.local.name, conn.peer.name, error)
+        log.log(logging.DEBUG if clean else logging.WARNING, "%s: connection to %s ended: %s", self.local.name,
+                conn.peer.name, error)
         if notify and self.on_peer_lost is not None:
             try:
                 self.on_peer_lost(conn, str(error))

@@ -23,6 +23,7 @@ import torch
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.control import ControlServer, PeerConnection
+from kvxfer.disagg.health import HealthState
 from kvxfer.disagg.messages import Message
 from kvxfer.disagg.mutation import mutated_plan, mutation_for, mutation_setting
 from kvxfer.errors import CapacityError, ConfigError, ControlTimeout, KvxferError, WorkerUnhealthy
@@ -248,6 +249,15 @@ class Engine:
     def health(self) -> Health:
         """Healthy until an unexpected error (see ``Health``)."""
         return self._health
+
+    def state(self) -> HealthState:
+        """The health reading of ``kvxfer.disagg.health.HealthSource`` (what ``/health`` serves)."""
+        h = self._health
+        return HealthState(h.ok, h.reason)
+
+    def set_unhealthy(self, reason: str) -> None:
+        """``HealthSource``'s report of a failure outside the engine (e.g. KV event publishing stopped)."""
+        self.mark_unhealthy(reason)
 
     def mark_unhealthy(self, reason: str) -> None:
         """Record that the worker cannot be trusted any more (the first reason is kept)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -36,10 +37,12 @@ class ClientResult:
 
 
 class GenerateClient:
-    """An authenticated ``client`` connection to a decode worker."""
+    """An authenticated ``client`` connection to a decode worker, named ``name`` (default: unique in and
+    across processes; decode keys a client's requests by it)."""
 
     def __init__(self, address: str, secret: Secret = None, *, name: str | None = None, timeout: float = 10.0) -> None:
-        ident = LocalIdentity("client", name or f"client-{os.getpid()}")
+        self.name = name or f"client-{os.getpid()}-{next(_client_ids)}-{secrets.token_hex(4)}"
+        ident = LocalIdentity("client", self.name)
         self.conn: PeerConnection = connect(address, ident, secret, timeout=timeout, expect_role="decode")
         self._ids = itertools.count(1)
 
@@ -114,3 +117,5 @@ def query_status(address: str, secret: Secret = None, timeout: float = 10.0) -> 
 
 
 _status_ids = itertools.count(1)
+#: Default client names: pid, a per-process counter and random bits, so two clients never share a name.
+_client_ids = itertools.count(1)

@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -195,7 +196,10 @@ class DecodeWorker(WorkerCounts):
         self._zombies: dict[str, _Job] = {}
         self._generating: dict[str, _Job] = {}   # KV in place, tokens being generated on the compute thread
         self.compute: ComputeThread | None = None
-        self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0}
+        self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0,
+                       "peer_losses": 0}
+        #: Called on the engine thread with each completed request's result (metrics); must not raise.
+        self.result_observers: list[Callable[[GenerationResult], None]] = []
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
         try:
@@ -381,7 +385,10 @@ class DecodeWorker(WorkerCounts):
                 conn.send("worker_status_reply", stats=encode_stats(self._status()))
             return
         if msg.type == "generate_cancel":
-            self._cancel(f"{conn.peer.name}/{msg['request_id']}", msg["reason"] or "cancelled by the client")
+            rid = f"{conn.peer.name}/{msg['request_id']}"
+            owner = self._jobs.get(rid) or next((w for w in self._waiting if w.request_id == rid), None)
+            if owner is not None and owner.reply is conn:   # a client cancels only what it submitted itself
+                self._cancel(rid, msg["reason"] or "cancelled by the client")
             return
         if msg.type != "generate":
             raise ProtocolError(f"unexpected message {msg.type!r} from a client")
@@ -685,6 +692,11 @@ class DecodeWorker(WorkerCounts):
         result = replace(job.result, tokens=tokens)
         if not job.future.done():
             job.future.set_result(result)
+        for observe in self.result_observers:
+            try:
+                observe(result)
+            except Exception:
+                log.exception("%s: a result observer failed", self.config.name)
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
                 job.reply.send("generated", request_id=job.client_request_id, tokens=tokens,
@@ -754,6 +766,7 @@ class DecodeWorker(WorkerCounts):
         if conn is not self._prefill:
             return
         self._prefill = None
+        self.counts["peer_losses"] += 1
         conn.close(f"prefill lost: {reason}"[:1000])   # ends the client endpoint and its I/O thread
         if reconnect and self.prefill_address is not None and self._reconnecting is None \
                 and not self._reconnect_stop.is_set():

@@ -119,6 +119,7 @@ class PrefillStats:
     failed: int = 0
     bytes_sent: int = 0
     reused_tokens: int = 0
+    peer_losses: int = 0
     reasons: deque[str] = field(default_factory=lambda: deque(maxlen=256))
     """The latest failure reasons (bounded: a long-running worker must not grow without limit)."""
 
@@ -195,7 +196,7 @@ class PrefillWorker(WorkerCounts):
                 "open_caches": sum(len(m.open_caches) for m in self.managers), "jobs": len(self._jobs),
                 "peers": len(self._peers), "requests": self.stats.requests, "completed": self.stats.completed,
                 "failed": self.stats.failed, "bytes_sent": self.stats.bytes_sent,
-                "reused_tokens": self.stats.reused_tokens}
+                "reused_tokens": self.stats.reused_tokens, "peer_losses": self.stats.peer_losses}
 
     def close(self) -> None:
         """Fail every open request, stop the threads, close the server and transport."""
@@ -557,6 +558,7 @@ class PrefillWorker(WorkerCounts):
         peer = conn.peer.name
         if self._peers.get(peer) is not conn:
             return
+        self.stats.peer_losses += 1
         for job in [j for j in self._jobs.values() if j.peer == peer]:
             self._end(job, SessionState.FAILED, f"decode peer lost: {reason}", tell=False)
         self._peers.pop(peer, None)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import math
+import sys
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -50,10 +52,19 @@ def nixl_module() -> str | None:
     return None
 
 
+def nixl_logs_to_stderr() -> None:
+    """Point the ``nixl`` Python logger's console handlers at stderr: NIXL configures them on sys.stdout,
+    which would mix its INFO lines into a command's machine-readable output."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (sys.stdout,
+                                                                                               sys.__stdout__):
+            handler.setStream(sys.stderr)
+
+
 def nixl_unavailable_reason() -> str | None:
     """None when the NIXL binding is installed, else why not (found without importing it)."""
     if nixl_module() is None:
-        return "no NIXL binding is installed (pip install --no-deps nixl-cu12, or nixl-cu13 for CUDA 13)"
+        return "no NIXL binding is installed (pip install nixl-cu12, or nixl-cu13 for CUDA 13)"
     return None
 
 
@@ -102,6 +113,7 @@ class NixlTransport(Transport):
             nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         except Exception as exc:
             raise BackendUnavailable(f"{module} is not importable: {exc}") from exc
+        nixl_logs_to_stderr()
 
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
         params = {"ucx_error_handling_mode": "peer" if error_handling else "none"}
