@@ -171,7 +171,7 @@ class DecodeWorker(WorkerCounts):
         self._reconnect_error = ""   # why the last automatic reconnect attempt failed ("" before any)
         self._reconnecting: threading.Thread | None = None   # the automatic reconnect loop, while it runs
         self._reconnect_stop = threading.Event()
-        self._waiting: list[_Job] = []   # requests waiting for the first attempt (engine thread only)
+        self._waiting: list[_Job] = []   # requests waiting for a reconnect attempt (engine thread only)
         self._secret = secret
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
@@ -365,7 +365,7 @@ class DecodeWorker(WorkerCounts):
         elif kind == "computed":
             self._generated(a, *b)
         elif kind == "reconnected":
-            self._reconnected(a, b)
+            self._reconnected(a[0], a[1], b)
         elif kind == "lost":
             self._on_prefill_lost(a, b)
         elif kind == "message":
@@ -412,9 +412,10 @@ class DecodeWorker(WorkerCounts):
         if not self.connected and self.prefill_address is not None:
             if self._reconnecting is None:
                 self._start_reconnecting(self.prefill_address)
-            if not self._reconnect_error:   # the first attempt since the loss is running: wait for it
-                self._waiting.append(job)
-                return
+            # Wait for the outcome of a whole attempt that started after the request arrived (a prefill
+            # that comes back between two attempts is then found), bounded by the request's deadline.
+            self._waiting.append(job)
+            return
         self._begin(job)
 
     def _start_reconnecting(self, address: str) -> None:
@@ -430,6 +431,7 @@ class DecodeWorker(WorkerCounts):
         def run() -> None:
             while not self._reconnect_stop.is_set() and not self.connected:
                 error: KvxferError | None = None
+                started = now()
                 try:
                     self.connect(address, timeout=min(self.connect_timeout, RECONNECT_ATTEMPT_S))
                 except KvxferError as exc:
@@ -438,25 +440,32 @@ class DecodeWorker(WorkerCounts):
                     error = PeerUnreachable(f"{type(exc).__name__}: {exc}")
                 last = error is None or isinstance(error, HandshakeRefused) or self._reconnect_stop.is_set()
                 with contextlib.suppress(KvxferError):
-                    self.engine._post_internal(("reconnected", error, last))
+                    self.engine._post_internal(("reconnected", (error, started), last))
                 if last:
                     return
                 self._reconnect_stop.wait(RECONNECT_PAUSE_S)
             with contextlib.suppress(KvxferError):
-                self.engine._post_internal(("reconnected", None, True))
+                self.engine._post_internal(("reconnected", (None, now()), True))
 
         self._reconnecting = threading.Thread(target=run, name=f"kvxfer-reconnect-{self.config.name}", daemon=True)
         self._reconnecting.start()
 
-    def _reconnected(self, error: KvxferError | None, last: bool) -> None:
-        """An automatic reconnect attempt ended: start the requests that waited for it (they fail with the
-        reason when it failed)."""
+    def _reconnected(self, error: KvxferError | None, started: float, last: bool) -> None:
+        """An automatic reconnect attempt (begun at ``started``) ended. On success, or when the loop ends,
+        start every waiting request; after a failed attempt, start (and so fail with its reason) only the
+        requests that were already waiting when it began, or whose deadline passed: the others wait for
+        the next attempt."""
         if last:
             self._reconnecting = None
         if error is not None:
             self._reconnect_error = f"; reconnecting failed: {type(error).__name__}: {error}"
-        waiting, self._waiting = self._waiting, []
-        for job in waiting:
+        if error is None or last:
+            ready, self._waiting = self._waiting, []
+        else:
+            t = now()
+            ready = [j for j in self._waiting if j.submitted <= started or t >= j.deadline]
+            self._waiting = [j for j in self._waiting if j not in ready]
+        for job in ready:
             self._begin(job)
 
     def _begin(self, job: _Job) -> None:
