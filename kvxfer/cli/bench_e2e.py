@@ -34,8 +34,7 @@ from kvxfer.disagg.auth import SECRET_ENV
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import ConfigError
-from kvxfer.model import ReferenceModel, greedy, preset
-from kvxfer.model.config import PRESETS
+from kvxfer.model import PRESETS, ReferenceModel, greedy, preset
 from kvxfer.transport.integrity import ChecksumPolicy
 
 TOKENS_PER_BLOCK = 16

@@ -135,7 +135,8 @@ class CudaIpcTransport(Transport):
             self._push[peer] = push
 
     def _backend_disconnect(self, peer: str) -> None:
-        self._peer_tables.pop(peer, None)
+        if self._peer_tables.pop(peer, None) is not None:
+            self._copier.stream.synchronize()   # copies queued to it still read its address table
         with self._push_lock:
             sock = self._push.pop(peer, None)
         if sock is not None:
