@@ -1,14 +1,18 @@
-"""GPU transfer benchmark (issue 9): two processes sharing one GPU, Llama-3-8B-shaped requests.
+"""GPU transfer benchmark (issue 13): two processes sharing one GPU, Llama-3-8B-shaped requests.
 
-Prints, from one run: the device-to-device copy limit, a raw torch gather+scatter of the same pages
-(the baseline kvxfer is measured against), and kvxfer transfers through one backend for identical
-layouts and TP 1->2, push and pull, at each token count, with descriptor counts and plan time.
-Every column is the median over ``--iters`` timed iterations, and every timed iteration is verified:
-its destination is poisoned just before it and checked just after it (both untimed) -- kvxfer's by
-per-(layer, role, block) checksums of the destination heads against the source's, the baselines by
-comparing the destination with the source.
+One run measures, with the same statistic (the median) in every column:
+- D2D: the device-to-device copy limit (1 GiB ``copy_``, bytes copied / time, CUDA events);
+- torch: an in-process torch copy of the same whole slots (``dst[idx_d] = src[idx_s]``);
+- each kvxfer backend given (``--backends``), for identical layouts and TP 1->2, push and pull;
+- raw NIXL (``--raw-nixl``): NIXL's own agent in both processes, descriptor lists prepared once per
+  case (``prep_xfer_dlist``), one ``make_prepped_xfer`` + ``transfer`` per iteration;
+- the latency of one ``write(plan).wait()`` of 1, 4 and 16 blocks (p50) against the torch copy.
 
-  python benchmarks/bench_gpu.py --backend cuda_ipc --tokens 4096 32768 --json out.json
+Every timed iteration is checked: the destination pages are poisoned before it and verified after
+it against a pattern that encodes each element's logical position (layer, role, token, head, dim),
+computed independently in the process that owns the destination.
+
+  python benchmarks/bench_gpu.py --backends cuda_ipc nixl --raw-nixl --tokens 4096 32768 --json out.json
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -31,8 +36,53 @@ from kvxfer.transport import create
 
 LAYERS, KV_HEADS, HEAD_DIM, TPB = 32, 8, 128, 32
 ROLES = ("key", "value")
+PEER = "peer"
+LOCAL = "local"
 
 
+# --- the position pattern ----------------------------------------------------------------------------
+def pattern(layer: int, role: int, ntokens: int, heads: tuple[int, int], order: str, device: str) -> torch.Tensor:
+    """int16 words of (layer, role, token, head, dim) for tokens ``[0, ntokens)`` and global heads
+    ``heads``, shaped like ``buffer_view`` rows (blocks, heads, tokens, dim) or (blocks, tokens, heads, dim)."""
+    tok = torch.arange(ntokens, device=device, dtype=torch.int64).view(-1, 1, TPB, 1)
+    head = torch.arange(heads[0], heads[1], device=device, dtype=torch.int64).view(1, -1, 1, 1)
+    dim = torch.arange(HEAD_DIM, device=device, dtype=torch.int64).view(1, 1, 1, -1)
+    key = (((layer * 2 + role) << 20) + tok) * KV_HEADS + head
+    words = (key * 40503 + (key >> 13) * 7 + dim * 9973) & 0xFFFF
+    if order != "HND":
+        words = words.transpose(1, 2)
+    return words.to(torch.int16)
+
+
+def _views(m: KVCacheManager) -> list[tuple[int, int, torch.Tensor, tuple[int, int], str]]:
+    out = []
+    for layer in range(LAYERS):
+        for r, role in enumerate(ROLES):
+            fmt = m.layout.format_of(BufferId(layer, role))
+            out.append((layer, r, m.buffer_view(layer, role).view(torch.int16),
+                        (fmt.head_start, fmt.head_start + fmt.num_heads), fmt.order))
+    return out
+
+
+def fill(m: KVCacheManager, blocks: np.ndarray, poison: bool = False) -> None:
+    """Write the pattern (or its bitwise complement: every element differs) into ``blocks``."""
+    idx = torch.as_tensor(blocks, device=m.device, dtype=torch.long)
+    for layer, r, view, heads, order in _views(m):
+        want = pattern(layer, r, len(blocks) * TPB, heads, order, str(m.device))
+        view[idx] = torch.bitwise_not(want) if poison else want
+    sync(m.device)
+
+
+def mismatches(m: KVCacheManager, blocks: np.ndarray) -> int:
+    """Elements of ``blocks`` that differ from the pattern (0: every byte arrived where it belongs)."""
+    idx = torch.as_tensor(blocks, device=m.device, dtype=torch.long)
+    bad = torch.zeros((), dtype=torch.int64, device=m.device)
+    for layer, r, view, heads, order in _views(m):
+        bad += (view[idx] != pattern(layer, r, len(blocks) * TPB, heads, order, str(m.device))).sum()
+    return int(bad)
+
+
+# --- set-up ------------------------------------------------------------------------------------------
 def managers(blocks: int, device: str) -> dict[str, KVCacheManager]:
     """prefill (TP 1), decode (TP 1), and the two ranks of a TP-2 decode."""
     def make(**kw: Any) -> KVCacheManager:
@@ -50,98 +100,56 @@ def region_offsets(mgrs: dict[str, KVCacheManager]) -> dict[str, int]:
     return out
 
 
-def checksum(m: KVCacheManager, blocks: np.ndarray, heads: tuple[int, int] | None) -> np.ndarray:
-    """Per (layer, role, block) checksum of the heads ``heads`` (global range) of ``blocks``."""
-    idx = torch.as_tensor(blocks, device=m.device, dtype=torch.long)
-    out = []
-    for layer in range(LAYERS):
-        for role in ROLES:
-            view = m.buffer_view(layer, role)[idx]  # [blocks, heads, tokens, dim] (HND)
-            fmt = m.layout.format_of(BufferId(layer, role))
-            if heads is not None:
-                lo, hi = heads[0] - fmt.head_start, heads[1] - fmt.head_start
-                view = view[:, lo:hi]
-            words = view.contiguous().view(view.shape[0], -1).view(torch.int16).to(torch.int64)
-            ramp = torch.arange(1, words.shape[1] + 1, device=words.device, dtype=torch.int64)
-            out.append((words * ramp).sum(dim=1))
-    sync(m.device)
-    return torch.stack(out).cpu().numpy()
-
-
-def poison(m: KVCacheManager, blocks: np.ndarray, value: int) -> None:
-    """Fill every pool's bytes of ``blocks`` with ``value`` (a destination no earlier transfer wrote)."""
-    idx = torch.as_tensor(blocks, device=m.device, dtype=torch.long)
-    for g, pg in enumerate(m.layout.pool_groups):
-        for p in range(len(pg.pools)):
-            m.pool_tensor(g, p).view(pg.num_slots, -1)[idx] = value
-    sync(m.device)
-
-
-def poison_destination(conn: Any, mgrs: dict[str, KVCacheManager], blk: dict[str, np.ndarray], dst_names: list[str],
-                       mode: str, value: int) -> None:
-    """Poison the destination blocks of one case: the peer's (push) or ours (pull)."""
-    for dn in dst_names:
-        if mode == "push":
-            conn.send(("poison", dn, blk[dn], value))
-            conn.recv()
-        else:
-            poison(mgrs[dn], blk[dn], value)
-
-
-def destination_ok(conn: Any, mgrs: dict[str, KVCacheManager], blk: dict[str, np.ndarray], dst_names: list[str],
-                   mode: str) -> bool:
-    """Checksums of what arrived against the source, per destination rank and head range."""
-    ok = True
-    for dn in dst_names:
-        heads = None if dn == "decode" else ((0, 4) if dn == "rank0" else (4, 8))
-        if mode == "push":
-            want = checksum(mgrs["prefill"], blk["prefill"], heads)
-            conn.send(("checksum", dn, blk[dn], None))
-            got = conn.recv()
-        else:
-            conn.send(("checksum", "prefill", blk["prefill"], heads))
-            want = conn.recv()
-            got = checksum(mgrs[dn], blk[dn], None)
-        ok = ok and bool(np.array_equal(want, got))
-    return ok
-
-
-def median_s(times: list[float]) -> float:
-    """The median of per-iteration seconds (the statistic of every column)."""
-    return float(np.median(times))
-
-
 def transport_options(backend: str) -> dict[str, Any]:
     """Backend options from the environment (KVXFER_NIXL_THREADS: UCX worker threads of NIXL)."""
     threads = int(os.environ.get("KVXFER_NIXL_THREADS", "0"))
     return {"num_threads": threads} if backend == "nixl" and threads else {}
 
 
-def peer_main(conn: Any, backend: str, blocks: int, seed: int, device: str) -> None:
-    """The other process: the same managers, filled with its own random bytes, answering commands."""
-    torch.manual_seed(seed)
+def raw_nixl_agent(name: str, mgrs: dict[str, KVCacheManager]) -> Any:
+    """NIXL's own agent (its default UCX configuration, KVXFER_NIXL_THREADS threads) over every pool."""
+    site = os.environ.get("KVXFER_SITE_NIXL")
+    if site and site not in sys.path:
+        sys.path.insert(0, site)
+    from kvxfer.transport.nixl import nixl_module
+    api = __import__(f"{nixl_module()}._api", fromlist=["nixl_agent"])
+    threads = int(os.environ.get("KVXFER_NIXL_THREADS", "0"))
+    agent = api.nixl_agent(name, api.nixl_agent_config(num_threads=threads))
+    regions = [r for m in mgrs.values() for r in m.memory_regions()]
+    agent.register_memory([(r.base_address, r.nbytes, r.device_id, "") for r in regions], _mem(regions[0].memory_kind))
+    return agent
+
+
+def _mem(kind: str) -> str:
+    return "VRAM" if kind == "cuda" else "DRAM"
+
+
+def peer_main(conn: Any, backends: list[str], raw: bool, blocks: int, device: str) -> None:
+    """The other process: the same managers and transports, answering commands."""
     mgrs = managers(blocks, device)
-    for m in mgrs.values():
-        for g, pg in enumerate(m.layout.pool_groups):
-            for p in range(len(pg.pools)):
-                m.pool_tensor(g, p).random_(0, 256)
-    t = create(backend, f"peer-{backend}", **transport_options(backend))
-    t.register([r for m in mgrs.values() for r in m.memory_regions()])
-    conn.send(({k: m.layout.to_msgpack() for k, m in mgrs.items()}, t.metadata()))
+    ts = {b: create(b, f"{PEER}-{b}", **transport_options(b)) for b in backends}
+    regions = [r for m in mgrs.values() for r in m.memory_regions()]
+    for t in ts.values():
+        t.register(regions)
+    agent = raw_nixl_agent(f"{PEER}-raw", mgrs) if raw else None
+    conn.send(({k: m.layout.to_msgpack() for k, m in mgrs.items()}, {b: t.metadata() for b, t in ts.items()},
+               agent.get_agent_metadata() if agent is not None else None))
     while True:
         cmd, *args = conn.recv()
         if cmd == "connect":
-            t.connect(args[0], args[1])
+            ts[args[0]].connect(args[1], args[2])
             conn.send(None)
-        elif cmd == "checksum":
-            name, blk, heads = args
-            conn.send(checksum(mgrs[name], blk, heads))
-        elif cmd == "poison":
-            name, blk, value = args
-            poison(mgrs[name], blk, value)
+        elif cmd == "raw_connect":
+            assert agent is not None
+            conn.send(agent.add_remote_agent(args[0]))
+        elif cmd == "fill":
+            fill(mgrs[args[0]], args[1], poison=args[2])
             conn.send(None)
+        elif cmd == "mismatches":
+            conn.send(mismatches(mgrs[args[0]], args[1]))
         elif cmd == "exit":
-            t.close()
+            for t in ts.values():
+                t.close()
             conn.send(None)
             return
 
@@ -155,144 +163,309 @@ def shift(table: PageTable, offset: int) -> PageTable:
     return PageTable(table.addr, table.nbytes, table.region + np.uint32(offset))
 
 
-def run(backend: str, tokens_list: list[int], iters: int, max_descriptors: int, device: str) -> dict[str, Any]:
-    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
-    results: dict[str, Any] = {"backend": backend, "gpu": gpu, "device": device, "cases": [],
-                               "options": transport_options(backend)}
-    # device copy limit: one 1 GiB copy (256 MiB on a CPU), one direction
-    a = torch.randint(0, 256, (1 << (30 if device.startswith("cuda") else 28),), dtype=torch.uint8, device=device)
+def median_event_ms(fn: Any, iters: int, device: str) -> float:
+    """Median of ``iters`` timings of ``fn`` (CUDA events on a GPU, perf_counter on a CPU)."""
+    times = []
+    for _ in range(iters):
+        if device.startswith("cuda"):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def d2d_gbps(device: str) -> float:
+    """The device copy limit: bytes copied per second by one 1 GiB ``copy_`` (median of 20)."""
+    a = torch.empty(1 << (30 if device.startswith("cuda") else 26), dtype=torch.uint8, device=device)
+    a.random_(0, 256)
     b = torch.empty_like(a)
     b.copy_(a)
-    d2d_times, d2d_ok = [], True
-    for i in range(5):
-        b.fill_(i + 1)
-        sync(device)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        sync(device)
-        d2d_times.append(time.perf_counter() - t0)
-        d2d_ok = d2d_ok and torch.equal(a, b)
-    results["d2d_gbps"] = a.numel() / median_s(d2d_times) / 1e9
-    results["d2d_verified"] = d2d_ok
-    del a, b
+    ms = median_event_ms(lambda: b.copy_(a), 20, device)
+    return a.numel() / ms / 1e6
+
+
+def index_copy(pool_s: torch.Tensor, pool_d: torch.Tensor, si: torch.Tensor, di: torch.Tensor, device: str,
+               wait: bool) -> Any:
+    """The in-process torch copy of whole slots ``si`` -> ``di`` (optionally waiting for the GPU)."""
+    def copy() -> None:
+        pool_d[di] = pool_s[si]
+        if wait:
+            sync(device)
+    return copy
+
+
+# --- the run -----------------------------------------------------------------------------------------
+class Bench:
+    """The local side: managers, transports, the peer process and its pipe."""
+
+    def __init__(self, backends: list[str], raw: bool, nblocks: int, device: str) -> None:
+        self.device, self.nblocks, self.backends = device, nblocks, backends
+        self.mgrs = managers(nblocks, device)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=peer_main, args=(child, backends, raw, nblocks, device), daemon=True)
+        self.proc.start()
+        layouts_b, mds, raw_md = self.conn.recv()
+        self.peer_layouts = {k: CacheLayoutDesc.from_msgpack(v) for k, v in layouts_b.items()}
+        regions = [r for m in self.mgrs.values() for r in m.memory_regions()]
+        self.ts = {}
+        for b in backends:
+            t = create(b, f"{LOCAL}-{b}", **transport_options(b))
+            t.register(regions)
+            t.connect(f"{PEER}-{b}", mds[b])
+            self.call("connect", b, t.name, t.metadata())
+            self.ts[b] = t
+        self.agent = None
+        if raw:
+            self.agent = raw_nixl_agent(f"{LOCAL}-raw", self.mgrs)
+            self.agent.add_remote_agent(raw_md)
+            self.call("raw_connect", self.agent.get_agent_metadata())
+        self.offsets = region_offsets(self.mgrs)
+
+    def call(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.call("exit")
+        self.proc.join(30)
+        for t in self.ts.values():
+            t.close()
+
+    def plans(self, mode: str, dst_names: list[str], blk: dict[str, np.ndarray]) -> tuple[list[TransferPlan], float]:
+        """Plans (region ids shifted into the registered list) and the planning time in ms."""
+        out, ms = [], 0.0
+        for dn in dst_names:
+            if mode == "push":   # local prefill -> peer decode rank(s)
+                sl, dl = self.mgrs["prefill"].layout, self.peer_layouts[dn]
+            else:                # local decode rank(s) pull from the peer's prefill
+                sl, dl = self.peer_layouts["prefill"], self.mgrs[dn].layout
+            t0 = time.perf_counter()
+            plan = plan_transfer(sl, {0: blk["prefill"]}, dl, {0: blk[dn]})
+            ms += (time.perf_counter() - t0) * 1e3
+            out.append(TransferPlan(shift(plan.src, self.offsets["prefill"]), shift(plan.dst, self.offsets[dn])))
+        return out, ms
+
+    def set_source(self, mode: str, blocks: np.ndarray) -> None:
+        if mode == "push":
+            fill(self.mgrs["prefill"], blocks)
+        else:
+            self.call("fill", "prefill", blocks, False)
+
+    def poison(self, mode: str, dst_names: list[str], blk: dict[str, np.ndarray]) -> None:
+        for dn in dst_names:
+            if mode == "push":
+                self.call("fill", dn, blk[dn], True)
+            else:
+                fill(self.mgrs[dn], blk[dn], poison=True)
+
+    def bad(self, mode: str, dst_names: list[str], blk: dict[str, np.ndarray]) -> int:
+        return sum(int(self.call("mismatches", dn, blk[dn])) if mode == "push" else mismatches(self.mgrs[dn], blk[dn])
+                   for dn in dst_names)
+
+    def timed(self, post: Any, mode: str, dst_names: list[str], blk: dict[str, np.ndarray],
+              iters: int) -> tuple[list[float], list[float], int]:
+        """(seconds per iteration, seconds spent posting, elements wrong summed over iterations)."""
+        post()   # warm-up (connection set-up, registration caches, kernel compile)
+        times, posts, bad = [], [], 0
+        for _ in range(iters):
+            self.poison(mode, dst_names, blk)
+            sync(self.device)
+            t0 = time.perf_counter()
+            t_posted = post()
+            times.append(time.perf_counter() - t0)
+            posts.append(t_posted - t0)
+            bad += self.bad(mode, dst_names, blk)
+        return times, posts, bad
+
+    def backend_post(self, backend: str, mode: str, plans: list[TransferPlan]) -> Any:
+        t = self.ts[backend]
+        op, peer = (t.write if mode == "push" else t.read), f"{PEER}-{backend}"
+
+        def post() -> float:
+            hs = [op(peer, p) for p in plans]
+            posted = time.perf_counter()
+            for h in hs:
+                h.wait(120)
+            return posted
+        return post
+
+    def raw_nixl_post(self, mode: str, plans: list[TransferPlan]) -> Any:
+        """Raw NIXL: both sides' descriptor lists prepared once here, one prepared transfer per plan."""
+        agent = self.agent
+        assert agent is not None
+        local_regions = [r for m in self.mgrs.values() for r in m.memory_regions()]
+        dev = np.uint64(local_regions[0].device_id)
+        mem = _mem(local_regions[0].memory_kind)
+        prepped = []
+        for p in plans:
+            local, remote = (p.src, p.dst) if mode == "push" else (p.dst, p.src)
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.stack([local.addr, local.nbytes,
+                                                                    np.full(len(p), dev)], axis=1), mem)
+            rh = agent.prep_xfer_dlist(f"{PEER}-raw", np.stack([remote.addr, remote.nbytes,
+                                                                np.full(len(p), dev)], axis=1), mem)
+            prepped.append((lh, rh, np.arange(len(p), dtype=np.int32)))
+        op = "WRITE" if mode == "push" else "READ"
+
+        def post() -> float:
+            reqs = [agent.make_prepped_xfer(op, lh, idx, rh, idx) for lh, rh, idx in prepped]
+            for r in reqs:
+                if agent.transfer(r) == "ERR":
+                    raise RuntimeError("raw NIXL refused the transfer")
+            posted = time.perf_counter()
+            for r in reqs:
+                while (state := agent.check_xfer_state(r)) != "DONE":
+                    if state == "ERR":
+                        raise RuntimeError("raw NIXL transfer failed")
+                r.release()
+            return posted
+        return post, prepped
+
+
+def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, latency_iters: int,
+        device: str) -> dict[str, Any]:
+    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
+    results: dict[str, Any] = {"backends": backends, "raw_nixl": raw, "gpu": gpu, "device": device, "cases": [],
+                               "latency": [], "nixl_threads": int(os.environ.get("KVXFER_NIXL_THREADS", "0")),
+                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results["d2d_gbps"] = d2d_gbps(device)
+    print(f"D2D {results['d2d_gbps']:.0f} GB/s", flush=True)
     for tokens in tokens_list:
         nblocks = tokens // TPB
-        mgrs = managers(nblocks, device)
-        ctx = mp.get_context("spawn")
-        conn, child = ctx.Pipe()
-        proc = ctx.Process(target=peer_main, args=(child, backend, nblocks, 1234, device), daemon=True)
-        proc.start()
-        layouts_b, md = conn.recv()
-        peer_layouts = {k: CacheLayoutDesc.from_msgpack(v) for k, v in layouts_b.items()}
-        for g, pg in enumerate(mgrs["prefill"].layout.pool_groups):
-            for p in range(len(pg.pools)):
-                mgrs["prefill"].pool_tensor(g, p).random_(0, 256)
-        t = create(backend, f"local-{backend}", **transport_options(backend))
-        t.register([r for m in mgrs.values() for r in m.memory_regions()])
-        t.connect(f"peer-{backend}", md)
-        conn.send(("connect", t.name, t.metadata()))
-        conn.recv()
-        off_local, off_peer = region_offsets(mgrs), region_offsets(mgrs)
+        bench = Bench(backends, raw, nblocks, device)
         rng = np.random.default_rng(tokens)
-        blk = {name: rng.choice(nblocks + 8, nblocks, replace=False).astype(np.int32) for name in mgrs}
-        # raw torch gather+scatter of the same whole slots, in this process (same GPU memory traffic)
+        blk = {name: rng.choice(nblocks + 8, nblocks, replace=False).astype(np.int32) for name in bench.mgrs}
+        # in-process torch copy of the same whole slots (int64 rows: torch's index kernels move 8-byte elements)
         src_idx = torch.as_tensor(blk["prefill"], device=device, dtype=torch.long)
         dst_idx = torch.as_tensor(blk["decode"], device=device, dtype=torch.long)
-        # int64 rows: torch's index kernels move 8-byte elements (uint8 rows would understate the baseline)
-        pool_s = mgrs["prefill"].pool_tensor(0, 0).view(torch.int64).view(nblocks + 8, -1)
-        pool_d = mgrs["decode"].pool_tensor(0, 0).view(torch.int64).view(nblocks + 8, -1)
-        pool_d[dst_idx] = pool_s[src_idx]
-        raw_times, raw_ok = [], True
-        for i in range(iters):
-            pool_d[dst_idx] = i + 1
-            sync(device)
-            t0 = time.perf_counter()
-            pool_d[dst_idx] = pool_s[src_idx]
-            sync(device)
-            raw_times.append(time.perf_counter() - t0)
-            raw_ok = raw_ok and torch.equal(pool_d[dst_idx], pool_s[src_idx])
-        raw_gbps = pool_s[src_idx].numel() * 8 / median_s(raw_times) / 1e9
+        pool_s = bench.mgrs["prefill"].pool_tensor(0, 0).view(torch.int64).view(nblocks + 8, -1)
+        pool_d = bench.mgrs["decode"].pool_tensor(0, 0).view(torch.int64).view(nblocks + 8, -1)
+        copy_bytes = nblocks * pool_s.shape[1] * 8
+        torch_ms = median_event_ms(index_copy(pool_s, pool_d, src_idx, dst_idx, device, False), iters + 2, device)
         for case, dst_names in (("identical", ["decode"]), ("tp1->2", ["rank0", "rank1"])):
             for mode in ("push", "pull"):
-                plans, plan_ms = [], 0.0
-                for dn in dst_names:
-                    if mode == "push":   # local prefill -> peer decode
-                        sl, sb, dl, db = mgrs["prefill"].layout, blk["prefill"], peer_layouts[dn], blk[dn]
-                        so, do = off_local["prefill"], off_peer[dn]
-                    else:                # local decode pulls from the peer's prefill
-                        sl, sb, dl, db = peer_layouts["prefill"], blk["prefill"], mgrs[dn].layout, blk[dn]
-                        so, do = off_peer["prefill"], off_local[dn]
-                    t0 = time.perf_counter()
-                    plan = plan_transfer(sl, {0: sb}, dl, {0: db})
-                    plan_ms += (time.perf_counter() - t0) * 1e3
-                    plans.append(TransferPlan(shift(plan.src, so), shift(plan.dst, do)))
-                ndesc = sum(len(p) for p in plans)
+                bench.set_source(mode, blk["prefill"])
+                plans, plan_ms = bench.plans(mode, dst_names, blk)
                 nbytes = sum(p.total_bytes for p in plans)
-                row: dict[str, Any] = {"tokens": tokens, "case": case, "mode": mode, "descriptors": ndesc,
-                                       "bytes": nbytes, "plan_ms": plan_ms, "raw_gather_scatter_gbps": raw_gbps,
-                                       "raw_verified": raw_ok}
-                if ndesc > max_descriptors:
-                    row["skipped"] = f"{ndesc} descriptors > --max-descriptors {max_descriptors}"
-                    results["cases"].append(row)
-                    print(row, flush=True)
-                    continue
-                op = t.write if mode == "push" else t.read
-                for p in plans:   # warm-up (connection set-up, registration caches)
-                    op(f"peer-{backend}", p).wait(120)
-                times, failed = [], 0
-                for i in range(iters):
-                    poison_destination(conn, mgrs, blk, dst_names, mode, 0x5A ^ (i * 37 & 0xFF))   # untimed
-                    t0 = time.perf_counter()
-                    hs = [op(f"peer-{backend}", p) for p in plans]
-                    for h in hs:
-                        h.wait(120)
-                    times.append(time.perf_counter() - t0)
-                    failed += not destination_ok(conn, mgrs, blk, dst_names, mode)                 # untimed
-                row["gbps"] = nbytes / median_s(times) / 1e9
-                row["median_gbps"] = row["gbps"]
-                row["best_gbps"] = nbytes / min(times) / 1e9
-                row["verified"] = failed == 0 and raw_ok and bool(results["d2d_verified"])
-                row["failed_iterations"] = failed
-                row["ratio_vs_raw"] = row["gbps"] / raw_gbps
-                row["ratio_vs_d2d"] = row["gbps"] / results["d2d_gbps"]
+                row: dict[str, Any] = {"tokens": tokens, "case": case, "mode": mode,
+                                       "descriptors": sum(len(p) for p in plans), "bytes": nbytes, "plan_ms": plan_ms,
+                                       "torch_gbps": copy_bytes / torch_ms / 1e6, "d2d_gbps": results["d2d_gbps"]}
+                posts: list[tuple[str, Any]] = [(b, bench.backend_post(b, mode, plans)) for b in backends]
+                prepped = None
+                if raw:
+                    raw_post, prepped = bench.raw_nixl_post(mode, plans)
+                    posts.append(("raw_nixl", raw_post))
+                for name, post in posts:
+                    times, post_s, bad = bench.timed(post, mode, dst_names, blk, iters)
+                    med = statistics.median(times)
+                    row[f"{name}_gbps"] = nbytes / med / 1e9
+                    row[f"{name}_ms"] = med * 1e3
+                    row[f"{name}_post_ms"] = statistics.median(post_s) * 1e3
+                    row[f"{name}_x_d2d"] = row[f"{name}_gbps"] / results["d2d_gbps"]
+                    row[f"{name}_wrong_elements"] = bad
+                for lh, rh, _ in prepped or []:
+                    lh.release()
+                    rh.release()
+                if raw:
+                    for b in backends:
+                        row[f"{b}_x_raw_nixl"] = row[f"{b}_gbps"] / row["raw_nixl_gbps"]
                 results["cases"].append(row)
                 print(json.dumps(row), flush=True)
-        conn.send(("exit",))
-        conn.recv()
-        proc.join(30)
-        t.close()
-        del mgrs
+        if tokens == tokens_list[0]:
+            results["latency"] = latency(bench, blk, latency_iters, raw, pool_s, pool_d)
+        bench.close()
+        del bench
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return results
 
 
+def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, pool_s: torch.Tensor,
+            pool_d: torch.Tensor) -> list[dict[str, Any]]:
+    """p50 of one push of k blocks (identical layout), each backend and torch's in-process copy. The
+    destination is poisoned before the ``iters`` iterations and verified after them."""
+    rows = []
+    for k in (1, 4, 16):
+        sub = {n: b[:k] for n, b in blk.items()}
+        bench.set_source("push", sub["prefill"])
+        plans, _ = bench.plans("push", ["decode"], sub)
+        si = torch.as_tensor(sub["prefill"], device=bench.device, dtype=torch.long)
+        di = torch.as_tensor(sub["decode"], device=bench.device, dtype=torch.long)
+        row: dict[str, Any] = {"blocks": k, "bytes": plans[0].total_bytes, "descriptors": len(plans[0])}
+        posts: list[tuple[str, Any]] = [("torch", index_copy(pool_s, pool_d, si, di, bench.device, True))]
+        posts += [(b, bench.backend_post(b, "push", plans)) for b in bench.backends]
+        prepped = None
+        if raw:
+            raw_post, prepped = bench.raw_nixl_post("push", plans)
+            posts.append(("raw_nixl", raw_post))
+        for name, post in posts:
+            if name != "torch":
+                bench.poison("push", ["decode"], sub)
+            for _ in range(10):
+                post()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                post()
+                times.append(time.perf_counter() - t0)
+            row[f"{name}_p50_us"] = statistics.median(times) * 1e6
+            if name != "torch":
+                row[f"{name}_wrong_elements"] = bench.bad("push", ["decode"], sub)
+        for lh, rh, _ in prepped or []:
+            lh.release()
+            rh.release()
+        for b in bench.backends:
+            row[f"{b}_x_torch"] = row[f"{b}_p50_us"] / row["torch_p50_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def print_tables(res: dict[str, Any]) -> None:
+    names = res["backends"] + (["raw_nixl"] if res["raw_nixl"] else [])
+    print(f"\n{res['gpu']}; D2D {res['d2d_gbps']:.0f} GB/s; medians; NIXL threads {res['nixl_threads']}")
+    head = f"{'tokens':>6} {'case':>9} {'mode':>4} {'desc':>7} {'MiB':>6} {'torch':>6}"
+    for n in names:
+        head += f" {n[:8]:>8} {'xD2D':>5} {'post ms':>7}"
+    print(head + " wrong")
+    for r in res["cases"]:
+        line = (f"{r['tokens']:>6} {r['case']:>9} {r['mode']:>4} {r['descriptors']:>7} {r['bytes'] / 2**20:>6.0f} "
+                f"{r['torch_gbps']:>6.0f}")
+        for n in names:
+            line += f" {r[f'{n}_gbps']:>8.1f} {r[f'{n}_x_d2d']:>5.2f} {r[f'{n}_post_ms']:>7.2f}"
+        print(line + " " + str(sum(r[f"{n}_wrong_elements"] for n in names)))
+    print(f"\n{'blocks':>6} {'MiB':>5} {'torch us':>9}" + "".join(f" {n[:8]:>8} us" for n in names))
+    for r in res["latency"]:
+        print(f"{r['blocks']:>6} {r['bytes'] / 2**20:>5.0f} {r['torch_p50_us']:>9.1f}"
+              + "".join(f" {r[f'{n}_p50_us']:>11.1f}" for n in names))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default="cuda_ipc", choices=("cuda_ipc", "nixl", "ucx"))
+    p.add_argument("--backends", nargs="+", default=["cuda_ipc"], choices=("cuda_ipc", "nixl", "ucx"))
+    p.add_argument("--raw-nixl", action="store_true", help="also time NIXL's own agent with prepared lists")
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--max-descriptors", type=int, default=1 << 20)
+    p.add_argument("--iters", type=int, default=7, help="timed (poisoned, verified) iterations per case")
+    p.add_argument("--latency-iters", type=int, default=300)
     p.add_argument("--device", default="cuda:0", help="cuda:0 (both processes share it) or cpu (logic check)")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
-    res = run(a.backend, a.tokens, a.iters, a.max_descriptors, a.device)
-    print(f"\nbackend {a.backend} on {res['gpu']}; D2D limit {res['d2d_gbps']:.0f} GB/s; medians of {a.iters} "
-          f"iterations, each verified (destination poisoned before, checked after)")
-    print(f"{'tokens':>7} {'case':>9} {'mode':>5} {'desc':>8} {'plan ms':>8} {'GB/s':>8} {'raw g+s':>8} "
-          f"{'x raw':>6} {'x D2D':>6} ok")
-    for r in res["cases"]:
-        if "skipped" in r:
-            print(f"{r['tokens']:>7} {r['case']:>9} {r['mode']:>5} {r['descriptors']:>8} {r['plan_ms']:>8.1f}  "
-                  f"skipped: {r['skipped']}")
-            continue
-        print(f"{r['tokens']:>7} {r['case']:>9} {r['mode']:>5} {r['descriptors']:>8} {r['plan_ms']:>8.1f} "
-              f"{r['gbps']:>8.1f} {r['raw_gather_scatter_gbps']:>8.1f} {r['ratio_vs_raw']:>6.2f} "
-              f"{r['ratio_vs_d2d']:>6.2f} {r['verified']}")
+    res = run(a.backends, a.raw_nixl, a.tokens, a.iters, a.latency_iters, a.device)
+    print_tables(res)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)
-    return 0 if all(r.get("verified", True) for r in res["cases"]) else 1
+    names = a.backends + (["raw_nixl"] if a.raw_nixl else [])
+    wrong = sum(r[f"{n}_wrong_elements"] for r in res["cases"] + res["latency"] for n in names
+                if f"{n}_wrong_elements" in r)
+    return 0 if wrong == 0 else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check on the lent machine, in two calls (each under the 10-minute call limit):
 #   bash scripts/device_run.sh tests    # environment, `pytest -m gpu`, the GPU examples
-#   bash scripts/device_run.sh bench    # bench_gpu per backend, bench_tiers on CUDA
+#   bash scripts/device_run.sh bench    # bench_gpu (cuda_ipc, nixl, raw NIXL; then ucx), bench_tiers on CUDA
 # Carry .devwheels (made by ../shared/tools/device-wheels .devwheels plus blake3/pyzmq in .devwheels/extra).
 source scripts/device_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,12 +19,13 @@ if [ "${1:-tests}" = tests ]; then
     PYTHONPATH=$BOTH timeout 80 python3 examples/two_gpu_pair.py --backend $b --model small --prompt-tokens 2048 2>&1 | filter | tail -8 | tee -a "$OUT/examples_gpu.txt"
   done
 else
+  # cuda_ipc alone in its processes: NIXL agents' progress threads spin and take the CPU the post path needs
   echo "=== bench_gpu cuda_ipc"
-  timeout 150 python3 benchmarks/bench_gpu.py --backend cuda_ipc --json "$OUT/gpu_cuda_ipc.json" 2>&1 | filter | tail -11
-  echo "=== bench_gpu nixl (UCX num_threads=8)"
-  KVXFER_NIXL_THREADS=8 PYTHONPATH=$PYTHONPATH:/tmp/site_nixl timeout 170 python3 benchmarks/bench_gpu.py --backend nixl --iters 3 --json "$OUT/gpu_nixl.json" 2>&1 | filter | tail -11
-  echo "=== bench_gpu ucx"
-  PYTHONPATH=$PYTHONPATH:/tmp/site_ucxx timeout 120 python3 benchmarks/bench_gpu.py --backend ucx --iters 2 --max-descriptors 20000 --json "$OUT/gpu_ucx.json" 2>&1 | tail -11
+  timeout 150 python3 benchmarks/bench_gpu.py --backends cuda_ipc --json "$OUT/gpu_cuda_ipc.json" 2>&1 | tail -16
+  echo "=== bench_gpu nixl + raw NIXL (UCX num_threads=8), one run"
+  KVXFER_NIXL_THREADS=8 PYTHONPATH=$PYTHONPATH:/tmp/site_nixl timeout 250 python3 benchmarks/bench_gpu.py --backends nixl --raw-nixl --json "$OUT/gpu_nixl.json" 2>&1 | filter | tail -16
+  echo "=== bench_gpu ucx (4k tokens)"
+  PYTHONPATH=$PYTHONPATH:/tmp/site_ucxx timeout 120 python3 benchmarks/bench_gpu.py --backends ucx --tokens 4096 --iters 3 --latency-iters 50 --json "$OUT/gpu_ucx.json" 2>&1 | tail -12
   echo "=== bench_tiers cuda"
   timeout 90 python3 benchmarks/bench_tiers.py --device cuda:0 --out "$OUT/tiers_cuda.json" 2>&1 | tail -24
 fi

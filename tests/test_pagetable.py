@@ -228,3 +228,21 @@ def test_plan_validate_refuses_overlapping_destination_and_outside_entries() -> 
         TransferPlan(table([95], [10]), table([1000], [10], [1])).validate(regions, regions)
     with pytest.raises(PageTableError, match="destination entry 0"):
         TransferPlan(table([0], [10]), table([1095], [10], [1])).validate(regions, regions)
+
+
+@pytest.mark.parametrize("clash", ["same slot", "same slot other order", "straddles", "none"])
+def test_plan_validate_uniform_power_of_two_entries(clash: str) -> None:
+    """The O(n) check for equal power-of-two entries on slot boundaries (the common KV plan) finds the
+    same overlaps as the sort; entries off the slot grid fall back to the sort and are still refused."""
+    regions = [MemoryRegion(4096, 64 * 16), MemoryRegion(65536, 64 * 16)]
+    src = table([4096 + 16 * i for i in range(4)], [16] * 4)
+    dst_addr = {"same slot": [65536, 65536 + 32, 4096, 65536 + 32], "same slot other order":
+                [65536 + 48, 4096 + 16, 65536, 4096 + 16], "straddles": [65536, 65536 + 24, 4096, 65536 + 32],
+                "none": [65536 + 48, 4096, 65536, 4096 + 16]}[clash]
+    region = [1 if a >= 65536 else 0 for a in dst_addr]
+    plan = TransferPlan(src, table(dst_addr, [16] * 4, region))
+    if clash == "none":
+        plan.validate(regions, regions)
+    else:
+        with pytest.raises(PageTableError, match="overlap"):
+            plan.validate(regions, regions)

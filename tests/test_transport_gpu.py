@@ -111,3 +111,83 @@ def test_device_plan_outside_peer_memory_is_refused(gpu_peer: GpuPeer) -> None:
     with pytest.raises(PageTableError, match="outside region 0"):
         p.local.write(p.name, TransferPlan(src, bad))
     assert all(np.array_equal(np.frombuffer(a, np.uint8), b) for a, b in zip(p.call("dump"), before, strict=True))
+
+
+# --- the cuda_ipc copy kernel, in one process (odd sizes, unaligned runs, many tiny runs, one huge run) ---
+def _copier() -> Any:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cuda_copy = pytest.importorskip("kvxfer.transport.cuda_copy")
+    pytest.importorskip("triton")
+    return cuda_copy, cuda_copy.BatchedCopier(0, "kernel")
+
+
+@pytest.fixture(scope="module")
+def kernel_copier() -> Any:
+    return _copier()
+
+
+def _disjoint_runs(rng: np.random.Generator, sizes: np.ndarray, space: int, align: int, skew: int) -> np.ndarray:
+    """Start offsets (shuffled order) of non-overlapping runs of ``sizes`` inside ``space`` bytes."""
+    order = rng.permutation(sizes.size)
+    gaps = rng.integers(0, 64, sizes.size) * align
+    padded = -(-sizes[order] // align) * align
+    starts = np.cumsum(padded + gaps) - padded + skew
+    assert starts[-1] + sizes[order][-1] <= space
+    out = np.empty(sizes.size, dtype=np.int64)
+    out[order] = starts
+    return out
+
+
+def _check_kernel(kernel_copier: Any, sizes: np.ndarray, align: int, src_skew: int, dst_skew: int,
+                  remote_src: bool, seed: int) -> None:
+    cuda_copy, copier = kernel_copier
+    rng = np.random.default_rng(seed)
+    space = int((-(-sizes // align) * align).sum() + sizes.size * 64 * align + 64)
+    src = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8)).cuda()
+    dst = torch.full((space,), 0xA5, dtype=torch.uint8, device="cuda")
+    s_off = _disjoint_runs(rng, sizes, space, align, src_skew)
+    d_off = _disjoint_runs(rng, sizes, space, align, dst_skew)
+    # The remote side's addresses are "advertised" 1 MiB + 16 bytes away and translated on the GPU.
+    shift = (1 << 20) + 16
+    remote = src if remote_src else dst
+    table = cuda_copy.DeltaTable(np.array([remote.data_ptr() + shift], np.uint64), np.array([remote.data_ptr()], np.uint64), 0)
+    s_addr = (src.data_ptr() + s_off).astype(np.uint64) + np.uint64(shift if remote_src else 0)
+    d_addr = (dst.data_ptr() + d_off).astype(np.uint64) + np.uint64(0 if remote_src else shift)
+    event = copier.copy(d_addr, s_addr, sizes.astype(np.uint64), np.zeros(sizes.size, np.uint32), table, remote_src)
+    event.synchronize()
+    got, want, src_h = dst.cpu().numpy(), np.full(space, 0xA5, np.uint8), src.cpu().numpy()
+    for s, d, n in zip(s_off.tolist(), d_off.tolist(), sizes.tolist(), strict=True):
+        want[d:d + n] = src_h[s:s + n]
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} wrong bytes, first at {bad[:5]}"
+
+
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_kernel_odd_sizes_aligned_starts(kernel_copier: Any, remote_src: bool) -> None:
+    sizes = np.array([1, 3, 15, 16, 17, 31, 48 + 5, 4097, 32768, 32768 + 5, 65537, 3 << 20], np.int64)
+    _check_kernel(kernel_copier, sizes, 16, 0, 0, remote_src, 1)
+
+
+@pytest.mark.parametrize(("src_skew", "dst_skew"), [(1, 0), (0, 3), (5, 9), (8, 8)])
+def test_kernel_unaligned_runs(kernel_copier: Any, src_skew: int, dst_skew: int) -> None:
+    sizes = np.array([7, 16, 100, 4096, 40000, 70001], np.int64)
+    _check_kernel(kernel_copier, sizes, 16, src_skew, dst_skew, False, 2)
+
+
+def test_kernel_many_tiny_runs(kernel_copier: Any) -> None:
+    sizes = np.random.default_rng(3).integers(1, 65, 20000)
+    _check_kernel(kernel_copier, sizes, 16, 0, 0, True, 3)
+
+
+def test_kernel_one_huge_run_among_tiny_ones(kernel_copier: Any) -> None:
+    """Long runs among short ones are cut on the host (balanced grid); the result is the same."""
+    sizes = np.array([(96 << 20) + 12] + [16] * 300 + [33], np.int64)
+    _check_kernel(kernel_copier, sizes, 16, 0, 0, False, 4)
+
+
+def test_kernel_runs_longer_than_one_grid_row(kernel_copier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda_copy, _ = kernel_copier
+    monkeypatch.setattr(cuda_copy, "_MAX_RUN_BYTES", 1 << 20)
+    sizes = np.array([(5 << 20) + 3, 1 << 20, 4096], np.int64)
+    _check_kernel(kernel_copier, sizes, 16, 0, 0, True, 5)

@@ -4,8 +4,11 @@ started with ``kvxfer serve prefill``, a decode worker in this process, over a U
 
 Every request uses a fresh random prompt (no prefix hit anywhere) and one output token, so TTFT is
 prompt -> KV computed -> KV moved -> first token on decode. Figures are medians over ``--iters``.
-"after prefill" is arrival minus prefill's compute: control messages, the transfer, and with
-``--checksum`` prefill's digest and decode's check ("verify", measured on decode).
+"after prefill" is arrival minus prefill's compute, split into the transfer (post to completion, as
+prefill measured it), "verify" (with ``--checksum``: decode's check) and "control" (the rest: control
+messages, planning, hand-offs between threads). ``--device cuda:N`` runs both workers and the one-process
+baseline on that GPU (``--backend cuda_ipc`` moves KV through CUDA IPC); the goal there is
+"after prefill" <= 1 ms + KV bytes / (0.8 x D2D), with D2D (device copy, bytes/s) measured in the run.
 
 Every timed request is verified (untimed): the single-process baseline runs on the same prompt, and
 decode's committed prompt KV (``--kv-positions`` stratified positions, read from its pages after the
@@ -38,12 +41,31 @@ from kvxfer.disagg.oracle import DEFAULT_POSITIONS, TOLERANCE, PromptKV, compare
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import ConfigError
-from kvxfer.model import ReferenceModel, greedy, preset
+from kvxfer.model import PRESETS, ReferenceModel, greedy, preset
 from kvxfer.transport import best_backend
 from kvxfer.transport.integrity import ChecksumPolicy
 from kvxfer.transport.registry import AUTO_PREFERENCE
 
 TOKENS_PER_BLOCK = 16
+
+
+def d2d_bytes_per_s(device: str) -> float:
+    """The device copy limit on ``device``: bytes per second of one 256 MiB ``copy_`` (median of 9)."""
+    if not device.startswith("cuda"):
+        return 0.0
+    a = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(9):
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        b.copy_(a)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return float(a.numel() / statistics.median(times))
 
 
 def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: np.ndarray, chunk: int,
@@ -68,7 +90,8 @@ def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: 
 
 def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int, chunk: int,
         model_name: str = "tiny", on_row: Callable[[dict[str, Any]], None] | None = None,
-        checksum: ChecksumPolicy | None = None, kv_positions: int = DEFAULT_POSITIONS) -> dict[str, Any]:
+        checksum: ChecksumPolicy | None = None, kv_positions: int = DEFAULT_POSITIONS,
+        device: str = "cpu") -> dict[str, Any]:
     """Measure every length; returns the rows and the set-up (``on_row`` sees each row as it is done;
     ``checksum``: decode verifies every request's pages, so TTFT and arrival include digest and check)."""
     torch.set_num_threads(1)
@@ -78,16 +101,17 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
     blocks = -(-max(lengths) // TOKENS_PER_BLOCK) + 64
     secret = secrets.token_hex(32)
     env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    prefill = WorkerProcess(["prefill", "--backend", backend, "--model", model_name, "--blocks", str(blocks),
+    d2d = d2d_bytes_per_s(device)
+    prefill = WorkerProcess(["prefill", "--backend", backend, "--model", model_name, "--device", device, "--blocks", str(blocks),
                              "--tokens-per-block", str(TOKENS_PER_BLOCK), "--chunk-size", str(chunk),
                              "--name", f"bench-prefill-{os.getpid()}"], env, 120.0)
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
     try:
         dcfg = WorkerConfig(f"bench-decode-{os.getpid()}", cfg, TOKENS_PER_BLOCK, blocks, backend=backend,
-                            deadline_s=600.0, lease_s=600.0, checksum=checksum)
-        ref_model = ReferenceModel(cfg)
-        ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, blocks, enable_prefix_reuse=False))
+                            deadline_s=600.0, lease_s=600.0, checksum=checksum, device=device)
+        ref_model = ReferenceModel(cfg, device)
+        ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, blocks, device, enable_prefix_reuse=False))
         with DecodeWorker(dcfg, secret, prefill=prefill.address, mode=mode, layerwise=layerwise) as decode:
             decode.generate(rng.integers(0, cfg.vocab_size, min(lengths)), 1)           # warm-up (connections)
             single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, min(lengths)), chunk)
@@ -114,19 +138,26 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                     nbytes = res.bytes_moved
                     s_ttft.append(s_took)
                 xfer = statistics.median(d_xfer)
+                tail_ms = statistics.median(d_tail) * 1e3
+                verify_ms = statistics.median(d_verify) * 1e3
+                goal_ms = 1.0 + nbytes / (0.8 * d2d) * 1e3 if d2d else None
                 rows.append({"prompt_tokens": n, "kv_bytes": nbytes, "single_ttft_ms": statistics.median(s_ttft) * 1e3,
                              "disagg_ttft_ms": statistics.median(d_ttft) * 1e3,
                              "prefill_compute_ms": statistics.median(d_prefill) * 1e3,
                              "arrival_ms": statistics.median(d_arrival) * 1e3, "transfer_ms": xfer * 1e3,
                              "transfer_gbps": nbytes / xfer / 1e9 if xfer > 0 else 0.0,
-                             "after_prefill_ms": statistics.median(d_tail) * 1e3,
-                             "verify_ms": statistics.median(d_verify) * 1e3,
+                             "after_prefill_ms": tail_ms, "verify_ms": verify_ms,
+                             "control_ms": statistics.median(t - x - v for t, x, v in zip(d_tail, d_xfer, d_verify,
+                                                                                          strict=True)) * 1e3,
+                             "after_prefill_goal_ms": goal_ms,
+                             "ttft_ratio": statistics.median(d_ttft) / statistics.median(s_ttft),
                              "verified": failed == 0, "kv_max_error": worst})
                 if on_row is not None:
                     on_row(rows[-1])
     finally:
         prefill.stop()
     return {"backend": backend, "mode": mode, "layerwise": layerwise, "model": model_name, "iters": iters,
+            "device": device, "d2d_gbps": d2d / 1e9,
             "chunk_size": chunk, "tokens_per_block": TOKENS_PER_BLOCK, "rows": rows,
             "checksum": "off" if checksum is None else checksum.describe(),
             "verified": all(r["verified"] for r in rows), "kv_positions": kv_positions,
@@ -136,22 +167,28 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'prefill ms':>11} "
-          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>6} {'after prefill ms':>17} {'verify ms':>10} KV check")
+HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'ratio':>6} {'prefill ms':>11} "
+          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>7} {'after prefill ms':>17} {'control ms':>11} "
+          f"{'verify ms':>10} {'goal ms':>8} KV check")
 
 
 def format_row(r: dict[str, Any]) -> str:
     """One table line."""
+    goal = r.get("after_prefill_goal_ms")
     return (f"{r['prompt_tokens']:>7} {r['kv_bytes'] / 2**20:>7.2f} {r['single_ttft_ms']:>15.1f} "
-            f"{r['disagg_ttft_ms']:>15.1f} {r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
-            f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>6.2f} {r.get('after_prefill_ms', 0.0):>17.2f} "
-            f"{r.get('verify_ms', 0.0):>10.2f} {'ok' if r.get('verified', True) else 'MISMATCH'}"
+            f"{r['disagg_ttft_ms']:>15.1f} {r['disagg_ttft_ms'] / r['single_ttft_ms']:>6.3f} "
+            f"{r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
+            f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>7.1f} {r.get('after_prefill_ms', 0.0):>17.2f} "
+            f"{r.get('control_ms', 0.0):>11.2f} {r.get('verify_ms', 0.0):>10.2f} "
+            f"{'-' if goal is None else f'{goal:.2f}':>8} {'ok' if r.get('verified', True) else 'MISMATCH'}"
             f" {r.get('kv_max_error', 0.0):.0e}")
 
 
 def print_table(result: dict[str, Any]) -> None:
     """The figures as a plain table."""
-    print(f"kvxfer bench e2e: model {result['model']}, {result['backend']} {result['mode']}"
+    d2d = f" (D2D {result['d2d_gbps']:.0f} GB/s)" if result.get("d2d_gbps") else ""
+    print(f"kvxfer bench e2e: model {result['model']} on {result.get('device', 'cpu')}{d2d}, "
+          f"{result['backend']} {result['mode']}"
           f"{' layer-wise' if result['layerwise'] else ''}, chunk {result['chunk_size']}, median of {result['iters']}, "
           f"checksum {result.get('checksum', 'off')}")
     print(HEADER)
@@ -163,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvxfer bench e2e``."""
     ap = argparse.ArgumentParser(prog="kvxfer bench e2e", description=__doc__)
     ap.add_argument("--lengths", default="1024,4096", help="comma-separated prompt lengths (e.g. 1024,...,32768)")
-    ap.add_argument("--backend", default="auto", choices=("auto", *AUTO_PREFERENCE))
+    ap.add_argument("--backend", default="auto", choices=("auto", *AUTO_PREFERENCE, "cuda_ipc"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda:N (both workers and the baseline share it)")
+    ap.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="reference model preset")
     ap.add_argument("--mode", choices=("push", "pull"), default="push")
     ap.add_argument("--layerwise", action="store_true")
     ap.add_argument("--iters", type=int, default=2)
@@ -184,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.kv_positions < 1:
         raise ConfigError("--kv-positions must be >= 1")
     result = run(lengths, a.backend, a.mode, a.layerwise, a.iters, a.chunk_size, checksum=a.checksum,
-                 kv_positions=a.kv_positions)
+                 kv_positions=a.kv_positions, model_name=a.model, device=a.device)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2))

@@ -108,11 +108,16 @@ PRESETS: dict[str, ModelConfig] = {
                          intermediate_size=2816, vocab_size=32000, dtype="bfloat16"),
     "medium": ModelConfig(num_layers=32, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=128,
                           intermediate_size=5632, vocab_size=32000, rope_theta=500000.0, dtype="bfloat16"),
+    # The shapes of Llama-3.2-1B and Llama-3-8B (random weights): GPU TTFT benchmarks.
+    "llama-3.2-1b": ModelConfig(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+                                intermediate_size=8192, vocab_size=128256, rope_theta=500000.0, dtype="bfloat16"),
+    "llama-3-8b": ModelConfig(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                              intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, dtype="bfloat16"),
 }
 
 
 def preset(name: str) -> ModelConfig:
-    """The named preset (``tiny``, ``tiny-swa``, ``small``, ``medium``)."""
+    """The named preset (``tiny``, ``tiny-swa``, ``small``, ``medium``, ``llama-3.2-1b``, ``llama-3-8b``)."""
     try:
         return PRESETS[name]
     except KeyError:

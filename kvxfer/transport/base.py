@@ -168,13 +168,14 @@ class Transport(ABC):
         if notify is not None and (not isinstance(notify, bytes) or len(notify) > MAX_NOTIFY_BYTES):
             raise TransportError(f"{op} to peer {peer!r}: notify must be bytes of <= {MAX_NOTIFY_BYTES}, "
                                  f"got {type(notify).__name__} of {len(notify) if isinstance(notify, bytes) else '?'}")
-        local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
-        self._validate(local, self._regions, f"{op} with peer {peer!r}: local {'source' if op == 'write' else 'destination'}")
-        self._validate(remote, md.regions, f"{op} with peer {peer!r}: remote {'destination' if op == 'write' else 'source'}")
         src_regions, dst_regions = (self._regions, md.regions) if op == "write" else (md.regions, self._regions)
-        try:   # both sides are inside their regions now; this refuses destinations written twice
+        try:   # both sides inside their regions, no destination byte written twice: one pass each
             plan.validate(src_regions, dst_regions)
         except PageTableError as exc:
+            # Name the side that is wrong (local/remote); an overlap keeps the plan's own message.
+            local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
+            self._validate(local, self._regions, f"{op} with peer {peer!r}: local {'source' if op == 'write' else 'destination'}")
+            self._validate(remote, md.regions, f"{op} with peer {peer!r}: remote {'destination' if op == 'write' else 'source'}")
             raise PageTableError(f"{op} with peer {peer!r}: {exc}") from None
         return self._backend_post(op, peer, plan, notify, next(self._ids))
 
