@@ -2,13 +2,25 @@
 # The GPU check on the lent machine, in two calls (each under the 10-minute call limit):
 #   bash scripts/device_run.sh tests    # environment, `pytest -m gpu`, the GPU examples
 #   bash scripts/device_run.sh bench    # bench_gpu (cuda_ipc, nixl, raw NIXL; then ucx), bench_tiers on CUDA
+#   bash scripts/device_run.sh final    # `pytest -m gpu`, the demo on cuda:0, bench e2e at the Llama-3.2-1B shape
 # Carry .devwheels (made by ../shared/tools/device-wheels .devwheels plus blake3/pyzmq in .devwheels/extra).
 source scripts/device_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
 export UCX_LOG_LEVEL=error
 filter() { grep -v "NIXL INFO"; }
-if [ "${1:-tests}" = tests ]; then
+if [ "${1:-tests}" = final ]; then
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
+    python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.version.cuda, "transformers", transformers.__version__)'; } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+  echo "=== pytest -m gpu"
+  PYTHONPATH=$BOTH timeout 300 python3 -m pytest -m gpu -q -ra -p no:cacheprovider tests/ 2>&1 | filter | tee "$OUT/pytest_gpu.txt" | tail -40
+  echo "=== kvxfer demo --device cuda:0 --backend cuda_ipc --checksum full"
+  PYTHONPATH=$BOTH timeout 100 python3 -m kvxfer demo --device cuda:0 --backend cuda_ipc --checksum full --json > "$OUT/demo_cuda.json" 2> "$OUT/demo_cuda.err"
+  echo "demo exit $?"; python3 -c "import json; d=json.load(open('$OUT/demo_cuda.json')); print({k: d[k] for k in ('requests','mismatches','kv_mismatches','failed','ttft_ms_p50')}); print('transfer_ms per request:', [r['transfer_ms'] for r in d['rows']])" || tail -5 "$OUT/demo_cuda.err"
+  echo "=== bench e2e --device cuda:0 --backend cuda_ipc --model llama-3.2-1b"
+  PYTHONPATH=$BOTH timeout 150 python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc --model llama-3.2-1b --lengths 1024,4096,16384 --iters 3 --out "$OUT/e2e_1b.json" 2>&1 | filter | tail -8
+elif [ "${1:-tests}" = tests ]; then
   { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m;
     python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'; } > "$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
