@@ -375,5 +375,32 @@ def test_llama_3_2_1b_shape_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
                          prefill=prefill.address, layerwise=True) as decode:
         probe = PromptKVProbe(decode, model, monkeypatch)
         probe.dense_kv, probe.n_prompt = dense_kv, int(tokens.size)
-        assert decode.generate(tokens, NEW_TOKENS, timeout=60).tokens == expected
-        assert probe.checked == 1
+        got = decode.generate(tokens, NEW_TOKENS, timeout=60).tokens
+        assert probe.checked == 1   # decode's prompt K/V equal the model's own by position (bf16 tolerance)
+        assert_greedy_equal_but_for_near_ties(model, tokens, got, expected)
+
+
+#: A greedy step whose top-2 logits are closer than this (relative to the top logit: 4 bf16 ulps) is a
+#: near tie: any rounding difference (chunked vs one-shot prefill, another attention kernel) may flip it.
+BF16_NEAR_TIE = 4 * 2.0 ** -8
+
+
+def assert_greedy_equal_but_for_near_ties(model: HFModel, prompt_ids: np.ndarray, got: list[int],
+                                          expected: list[int]) -> None:
+    """``got`` equals ``expected`` (the model alone), or first differs at a step where the model alone,
+    fed the common prefix, had a near tie between its two best tokens (and ``got`` took the runner-up);
+    a difference at a decisive step fails. In bf16 with random weights near ties occur, so exact
+    equality of 32 tokens is not a property of a correct transfer; the K/V check by position is."""
+    assert len(got) == len(expected)
+    n = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), len(got))
+    if n == len(got):
+        return
+    ids = torch.from_numpy(np.concatenate([prompt_ids, np.asarray(expected[:n], dtype=np.int64)])).to(model.device)
+    with torch.inference_mode():
+        logits = model.hf(input_ids=ids[None], use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    top2 = torch.topk(logits, 2)
+    margin = float(top2.values[0] - top2.values[1])
+    assert int(top2.indices[0]) == expected[n], "the teacher-forced reference disagrees with dense_generate"
+    assert int(top2.indices[1]) == got[n] and margin <= BF16_NEAR_TIE * abs(float(top2.values[0])), (
+        f"token {n} differs at a decisive step: got {got[n]}, the model alone {expected[n]} "
+        f"(top-2 margin {margin:.4f} at logit {float(top2.values[0]):.3f})")
