@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -72,6 +73,31 @@ def test_push_pull_layerwise_prefix_hit_and_tp_across_processes(backend: str, pr
             assert res.bytes_moved > 0
         assert res.reused_tokens_decode == 48     # the last two hit decode's prefix tree
         assert decode.held_slots() == 0 and decode.num_open_caches() == 0
+
+
+def test_concurrent_connects_to_one_prefill_handshake_once(backend: str, prefill_process: WorkerProcess) -> None:
+    """Connects racing each other (a caller and the automatic reconnect, as the soak found after a prefill
+    restart) are serialised and the later ones find the connection made: two handshakes in flight
+    presented the same transport metadata twice, which the prefill's NIXL agent refused, dropping the
+    connection."""
+    cfg = WorkerConfig(f"ucx-decode-{os.getpid()}-{next(_names)}", backend=backend)
+    with DecodeWorker(cfg, SECRET) as decode:
+        errors: list[BaseException] = []
+
+        def connect() -> None:
+            try:
+                decode.connect(prefill_process.address, timeout=30.0)
+            except BaseException as exc:
+                errors.append(exc)
+        threads = [threading.Thread(target=connect) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert decode.connected
+        tokens = prompts(11, count=1)[0]
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=60, return_kv=KV), tokens, NEW)
 
 
 def test_killed_prefill_fails_in_flight_requests_and_decode_serves_on(backend: str) -> None:

@@ -64,6 +64,7 @@ from kvxfer.errors import (
     CacheStateError,
     CapacityError,
     ConfigError,
+    ControlTimeout,
     DecodeError,
     HandshakeRefused,
     IntegrityError,
@@ -171,6 +172,7 @@ class DecodeWorker(WorkerCounts):
         self._reconnect_error = ""   # why the last automatic reconnect attempt failed ("" before any)
         self._reconnecting: threading.Thread | None = None   # the automatic reconnect loop, while it runs
         self._reconnect_stop = threading.Event()
+        self._connect_lock = threading.Lock()
         self._waiting: list[_Job] = []   # requests waiting for a reconnect attempt (engine thread only)
         self._secret = secret
         self.managers = config.managers()
@@ -224,6 +226,19 @@ class DecodeWorker(WorkerCounts):
         """Connect (or reconnect) to the prefill worker at ``address``; requests in flight with a previous
         prefill fail. Raises AuthenticationError / HandshakeRefused (with the reason) / ControlTimeout."""
         wait = self.connect_timeout if timeout is None else timeout
+        # One connect at a time (the automatic reconnect runs on a thread of its own): a second handshake
+        # with the same prefill would present this transport's metadata twice, which NIXL rejects.
+        if not self._connect_lock.acquire(timeout=wait + 15.0):
+            raise ControlTimeout(f"decode {self.config.name}: another connect to a prefill did not finish within "
+                                 f"{wait + 15.0:.1f} s")
+        try:
+            if self.connected and self.prefill_address == address:
+                return   # the automatic reconnect got there first
+            self._connect(address, wait)
+        finally:
+            self._connect_lock.release()
+
+    def _connect(self, address: str, wait: float) -> None:
         identity = LocalIdentity("decode", self.config.name, self.layouts[0], self.config.backend,
                                  self.transport.metadata(), self.config.heartbeat_interval)
         conn = connect(address, identity, self._secret, timeout=wait, expect_role="prefill", versions=self.versions)
