@@ -26,7 +26,7 @@ if which == "nixl":
     from nixl_cu13._api import nixl_agent, nixl_agent_config
     cfg = nixl_agent_config(backends=["UCX"])
     a, b = nixl_agent("A", cfg), nixl_agent("B", cfg)
-    src = torch.arange(1 << 24, dtype=torch.uint8, device="cuda") 
+    src = torch.arange(1 << 24, dtype=torch.uint8, device="cuda")
     dst = torch.zeros(1 << 24, dtype=torch.uint8, device="cuda")
     a.register_memory([(src.data_ptr(), src.numel(), 0, "")], "VRAM")
     b.register_memory([(dst.data_ptr(), dst.numel(), 0, "")], "VRAM")
