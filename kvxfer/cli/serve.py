@@ -110,12 +110,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_worker_arguments(pre)
     dec = sub.add_parser("decode", help="serve clients, get KV from a prefill worker, generate")
     add_worker_arguments(dec)
-    dec.add_argument("--prefill", required=True, help="control address of the prefill worker")
+    dec.add_argument("--prefill", required=True, type=parse_prefills, metavar="ADDR[,ADDR...]",
+                     help="control address of the prefill worker, or a comma-separated list of them (xPyD: "
+                          "each request goes to the least loaded connected one)")
     dec.add_argument("--mode", choices=("push", "pull"), default="push")
     dec.add_argument("--layerwise", action="store_true", help="send each group of layers as soon as computed")
     dec.add_argument("--layers-per-send", type=int, default=1)
     dec.add_argument("--checksum", type=parse_checksum, default=None, metavar="off|full|every:K|sample:F",
                      help="verify each request's pages against a blake3 digest from prefill (default off)")
+
+
+def parse_prefills(text: str) -> str | list[str]:
+    """``--prefill``: one address, or a comma-separated list (a list of one is the single-prefill case)."""
+    addresses = [part.strip() for part in text.split(",")]
+    if not all(addresses):
+        raise argparse.ArgumentTypeError(f"--prefill: empty address in {text!r}")
+    if len(set(addresses)) != len(addresses):
+        raise argparse.ArgumentTypeError(f"--prefill: duplicate address in {text!r}")
+    return addresses[0] if len(addresses) == 1 else addresses
 
 
 def checked_model_name(text: str) -> str:
