@@ -4,6 +4,7 @@ events of real prefill workers), with load as the tie-breaker."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -139,3 +140,37 @@ def test_router_refuses_bad_settings() -> None:
         router.remove_worker("tcp://127.0.0.1:1")
         with pytest.raises(ConfigError, match="no prefill worker"):
             router.route([1, 2, 3])
+
+
+def test_a_decode_worker_with_a_router_sends_requests_to_their_prefix() -> None:
+    """``DecodeWorker(router=...)`` (what ``kvxfer serve decode --prefill-events`` builds): requests naming no
+    prefill follow the router, so every request of one prefix after the first hits that prefill's cache."""
+    zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with prefills_with_events(2, zctx) as workers:
+            router = KVRouter({w.address: ep for w, ep in workers}, tokens_per_block=TPB, zmq_context=zctx)
+            with DecodeWorker(WorkerConfig(name("decode"), num_blocks=256), SECRET,
+                              prefill=[w.address for w, _ in workers], router=router) as decode:
+                rng = np.random.default_rng(9)
+                system = rng.integers(0, 512, 4 * TPB)
+                first = decode.generate(np.concatenate([system, [7]]), NEW, timeout=60)
+                wait_for(lambda: router.cached_blocks(first.prefill) >= 4, "the prefix is announced")
+                for k in range(3):
+                    tokens = np.concatenate([system, rng.integers(0, 512, 5 + k)])
+                    res = decode.generate(tokens, NEW, timeout=60, return_kv=KV)
+                    assert res.prefill == first.prefill and res.reused_tokens_prefill == 4 * TPB
+                    assert_matches_reference(res, tokens, NEW)
+                assert all(s["in_flight"] == 0 for s in router.stats().values())
+            assert not router.running   # the worker closed its router
+    finally:
+        zctx.term()
+
+
+def test_serve_checks_prefill_events_against_prefills() -> None:
+    from kvxfer.cli.serve import kv_router, parse_prefills
+
+    args = argparse.Namespace(prefill=parse_prefills("tcp://a:1,tcp://b:2"), prefill_events=parse_prefills("tcp://a:3"))
+    with pytest.raises(ConfigError, match="1 endpoint"):
+        kv_router(args, WorkerConfig("x"))
+    args.prefill_events = None
+    assert kv_router(args, WorkerConfig("x")) is None

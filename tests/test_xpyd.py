@@ -108,7 +108,8 @@ def test_a_lost_prefill_fails_only_its_requests_and_an_added_one_serves_at_once(
                     assert target == pre[0].address, f"a request to the surviving prefill failed: {exc!r}"
                     assert isinstance(exc, PeerUnreachable), exc
                     continue
-                assert res.prefill == target
+                # A request still waiting to start when the loss was seen goes to the survivor instead.
+                assert res.prefill in (target, pre[1].address)
                 assert_matches_reference(res, tokens, NEW)
             assert all(f.result(timeout=1).prefill == pre[1].address for f, t in futures if t == pre[1].address)
             after = [decode.generate(t, NEW, timeout=60, return_kv=KV) for t in prompts(34, prefix=0, count=2)]

@@ -21,6 +21,7 @@ from kvxfer.cache.event_publisher import KVEventPublisher
 from kvxfer.cache.event_wire import EVENT_HASH_ALGOS, WIRE_FORMATS, WireContext
 from kvxfer.cli.output import ms, print_json
 from kvxfer.disagg.auth import SECRET_ENV, SECRET_FILE_ENV, AuthKey
+from kvxfer.disagg.router import KVRouter
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError, PeerUnreachable
@@ -113,6 +114,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     dec.add_argument("--prefill", required=True, type=parse_prefills, metavar="ADDR[,ADDR...]",
                      help="control address of the prefill worker, or a comma-separated list of them (xPyD: "
                           "each request goes to the least loaded connected one)")
+    dec.add_argument("--prefill-events", default=None, type=parse_prefills, metavar="ENDPOINT[,ENDPOINT...]",
+                     help="route by KV: the prefills' --kv-events endpoints, in --prefill's order; each request "
+                          "goes to the prefill holding the longest cached prefix of its prompt")
     dec.add_argument("--mode", choices=("push", "pull"), default="push")
     dec.add_argument("--layerwise", action="store_true", help="send each group of layers as soon as computed")
     dec.add_argument("--layers-per-send", type=int, default=1)
@@ -171,6 +175,18 @@ def _wait_for_signal(worker: Any) -> str | None:
     return None
 
 
+def kv_router(a: argparse.Namespace, cfg: WorkerConfig) -> KVRouter | None:
+    """The KV-aware router ``--prefill-events`` asks for (None without it)."""
+    if a.prefill_events is None:
+        return None
+    prefills = [a.prefill] if isinstance(a.prefill, str) else a.prefill
+    events = [a.prefill_events] if isinstance(a.prefill_events, str) else a.prefill_events
+    if len(events) != len(prefills):
+        raise ConfigError(f"--prefill-events: {len(events)} endpoint(s) for {len(prefills)} prefill address(es); "
+                          f"give one per --prefill address, in the same order")
+    return KVRouter(dict(zip(prefills, events, strict=True)), tokens_per_block=cfg.tokens_per_block)
+
+
 def serve(a: argparse.Namespace) -> int:
     """Run one worker until SIGTERM/SIGINT (exit 0) or until it turns unhealthy (exit ``EXIT_UNHEALTHY``);
     prints ``listening on ADDRESS`` once ready, then where its metrics and KV events are served."""
@@ -184,7 +200,7 @@ def serve(a: argparse.Namespace) -> int:
         worker = PrefillWorker(cfg, key, bind=a.listen)
     else:
         worker = DecodeWorker(cfg, key, prefill=a.prefill, bind=a.listen, mode=a.mode, layerwise=a.layerwise,
-                              layers_per_send=a.layers_per_send)
+                              layers_per_send=a.layers_per_send, router=kv_router(a, cfg))
     ops: OpsServer | None = None
     pump: EventPump | None = None
     try:

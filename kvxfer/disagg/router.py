@@ -265,6 +265,11 @@ class KVRouter:
             index.last_seq = seq
             index.apply(batch)
 
+    @property
+    def running(self) -> bool:
+        """Whether the subscriber thread still follows the workers' events."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the subscriber thread and close its sockets."""
         self._stop.set()

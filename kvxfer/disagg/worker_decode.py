@@ -43,6 +43,7 @@ from kvxfer.disagg.control import ControlServer, PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
 from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
+from kvxfer.disagg.router import KVRouter, Route
 from kvxfer.disagg.session import Session, SessionState
 from kvxfer.disagg.worker import (
     ComputeThread,
@@ -171,6 +172,8 @@ class _Job:
     conn: PeerConnection | None = None
     """The connection the request was sent over: only it may answer, and its loss fails the request."""
     src_layouts: list[CacheLayoutDesc] = field(default_factory=list)
+    route: Route | None = None
+    """The KV router's decision this request followed (counted in flight there until the KV is in place)."""
     caches: list[KVCache] = field(default_factory=list)
     skip: int = 0
     pushed: Message | None = None
@@ -193,11 +196,12 @@ class DecodeWorker(WorkerCounts):
     def __init__(self, config: WorkerConfig, secret: Secret = None, *, prefill: str | Sequence[str] | None = None,
                  bind: str | None = None, mode: str = "push", layerwise: bool = False, layers_per_send: int = 1,
                  transport_options: dict[str, Any] | None = None, versions: tuple[int, int] = SUPPORTED_VERSIONS,
-                 connect_timeout: float = 5.0, model: Model | None = None) -> None:
+                 connect_timeout: float = 5.0, model: Model | None = None, router: KVRouter | None = None) -> None:
         """``prefill``: one address (connected now; failing raises) or a list of them (each connected now; one
         that cannot be reached keeps reconnecting in the background, a refusal raises, and so does a list
         none of which is reachable). ``model``: an already loaded model (default: ``config.model`` loaded
-        on ``config.device``)."""
+        on ``config.device``). ``router``: a KV-aware router over (some of) these prefills' addresses;
+        requests that name no prefill go where it says (when connected); the worker closes it."""
         if mode not in MODES:
             raise ConfigError(f"DecodeWorker.mode must be one of {MODES}, got {mode!r}")
         if isinstance(layers_per_send, bool) or not isinstance(layers_per_send, int) or layers_per_send <= 0:
@@ -208,6 +212,7 @@ class DecodeWorker(WorkerCounts):
         self.connect_timeout = connect_timeout
         self._prefills: dict[str, _Prefill] = {}   # by address, in the order added (engine thread only)
         self._rotation = 0   # rotates the choice among equally loaded prefills
+        self.router = router
         self._reconnect_stop = threading.Event()
         self._waiting: list[_Job] = []   # requests waiting for the first attempt (engine thread only)
         self._secret = secret
@@ -227,6 +232,8 @@ class DecodeWorker(WorkerCounts):
         except BaseException:
             for m in self.managers:
                 m.shutdown()
+            if router is not None:
+                router.close()
             raise
         self._jobs: dict[str, _Job] = {}
         self._zombies: dict[str, _Job] = {}
@@ -437,6 +444,8 @@ class DecodeWorker(WorkerCounts):
         if self._accepting is not None:
             self._accepting.join(5.0)
         self.transport.close()
+        if self.router is not None:
+            self.router.close()
         for m in self.managers:
             m.shutdown()
 
@@ -626,8 +635,12 @@ class DecodeWorker(WorkerCounts):
         live = [p for p in self._prefills.values() if p.alive]
         if not live:
             return None
-        if job.prefer is not None:
-            chosen = self._prefills.get(job.prefer)
+        prefer = job.prefer
+        if prefer is None and self.router is not None and self.router.workers:
+            job.route = self.router.route(job.tokens)
+            prefer = job.route.address
+        if prefer is not None:
+            chosen = self._prefills.get(prefer)
             if chosen is not None and chosen.alive:
                 return chosen
         self._rotation += 1
@@ -825,6 +838,7 @@ class DecodeWorker(WorkerCounts):
         arrived = now()
         job.session.done("KV in place")
         self._jobs.pop(job.request_id, None)
+        self._route_done(job)
         try:
             for cache in job.caches:
                 # Release the sliding-window pages the prompt no longer needs before they are committed:
@@ -900,6 +914,7 @@ class DecodeWorker(WorkerCounts):
         ``quarantine_until`` either: a lost prefill may still be writing)."""
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
+        self._route_done(job)
         self.counts["failed"] += 1
         if not job.session.terminal:
             job.session.fail(f"{type(error).__name__}: {error}")
@@ -919,6 +934,12 @@ class DecodeWorker(WorkerCounts):
             self._zombies[job.request_id] = job
         else:
             self._close_caches(job)
+
+    def _route_done(self, job: _Job) -> None:
+        """The request no longer waits on its prefill: it stops counting as load at the router."""
+        route, job.route = job.route, None
+        if route is not None and self.router is not None:
+            self.router.finished(route)
 
     def _bury(self, job: _Job) -> None:
         self._zombies.pop(job.request_id, None)
