@@ -169,7 +169,8 @@ def test_a_decode_worker_with_a_router_sends_requests_to_their_prefix() -> None:
 def test_serve_checks_prefill_events_against_prefills() -> None:
     from kvxfer.cli.serve import kv_router, parse_prefills
 
-    args = argparse.Namespace(prefill=parse_prefills("tcp://a:1,tcp://b:2"), prefill_events=parse_prefills("tcp://a:3"))
+    args = argparse.Namespace(prefill=parse_prefills("tcp://a:1,tcp://b:2"), prefill_events=parse_prefills("tcp://a:3"),
+                              etcd=None, kv_route=False)
     with pytest.raises(ConfigError, match="1 endpoint"):
         kv_router(args, WorkerConfig("x"))
     args.prefill_events = None
