@@ -13,7 +13,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
+import zmq
 
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.disagg.discovery import (
@@ -24,6 +26,7 @@ from kvxfer.disagg.discovery import (
     key_of,
     register_worker,
 )
+from kvxfer.disagg.router import KVRouter
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
@@ -37,6 +40,7 @@ from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
     name,
     prompts,
 )
+from tests.test_router import prefills_with_events
 
 ETCD = shutil.which("etcd")
 pytestmark = pytest.mark.skipif(ETCD is None, reason="needs an etcd server binary: apt-get install etcd-server")
@@ -158,3 +162,38 @@ def test_a_killed_prefill_process_expires_from_etcd(etcd_url: str) -> None:
         watcher.close()
         proc.stop()
     assert len(removed) == 1
+
+
+def test_a_routing_decode_learns_event_endpoints_from_etcd(etcd_url: str) -> None:
+    """``serve decode --etcd --kv-route``: the router follows the event endpoints prefills registered, so
+    a prefix's later requests go to the prefill that computed it; a deregistered prefill leaves both."""
+    etcd = EtcdClient(etcd_url)
+    cluster = f"r{os.getpid()}-{time.monotonic_ns()}"
+    zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with prefills_with_events(2, zctx) as workers:
+            regs = [register_worker(w, etcd, cluster, events=ep) for w, ep in workers]
+            router = KVRouter({}, tokens_per_block=16, zmq_context=zctx)
+            try:
+                with DecodeWorker(WorkerConfig(name("decode")), SECRET, router=router) as decode:
+                    watcher = follow_prefills(decode, etcd, cluster, router=router)
+                    try:
+                        wait_for(lambda: len(router.workers) == 2 and len(decode.prefills) == 2, "both are followed")
+                        system = np.random.default_rng(3).integers(0, 512, 64)
+                        first = decode.generate(np.concatenate([system, [1]]), NEW, timeout=60)
+                        wait_for(lambda: router.cached_blocks(first.prefill) >= 4, "the prefix is announced")
+                        tokens = np.concatenate([system, [2, 3]])
+                        again = decode.generate(tokens, NEW, timeout=60, return_kv=KV)
+                        assert again.prefill == first.prefill and again.reused_tokens_prefill == 64
+                        assert_matches_reference(again, tokens, NEW)
+                        gone = next(r for r, (w, _) in zip(regs, workers, strict=True) if w.address == first.prefill)
+                        gone.close()
+                        wait_for(lambda: first.prefill not in router.workers and first.prefill not in decode.prefills,
+                                 "the deregistered prefill leaves the router and the decode")
+                    finally:
+                        watcher.close()
+            finally:
+                for r in regs:
+                    r.close()
+    finally:
+        zctx.term()
