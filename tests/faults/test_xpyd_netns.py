@@ -3,6 +3,12 @@ its own, joined to this one by a veth pair, and UCX is limited to TCP over the v
 (``UCX_TLS=tcp``), so every KV byte crosses a real network path. Needs root and ``ip netns`` (skipped
 with the reason otherwise). Same checks as the 127.0.0.1 run: the KV oracle on every request, a SIGKILL
 and a join, 0 wrong, nothing held.
+
+The decode workers are processes too (``kvxfer serve decode``), started after the namespaces exist: UCX
+caches the routing table when a process first uses it, so a decode in this (pytest) process, whose UCX
+may have started in an earlier test, would find no route into a namespace made later. The fourth
+prefill's address is in the decode's ``--prefill`` list from the start: unreachable at first (its
+reconnect loop retries it), it is used as soon as a prefill listens there (the join).
 """
 
 from __future__ import annotations
@@ -12,22 +18,17 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from kvxfer.cli.demo import WorkerProcess
-from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_client import query_status
-from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
-from kvxfer.errors import KvxferError, PeerUnreachable
-from tests.faults.conftest import assert_settled
+from kvxfer.disagg.worker_client import ClientResult, GenerateClient, query_status
 from tests.faults.test_process_faults import (  # noqa: F401 (autouse child check)
     HEARTBEAT_LIMIT,
     LEASE_S,
     MARGIN,
-    RECONNECT_S,
     SECRET,
     _no_child_left,
     _started,
@@ -91,30 +92,30 @@ def nodes() -> Iterator[list[tuple[str, str, str]]]:
                 _ip("link", "del", host)
 
 
-def spawn_in(node: tuple[str, str, str]) -> WorkerProcess:
+PORT = 7000
+
+
+def env_for(devices: list[str]) -> dict[str, str]:
+    return {**os.environ, "KVXFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            "UCX_TLS": "tcp", "UCX_NET_DEVICES": ",".join(devices),
+            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+
+
+def spawn_in(node: tuple[str, str, str], worker: str) -> WorkerProcess:
+    """A prefill named ``worker`` in ``node``'s namespace, on its address and ``PORT``."""
     ns, address, host = node
-    env = {**os.environ, "KVXFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "UCX_TLS": "tcp", "UCX_NET_DEVICES": host.replace("h", "p", 1),
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = WorkerProcess(["prefill", "--backend", "nixl", "--name", name("prefill"),
-                          "--listen", f"tcp://{address}:0"], env, 60.0, prefix=("ip", "netns", "exec", ns))
+    proc = WorkerProcess(["prefill", "--backend", "nixl", "--name", worker, "--listen", f"tcp://{address}:{PORT}"],
+                         env_for([host.replace("h", "p", 1)]), 60.0, prefix=("ip", "netns", "exec", ns))
     _started.append(proc)
     return proc
 
 
-@contextlib.contextmanager
-def ucx_over(devices: list[str]) -> Iterator[None]:
-    """UCX settings for the transports created inside: TCP only, on these devices (restored after)."""
-    saved = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES")}
-    os.environ.update(UCX_TLS="tcp", UCX_NET_DEVICES=",".join(devices))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def spawn_decode(prefills: list[str], devices: list[str]) -> WorkerProcess:
+    proc = WorkerProcess(["decode", "--backend", "nixl", "--name", name("decode"), "--listen", "tcp://127.0.0.1:0",
+                          "--lease", str(LEASE_S), "--blocks", "512", "--prefill", ",".join(prefills)],
+                         env_for(devices), 90.0)
+    _started.append(proc)
+    return proc
 
 
 def rx_bytes(device: str) -> int:
@@ -123,64 +124,75 @@ def rx_bytes(device: str) -> int:
         return int(f.read())
 
 
+def run_all(clients: list[GenerateClient], prompts_of: list[list[np.ndarray]]) -> list[tuple[ClientResult, np.ndarray]]:
+    """Submit every client's prompts at once (with ``return_kv``), then collect every answer."""
+    sent = [{c.submit(t, NEW, return_kv=KV): t for t in ps} for c, ps in zip(clients, prompts_of, strict=True)]
+    out = []
+    for c, ids in zip(clients, sent, strict=True):
+        for _ in ids:
+            res = c.recv(120.0)
+            out.append((res, ids[res.request_id]))
+    return out
+
+
 def test_three_prefill_nodes_two_decodes_across_namespaces(nodes: list[tuple[str, str, str]]) -> None:
+    names = [name("prefill") for _ in nodes]
+    addresses = [f"tcp://{address}:{PORT}" for _, address, _ in nodes]
     procs: list[WorkerProcess] = []
     joined: WorkerProcess | None = None
-    decodes: list[DecodeWorker] = []
+    decodes: list[WorkerProcess] = []
+    clients: list[GenerateClient] = []
     try:
         with ThreadPoolExecutor(3) as pool:
-            procs = list(pool.map(spawn_in, nodes[:3]))
-        addresses = [p.address for p in procs]
-        with ucx_over([host for _, _, host in nodes]):
-            for _ in range(2):
-                decodes.append(DecodeWorker(WorkerConfig(name("decode"), backend="nixl", num_blocks=512,
-                                                         lease_s=LEASE_S), SECRET, prefill=addresses,
-                                            connect_timeout=RECONNECT_S))
+            procs = list(pool.map(spawn_in, nodes[:3], names[:3]))
+        with ThreadPoolExecutor(2) as pool:   # the 4th address does not answer yet: each start waits for it once
+            decodes = list(pool.map(lambda _: spawn_decode(addresses, [h for _, _, h in nodes]), range(2)))
+        clients = [GenerateClient(d.address, SECRET) for d in decodes]
         before = sum(rx_bytes(host) for _, _, host in nodes)
-        warm = [(d.submit(t, NEW, return_kv=KV), t) for d in decodes for t in prompts(90, prefix=0, count=3)]
-        for fut, tokens in warm:
-            assert_matches_reference(fut.result(timeout=90), tokens, NEW)
-        moved = sum(fut.result().bytes_moved for fut, _ in warm)
+        warm = run_all(clients, [prompts(90 + i, prefix=0, count=3) for i in range(2)])
+        for res, tokens in warm:
+            assert res.ok, res.error
+            assert_matches_reference(res, tokens, NEW)
+        assert {r.stats["prefill"] for r, _ in warm} == set(addresses[:3])
+        moved = sum(int(r.stats["bytes_moved"]) for r, _ in warm)
         # The KV crossed the veth links (pushed by prefill from its namespace), not shared memory.
         assert sum(rx_bytes(host) for _, _, host in nodes) - before >= moved > 0
-        assert {fut.result().prefill for fut, _ in warm} == set(addresses)
 
         victim = procs[0]
         rng = np.random.default_rng(91)
-        sent: list[tuple[Future[GenerationResult], np.ndarray, str]] = []
-        for i in range(9):
-            target = addresses[i % 3]
-            tokens = rng.integers(0, 512, 1500 if target == victim.address else 300)
-            sent.append((decodes[i % 2].submit(tokens, NEW, return_kv=KV, prefill=target), tokens, target))
+        longs = [[rng.integers(0, 512, 1200) for _ in range(6)] for _ in clients]
+        sent = [{c.submit(t, NEW, return_kv=KV): t for t in ps} for c, ps in zip(clients, longs, strict=True)]
         wait_until(lambda: int(query_status(victim.address, SECRET)["jobs"]) > 0, 30, "the victim works")
         victim.kill()
         failed = 0
-        for fut, tokens, target in sent:
-            try:
-                got = fut.result(timeout=90)
-            except KvxferError as exc:
-                assert target == victim.address and isinstance(exc, PeerUnreachable), exc
-                failed += 1
-                continue
-            assert_matches_reference(got, tokens, NEW)
+        for c, ids in zip(clients, sent, strict=True):
+            for _ in ids:
+                res = c.recv(120.0)
+                if res.ok:
+                    assert_matches_reference(res, ids[res.request_id], NEW)
+                else:   # only requests the killed prefill was serving
+                    assert "PeerUnreachable" in res.error and names[0] in res.error, res.error
+                    failed += 1
         assert failed >= 1
 
-        joined = spawn_in(nodes[3])
+        joined = spawn_in(nodes[3], names[3])
         for d in decodes:
-            d.add_prefill(joined.address)
-        fresh = [(d.submit(t, NEW, return_kv=KV), t) for d in decodes for t in prompts(92, prefix=0, count=3)]
-        results = [fut.result(timeout=90) for fut, _ in fresh]
-        for res, (_, tokens) in zip(results, fresh, strict=True):
+            wait_until(lambda d=d: int(query_status(d.address, SECRET)["prefills_connected"]) == 3,  # type: ignore[misc]
+                       10, "the decode connects to the prefill that joined")
+        fresh = run_all(clients, [prompts(93 + i, prefix=0, count=3) for i in range(2)])
+        for res, tokens in fresh:
+            assert res.ok, res.error
             assert_matches_reference(res, tokens, NEW)
-        assert joined.address in {r.prefill for r in results} and victim.address not in {r.prefill for r in results}
+        served = {r.stats["prefill"] for r, _ in fresh}
+        assert addresses[3] in served and addresses[0] not in served
         for d in decodes:
-            wait_until(lambda d=d: d.held_slots() == 0, HEARTBEAT_LIMIT + 3 * LEASE_S + MARGIN,  # type: ignore[misc]
-                       "decode frees the lost prefill's quarantined blocks")
-            assert_settled(d, timeout=MARGIN)
+            wait_until(lambda d=d: all(int(query_status(d.address, SECRET)[k]) == 0  # type: ignore[misc]
+                                       for k in ("held_slots", "jobs", "zombies")),
+                       HEARTBEAT_LIMIT + 3 * LEASE_S + MARGIN, "decode frees every block")
         for p in [*procs[1:], joined]:
             wait_until(lambda p=p: int(query_status(p.address, SECRET)["held_slots"]) == 0,  # type: ignore[misc]
                        MARGIN, f"prefill {p.address} frees every block")
     finally:
-        for d in decodes:
-            d.close()
-        reap(*procs, joined)
+        for c in clients:
+            c.close()
+        reap(*decodes, *procs, joined)
