@@ -172,7 +172,7 @@ def test_a_routing_decode_learns_event_endpoints_from_etcd(etcd_url: str) -> Non
     zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         with prefills_with_events(2, zctx) as workers:
-            regs = [register_worker(w, etcd, cluster, events=ep) for w, ep in workers]
+            regs = [register_worker(w, etcd, cluster, events=ep, replay=rp) for w, ep, rp in workers]
             router = KVRouter({}, tokens_per_block=16, zmq_context=zctx)
             try:
                 with DecodeWorker(WorkerConfig(name("decode")), SECRET, router=router) as decode:
@@ -186,7 +186,7 @@ def test_a_routing_decode_learns_event_endpoints_from_etcd(etcd_url: str) -> Non
                         again = decode.generate(tokens, NEW, timeout=60, return_kv=KV)
                         assert again.prefill == first.prefill and again.reused_tokens_prefill == 64
                         assert_matches_reference(again, tokens, NEW)
-                        gone = next(r for r, (w, _) in zip(regs, workers, strict=True) if w.address == first.prefill)
+                        gone = next(r for r, (w, _, _) in zip(regs, workers, strict=True) if w.address == first.prefill)
                         gone.close()
                         wait_for(lambda: first.prefill not in router.workers and first.prefill not in decode.prefills,
                                  "the deregistered prefill leaves the router and the decode")

@@ -43,18 +43,20 @@ def wait_for(cond: Callable[[], bool], what: str, limit: float = 10.0) -> None:
 
 
 @contextmanager
-def prefills_with_events(count: int, zctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[list[tuple[PrefillWorker, str]]]:
-    """``count`` prefill workers, each publishing its rank-0 cache's KV events as ``kvxfer serve --kv-events``."""
+def prefills_with_events(count: int, zctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[list[tuple[PrefillWorker, str, str]]]:
+    """``count`` prefill workers, each publishing its rank-0 cache's KV events as ``kvxfer serve --kv-events
+    --kv-events-replay``: (worker, events endpoint, replay endpoint)."""
     with ExitStack() as stack:
         out = []
         for _ in range(count):
             worker = stack.enter_context(PrefillWorker(WorkerConfig(name("prefill"), num_blocks=128), SECRET))
             manager = worker.managers[0]
             publisher = stack.enter_context(KVEventPublisher("tcp://127.0.0.1:*", zmq_context=zctx,
-                                                             context=WireContext.for_manager(manager)))
+                                                             context=WireContext.for_manager(manager),
+                                                             replay_endpoint="tcp://127.0.0.1:*"))
             pump = EventPump(publisher, manager, worker.engine, 0.01)
             stack.callback(pump.close)
-            out.append((worker, publisher.endpoint))
+            out.append((worker, publisher.endpoint, publisher.replay_endpoint or ""))
         yield out
 
 
@@ -92,10 +94,10 @@ def test_requests_follow_their_prefix_and_ties_go_to_the_least_loaded() -> None:
     zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         with prefills_with_events(2, zctx) as workers, \
-                KVRouter({w.address: ep for w, ep in workers}, tokens_per_block=TPB, zmq_context=zctx) as router, \
+                KVRouter({w.address: ep for w, ep, _ in workers}, tokens_per_block=TPB, zmq_context=zctx) as router, \
                 DecodeWorker(WorkerConfig(name("decode"), num_blocks=256), SECRET,
-                             prefill=[w.address for w, _ in workers]) as decode:
-            addresses = [w.address for w, _ in workers]
+                             prefill=[w.address for w, _, _ in workers]) as decode:
+            addresses = [w.address for w, _, _ in workers]
             rng = np.random.default_rng(5)
             system = [rng.integers(0, 512, 6 * TPB) for _ in range(2)]
             # Nothing cached: equal matches, so the load decides (the first request is still in flight).
@@ -148,9 +150,9 @@ def test_a_decode_worker_with_a_router_sends_requests_to_their_prefix() -> None:
     zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         with prefills_with_events(2, zctx) as workers:
-            router = KVRouter({w.address: ep for w, ep in workers}, tokens_per_block=TPB, zmq_context=zctx)
+            router = KVRouter({w.address: ep for w, ep, _ in workers}, tokens_per_block=TPB, zmq_context=zctx)
             with DecodeWorker(WorkerConfig(name("decode"), num_blocks=256), SECRET,
-                              prefill=[w.address for w, _ in workers], router=router) as decode:
+                              prefill=[w.address for w, _, _ in workers], router=router) as decode:
                 rng = np.random.default_rng(9)
                 system = rng.integers(0, 512, 4 * TPB)
                 first = decode.generate(np.concatenate([system, [7]]), NEW, timeout=60)
@@ -175,3 +177,26 @@ def test_serve_checks_prefill_events_against_prefills() -> None:
         kv_router(args, WorkerConfig("x"))
     args.prefill_events = None
     assert kv_router(args, WorkerConfig("x")) is None
+
+
+def test_a_router_joining_late_learns_earlier_blocks_by_replay() -> None:
+    """Blocks stored before the router subscribed reach it only through the publisher's replay endpoint:
+    a router given it knows the prefix at once; one without it (the control) never hears of it."""
+    zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with prefills_with_events(1, zctx) as workers:
+            (worker, events, replay), = workers
+            with DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=worker.address) as decode:
+                tokens = np.random.default_rng(4).integers(0, 512, 5 * TPB + 3)
+                decode.generate(tokens, 2, timeout=60)
+                wait_for(lambda: worker.status()["jobs"] == 0, "prefill is done with the request")
+                time.sleep(0.1)   # the event pump (every 0.01 s) has published the stores
+                with KVRouter({worker.address: events}, tokens_per_block=TPB, zmq_context=zctx) as blind, \
+                        KVRouter({}, tokens_per_block=TPB, zmq_context=zctx) as late:
+                    late.add_worker(worker.address, events, replay)
+                    wait_for(lambda: late.cached_blocks(worker.address) >= 5, "the replay brings the stored blocks")
+                    assert late.route(tokens).cached_blocks == 5
+                    assert blind.cached_blocks(worker.address) == 0 and blind.route(tokens).cached_blocks == 0
+                    assert late.stats()[worker.address]["gaps"] == 0
+    finally:
+        zctx.term()

@@ -242,7 +242,8 @@ def serve(a: argparse.Namespace) -> int:
             if a.role == "decode":
                 watcher = follow_prefills(worker, etcd, a.cluster, router=worker.router)
             registration = register_worker(worker, etcd, a.cluster, ttl_s=a.etcd_ttl,
-                                           events=pump.publisher.endpoint if pump is not None else "")
+                                           events=pump.publisher.endpoint if pump is not None else "",
+                                           replay=(pump.publisher.replay_endpoint or "") if pump is not None else "")
             print(f"kvxfer {a.role} {cfg.name}: registered in etcd {a.etcd} as {registration.key}", flush=True)
         unhealthy = _wait_for_signal(worker)
     finally:

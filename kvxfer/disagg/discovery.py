@@ -18,7 +18,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvxfer.errors import ConfigError, PeerUnreachable, ProtocolError
@@ -100,6 +100,8 @@ class WorkerRecord:
     load: int = 0
     events: str = ""
     """Its KV events endpoint ("" when it publishes none)."""
+    replay: str = ""
+    """Its KV events replay endpoint ("" when it answers none)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -109,7 +111,7 @@ class WorkerRecord:
         try:
             d = json.loads(text)
             return cls(str(d["role"]), str(d["name"]), str(d["address"]), str(d["fingerprint"]), int(d.get("load", 0)),
-                       str(d.get("events", "")))
+                       str(d.get("events", "")), str(d.get("replay", "")))
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"discovery record is not a worker record: {exc}: {text!r:.200}") from exc
 
@@ -144,8 +146,7 @@ class Registration:
     def _put(self, lease: str) -> None:
         record = self.record
         if self._load is not None:
-            record = WorkerRecord(record.role, record.name, record.address, record.fingerprint, self._load(),
-                                  record.events)
+            record = replace(record, load=self._load())
         self.client.put(self.key, record.to_json(), lease)
 
     def _run(self) -> None:
@@ -230,7 +231,8 @@ class PeerWatcher:
         self._thread.join(self.client.timeout_s * 3 + 1.0)
 
 
-def register_worker(worker: Any, client: EtcdClient, cluster: str, *, events: str = "", ttl_s: int = 3) -> Registration:
+def register_worker(worker: Any, client: EtcdClient, cluster: str, *, events: str = "", replay: str = "",
+                    ttl_s: int = 3) -> Registration:
     """Register a running prefill or decode worker (its ``address``, role, rank-0 layout fingerprint, and
     its requests in flight as load)."""
     status = worker.status()
@@ -239,7 +241,7 @@ def register_worker(worker: Any, client: EtcdClient, cluster: str, *, events: st
         return int(worker.status()["jobs"])
 
     record = WorkerRecord(str(status["role"]), worker.config.name, str(worker.address),
-                          worker.layouts[0].fingerprint.hex(), int(status["jobs"]), events)
+                          worker.layouts[0].fingerprint.hex(), int(status["jobs"]), events, replay)
     return Registration(client, cluster, record, ttl_s=ttl_s, load=load)
 
 
@@ -253,7 +255,7 @@ def follow_prefills(decode: Any, client: EtcdClient, cluster: str, *, router: An
         if record.address not in decode.prefills:
             decode.add_prefill(record.address)
         if router is not None and record.events and record.address not in router.workers:
-            router.add_worker(record.address, record.events)
+            router.add_worker(record.address, record.events, record.replay or None)
         log.info("%s: prefill %s at %s joined (etcd)", decode.config.name, record.name, record.address)
 
     def removed(record: WorkerRecord) -> None:

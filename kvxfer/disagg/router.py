@@ -7,7 +7,10 @@ cache does (``kvxfer.cache.hashing.block_keys`` from the scope's root, published
 ``block_hash_for_event``), counts for each worker how many leading blocks it holds, and picks the worker
 with the most; ties go to the worker with the fewest requests this router has in flight there, then
 rotate. Blocks of sliding-window layer groups do not count (a window drops early blocks, so they say
-nothing about a reusable prefix). The choice is a preference: the decode worker falls back to the least
+nothing about a reusable prefix). Events published before the subscription is live are missed (ZeroMQ
+PUB/SUB); a worker added with its replay endpoint (``kvxfer serve --kv-events-replay``) is first asked for
+every batch its publisher still buffers, live batches are held meanwhile, and each batch is applied once,
+in sequence order. The choice is a preference: the decode worker falls back to the least
 loaded connected prefill when the chosen one is gone (``DecodeWorker.submit(prefill=...)``).
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +27,7 @@ import msgspec
 import numpy.typing as npt
 import zmq
 
+from kvxfer.cache.event_publisher import END_SEQ
 from kvxfer.cache.event_wire import (
     KIND_SLIDING,
     AllBlocksCleared,
@@ -45,6 +50,8 @@ log = logging.getLogger("kvxfer.disagg.router")
 
 #: How often the subscriber thread looks up from its sockets (to add/remove workers, or stop).
 POLL_S = 0.05
+#: How long a worker's replay may take before the router gives up on it and uses the live events alone.
+REPLAY_TIMEOUT_S = 2.0
 
 
 def request_block_hashes(tokens: npt.ArrayLike, tokens_per_block: int, *, hash_algo: str = DEFAULT_HASH_ALGO,
@@ -69,6 +76,9 @@ class WorkerIndex:
     gaps: int = 0
     """Sequence numbers skipped (batches lost to the subscriber: its view may miss blocks)."""
     last_seq: int = -1
+    replaying: bool = False
+    held: list[tuple[int, KVEventBatch]] = field(default_factory=list)
+    """Live batches received while the replay runs (applied after it, in order)."""
 
     def apply(self, batch: KVEventBatch) -> None:
         """Fold one batch of events into the index."""
@@ -132,7 +142,8 @@ class KVRouter:
         self._index: dict[str, WorkerIndex] = {}
         self._load: dict[str, int] = {}
         self._endpoints: dict[str, str] = {}
-        self._pending: list[tuple[str, str | None]] = []   # (address, endpoint or None to remove), for the thread
+        self._pending: list[tuple[str, str | None, str | None]] = []   # (address, endpoint or None to remove,
+        # replay endpoint), for the thread
         self._rotation = 0
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -143,15 +154,16 @@ class KVRouter:
         self._thread.start()
 
     # --- workers ----------------------------------------------------------------------------------
-    def add_worker(self, address: str, endpoint: str) -> None:
-        """Route to the prefill at ``address`` too, learning its cache from the events at ``endpoint``."""
+    def add_worker(self, address: str, endpoint: str, replay: str | None = None) -> None:
+        """Route to the prefill at ``address`` too, learning its cache from the events at ``endpoint`` (and
+        first from what its publisher's ``replay`` endpoint still buffers, when given)."""
         with self._lock:
             if address in self._endpoints:
                 raise ConfigError(f"KVRouter: worker {address} is already routed to")
             self._endpoints[address] = endpoint
-            self._index[address] = WorkerIndex()
+            self._index[address] = WorkerIndex(replaying=replay is not None)
             self._load[address] = 0
-            self._pending.append((address, endpoint))
+            self._pending.append((address, endpoint, replay))
 
     def remove_worker(self, address: str) -> bool:
         """Stop routing to ``address`` (a lost prefill) and forget its cache. False when unknown."""
@@ -159,7 +171,7 @@ class KVRouter:
             if self._endpoints.pop(address, None) is None:
                 return False
             del self._index[address], self._load[address]
-            self._pending.append((address, None))
+            self._pending.append((address, None, None))
             return True
 
     @property
@@ -208,44 +220,76 @@ class KVRouter:
 
     # --- subscriber thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        sockets: dict[str, zmq.Socket[Any]] = {}
+        sockets: dict[str, list[zmq.Socket[Any]]] = {}   # per worker: SUB, then the replay DEALER while it runs
+        replay_until: dict[str, float] = {}
         poller = zmq.Poller()
+
+        def drop(address: str, sock: zmq.Socket[Any]) -> None:
+            poller.unregister(sock)
+            sock.close(0)
+            sockets[address].remove(sock)
+
         try:
             while not self._stop.is_set():
                 with self._lock:
                     pending, self._pending = self._pending, []
-                for address, endpoint in pending:
-                    old = sockets.pop(address, None)
-                    if old is not None:
-                        poller.unregister(old)
-                        old.close(0)
-                    if endpoint is not None:
-                        sock: zmq.Socket[Any] = self._zmq.socket(zmq.SUB)
-                        sock.setsockopt(zmq.LINGER, 0)
-                        sock.setsockopt(zmq.SUBSCRIBE, self._topic)
-                        sock.connect(endpoint)
-                        sockets[address] = sock
-                        poller.register(sock, zmq.POLLIN)
+                for address, endpoint, replay in pending:
+                    for old in list(sockets.get(address, [])):
+                        drop(address, old)
+                    sockets.pop(address, None)
+                    if endpoint is None:
+                        continue
+                    sub: zmq.Socket[Any] = self._zmq.socket(zmq.SUB)
+                    sub.setsockopt(zmq.LINGER, 0)
+                    sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+                    sub.connect(endpoint)
+                    sockets[address] = [sub]
+                    poller.register(sub, zmq.POLLIN)
+                    if replay is not None:   # after the SUB: what it misses meanwhile, the replay has
+                        dealer: zmq.Socket[Any] = self._zmq.socket(zmq.DEALER)
+                        dealer.setsockopt(zmq.LINGER, 0)
+                        dealer.connect(replay)
+                        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+                        replay_until[address] = time.monotonic() + REPLAY_TIMEOUT_S
+                        sockets[address].append(dealer)
+                        poller.register(dealer, zmq.POLLIN)
                 ready = dict(poller.poll(int(POLL_S * 1000))) if sockets else {}
                 if not sockets:
                     self._stop.wait(POLL_S)
-                for address, sock in list(sockets.items()):
-                    if sock not in ready:
-                        continue
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._receive(address, frames)
+                for address, until in list(replay_until.items()):
+                    socks = sockets.get(address, [])
+                    if len(socks) < 2:
+                        del replay_until[address]
+                    elif time.monotonic() >= until and socks[1] not in ready:
+                        log.warning("KV router: %s did not finish its replay within %.1f s; using live events only",
+                                    address, REPLAY_TIMEOUT_S)
+                        drop(address, socks[1])
+                        del replay_until[address]
+                        self._replayed(address)
+                for address, socks in list(sockets.items()):
+                    for sock in list(socks):
+                        if sock not in ready:
+                            continue
+                        replayed = sock.type == zmq.DEALER
+                        while True:
+                            try:
+                                frames = sock.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            if replayed and len(frames) == 3 and frames[1] == END_SEQ:
+                                self._replayed(address)
+                                drop(address, sock)
+                                break
+                            self._receive(address, frames, replayed=replayed)   # replay: [b"", seq, payload]
         except Exception as exc:   # reported: routing goes on with what is known, the error is visible
             self.error = exc
             log.exception("KV router: the event subscriber failed")
         finally:
-            for sock in sockets.values():
-                sock.close(0)
+            for socks in sockets.values():
+                for sock in socks:
+                    sock.close(0)
 
-    def _receive(self, address: str, frames: list[bytes]) -> None:
+    def _receive(self, address: str, frames: list[bytes], *, replayed: bool = False) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             log.warning("KV router: %s sent a message of %d frames, not [topic, seq, payload]; ignored",
                         address, len(frames))
@@ -260,10 +304,31 @@ class KVRouter:
             index = self._index.get(address)
             if index is None:
                 return
-            if index.last_seq >= 0 and seq > index.last_seq + 1:
-                index.gaps += seq - index.last_seq - 1
-            index.last_seq = seq
-            index.apply(batch)
+            if index.replaying and not replayed:
+                index.held.append((seq, batch))
+                return
+            self._apply(index, seq, batch)
+
+    @staticmethod
+    def _apply(index: WorkerIndex, seq: int, batch: KVEventBatch) -> None:
+        """Apply one batch unless already applied (a replayed batch also seen live); count skipped ones."""
+        if seq <= index.last_seq:
+            return
+        if index.last_seq >= 0 and seq > index.last_seq + 1:
+            index.gaps += seq - index.last_seq - 1
+        index.last_seq = seq
+        index.apply(batch)
+
+    def _replayed(self, address: str) -> None:
+        """The replay ended: apply the live batches held meanwhile, in order."""
+        with self._lock:
+            index = self._index.get(address)
+            if index is None:
+                return
+            index.replaying = False
+            held, index.held = sorted(index.held, key=lambda x: x[0]), []
+            for seq, batch in held:
+                self._apply(index, seq, batch)
 
     @property
     def running(self) -> bool:
