@@ -26,6 +26,9 @@ demo: venv
 	$(VENV)/bin/kvxfer demo
 
 test: venv
+	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1; } || \
+		echo "etcd not installed (apt-get install etcd-server): tests/test_discovery.py skips"
 	$(PY) -m pytest -q -ra
 
 lint: venv

@@ -88,8 +88,9 @@ def demo_prompts(families: int, per_family: int, seed: int, vocab: int) -> list[
 class WorkerProcess:
     """A worker process started with ``kvxfer serve``; the line saying ``listening on`` gives its address."""
 
-    def __init__(self, args: Sequence[str], env: dict[str, str], timeout: float) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvxfer.cli", "serve", *args], env=env,
+    def __init__(self, args: Sequence[str], env: dict[str, str], timeout: float, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a command the worker runs under (e.g. ``ip netns exec NS`` for another network namespace)."""
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvxfer.cli", "serve", *args], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
         assert self.proc.stderr is not None and self.proc.stdout is not None

@@ -21,6 +21,8 @@ from kvxfer.cache.event_publisher import KVEventPublisher
 from kvxfer.cache.event_wire import EVENT_HASH_ALGOS, WIRE_FORMATS, WireContext
 from kvxfer.cli.output import ms, print_json
 from kvxfer.disagg.auth import SECRET_ENV, SECRET_FILE_ENV, AuthKey
+from kvxfer.disagg.discovery import EtcdClient, PeerWatcher, Registration, follow_prefills, register_worker
+from kvxfer.disagg.router import KVRouter
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.errors import BackendUnavailable, ConfigError, KvxferError, PeerUnreachable
@@ -91,6 +93,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "only change the width: the *_64 and v1 options publish 64-bit ints, v2_blake3 / "
                         "v2_sha256 the full digest)")
     p.add_argument("--data-parallel-rank", type=int, default=0, help="the rank stamped on every event batch")
+    p.add_argument("--etcd", default=None, metavar="URL",
+                   help="register in etcd (e.g. http://127.0.0.1:2379) under a lease that expires with this worker; "
+                        "a decode worker also follows the prefills registered there")
+    p.add_argument("--cluster", default="default", help="etcd discovery: the cluster name (key prefix)")
+    p.add_argument("--etcd-ttl", type=int, default=3, help="etcd discovery: lease TTL in seconds (>= 2)")
 
 
 def worker_config(a: argparse.Namespace, role: str) -> WorkerConfig:
@@ -110,12 +117,29 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_worker_arguments(pre)
     dec = sub.add_parser("decode", help="serve clients, get KV from a prefill worker, generate")
     add_worker_arguments(dec)
-    dec.add_argument("--prefill", required=True, help="control address of the prefill worker")
+    dec.add_argument("--prefill", default=None, type=parse_prefills, metavar="ADDR[,ADDR...]",
+                     help="control address of the prefill worker, or a comma-separated list of them (xPyD: "
+                          "each request goes to the least loaded connected one); required without --etcd")
+    dec.add_argument("--kv-route", action="store_true",
+                     help="with --etcd: route by KV, following the events endpoints the prefills registered")
+    dec.add_argument("--prefill-events", default=None, type=parse_prefills, metavar="ENDPOINT[,ENDPOINT...]",
+                     help="route by KV: the prefills' --kv-events endpoints, in --prefill's order; each request "
+                          "goes to the prefill holding the longest cached prefix of its prompt")
     dec.add_argument("--mode", choices=("push", "pull"), default="push")
     dec.add_argument("--layerwise", action="store_true", help="send each group of layers as soon as computed")
     dec.add_argument("--layers-per-send", type=int, default=1)
     dec.add_argument("--checksum", type=parse_checksum, default=None, metavar="off|full|every:K|sample:F",
                      help="verify each request's pages against a blake3 digest from prefill (default off)")
+
+
+def parse_prefills(text: str) -> str | list[str]:
+    """``--prefill``: one address, or a comma-separated list (a list of one is the single-prefill case)."""
+    addresses = [part.strip() for part in text.split(",")]
+    if not all(addresses):
+        raise argparse.ArgumentTypeError(f"--prefill: empty address in {text!r}")
+    if len(set(addresses)) != len(addresses):
+        raise argparse.ArgumentTypeError(f"--prefill: duplicate address in {text!r}")
+    return addresses[0] if len(addresses) == 1 else addresses
 
 
 def checked_model_name(text: str) -> str:
@@ -159,6 +183,20 @@ def _wait_for_signal(worker: Any) -> str | None:
     return None
 
 
+def kv_router(a: argparse.Namespace, cfg: WorkerConfig) -> KVRouter | None:
+    """The KV-aware router ``--prefill-events`` asks for (None without it)."""
+    if a.prefill_events is None:
+        return KVRouter({}, tokens_per_block=cfg.tokens_per_block) if a.etcd and a.kv_route else None
+    if a.prefill is None:
+        raise ConfigError("--prefill-events needs --prefill (the addresses its endpoints belong to)")
+    prefills = [a.prefill] if isinstance(a.prefill, str) else a.prefill
+    events = [a.prefill_events] if isinstance(a.prefill_events, str) else a.prefill_events
+    if len(events) != len(prefills):
+        raise ConfigError(f"--prefill-events: {len(events)} endpoint(s) for {len(prefills)} prefill address(es); "
+                          f"give one per --prefill address, in the same order")
+    return KVRouter(dict(zip(prefills, events, strict=True)), tokens_per_block=cfg.tokens_per_block)
+
+
 def serve(a: argparse.Namespace) -> int:
     """Run one worker until SIGTERM/SIGINT (exit 0) or until it turns unhealthy (exit ``EXIT_UNHEALTHY``);
     prints ``listening on ADDRESS`` once ready, then where its metrics and KV events are served."""
@@ -166,15 +204,19 @@ def serve(a: argparse.Namespace) -> int:
     from kvxfer.disagg.worker_decode import DecodeWorker
     from kvxfer.disagg.worker_prefill import PrefillWorker
     key = load_key(a.secret_file)
+    if a.role == "decode" and a.prefill is None and a.etcd is None:
+        raise ConfigError("serve decode: give --prefill ADDR[,ADDR...] or --etcd URL (to follow registered prefills)")
     cfg = worker_config(a, a.role)
     worker: Any
     if a.role == "prefill":
         worker = PrefillWorker(cfg, key, bind=a.listen)
     else:
         worker = DecodeWorker(cfg, key, prefill=a.prefill, bind=a.listen, mode=a.mode, layerwise=a.layerwise,
-                              layers_per_send=a.layers_per_send)
+                              layers_per_send=a.layers_per_send, router=kv_router(a, cfg))
     ops: OpsServer | None = None
     pump: EventPump | None = None
+    registration: Registration | None = None
+    watcher: PeerWatcher | None = None
     try:
         if a.metrics_port is not None:
             metrics = WorkerMetrics(worker, worker.engine)
@@ -195,8 +237,20 @@ def serve(a: argparse.Namespace) -> int:
             replay = pump.publisher.replay_endpoint
             print(f"kvxfer {a.role} {cfg.name}: KV events on {pump.publisher.endpoint}"
                   + (f", replay on {replay}" if replay else ""), flush=True)
+        if a.etcd is not None:
+            etcd = EtcdClient(a.etcd)
+            if a.role == "decode":
+                watcher = follow_prefills(worker, etcd, a.cluster, router=worker.router)
+            registration = register_worker(worker, etcd, a.cluster, ttl_s=a.etcd_ttl,
+                                           events=pump.publisher.endpoint if pump is not None else "",
+                                           replay=(pump.publisher.replay_endpoint or "") if pump is not None else "")
+            print(f"kvxfer {a.role} {cfg.name}: registered in etcd {a.etcd} as {registration.key}", flush=True)
         unhealthy = _wait_for_signal(worker)
     finally:
+        if registration is not None:   # first: nobody should pick a worker that is going away
+            registration.close()
+        if watcher is not None:
+            watcher.close()
         if pump is not None:
             pump.close()
         if ops is not None:

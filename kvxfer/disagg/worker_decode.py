@@ -1,5 +1,11 @@
-"""DecodeWorker: takes requests (Python API or ``generate`` from clients), gets their KV from a prefill
-worker and continues generation.
+"""DecodeWorker: takes requests (Python API or ``generate`` from clients), gets their KV from one of its
+prefill workers and continues generation.
+
+Prefill peers (xPyD): a decode worker holds any number of prefill connections, one per address, each with
+its own automatic reconnect. Each request goes to the prefill the caller names (a router's choice) when
+that one is connected, else to the connected prefill with the fewest of this worker's requests in flight
+(ties rotate). A lost prefill fails only the requests sent over its connection; the others keep serving,
+and a prefill added while serving (``add_prefill``) takes the next request.
 
 Per request: allocate caches on every rank, matching the local prefix tree first, so the request only
 asks for the tokens it lacks (``skip``); send ``kv_request`` with its destination block ids; then either
@@ -18,10 +24,11 @@ plan a write there, and a pull's plan reaching into one is refused before the re
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -36,6 +43,7 @@ from kvxfer.disagg.control import ControlServer, PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
 from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
+from kvxfer.disagg.router import KVRouter, Route
 from kvxfer.disagg.session import Session, SessionState
 from kvxfer.disagg.worker import (
     ComputeThread,
@@ -116,10 +124,32 @@ class GenerationResult:
     prompt_kv: PromptKV | None = None
     """The committed prompt KV by logical position, read from decode's pages (only when the request
     asked for it with ``return_kv``: for the KV oracle of tests and the demo)."""
+    prefill: str = ""
+    """The address of the prefill worker that served the KV (xPyD: which one the request went to)."""
 
     def stats(self) -> dict[str, int | float | str]:
         """The figures of this result without the tokens (what ``generated.stats`` carries)."""
         return {k: v for k, v in asdict(self).items() if k not in ("tokens", "request_id", "prompt_kv")}
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """One prefill peer of a decode worker: its address, its live connection and its reconnect loop.
+    Mutated on the engine thread only (the reconnect thread reads ``alive`` and ``stop``)."""
+
+    address: str
+    conn: PeerConnection | None = None
+    layouts: list[CacheLayoutDesc] = field(default_factory=list)
+    reconnecting: threading.Thread | None = None
+    reconnect_error: str = ""
+    """Why the last automatic reconnect attempt failed ("" before any, or while the first one runs)."""
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the connection is up."""
+        conn = self.conn
+        return conn is not None and conn.alive
 
 
 @dataclass(eq=False)
@@ -136,6 +166,15 @@ class _Job:
     reply: PeerConnection | None = None
     client_request_id: str = ""
     peer: str = ""
+    """The prefill's transport name (its control-plane name)."""
+    prefer: str | None = None
+    """The prefill address the caller chose (a router), used when connected."""
+    prefill: _Prefill | None = None
+    conn: PeerConnection | None = None
+    """The connection the request was sent over: only it may answer, and its loss fails the request."""
+    src_layouts: list[CacheLayoutDesc] = field(default_factory=list)
+    route: Route | None = None
+    """The KV router's decision this request followed (counted in flight there until the KV is in place)."""
     caches: list[KVCache] = field(default_factory=list)
     skip: int = 0
     pushed: Message | None = None
@@ -155,11 +194,15 @@ class _Job:
 class DecodeWorker(WorkerCounts):
     """Serves requests with KV from a prefill worker; see the module docstring."""
 
-    def __init__(self, config: WorkerConfig, secret: Secret = None, *, prefill: str | None = None,
+    def __init__(self, config: WorkerConfig, secret: Secret = None, *, prefill: str | Sequence[str] | None = None,
                  bind: str | None = None, mode: str = "push", layerwise: bool = False, layers_per_send: int = 1,
                  transport_options: dict[str, Any] | None = None, versions: tuple[int, int] = SUPPORTED_VERSIONS,
-                 connect_timeout: float = 5.0, model: Model | None = None) -> None:
-        """``model``: an already loaded model (default: ``config.model`` loaded on ``config.device``)."""
+                 connect_timeout: float = 5.0, model: Model | None = None, router: KVRouter | None = None) -> None:
+        """``prefill``: one address (connected now; failing raises) or a list of them (each connected now; one
+        that cannot be reached keeps reconnecting in the background, a refusal raises, and so does a list
+        none of which is reachable). ``model``: an already loaded model (default: ``config.model`` loaded
+        on ``config.device``). ``router``: a KV-aware router over (some of) these prefills' addresses;
+        requests that name no prefill go where it says (when connected); the worker closes it."""
         if mode not in MODES:
             raise ConfigError(f"DecodeWorker.mode must be one of {MODES}, got {mode!r}")
         if isinstance(layers_per_send, bool) or not isinstance(layers_per_send, int) or layers_per_send <= 0:
@@ -168,9 +211,9 @@ class DecodeWorker(WorkerCounts):
         self.mode, self.layerwise, self.layers_per_send = mode, layerwise, layers_per_send
         self.versions = versions
         self.connect_timeout = connect_timeout
-        self.prefill_address = prefill
-        self._reconnect_error = ""   # why the last automatic reconnect attempt failed ("" before any)
-        self._reconnecting: threading.Thread | None = None   # the automatic reconnect loop, while it runs
+        self._prefills: dict[str, _Prefill] = {}   # by address, in the order added (engine thread only)
+        self._rotation = 0   # rotates the choice among equally loaded prefills
+        self.router = router
         self._reconnect_stop = threading.Event()
         self._connect_lock = threading.Lock()
         self._waiting: list[_Job] = []   # requests waiting for a reconnect attempt (engine thread only)
@@ -191,9 +234,9 @@ class DecodeWorker(WorkerCounts):
         except BaseException:
             for m in self.managers:
                 m.shutdown()
+            if router is not None:
+                router.close()
             raise
-        self._prefill: PeerConnection | None = None
-        self._prefill_layouts: list[CacheLayoutDesc] = []
         self._jobs: dict[str, _Job] = {}
         self._zombies: dict[str, _Job] = {}
         self._generating: dict[str, _Job] = {}   # KV in place, tokens being generated on the compute thread
@@ -215,30 +258,55 @@ class DecodeWorker(WorkerCounts):
                 self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}",
                                                    daemon=True)
                 self._accepting.start()
-            if prefill is not None:
+            if isinstance(prefill, str):
                 self.connect(prefill)
+            elif prefill is not None:
+                self._connect_many(list(prefill))
         except BaseException:
             self.close()
             raise
 
     # --- public -----------------------------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None) -> None:
-        """Connect (or reconnect) to the prefill worker at ``address``; requests in flight with a previous
-        prefill fail. Raises AuthenticationError / HandshakeRefused (with the reason) / ControlTimeout."""
-        wait = self.connect_timeout if timeout is None else timeout
-        # One connect at a time (the automatic reconnect runs on a thread of its own): a second handshake
-        # with the same prefill would present this transport's metadata twice, which NIXL rejects.
-        if not self._connect_lock.acquire(timeout=wait + 15.0):
-            raise ControlTimeout(f"decode {self.config.name}: another connect to a prefill did not finish within "
-                                 f"{wait + 15.0:.1f} s")
-        try:
-            if self.connected and self.prefill_address == address:
-                return   # the automatic reconnect got there first
-            self._connect(address, wait)
-        finally:
-            self._connect_lock.release()
+        """Make the prefill worker at ``address`` this worker's only prefill (the single-prefill API): once
+        it is connected, requests in flight with any other (or a previous connection to it) fail and the
+        others are dropped. Raises AuthenticationError / HandshakeRefused (with the reason) / ControlTimeout,
+        and then changes nothing."""
+        self._handshake_and_attach(address, timeout, only=True)
 
-    def _connect(self, address: str, wait: float) -> None:
+    def add_prefill(self, address: str, timeout: float | None = None) -> None:
+        """Connect to one more prefill worker while serving; the next request may go there. Reconnecting to
+        an address already known replaces that connection only. Raises like ``connect`` (then nothing is
+        added)."""
+        self._handshake_and_attach(address, timeout, only=False)
+
+    def remove_prefill(self, address: str) -> bool:
+        """Stop using the prefill at ``address``: its requests in flight fail, its connection closes and it
+        is no longer reconnected. False when no such prefill is known."""
+        return bool(self.engine.call(lambda: self._remove(address, "removed by the caller"), 10.0))
+
+    @property
+    def prefills(self) -> list[str]:
+        """The known prefill addresses, in the order added (connected or reconnecting)."""
+        return list(self._prefills)
+
+    @property
+    def prefill_address(self) -> str | None:
+        """The first known prefill address (the one prefill of the single-prefill API), or None."""
+        return next(iter(self._prefills), None)
+
+    def prefill_load(self) -> dict[str, int]:
+        """This worker's requests in flight (KV not yet in place) per connected prefill address."""
+        return dict(self.engine.call(lambda: {p.address: self._load(p) for p in self._prefills.values() if p.alive},
+                                     10.0))
+
+    @property
+    def connected(self) -> bool:
+        """Whether at least one prefill peer is connected and alive."""
+        return any(p.alive for p in list(self._prefills.values()))
+
+    def _handshake(self, address: str, wait: float) -> tuple[PeerConnection, list[CacheLayoutDesc]]:
+        """Open and authenticate a control connection to a prefill and exchange rank layouts."""
         identity = LocalIdentity("decode", self.config.name, self.layouts[0], self.config.backend,
                                  self.transport.metadata(), self.config.heartbeat_interval)
         conn = connect(address, identity, self._secret, timeout=wait, expect_role="prefill", versions=self.versions)
@@ -247,24 +315,64 @@ class DecodeWorker(WorkerCounts):
             reply = conn.recv(wait)
             if reply.type != "kv_ranks":
                 raise ProtocolError(f"prefill answered kv_ranks with {reply.type!r}")
-            layouts = decode_layouts(reply["layouts"])
-            self.engine.call(lambda: self._attach(conn, layouts), wait + 10.0)
+            return conn, decode_layouts(reply["layouts"])
         except BaseException:
             conn.close("decode could not finish connecting")
             raise
-        self.prefill_address = address
-        self._reconnect_error = ""
 
-    @property
-    def connected(self) -> bool:
-        """Whether a prefill peer is connected and alive."""
-        return self._prefill is not None and self._prefill.alive
+    def _handshake_and_attach(self, address: str, timeout: float | None, *, only: bool,
+                              reconnecting: bool = False) -> None:
+        wait = self.connect_timeout if timeout is None else timeout
+        # One handshake at a time (reconnect loops run on threads of their own): two handshakes with the same
+        # prefill in flight present this transport's metadata twice, which the prefill's NIXL refuses.
+        if not self._connect_lock.acquire(timeout=wait + 15.0):
+            raise ControlTimeout(f"decode {self.config.name}: another connect to a prefill did not finish within "
+                                 f"{wait + 15.0:.1f} s")
+        try:
+            peer = self._prefills.get(address)
+            if peer is not None and peer.alive and (reconnecting or not only or list(self._prefills) == [address]):
+                return   # connected meanwhile (a reconnect loop or another caller got there first)
+            self._handshake_and_attach_locked(address, wait, only=only, reconnecting=reconnecting)
+        finally:
+            self._connect_lock.release()
+
+    def _handshake_and_attach_locked(self, address: str, wait: float, *, only: bool, reconnecting: bool) -> None:
+        conn, layouts = self._handshake(address, wait)
+        try:
+            self.engine.call(lambda: self._attach(address, conn, layouts, only=only, reconnecting=reconnecting),
+                             wait + 10.0)
+        except BaseException:
+            conn.close("decode could not finish connecting")
+            raise
+
+    def _connect_many(self, addresses: list[str]) -> None:
+        """Connect to each address; an unreachable one keeps reconnecting in the background. Raises a refusal
+        at once, and the last error when none connected."""
+        if not addresses:
+            raise ConfigError("DecodeWorker.prefill: the list of prefill addresses is empty")
+        if len(set(addresses)) != len(addresses):
+            raise ConfigError(f"DecodeWorker.prefill: duplicate addresses in {addresses}")
+        errors: list[KvxferError] = []
+        for address in addresses:
+            try:
+                self.add_prefill(address)
+            except HandshakeRefused:
+                raise
+            except KvxferError as exc:
+                log.warning("%s: prefill %s unreachable at start (%s); reconnecting in the background",
+                            self.config.name, address, exc)
+                errors.append(exc)
+                self.engine.call(functools.partial(self._keep_reconnecting, address, exc), 10.0)
+        if len(errors) == len(addresses):
+            raise errors[-1]
 
     def submit(self, tokens: npt.ArrayLike, max_new_tokens: int, *, mode: str | None = None,
                layerwise: bool | None = None, request_id: str | None = None,
-               return_kv: int = 0) -> Future[GenerationResult]:
+               return_kv: int = 0, prefill: str | None = None) -> Future[GenerationResult]:
         """Start a request; the future resolves to a GenerationResult or raises why it failed. ``return_kv``:
-        the result carries the committed KV of up to that many prompt positions (``GenerationResult.prompt_kv``)."""
+        the result carries the committed KV of up to that many prompt positions (``GenerationResult.prompt_kv``).
+        ``prefill``: the address of the prefill to use (a router's choice; one of ``prefills``), honoured while
+        it is connected, else the least loaded connected prefill serves the request."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if not ids.size:
             raise CapacityError("submit: the prompt must hold at least one token")
@@ -278,7 +386,7 @@ class DecodeWorker(WorkerCounts):
         fut: Future[GenerationResult] = Future()
         t = now()
         job = _Job(rid, ids, max_new_tokens, mode, self.layerwise if layerwise is None else layerwise, fut,
-                   Session(rid), t, t + self.config.deadline_s, return_kv=max(0, int(return_kv)))
+                   Session(rid), t, t + self.config.deadline_s, return_kv=max(0, int(return_kv)), prefer=prefill)
         self.engine.post("submit", job)
         return fut
 
@@ -307,7 +415,9 @@ class DecodeWorker(WorkerCounts):
                 "held_slots": held_slots(self.managers),
                 "open_caches": sum(len(m.open_caches) for m in self.managers),
                 "jobs": len(self._jobs) + len(self._waiting) + len(self._generating),
-                "zombies": len(self._zombies), "connected": int(self.connected), **self.counts}
+                "zombies": len(self._zombies), "connected": int(self.connected),
+                "prefills": len(self._prefills), "prefills_connected": sum(p.alive for p in self._prefills.values()),
+                **self.counts}
 
     def _cancel(self, request_id: str, reason: str) -> bool:
         job = self._jobs.get(request_id)
@@ -327,13 +437,18 @@ class DecodeWorker(WorkerCounts):
         self._reconnect_stop.set()
         with contextlib.suppress(KvxferError):
             self.engine.call(lambda: self._fail_all(PeerUnreachable("decode worker shutting down")), 10.0)
-        reconnecting = self._reconnecting
-        if reconnecting is not None:   # bounded by connect_timeout; it attaches through the engine
-            reconnecting.join(self.connect_timeout + 15.0)
+        peers = list(self._prefills.values())
+        for peer in peers:
+            peer.stop.set()
+        for peer in peers:
+            reconnecting = peer.reconnecting
+            if reconnecting is not None:   # bounded by connect_timeout; it attaches through the engine
+                reconnecting.join(self.connect_timeout + 15.0)
         if self.server is not None:
             self.server.close("decode worker shutting down")
-        if self._prefill is not None:
-            self._prefill.close("decode worker shutting down")
+        for peer in peers:
+            if peer.conn is not None:
+                peer.conn.close("decode worker shutting down")
         self.engine.stop()
         if self.compute is not None:
             self.compute.stop()   # the generation in progress finishes; the engine no longer answers it
@@ -345,6 +460,8 @@ class DecodeWorker(WorkerCounts):
         if self._accepting is not None:
             self._accepting.join(5.0)
         self.transport.close()
+        if self.router is not None:
+            self.router.close()
         for m in self.managers:
             m.shutdown()
 
@@ -359,19 +476,53 @@ class DecodeWorker(WorkerCounts):
         assert self.server is not None
         accept_loop(self.engine, self.server)
 
-    def _attach(self, conn: PeerConnection, layouts: list[CacheLayoutDesc]) -> None:
+    def _attach(self, address: str, conn: PeerConnection, layouts: list[CacheLayoutDesc], *, only: bool,
+                reconnecting: bool) -> None:
+        """Use a freshly handshaken connection for the prefill at ``address`` (engine thread)."""
         windowed = any(lg.window is not None for lg in self.layouts[0].layer_groups)
         src_tpb, dst_tpb = layouts[0].tokens_per_block, self.layouts[0].tokens_per_block
         if windowed and src_tpb % dst_tpb:
             raise LayoutMismatch(f"sliding-window layers need prefill's tokens_per_block ({src_tpb}) to be a multiple "
                                  f"of decode's ({dst_tpb}): otherwise decode keeps window blocks prefill has freed")
-        old = self._prefill
+        peer = self._prefills.get(address)
+        if reconnecting and (peer is None or peer.stop.is_set()):
+            raise PeerUnreachable(f"prefill {address} was removed while decode reconnected to it")
+        name = conn.peer.name
+        for other in self._prefills.values():
+            if other.address != address and other.alive and not only and other.conn is not None \
+                    and other.conn.peer.name == name:
+                raise ConfigError(f"prefill at {address} calls itself {name!r} like the one at {other.address}: "
+                                  f"prefill workers of one decode need distinct names")
+        if only:
+            for other in [p for p in self._prefills.values() if p.address != address]:
+                self._remove(other.address, "replaced by a new prefill connection")
+        if peer is None:
+            peer = self._prefills[address] = _Prefill(address)
+        peer.stop.clear()
+        old = peer.conn
         if old is not None:
             self._on_prefill_lost(old, "replaced by a new prefill connection", reconnect=False)
             old.close("replaced by a new prefill connection")
-        self.transport.connect(conn.peer.name, conn.peer.metadata)
-        self._prefill, self._prefill_layouts = conn, layouts
+        self.transport.connect(name, conn.peer.metadata)
+        peer.conn, peer.layouts, peer.reconnect_error = conn, layouts, ""
         self.engine.read(conn)
+
+    def _remove(self, address: str, reason: str) -> bool:
+        """Drop a prefill peer: stop its reconnect loop, fail its requests, close its connection."""
+        peer = self._prefills.pop(address, None)
+        if peer is None:
+            return False
+        peer.stop.set()
+        if peer.conn is not None:
+            self._on_prefill_lost(peer.conn, reason, reconnect=False, peer=peer)
+        return True
+
+    def _peer_of(self, conn: PeerConnection) -> _Prefill | None:
+        return next((p for p in self._prefills.values() if p.conn is conn), None)
+
+    def _load(self, peer: _Prefill) -> int:
+        conn = peer.conn
+        return sum(1 for j in self._jobs.values() if j.conn is conn)
 
     def _on_event(self, ev: Event) -> None:
         kind, a, b = ev
@@ -380,15 +531,15 @@ class DecodeWorker(WorkerCounts):
         elif kind == "computed":
             self._generated(a, *b)
         elif kind == "reconnected":
-            self._reconnected(a[0], a[1], b)
+            self._reconnected(a, b)
         elif kind == "lost":
             self._on_prefill_lost(a, b)
         elif kind == "message":
             try:
                 if a.peer.role == "client":
                     self._on_client(a, b)
-                elif a is self._prefill:
-                    self._on_prefill(b)
+                elif self._peer_of(a) is not None:
+                    self._on_prefill(a, b)
             except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
                 log.warning("%s: %s sent a bad %s: %s", self.config.name, a.peer.name, b.type, exc)
                 a.close(f"protocol error: {exc}")
@@ -424,57 +575,75 @@ class DecodeWorker(WorkerCounts):
                 or any(w.request_id == job.request_id for w in self._waiting):
             self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
             return
-        if not self.connected and self.prefill_address is not None:
-            if self._reconnecting is None:
-                self._start_reconnecting(self.prefill_address)
-            # Wait for the outcome of a whole attempt that started after the request arrived (a prefill
-            # that comes back between two attempts is then found), bounded by the request's deadline.
-            self._waiting.append(job)
-            return
+        if not self.connected and self._prefills:
+            for peer in self._prefills.values():
+                if peer.reconnecting is None and not peer.stop.is_set():
+                    self._start_reconnecting(peer)
+            if any(p.reconnecting is not None for p in self._prefills.values()):
+                # Wait for the outcome of a whole attempt begun after the request arrived (a prefill that comes
+                # back between two attempts is then found), bounded by the request's deadline.
+                self._waiting.append(job)
+                return
         self._begin(job)
 
-    def _start_reconnecting(self, address: str) -> None:
+    def _keep_reconnecting(self, address: str, error: KvxferError) -> None:
+        """Know ``address`` as a prefill that could not be reached, and retry it in the background."""
+        if address not in self._prefills:
+            self._prefills[address] = _Prefill(address)
+        peer = self._prefills[address]
+        peer.reconnect_error = f"; reconnecting failed: {type(error).__name__}: {error}"
+        if peer.reconnecting is None and not self._reconnect_stop.is_set():
+            self._start_reconnecting(peer, first_failed=True)
+
+    def _start_reconnecting(self, peer: _Prefill, *, first_failed: bool = False) -> None:
         """Reconnect to the known prefill address (a restarted prefill) on a thread of its own, so the
         engine keeps serving ``cancel``, ``status`` and other requests, until it succeeds or the worker
         closes. Each attempt ends with a ``reconnected`` event. After a failed attempt the next follows
         in ``RECONNECT_PAUSE_S``, and ZeroMQ retries the TCP connection every 0.1 s within an attempt, so
         a prefill listening again is found within a fraction of a second (requests arriving meanwhile
         fail at once with the last attempt's reason). A refusal (wrong secret, incompatible layout) ends
-        the loop: the next request starts it again."""
-        self._reconnect_error = ""
+        the loop: the next request starts it again. Each prefill peer has its own loop."""
+        if not first_failed:
+            peer.reconnect_error = ""
+        address = peer.address
+
+        def stopped() -> bool:
+            return self._reconnect_stop.is_set() or peer.stop.is_set()
 
         def run() -> None:
-            while not self._reconnect_stop.is_set() and not self.connected:
+            while not stopped() and not peer.alive:
                 error: KvxferError | None = None
                 started = now()
                 try:
-                    self.connect(address, timeout=min(self.connect_timeout, RECONNECT_ATTEMPT_S))
+                    self._handshake_and_attach(address, min(self.connect_timeout, RECONNECT_ATTEMPT_S), only=False,
+                                               reconnecting=True)
                 except KvxferError as exc:
                     error = exc
                 except Exception as exc:   # reported to the waiting requests, not lost
                     error = PeerUnreachable(f"{type(exc).__name__}: {exc}")
-                last = error is None or isinstance(error, HandshakeRefused) or self._reconnect_stop.is_set()
+                last = error is None or isinstance(error, HandshakeRefused) or stopped()
                 with contextlib.suppress(KvxferError):
-                    self.engine._post_internal(("reconnected", (error, started), last))
+                    self.engine._post_internal(("reconnected", (peer, error, started), last))
                 if last:
                     return
-                self._reconnect_stop.wait(RECONNECT_PAUSE_S)
+                peer.stop.wait(RECONNECT_PAUSE_S)
             with contextlib.suppress(KvxferError):
-                self.engine._post_internal(("reconnected", (None, now()), True))
+                self.engine._post_internal(("reconnected", (peer, None, now()), True))
 
-        self._reconnecting = threading.Thread(target=run, name=f"kvxfer-reconnect-{self.config.name}", daemon=True)
-        self._reconnecting.start()
+        peer.reconnecting = threading.Thread(target=run, name=f"kvxfer-reconnect-{self.config.name}", daemon=True)
+        peer.reconnecting.start()
 
-    def _reconnected(self, error: KvxferError | None, started: float, last: bool) -> None:
-        """An automatic reconnect attempt (begun at ``started``) ended. On success, or when the loop ends,
-        start every waiting request; after a failed attempt, start (and so fail with its reason) only the
-        requests that were already waiting when it began, or whose deadline passed: the others wait for
-        the next attempt."""
+    def _reconnected(self, outcome: tuple[_Prefill, KvxferError | None, float], last: bool) -> None:
+        """An automatic reconnect attempt (begun at ``started``) ended. Once a prefill is connected, or no
+        loop runs any more, every waiting request starts; after a failed attempt, only those that were
+        already waiting when it began (or whose deadline passed) start, and so fail with the reason: the
+        others wait for the next attempt."""
+        peer, error, started = outcome
         if last:
-            self._reconnecting = None
+            peer.reconnecting = None
         if error is not None:
-            self._reconnect_error = f"; reconnecting failed: {type(error).__name__}: {error}"
-        if error is None or last:
+            peer.reconnect_error = f"; reconnecting failed: {type(error).__name__}: {error}"
+        if self.connected or not any(p.reconnecting is not None for p in self._prefills.values()):
             ready, self._waiting = self._waiting, []
         else:
             t = now()
@@ -483,6 +652,31 @@ class DecodeWorker(WorkerCounts):
         for job in ready:
             self._begin(job)
 
+    def _pick(self, job: _Job) -> _Prefill | None:
+        """The prefill for a request: the caller's choice when connected, else the least loaded (rotating
+        among equals); None when none is connected."""
+        live = [p for p in self._prefills.values() if p.alive]
+        if not live:
+            return None
+        prefer = job.prefer
+        if prefer is None and self.router is not None and self.router.workers:
+            job.route = self.router.route(job.tokens)
+            prefer = job.route.address
+        if prefer is not None:
+            chosen = self._prefills.get(prefer)
+            if chosen is not None and chosen.alive:
+                return chosen
+        self._rotation += 1
+        n = len(live)
+        order = {id(p): (i - self._rotation) % n for i, p in enumerate(live)}
+        return min(live, key=lambda p: (self._load(p), order[id(p)]))
+
+    def _no_prefill_reason(self) -> str:
+        reasons = [p.reconnect_error for p in self._prefills.values() if p.reconnect_error]
+        if len(self._prefills) <= 1:
+            return reasons[0] if reasons else ""
+        return "".join(f"; {p.address}{p.reconnect_error or ': not connected'}" for p in self._prefills.values())
+
     def _begin(self, job: _Job) -> None:
         """Allocate the request's destination blocks and ask the prefill peer for its KV."""
         waited = now() - job.submitted
@@ -490,11 +684,12 @@ class DecodeWorker(WorkerCounts):
             self._fail(job, TransferTimeout(f"request {job.request_id}: its {self.config.deadline_s} s deadline "
                                             f"passed while it waited {waited:.1f} s in decode's queue; not sent"))
             return
-        conn = self._prefill
-        if conn is None or not conn.alive:
-            self._fail(job, PeerUnreachable(f"no prefill worker connected{self._reconnect_error}"))
+        peer = self._pick(job)
+        conn = peer.conn if peer is not None else None
+        if peer is None or conn is None:
+            self._fail(job, PeerUnreachable(f"no prefill worker connected{self._no_prefill_reason()}"))
             return
-        job.peer = conn.peer.name
+        job.peer, job.prefill, job.conn, job.src_layouts = conn.peer.name, peer, conn, peer.layouts
         self._jobs[job.request_id] = job
         try:
             for i, m in enumerate(self.managers):
@@ -522,40 +717,40 @@ class DecodeWorker(WorkerCounts):
         except KvxferError as exc:
             self._fail(job, exc)
 
-    def _on_prefill(self, msg: Message) -> None:
+    def _on_prefill(self, conn: PeerConnection, msg: Message) -> None:
         rid = msg["request_id"]
         zombie = self._zombies.get(rid)
-        if zombie is not None:
+        if zombie is not None and zombie.conn is conn:
             if msg.type == "kv_failed" or (msg.type == "kv_pushed" and zombie.read is None):
                 self._bury(zombie)   # prefill will not write there any more
             elif msg.type == "kv_pull":
-                self._send("kv_release", request_id=rid)
+                self._send_on(conn, "kv_release", request_id=rid)
             return
         job = self._jobs.get(rid)
-        if job is None or job.session.state is not SessionState.TRANSFERRING:
+        if job is None or job.conn is not conn or job.session.state is not SessionState.TRANSFERRING:
             if msg.type == "kv_pull":
-                self._send("kv_release", request_id=rid)
+                self._send_on(conn, "kv_release", request_id=rid)
             return
         if msg.type == "kv_pushed":
             job.pushed = msg
         elif msg.type == "kv_pull":
             job.pushed = msg
-            src_ids = decode_block_ids(msg["blocks"], len(self._prefill_layouts), "kv_pull.blocks")
+            src_ids = decode_block_ids(msg["blocks"], len(job.src_layouts), "kv_pull.blocks")
             if now() >= job.lease_until:
-                self._send("kv_release", request_id=rid)
+                self._send(job, "kv_release", request_id=rid)
                 self._fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease may "
                                                f"have expired before decode could read (decode stalled)"),
                            remote_done=True)
                 return
             try:
-                plan = plan_between(self._prefill_layouts, src_ids, self.layouts, job.caches,
+                plan = plan_between(job.src_layouts, src_ids, self.layouts, job.caches,
                                     token_range=(job.skip, int(job.tokens.size)), request_id=rid)
                 check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
                 job.read_posted = now()
                 job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
                 job.read.add_done_callback(self.engine.wake)
             except KvxferError as exc:
-                self._send("kv_release", request_id=rid)
+                self._send(job, "kv_release", request_id=rid)
                 self._fail(job, exc)
         elif msg.type == "kv_failed":
             self._fail(job, TransferFailed(f"prefill failed request {rid}: {msg['reason']}"), remote_done=True)
@@ -583,7 +778,7 @@ class DecodeWorker(WorkerCounts):
             if job.read is not None:
                 status = job.read.status
                 if status is TransferStatus.DONE:
-                    self._send("kv_release", request_id=job.request_id)
+                    self._send(job, "kv_release", request_id=job.request_id)
                     if t >= job.lease_until:   # prefill may have reused the pages before the read ended
                         self._fail(job, TransferFailed(
                             f"pull of request {job.request_id}: prefill's {self.config.lease_s} s lease may have "
@@ -593,7 +788,7 @@ class DecodeWorker(WorkerCounts):
                     self._arrived(job, now() - job.read_posted)
                     continue
                 if status.terminal:
-                    self._send("kv_release", request_id=job.request_id)
+                    self._send(job, "kv_release", request_id=job.request_id)
                     self._fail(job, TransferFailed(f"read of request {job.request_id}: {job.read.reason}"))
                     continue
             elif job.pushed is not None and job.pushed.type == "kv_pushed" and len(job.parts) >= job.pushed["parts"]:
@@ -605,7 +800,7 @@ class DecodeWorker(WorkerCounts):
                 if t < job.lease_until:   # renewals only extend a lease that has not run out
                     job.lease_until = t + self.config.lease_s
                 job.last_renew = t
-                self._send("lease_renew", request_id=job.request_id)
+                self._send(job, "lease_renew", request_id=job.request_id)
             due = min(due, job.deadline, job.last_renew + self.config.lease_s / 3)
         for zombie in list(self._zombies.values()):
             if zombie.read is not None and zombie.read.done():
@@ -666,6 +861,7 @@ class DecodeWorker(WorkerCounts):
         arrived = now()
         job.session.done("KV in place")
         self._jobs.pop(job.request_id, None)
+        self._route_done(job)
         try:
             for cache in job.caches:
                 # Release the sliding-window pages the prompt no longer needs before they are committed:
@@ -686,7 +882,7 @@ class DecodeWorker(WorkerCounts):
         job.result = GenerationResult(job.request_id, [], int(job.tokens.size), job.skip,
                                       int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
                                       float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft,
-                                      verify_s, prompt_kv)
+                                      verify_s, prompt_kv, job.prefill.address if job.prefill is not None else "")
         model, max_new = self.model, job.max_new_tokens
 
         def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)
@@ -741,14 +937,15 @@ class DecodeWorker(WorkerCounts):
         ``quarantine_until`` either: a lost prefill may still be writing)."""
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
+        self._route_done(job)
         self.counts["failed"] += 1
         if not job.session.terminal:
             job.session.fail(f"{type(error).__name__}: {error}")
         self._resolve_error(job, error)
         requested = (not remote_done and job.session.history[-2].state is SessionState.TRANSFERRING
-                     and self._prefill is not None and self._prefill.alive and self._prefill.peer.name == job.peer)
+                     and job.conn is not None and job.conn.alive)
         if requested:   # prefill still holds (pull) or may still write (push) this request: tell it
-            self._send("kv_cancel", request_id=job.request_id, reason=str(error)[:1000])
+            self._send(job, "kv_cancel", request_id=job.request_id, reason=str(error)[:1000])
         remote_may_write = requested and job.mode == "push"
         if job.read is not None and not job.read.done() and not job.read.cancel():
             remote_may_write = True   # our own read could not be stopped: wait for it to end
@@ -760,6 +957,12 @@ class DecodeWorker(WorkerCounts):
             self._zombies[job.request_id] = job
         else:
             self._close_caches(job)
+
+    def _route_done(self, job: _Job) -> None:
+        """The request no longer waits on its prefill: it stops counting as load at the router."""
+        route, job.route = job.route, None
+        if route is not None and self.router is not None:
+            self.router.finished(route)
 
     def _bury(self, job: _Job) -> None:
         self._zombies.pop(job.request_id, None)
@@ -781,32 +984,34 @@ class DecodeWorker(WorkerCounts):
                 cache.close()
         job.caches = []
 
-    def _on_prefill_lost(self, conn: PeerConnection, reason: str, *, reconnect: bool = True) -> None:
+    def _on_prefill_lost(self, conn: PeerConnection, reason: str, *, reconnect: bool = True,
+                         peer: _Prefill | None = None) -> None:
         """Fail the lost prefill's requests. Pushed-to blocks are quarantined, not freed: a prefill that is
         only frozen or cut off may still write until its lease runs out (it checks before each write, but a
         write posted just before the loss can land later), so they stay held until the lease plus one more
         lease period (for writes already posted) has passed. Pull destinations are ours to free once our
         read is stopped."""
-        if conn is not self._prefill:
+        peer = peer if peer is not None else self._peer_of(conn)
+        if peer is None or peer.conn is not conn:
             return
-        self._prefill = None
+        peer.conn = None
         self.counts["peer_losses"] += 1
         conn.close(f"prefill lost: {reason}"[:1000])   # ends the client endpoint and its I/O thread
-        if reconnect and self.prefill_address is not None and self._reconnecting is None \
-                and not self._reconnect_stop.is_set():
-            self._start_reconnecting(self.prefill_address)
-        peer = conn.peer.name
-        what = reason if reason.startswith(f"prefill {peer!r}") else f"prefill {peer!r} lost: {reason}"
-        for job in [j for j in self._jobs.values() if j.peer == peer]:
+        if reconnect and peer.reconnecting is None and not peer.stop.is_set() and not self._reconnect_stop.is_set():
+            self._start_reconnecting(peer)
+        name = conn.peer.name
+        what = reason if reason.startswith(f"prefill {name!r}") else f"prefill {name!r} lost: {reason}"
+        for job in [j for j in self._jobs.values() if j.conn is conn]:
             if job.read is not None and not job.read.done():
                 job.read.cancel()
             pushing = job.mode == "push" and job.session.state is SessionState.TRANSFERRING and job.lease_until > 0
             self._fail(job, PeerUnreachable(what), remote_done=True,
                        quarantine_until=job.lease_until + self.config.lease_s if pushing else 0.0)
-        for zombie in [z for z in self._zombies.values() if z.peer == peer and z.read is None]:
+        for zombie in [z for z in self._zombies.values() if z.conn is conn and z.read is None]:
             # No kv_failed will confirm these any more: hold them as long as the prefill's lease could last.
             zombie.zombie_until = min(zombie.zombie_until, zombie.lease_until + self.config.lease_s)
-        self.transport.disconnect(peer)
+        if not any(p.alive and p.conn is not None and p.conn.peer.name == name for p in self._prefills.values()):
+            self.transport.disconnect(name)
 
     def _fail_all(self, error: KvxferError) -> None:
         waiting, self._waiting = self._waiting, []
@@ -820,8 +1025,12 @@ class DecodeWorker(WorkerCounts):
                     zombie.read.wait(self.config.lease_s)
             self._bury(zombie)
 
-    def _send(self, type: str, **body: Any) -> None:
-        conn = self._prefill
-        if conn is not None:
+    def _send(self, job: _Job, type: str, **body: Any) -> None:
+        """Send to the prefill a request went to, over the connection it went over (if still up)."""
+        if job.conn is not None:
+            self._send_on(job.conn, type, **body)
+
+    def _send_on(self, conn: PeerConnection, type: str, **body: Any) -> None:
+        if conn.alive:
             with contextlib.suppress(KvxferError):
                 conn.send(type, **body)

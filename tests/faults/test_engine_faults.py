@@ -86,10 +86,10 @@ def test_an_unexpected_error_in_an_engine_handler_fails_the_requests_and_marks_t
             DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address) as decode:
         real = decode._on_prefill
 
-        def buggy(msg: Any) -> None:
+        def buggy(conn: Any, msg: Any) -> None:
             if msg.type == "kv_pushed":
                 raise RuntimeError("injected bug in a message handler")
-            real(msg)
+            real(conn, msg)
         monkeypatch.setattr(decode, "_on_prefill", buggy)
         tokens = prompts(61)[0]
         with pytest.raises(WorkerUnhealthy, match=r"decode worker unhealthy: unexpected error while handling a "
