@@ -27,6 +27,7 @@ demo: venv
 
 test: venv
 	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get update -q >/dev/null 2>&1 || true; } && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1; } || \
 		echo "etcd not installed (apt-get install etcd-server): tests/test_discovery.py skips"
 	$(PY) -m pytest -q -ra
