@@ -24,11 +24,10 @@ from kvxfer.disagg.mutation import (
 )
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
-from kvxfer.errors import BackendUnavailable, IntegrityError
+from kvxfer.errors import BackendUnavailable
 from kvxfer.transport.integrity import ChecksumPolicy
-from tests.test_e2e import KV, NEW, kv_oracle
 from tests.test_e2e_ucx import SECRET, spawn_prefill
-from tests.test_mutations import fresh_prompt
+from tests.test_mutations import run_mutation_case
 
 pytestmark = pytest.mark.ucx
 _names = itertools.count()
@@ -89,17 +88,4 @@ def test_every_mutation_is_caught_over_ucx(backend: str, mutating_prefill: Worke
                            checksum=ChecksumPolicy() if checksum == "full" else None)
         decodes[checksum] = DecodeWorker(cfg, SECRET, prefill=mutating_prefill.address)
     decode = decodes[checksum]
-    tokens = fresh_prompt(f"ucx-{checksum}-{mode}-{mutation}")
-    rid = f"u{next(_names)}" + (f"-mutate={mutation}" if mutation else "")
-    kw = {"mode": "push" if mode == "layerwise" else mode, "layerwise": mode == "layerwise", "request_id": rid,
-          "return_kv": KV}
-    if checksum == "full" and mutation is not None:
-        with pytest.raises(IntegrityError):
-            decode.generate(tokens, NEW, timeout=60, **kw)
-        return
-    res = decode.generate(tokens, NEW, timeout=60, **kw)
-    check = kv_oracle().check_request(tokens, NEW, res.tokens, res.prompt_kv)
-    if mutation is None:
-        assert check.ok, check.describe()
-    else:
-        assert not check.kv.ok, f"the KV oracle missed {mutation} over {backend}: {check.describe()}"
+    run_mutation_case(decode, f"u{next(_names)}", f"ucx-{checksum}-{mode}-{mutation}", checksum, mode, mutation)

@@ -81,8 +81,16 @@ def fresh_prompt(case: str) -> np.ndarray:
 def test_every_mutation_is_caught_over_loopback(pairs: dict[tuple[str, str], tuple[PrefillWorker, DecodeWorker]],
                                                 layout: str, checksum: str, mode: str, mutation: str | None) -> None:
     decode = pair(pairs, layout, checksum)
-    tokens = fresh_prompt(f"{layout}-{checksum}-{mode}-{mutation}")
-    rid = f"m{next(_ids)}" + (f"-mutate={mutation}" if mutation else "")
+    run_mutation_case(decode, f"m{next(_ids)}", f"{layout}-{checksum}-{mode}-{mutation}", checksum, mode, mutation)
+
+
+def run_mutation_case(decode: DecodeWorker, rid: str, case: str, checksum: str, mode: str,
+                      mutation: str | None) -> None:
+    """One request through ``decode`` with ``mutation`` applied by the worker hook (``-mutate=NAME`` in its
+    id): with a full checksum a mutated request must fail IntegrityError; otherwise the KV oracle must pass
+    a healthy request and name a mutated one far outside its tolerance."""
+    tokens = fresh_prompt(case)
+    rid += f"-mutate={mutation}" if mutation else ""
     kw: dict[str, Any] = {"mode": "push" if mode == "layerwise" else mode, "layerwise": mode == "layerwise",
                           "request_id": rid, "return_kv": KV}
     if checksum == "full" and mutation is not None:
@@ -94,7 +102,7 @@ def test_every_mutation_is_caught_over_loopback(pairs: dict[tuple[str, str], tup
     if mutation is None:
         assert check.ok, check.describe()
         return
-    assert not check.kv.ok, f"the KV oracle missed {mutation}: {check.describe()}"
+    assert not check.kv.ok, f"the KV oracle missed {mutation} ({case}): {check.describe()}"
     assert check.kv.max_error > 100 * check.kv.tolerance
     if mutation == "zero_layer":
         assert check.kv.worst[0] == 1, check.describe()   # the report names the layer left unwritten
