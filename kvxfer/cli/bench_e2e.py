@@ -5,8 +5,16 @@ started with ``kvxfer serve prefill``, a decode worker in this process, over a U
 Every request uses a fresh random prompt (no prefix hit anywhere) and one output token, so TTFT is
 prompt -> KV computed -> KV moved -> first token on decode. Figures are medians over ``--iters``.
 "after prefill" is arrival minus prefill's compute, split into the transfer (post to completion, as
-prefill measured it), "verify" (with ``--checksum``: decode's check) and "control" (the rest: control
-messages, planning, hand-offs between threads). ``--device cuda:N`` runs both workers and the one-process
+prefill measured it), "verify" (with ``--checksum``: decode's check) and "control" (the rest), which is
+split again into "request" (decode: submit to ``kv_request`` sent, destination blocks allocated),
+"queued" (prefill: request arrival to its compute starting: source blocks allocated, hand-off to the
+compute thread), "post" (prefill: compute end to the transfer posted: hand-off, planning) and "messages"
+(what is left: control messages both ways, the completion notification, engine wake-ups). "commit" is
+TTFT minus arrival (decode commits the prompt's blocks before the first token counts).
+
+The one-process baseline uses the workers' cache configuration (prefix reuse on, the same block count)
+and looks the prompt up in its prefix tree as a serving engine would, so both sides pay the same
+cache bookkeeping. ``--device cuda:N`` runs both workers and the one-process
 baseline on that GPU (``--backend cuda_ipc`` moves KV through CUDA IPC); the goal there is
 "after prefill" <= 1 ms + KV bytes / (0.8 x D2D), with D2D (device copy, bytes/s) measured in the run.
 
@@ -73,7 +81,7 @@ def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: 
     """Seconds from prompt to first token when one process prefills (the baseline), the first token, and
     (read after the timing, when ``positions`` are given) the prompt KV at ``positions``."""
     t0 = time.perf_counter()
-    cache = manager.create_kv_cache()
+    cache = manager.create_kv_cache(tokens)
     try:
         cache.resume()
         kv = model.bind([(manager, cache)])
@@ -111,13 +119,14 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
         dcfg = WorkerConfig(f"bench-decode-{os.getpid()}", cfg, TOKENS_PER_BLOCK, blocks, backend=backend,
                             deadline_s=600.0, lease_s=600.0, checksum=checksum, device=device)
         ref_model = ReferenceModel(cfg, device)
-        ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, blocks, device, enable_prefix_reuse=False))
+        ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, blocks, device))   # as the workers
         with DecodeWorker(dcfg, secret, prefill=prefill.address, mode=mode, layerwise=layerwise) as decode:
             decode.generate(rng.integers(0, cfg.vocab_size, min(lengths)), 1)           # warm-up (connections)
             single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, min(lengths)), chunk)
             tolerance = TOLERANCE.get(cfg.dtype, 3e-2)
             for n in lengths:
                 d_ttft, d_arrival, d_xfer, d_prefill, d_tail, d_verify, s_ttft, nbytes = [], [], [], [], [], [], [], 0
+                stages: dict[str, list[float]] = {k: [] for k in ("request", "queued", "post", "messages", "commit")}
                 failed, worst = 0, 0.0
                 for _ in range(iters):
                     tokens = rng.integers(0, cfg.vocab_size, n)
@@ -135,6 +144,12 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                     d_prefill.append(res.prefill_s)
                     d_tail.append(res.arrival_s - res.prefill_s)
                     d_verify.append(res.verify_s)
+                    stages["request"].append(res.request_s)
+                    stages["queued"].append(res.queued_s)
+                    stages["post"].append(res.post_s)
+                    stages["messages"].append(res.arrival_s - res.prefill_s - res.transfer_s - res.verify_s
+                                              - res.request_s - res.queued_s - res.post_s)
+                    stages["commit"].append(res.ttft_s - res.arrival_s)
                     nbytes = res.bytes_moved
                     s_ttft.append(s_took)
                 xfer = statistics.median(d_xfer)
@@ -149,6 +164,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                              "after_prefill_ms": tail_ms, "verify_ms": verify_ms,
                              "control_ms": statistics.median(t - x - v for t, x, v in zip(d_tail, d_xfer, d_verify,
                                                                                           strict=True)) * 1e3,
+                             **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in stages.items()},
                              "after_prefill_goal_ms": goal_ms,
                              "ttft_ratio": statistics.median(d_ttft) / statistics.median(s_ttft),
                              "verified": failed == 0, "kv_max_error": worst})
@@ -169,7 +185,8 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
 
 HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'ratio':>6} {'prefill ms':>11} "
           f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>7} {'after prefill ms':>17} {'control ms':>11} "
-          f"{'verify ms':>10} {'goal ms':>8} KV check")
+          f"{'request':>8} {'queued':>7} {'post':>7} {'messages':>9} {'verify ms':>10} {'commit ms':>10} "
+          f"{'goal ms':>8} KV check")
 
 
 def format_row(r: dict[str, Any]) -> str:
@@ -179,7 +196,9 @@ def format_row(r: dict[str, Any]) -> str:
             f"{r['disagg_ttft_ms']:>15.1f} {r['disagg_ttft_ms'] / r['single_ttft_ms']:>6.3f} "
             f"{r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
             f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>7.1f} {r.get('after_prefill_ms', 0.0):>17.2f} "
-            f"{r.get('control_ms', 0.0):>11.2f} {r.get('verify_ms', 0.0):>10.2f} "
+            f"{r.get('control_ms', 0.0):>11.2f} {r.get('request_ms', 0.0):>8.2f} {r.get('queued_ms', 0.0):>7.2f} "
+            f"{r.get('post_ms', 0.0):>7.2f} {r.get('messages_ms', 0.0):>9.2f} {r.get('verify_ms', 0.0):>10.2f} "
+            f"{r.get('commit_ms', 0.0):>10.2f} "
             f"{'-' if goal is None else f'{goal:.2f}':>8} {'ok' if r.get('verified', True) else 'MISMATCH'}"
             f" {r.get('kv_max_error', 0.0):.0e}")
 

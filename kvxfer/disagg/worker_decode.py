@@ -126,6 +126,14 @@ class GenerationResult:
     asked for it with ``return_kv``: for the KV oracle of tests and the demo)."""
     prefill: str = ""
     """The address of the prefill worker that served the KV (xPyD: which one the request went to)."""
+    request_s: float = 0.0
+    """Submit -> ``kv_request`` sent (decode's queue, destination allocation, encoding)."""
+    queued_s: float = 0.0
+    """Prefill: the request's arrival -> its compute started."""
+    post_s: float = 0.0
+    """Prefill: its compute ended -> the last transfer posted (push) or ``kv_pull`` sent (pull)."""
+    commit_s: float = 0.0
+    """KV in place -> first token known (decode commits the prompt's blocks into its cache)."""
 
     def stats(self) -> dict[str, int | float | str]:
         """The figures of this result without the tokens (what ``generated.stats`` carries)."""
@@ -181,6 +189,8 @@ class _Job:
     parts: set[int] = field(default_factory=set)
     read: TransferHandle | None = None
     read_posted: float = 0.0
+    requested: float = 0.0
+    """When ``kv_request`` was sent."""
     last_renew: float = 0.0
     lease_until: float = 0.0
     """Prefill's lease on the source blocks lasts at least until then (renewals sent in time extend it)."""
@@ -711,7 +721,7 @@ class DecodeWorker(WorkerCounts):
                       blocks=encode_block_ids(writable), mode=job.mode,
                       layerwise=job.layerwise, layers_per_send=self.layers_per_send, lease_s=self.config.lease_s,
                       checksum=encode_checksum_policy(self.config.checksum))
-            job.last_renew = now()
+            job.last_renew = job.requested = now()
             job.lease_until = job.last_renew + self.config.lease_s
             job.session.start_transfer("KV requested from prefill")
         except KvxferError as exc:
@@ -882,7 +892,9 @@ class DecodeWorker(WorkerCounts):
         job.result = GenerationResult(job.request_id, [], int(job.tokens.size), job.skip,
                                       int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
                                       float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft,
-                                      verify_s, prompt_kv, job.prefill.address if job.prefill is not None else "")
+                                      verify_s, prompt_kv, job.prefill.address if job.prefill is not None else "",
+                                      job.requested - job.submitted, float(job.pushed["queued_s"]),
+                                      float(job.pushed["post_s"]), ttft - (arrived - job.submitted))
         model, max_new = self.model, job.max_new_tokens
 
         def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)

@@ -99,7 +99,11 @@ class _Job:
     first_token: int = -1
     reused_tokens: int = 0
     prefill_s: float = 0.0
+    compute_started: float = 0.0
+    """When the compute thread began the request (``queued_s`` = this minus ``started``)."""
     posted_at: float = 0.0
+    last_posted: float = 0.0
+    """When the request's last transfer was posted (or its ``kv_pull`` sent): ``post_s`` ends there."""
     freed: bool = False
     computing: bool = False
     """The compute thread writes the request's pages now: they are freed once it is done with them."""
@@ -363,7 +367,7 @@ class PrefillWorker(WorkerCounts):
                 engine._post_internal(("layer_done", job, layer))
 
         def run() -> tuple[int, float]:   # compute thread: only this request's pages are touched
-            started = now()
+            started = job.compute_started = now()
             kv: Any = LayerwiseKV(shards, self.model.kv_spec, int(tokens.size), on_layer) if job.groups \
                 else model.bind(shards)
             with torch.inference_mode():
@@ -386,6 +390,7 @@ class PrefillWorker(WorkerCounts):
             job.parts += 1
             self._check_may_write(job)
             handle = self.transport.write(job.peer, plan, _notify(job.request_id, job.parts))
+            job.last_posted = now()
             job.handles.append(handle)
             handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:
@@ -415,9 +420,10 @@ class PrefillWorker(WorkerCounts):
                 src_ids = self._source_ids(job)
                 digest = self._digest(job)   # before decode may read: the pages are final
                 job.session.start_transfer("waiting for decode to read")
+                queued_s, post_s = self._stages(job, now())
                 self._send(job.conn, "kv_pull", request_id=job.request_id, first_token=job.first_token,
-                           blocks=encode_block_ids(src_ids),
-                           reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest)
+                           blocks=encode_block_ids(src_ids), reused_tokens=job.reused_tokens, prefill_s=job.prefill_s,
+                           digest=digest, queued_s=queued_s, post_s=post_s)
                 return
             if not job.groups:
                 plan = plan_between(self.layouts, self._source_ids(job), self._peer_layouts[job.peer], job.dst_ids,
@@ -426,6 +432,7 @@ class PrefillWorker(WorkerCounts):
                 job.session.start_transfer("write posted")
                 job.posted_at = now()
                 handle = self.transport.write(job.peer, plan, _notify(job.request_id, 1))
+                job.last_posted = now()
                 job.handles.append(handle)
                 handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:
@@ -442,6 +449,14 @@ class PrefillWorker(WorkerCounts):
             raise CacheStateError(f"request {job.request_id}: its block ids changed between two posts of its "
                                   f"transfer (a commit in the middle of a layer-wise push)")
         return job.src_ids
+
+    @staticmethod
+    def _stages(job: _Job, posted: float) -> tuple[float, float]:
+        """(queued_s, post_s) of a request: its arrival to the compute thread starting it, and the end of
+        its compute to ``posted`` (the last transfer posted, or the ``kv_pull`` about to be sent): the
+        control time around prefill's compute that decode cannot see (0 where they overlap, layer-wise)."""
+        queued = max(0.0, job.compute_started - job.started)
+        return queued, max(0.0, posted - (job.compute_started + job.prefill_s))
 
     def _check_may_write(self, job: _Job) -> None:
         """Refuse to write into decode's blocks once decode may have given them away: after the connection
@@ -510,9 +525,11 @@ class PrefillWorker(WorkerCounts):
             except KvxferError as exc:
                 self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
                 return
+            queued_s, post_s = self._stages(job, job.last_posted)
             self._send(job.conn, "kv_pushed", request_id=job.request_id, first_token=job.first_token,
                        parts=len(job.handles), nbytes=nbytes, reused_tokens=job.reused_tokens,
-                       prefill_s=job.prefill_s, transfer_s=transfer_s, digest=digest)
+                       prefill_s=job.prefill_s, transfer_s=transfer_s, digest=digest, queued_s=queued_s,
+                       post_s=post_s)
         self.stats.bytes_sent += nbytes
         self.stats.completed += 1
         job.session.done("decode has the KV" if transfer_s is None else "written")

@@ -39,6 +39,10 @@ _TOKEN_ID_MAX = (1 << 31) - 1
 _RID = Field("request_id", "str", min_len=1, max_len=128)
 _REASON = Field("reason", "str", max_len=1024)
 _SECONDS = (0.0, 1e6)
+#: Prefill's control time around its compute, reported for decode's TTFT split: request arrival to the
+#: compute thread starting it, and compute end to the transfer posted (``kv_pull`` sent).
+_STAGES = (Field("queued_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
+           Field("post_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]))
 
 KV_RANKS = register(MessageSpec("kv_ranks", (Field("layouts", "bytes", max_len=MAX_MESSAGE_BYTES // 2),)))
 KV_REQUEST = register(MessageSpec("kv_request", (
@@ -58,11 +62,13 @@ KV_PUSHED = register(MessageSpec("kv_pushed", (
     Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
     Field("transfer_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
     Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
+    *_STAGES,
 )))
 KV_PULL = register(MessageSpec("kv_pull", (
     _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
     Field("reused_tokens", "int", hi=MAX_PROMPT_TOKENS), Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
     Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
+    *_STAGES,
 )))
 KV_RELEASE = register(MessageSpec("kv_release", (_RID,)))
 LEASE_RENEW = register(MessageSpec("lease_renew", (_RID,)))

@@ -165,10 +165,12 @@ def _uniform_and_disjoint(dst: PageTable, regions: Sequence[MemoryRegion]) -> bo
     slots = np.array([r.nbytes for r in regions], dtype=np.int64) >> int(shift)
     if int(slots.sum()) > 8 * n + (1 << 16):
         return False
-    offset = dst.addr - base[dst.region]
+    one = len(regions) == 1 or int(dst.region.min()) == int(dst.region.max())
+    offset = dst.addr - (base[int(dst.region[0])] if one else base[dst.region])
     if bool((offset & np.uint64(length - 1)).any()):
         return False
-    first = np.cumsum(slots) - slots
-    index = first[dst.region] + (offset >> shift).astype(np.int64)
+    index = (offset >> shift).astype(np.int64)
+    if not one:
+        index += (np.cumsum(slots) - slots)[dst.region]
     return int(np.bincount(index, minlength=1).max()) <= 1
 

@@ -114,13 +114,19 @@ class PageTable:
         n = len(self)
         if not n:
             return
-        if int(self.region.max()) >= len(regions):
+        first, last = int(self.region.min()), int(self.region.max())
+        if last >= len(regions):
             i = int(np.argmax(self.region >= len(regions)))
             raise PageTableError(f"entry {i}: region {int(self.region[i])} not registered "
                                  f"({len(regions)} regions)")
+        stop = self.addr + self.nbytes
+        if first == last:   # one region (the common KV table): bounds against scalars, no gathers
+            r = regions[first]
+            if int(self.addr.min()) >= r.base_address and int(stop.max()) <= r.end_address and \
+                    not bool((stop < self.addr).any()):
+                return
         base = np.array([r.base_address for r in regions], dtype=np.uint64)[self.region]
         end = np.array([r.end_address for r in regions], dtype=np.uint64)[self.region]
-        stop = self.addr + self.nbytes
         bad = (self.addr < base) | (stop < self.addr) | (stop > end)
         if bad.any():
             i = int(np.argmax(bad))
