@@ -1,7 +1,8 @@
 """GPU transfer benchmark (issue 13): two processes sharing one GPU, Llama-3-8B-shaped requests.
 
 One run measures, with the same statistic (the median) in every column:
-- D2D: the device-to-device copy limit (1 GiB ``copy_``, bytes copied / time, CUDA events);
+- D2D: the device-to-device copy limit (1 GiB ``copy_``, bytes copied / time, CUDA events), and
+  "D2D wall": one ``copy_`` of each case's bytes timed as kvxfer is (host clock, launch to synchronize);
 - torch: an in-process torch copy of the same whole slots (``dst[idx_d] = src[idx_s]``);
 - each kvxfer backend given (``--backends``), for identical layouts and TP 1->2, push and pull;
 - raw NIXL (``--raw-nixl``): NIXL's own agent in both processes, descriptor lists prepared once per
@@ -191,6 +192,32 @@ def d2d_gbps(device: str) -> float:
     return a.numel() / ms / 1e6
 
 
+class WallCopy:
+    """The device copy limit timed as kvxfer is (host clock, launch to completion): one ``copy_`` of a
+    case's byte count between two buffers plus a synchronize, median of ``iters``."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._a: torch.Tensor | None = None
+        self._b: torch.Tensor | None = None
+
+    def ms(self, nbytes: int, iters: int = 20) -> float:
+        if self._a is None or self._a.numel() < nbytes:
+            self._a = self._b = None
+            self._a = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._b = torch.empty_like(self._a)
+        a, b = self._a[:nbytes], self._b[:nbytes]   # type: ignore[index]
+        b.copy_(a)
+        sync(self.device)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            b.copy_(a)
+            sync(self.device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
 def index_copy(pool_s: torch.Tensor, pool_d: torch.Tensor, si: torch.Tensor, di: torch.Tensor, device: str,
                wait: bool) -> Any:
     """The in-process torch copy of whole slots ``si`` -> ``di`` (optionally waiting for the GPU)."""
@@ -337,6 +364,7 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     results["d2d_gbps"] = d2d_gbps(device)
     print(f"D2D {results['d2d_gbps']:.0f} GB/s", flush=True)
+    wall = WallCopy(device)
     for tokens in tokens_list:
         nblocks = tokens // TPB
         bench = Bench(backends, raw, nblocks, device)
@@ -357,6 +385,7 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                 row: dict[str, Any] = {"tokens": tokens, "case": case, "mode": mode,
                                        "descriptors": sum(len(p) for p in plans), "bytes": nbytes, "plan_ms": plan_ms,
                                        "torch_gbps": copy_bytes / torch_ms / 1e6, "d2d_gbps": results["d2d_gbps"]}
+                row["d2d_wall_gbps"] = nbytes / wall.ms(nbytes) / 1e6
                 posts: list[tuple[str, Any]] = [(b, bench.backend_post(b, mode, plans)) for b in backends]
                 prepped = None
                 if raw:
@@ -369,6 +398,7 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                     row[f"{name}_ms"] = med * 1e3
                     row[f"{name}_post_ms"] = statistics.median(post_s) * 1e3
                     row[f"{name}_x_d2d"] = row[f"{name}_gbps"] / results["d2d_gbps"]
+                    row[f"{name}_x_d2d_wall"] = row[f"{name}_gbps"] / row["d2d_wall_gbps"]
                     row[f"{name}_wrong_elements"] = bad
                 for lh, rh, _ in prepped or []:
                     lh.release()
@@ -431,15 +461,16 @@ def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, poo
 def print_tables(res: dict[str, Any]) -> None:
     names = res["backends"] + (["raw_nixl"] if res["raw_nixl"] else [])
     print(f"\n{res['gpu']}; D2D {res['d2d_gbps']:.0f} GB/s; medians; NIXL threads {res['nixl_threads']}")
-    head = f"{'tokens':>6} {'case':>9} {'mode':>4} {'desc':>7} {'MiB':>6} {'torch':>6}"
+    head = f"{'tokens':>6} {'case':>9} {'mode':>4} {'desc':>7} {'MiB':>6} {'torch':>6} {'D2Dwall':>7}"
     for n in names:
-        head += f" {n[:8]:>8} {'xD2D':>5} {'post ms':>7}"
+        head += f" {n[:8]:>8} {'xD2D':>5} {'xwall':>5} {'post ms':>7}"
     print(head + " wrong")
     for r in res["cases"]:
         line = (f"{r['tokens']:>6} {r['case']:>9} {r['mode']:>4} {r['descriptors']:>7} {r['bytes'] / 2**20:>6.0f} "
-                f"{r['torch_gbps']:>6.0f}")
+                f"{r['torch_gbps']:>6.0f} {r['d2d_wall_gbps']:>7.0f}")
         for n in names:
-            line += f" {r[f'{n}_gbps']:>8.1f} {r[f'{n}_x_d2d']:>5.2f} {r[f'{n}_post_ms']:>7.2f}"
+            line += (f" {r[f'{n}_gbps']:>8.1f} {r[f'{n}_x_d2d']:>5.2f} {r[f'{n}_x_d2d_wall']:>5.2f}"
+                     f" {r[f'{n}_post_ms']:>7.2f}")
         print(line + " " + str(sum(r[f"{n}_wrong_elements"] for n in names)))
     print(f"\n{'blocks':>6} {'MiB':>5} {'torch us':>9}" + "".join(f" {n[:8]:>8} us" for n in names))
     for r in res["latency"]:
