@@ -3,16 +3,19 @@ execute a whole plan as one kernel launch on a stream (see ``cuda_copy``).
 
 Connect maps the peer's regions once and uploads the table that translates its advertised addresses
 (``cuda_copy.DeltaTable``); a post uploads the plan's arrays in one copy and launches. Completion is
-the copy's CUDA event: ``wait`` synchronises on it directly when nothing but copies is queued ahead
-of it (the model's stream was idle at post), otherwise it waits, bounded by its timeout, for the
-completion thread, which synchronises on every event in order. Notifications travel on a small
-ZeroMQ PUSH/PULL channel on 127.0.0.1 and are sent by whichever of the two sees the event complete
-first, after it completed, so a notification never overtakes its data.
+the copy's CUDA event: a completion thread synchronises on every event in order as soon as it is
+posted and finishes the handle (callbacks such as a worker engine's wake-up run then), and ``wait``
+also synchronises on it directly when nothing but copies is queued ahead of it (the model's stream
+was idle at post), so a caller blocked in ``wait`` needs no thread hand-off; whichever of the two
+sees the event complete first finishes the handle and sends the notification. Notifications travel
+on a small ZeroMQ PUSH/PULL channel on 127.0.0.1, after the data; a receiver thread delivers them
+(and wakes the owner's engine) as they arrive, so nobody polls for them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import queue
 import socket
 import threading
@@ -30,10 +33,11 @@ from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
 
 _MAX_BLOB_BYTES = 16 << 20
-#: How long the completion thread leaves a bounded copy to a waiting caller: 2 ms plus the copy at
-#: 500 GB/s; after that it synchronises on the event itself (and sends the notification).
-_GRACE_S = 2e-3
-_GRACE_BYTES_PER_S = 5e11
+#: How often the notification receiver checks whether the transport is closing (it wakes at once
+#: when a notification arrives).
+_RECEIVE_POLL_MS = 100
+
+log = logging.getLogger(__name__)
 
 
 def node_id() -> str:
@@ -88,8 +92,11 @@ class CudaIpcTransport(Transport):
         self._push: dict[str, Any] = {}
         self._push_lock = threading.Lock()
         self._completions: queue.Queue[_CopyHandle | None] = queue.Queue()
+        self._closing = threading.Event()
         self._completer = threading.Thread(target=self._complete_loop, name=f"cuda-ipc-{name}", daemon=True)
+        self._receiver = threading.Thread(target=self._receive_loop, name=f"cuda-ipc-notify-{name}", daemon=True)
         self._completer.start()
+        self._receiver.start()
 
     @property
     def method(self) -> str:
@@ -144,10 +151,14 @@ class CudaIpcTransport(Transport):
 
     def _backend_close(self) -> None:
         self._completions.put(None)
+        self._closing.set()
         self._completer.join(10)
+        self._receiver.join(10)
         self._copier.stream.synchronize()
         self._mappings.close()
-        self._pull.close()
+        if self._receiver.is_alive():   # stuck in ZeroMQ: do not block in term() on its socket
+            log.error("cuda_ipc %r: the notification receiver did not stop within 10 s", self.name)
+            return
         self._zmq.term()
 
     # --- transfers ----------------------------------------------------------------------------
@@ -180,35 +191,47 @@ class CudaIpcTransport(Transport):
                     sock.send_multipart([self.name.encode(), notify])
 
     def _complete_loop(self) -> None:
+        """Finish every posted copy once its event completed, in posting order (a caller blocked in
+        ``wait`` on a bounded copy may finish it first: ``_finish`` lets one win)."""
         while True:
             handle = self._completions.get()
             if handle is None:
                 return
-            if handle.bounded:
-                # A caller blocked in ``wait`` finishes it first; stay off the GIL meanwhile (two threads
-                # woken by one event would both need it at the moment the copy completes).
-                with handle._cond:
-                    handle._cond.wait_for(lambda h=handle: h._status.terminal,   # type: ignore[misc]
-                                          _GRACE_S + handle.nbytes / _GRACE_BYTES_PER_S)
-                if handle._status.terminal:
-                    continue
+            if handle._status.terminal:
+                continue
             try:
                 handle.event.synchronize()
             except RuntimeError as exc:
                 handle._finish(TransferStatus.FAILED, f"CUDA copy failed: {exc}", TransferFailed)
                 continue
-            handle.complete(handle)
+            try:
+                handle.complete(handle)
+            except Exception as exc:   # a callback or the notification failed: the handle is still finished
+                log.error("cuda_ipc %r: completing transfer %d failed: %s", self.name, handle.id, exc, exc_info=exc)
 
-    def _backend_poll_notifications(self) -> None:
+    def _receive_loop(self) -> None:
+        """Deliver the peers' notifications as they arrive (the PULL socket belongs to this thread)."""
         import zmq
 
-        while True:
-            try:
-                frames = self._pull.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) == 2 and frames[0].decode(errors="replace") in self._peers:
-                self._deliver(frames[0].decode(), frames[1])
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        try:
+            while not self._closing.is_set():
+                if not poller.poll(_RECEIVE_POLL_MS):
+                    continue
+                while True:
+                    try:
+                        frames = self._pull.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    sender = frames[0].decode(errors="replace") if len(frames) == 2 else ""
+                    if sender in self._peers:
+                        self._deliver(sender, frames[1])
+        except Exception as exc:   # notifications stop: transfers still complete, waiters time out naming it
+            log.error("cuda_ipc %r: the notification receiver failed; no more notifications will arrive: %s",
+                      self.name, exc, exc_info=exc)
+        finally:
+            self._pull.close()
 
 
 class _CopyHandle(TransferHandle):
