@@ -23,7 +23,7 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import ClientResult
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.disagg.worker_prefill import PrefillWorker
-from kvxfer.disagg.worker_protocol import encode_block_ids, encode_layouts
+from kvxfer.disagg.worker_protocol import encode_block_ids, encode_layouts, encode_tokens
 from kvxfer.errors import AuthenticationError, HandshakeRefused, LayoutMismatch, TransferTimeout
 from kvxfer.model import ByteTokenizer, ModelConfig, ReferenceModel, preset
 from kvxfer.transport import LoopbackFaults, create
@@ -198,7 +198,7 @@ def test_pull_lease_expires_when_decode_stops_renewing(prefill: PrefillWorker) -
         cache = managers[0].create_kv_cache(tokens)
         cache.resume()
         cache.resize(int(tokens.size))
-        conn.send("kv_request", request_id="q1", tokens=tokens.tolist(), skip=0,
+        conn.send("kv_request", request_id="q1", tokens=encode_tokens(tokens), skip=0,
                   blocks=encode_block_ids([cache.block_id_map()]), mode="pull", layerwise=False,
                   layers_per_send=1, lease_s=0.5, checksum=b"")
         pull = conn.recv(10)

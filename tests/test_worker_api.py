@@ -16,7 +16,12 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
-from kvxfer.disagg.worker_protocol import decode_checksum_policy, encode_checksum_policy
+from kvxfer.disagg.worker_protocol import (
+    decode_checksum_policy,
+    decode_tokens,
+    encode_checksum_policy,
+    encode_tokens,
+)
 from kvxfer.errors import (
     IntegrityError,
     PeerUnreachable,
@@ -141,6 +146,17 @@ def test_a_status_client_cannot_ask_prefill_for_kv() -> None:
         finally:
             conn.close()
         assert prefill.status()["jobs"] == 0
+
+
+def test_prompt_tokens_travel_as_int32_bytes_and_malformed_ones_are_refused() -> None:
+    tokens = np.array([0, 5, 128255, (1 << 31) - 1], dtype=np.int64)
+    data = encode_tokens(tokens)
+    assert len(data) == 16 and np.array_equal(decode_tokens(data, "t"), tokens)
+    assert decode_tokens(b"", "t").size == 0
+    with pytest.raises(ProtocolError, match=r"t: 7 bytes is not a whole number"):
+        decode_tokens(data[:7], "t")
+    with pytest.raises(ProtocolError, match=r"t: token id -3 is negative"):
+        decode_tokens(encode_tokens([1, -3]), "t")
 
 
 def test_checksum_policy_codec_and_cli_parsing() -> None:

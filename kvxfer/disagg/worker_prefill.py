@@ -58,6 +58,7 @@ from kvxfer.disagg.worker_protocol import (
     decode_block_ids,
     decode_checksum_policy,
     decode_layouts,
+    decode_tokens,
     encode_block_ids,
     encode_layouts,
     encode_stats,
@@ -103,7 +104,8 @@ class _Job:
     """When the compute thread began the request (``queued_s`` = this minus ``started``)."""
     posted_at: float = 0.0
     last_posted: float = 0.0
-    """When the request's last transfer was posted (or its ``kv_pull`` sent): ``post_s`` ends there."""
+    """When the request's last transfer was handed to the transport: ``post_s`` ends there (the post
+    itself counts as transfer time)."""
     freed: bool = False
     computing: bool = False
     """The compute thread writes the request's pages now: they are freed once it is done with them."""
@@ -317,7 +319,11 @@ class PrefillWorker(WorkerCounts):
             self._send(conn, "kv_failed", request_id=rid, reason="duplicate request id")
             return
         dst_layouts = self._peer_layouts[peer]
-        tokens = np.asarray(msg["tokens"], dtype=np.int64)
+        try:
+            tokens = decode_tokens(msg["tokens"], "kv_request.tokens")
+        except ProtocolError as exc:
+            self._send(conn, "kv_failed", request_id=rid, reason=str(exc))
+            return
         skip = int(msg["skip"])
         if not 0 <= skip < tokens.size:
             self._send(conn, "kv_failed", request_id=rid, reason=f"skip={skip} outside [0, {tokens.size})")
@@ -389,8 +395,8 @@ class PrefillWorker(WorkerCounts):
                                 token_range=job.span, layers=job.groups[layer], request_id=job.request_id)
             job.parts += 1
             self._check_may_write(job)
-            handle = self.transport.write(job.peer, plan, _notify(job.request_id, job.parts))
             job.last_posted = now()
+            handle = self.transport.write(job.peer, plan, _notify(job.request_id, job.parts))
             job.handles.append(handle)
             handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:
@@ -431,8 +437,8 @@ class PrefillWorker(WorkerCounts):
                 self._check_may_write(job)
                 job.session.start_transfer("write posted")
                 job.posted_at = now()
+                job.last_posted = job.posted_at
                 handle = self.transport.write(job.peer, plan, _notify(job.request_id, 1))
-                job.last_posted = now()
                 job.handles.append(handle)
                 handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:

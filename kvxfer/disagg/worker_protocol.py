@@ -47,7 +47,7 @@ _STAGES = (Field("queued_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
 KV_RANKS = register(MessageSpec("kv_ranks", (Field("layouts", "bytes", max_len=MAX_MESSAGE_BYTES // 2),)))
 KV_REQUEST = register(MessageSpec("kv_request", (
     _RID,
-    Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=MAX_PROMPT_TOKENS),
+    Field("tokens", "bytes", max_len=4 * MAX_PROMPT_TOKENS),   # int32 little-endian: encode_tokens
     Field("skip", "int", hi=MAX_PROMPT_TOKENS),
     Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
     Field("mode", "str", max_len=8, choices=MODES),
@@ -118,6 +118,22 @@ def decode_layouts(data: bytes) -> list[CacheLayoutDesc]:
 
 
 BlockIdMaps = list[dict[int, npt.NDArray[np.int64]]]
+
+
+def encode_tokens(tokens: npt.ArrayLike) -> bytes:
+    """``kv_request.tokens``: the prompt as int32 little-endian bytes (a 16k-token prompt costs ~0.02 ms
+    to encode and check this way, ~2 ms as a msgpack list of ints checked one by one)."""
+    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+
+
+def decode_tokens(data: bytes, what: str) -> npt.NDArray[np.int64]:
+    """Inverse of ``encode_tokens``; ProtocolError for a ragged length or a negative token id."""
+    if len(data) % 4:
+        raise ProtocolError(f"{what}: {len(data)} bytes is not a whole number of int32 token ids")
+    tokens = np.frombuffer(data, dtype="<i4").astype(np.int64)
+    if tokens.size and int(tokens.min()) < 0:
+        raise ProtocolError(f"{what}: token id {int(tokens.min())} is negative")
+    return tokens
 
 
 def encode_block_ids(maps: Sequence[Mapping[int, npt.ArrayLike]]) -> bytes:

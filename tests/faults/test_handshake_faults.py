@@ -22,7 +22,12 @@ from kvxfer.disagg.seal import SealedChannel
 from kvxfer.disagg.worker import WorkerConfig, all_regions
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
-from kvxfer.disagg.worker_protocol import encode_block_ids, encode_checksum_policy, encode_layouts
+from kvxfer.disagg.worker_protocol import (
+    encode_block_ids,
+    encode_checksum_policy,
+    encode_layouts,
+    encode_tokens,
+)
 from kvxfer.errors import ControlTimeout, ProtocolError
 from kvxfer.transport import create
 from tests.faults.conftest import assert_settled
@@ -269,7 +274,7 @@ def test_vanished_decode_is_forgotten(prefill: PrefillWorker, ctx: zmq.Context[z
             tokens = prompt(2, 40)
             cache = raw.managers[0].create_kv_cache(tokens)
             assert cache.resume() and cache.resize(int(tokens.size))
-            raw.send("kv_request", request_id="r1", tokens=tokens.tolist(), skip=0,
+            raw.send("kv_request", request_id="r1", tokens=encode_tokens(tokens), skip=0,
                      blocks=encode_block_ids([cache.block_id_map()]), mode="pull", layerwise=False,
                      layers_per_send=1, lease_s=30.0, checksum=encode_checksum_policy(None))
             pull = raw.recv(10)
