@@ -44,7 +44,7 @@ def test_workload_matches_golden() -> None:
 
 def test_golden_sees_event_coalescing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutation: without coalescing the event stream differs."""
-    monkeypatch.setattr(events, "_coalesce", lambda last, new: None)
+    monkeypatch.setattr(events, "_continues", lambda head, last, new: False)
     diffs = _differences(json.loads(json.dumps(compact(run_workload()))), json.loads(GOLDEN.read_text()))
     assert any("event" in d for d in diffs)
 

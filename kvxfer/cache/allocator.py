@@ -105,3 +105,24 @@ class SlotAllocator:
         self._free[self._top:self._top + freed.size] = freed[::-1]
         self._top += freed.size
         return freed
+
+    def decref_each(self, ids: npt.ArrayLike) -> IntArray:
+        """``decref([i])`` for each id in turn, in one vectorised step: slots go back on the free stack
+        in the order they became free (``decref`` pushes a batch lowest id on top), so what is handed
+        out later is exactly as with the one-by-one calls. Returns the freed ids in that order."""
+        arr = self.check(ids)
+        if not arr.size:
+            return arr
+        uniq, first_from_end, counts = np.unique(arr[::-1], return_index=True, return_counts=True)
+        held = self.refcount[uniq]
+        if (counts > held).any():
+            bad = int(uniq[counts > held][0])
+            raise BlockIdError(f"{self.name}: slot {bad} released more often than it is held "
+                               f"(refcount {int(self.refcount[bad])})")
+        self.refcount[uniq] = held - counts.astype(np.int32)
+        gone = (self.refcount[uniq] == 0) & (uniq < self.usable)
+        # A slot becomes free at its last occurrence in ``arr``: order the freed ones by it.
+        freed: IntArray = uniq[gone][np.argsort(-first_from_end[gone], kind="stable")].astype(np.int32)
+        self._free[self._top:self._top + freed.size] = freed
+        self._top += freed.size
+        return freed

@@ -223,7 +223,12 @@ class PrefixReuse(TierQuotas):
         return True
 
     def _insert_committed(self, cache: KVCache, priority: int | None) -> None:
-        """Key the cache's newly full blocks and enter them into the tree (adopting duplicates)."""
+        """Key the cache's newly full blocks and enter them into the tree (adopting duplicates).
+
+        The new blocks are, in order, some the tree already has (adopted one by one), then either a
+        chain of blocks new to the tree (entered in one batch: one reference-count update per pool
+        group, one Stored per run of blocks with the same layer groups) or, when the block before them
+        left the tree, blocks that cannot be entered at all."""
         tpb = self._layout.tokens_per_block
         full = cache.num_committed_tokens // tpb
         have = len(cache._keys)
@@ -242,31 +247,71 @@ class PrefixReuse(TierQuotas):
         new_keys += self._keys(cache, toks[upto * tpb:full * tpb], parent_key, first_block=upto)
         pages = np.stack([blocks[have:full] for blocks in cache._blocks], axis=1)
         root_key = cache._root_key
-        for i, key in enumerate(new_keys):
-            b = have + i
-            cache._keys.append(key)
-            parent = cache._tree_nodes[b - 1] if b > 0 else None
-            if b > 0 and (parent is None or parent.removed):
-                cache._tree_nodes.append(None)
-                continue
-            node = self._tree.child(root_key, parent, key)
-            if node is None:
-                node = self._tree.insert(root_key, parent, key, toks[b * tpb:(b + 1) * tpb], pages[i],
-                                         has_extra_key=b in cache._extra_keys,
-                                         priority=DEFAULT_PRIORITY if priority is None else priority)
-                self._mark_tree_pages(node, range(len(cache._blocks)))
-                self._events.put(Stored(None if parent is None else parent.key, (key,),
-                                        tuple(toks[b * tpb:(b + 1) * tpb].tolist()), tpb,
-                                        cache.reuse_scope.lora_id, self._medium,
-                                        stored_extra_keys(b, 1, cache.reuse_scope.salt, cache._extra_keys),
-                                        layer_group_subset((pages[i] >= 0).tolist())))
-            else:
-                self._adopt(cache, b, node)
+        cache._keys.extend(new_keys)
+        swaps: dict[int, tuple[list[int], list[int]]] = {}
+        b = have
+        try:
+            while b < full:
+                parent = cache._tree_nodes[b - 1] if b > 0 else None
+                if b > 0 and (parent is None or parent.removed):
+                    cache._tree_nodes.extend([None] * (full - b))    # the chain cannot continue in the tree
+                    return
+                node = self._tree.child(root_key, parent, new_keys[b - have])
+                if node is None:
+                    break
+                self._adopt(cache, b, node, swaps)
                 old = node.priority
                 if priority is not None and self._tree.set_priority(node, priority):
                     self._events.put(Updated((node.key,), self._node_medium(node), priority, old_priority=old))
                 self._tree.touch(node)
-            cache._tree_nodes.append(node)
+                cache._tree_nodes.append(node)
+                b += 1
+        finally:
+            for pg, (theirs, mine) in swaps.items():
+                self._allocators[pg].incref(np.array(theirs, dtype=np.int32))
+                self._allocators[pg].decref_each(np.array(mine, dtype=np.int32))
+        if b < full:
+            self._enter_chain(cache, b, new_keys[b - have:], pages[b - have:],
+                              DEFAULT_PRIORITY if priority is None else priority)
+
+    def _enter_chain(self, cache: KVCache, first: int, keys: list[bytes], pages: IntArray, priority: int) -> None:
+        """Enter the cache's blocks ``first, first + 1, ...`` (keys ``keys``, primary pages ``pages[i]``
+        per layer group, -1: none) into the tree as a chain of new blocks, give the tree its references
+        and emit their Stored events (one per run of consecutive blocks holding the same layer groups,
+        as the queue would have merged them)."""
+        tpb = self._layout.tokens_per_block
+        n = len(keys)
+        stop = first + n
+        parent = cache._tree_nodes[first - 1] if first > 0 else None
+        toks = cache._tokens
+        nodes = self._tree.insert_chain(cache._root_key, parent, keys, toks[first * tpb:stop * tpb].reshape(n, tpb),
+                                        pages, [b in cache._extra_keys for b in range(first, stop)], priority=priority)
+        cache._tree_nodes.extend(nodes)
+        by_pg: dict[int, list[IntArray]] = {}
+        for lg in range(pages.shape[1]):
+            pg = self._lg_pool_group[lg]
+            live = np.flatnonzero(pages[:, lg] >= 0)
+            slots = pages[live, lg]
+            in_tree = self._in_tree_t[0][pg]
+            taken = slots[in_tree[slots]]
+            if taken.size:
+                raise KVCacheError(f"pool group {pg}: slot {int(taken[0])} of tier 0 is already a tree page")
+            in_tree[slots] = True
+            self._tree_owner[0][pg].update(zip(slots.tolist(), [(nodes[i], lg) for i in live.tolist()], strict=True))
+            by_pg.setdefault(pg, []).append(slots)
+        for pg, parts in by_pg.items():
+            self._allocators[pg].incref(np.concatenate(parts))
+        present = pages >= 0
+        starts = [0, *(np.flatnonzero((present[1:] != present[:-1]).any(axis=1)) + 1).tolist()]
+        scope = cache.reuse_scope
+        for s, e in zip(starts, [*starts[1:], n], strict=True):
+            row = present[s]
+            groups = None if row.all() else tuple(np.flatnonzero(row).tolist())
+            parent_hash = (None if parent is None else parent.key) if s == 0 else keys[s - 1]
+            self._events.put(Stored(parent_hash, tuple(keys[s:e]),
+                                    tuple(toks[(first + s) * tpb:(first + e) * tpb].tolist()), tpb, scope.lora_id,
+                                    self._medium, stored_extra_keys(first + s, e - s, scope.salt, cache._extra_keys),
+                                    groups))
 
     def _mark_tree_pages(self, node: BlockNode, layer_groups: Sequence[int] | range) -> None:
         """Give the tree its reference on ``node``'s page of each listed layer group."""
@@ -280,18 +325,21 @@ class PrefixReuse(TierQuotas):
                 self._in_tree_t[tier][pg][page] = True
                 self._tree_owner[tier][pg][page] = (node, lg)
 
-    def _adopt(self, cache: KVCache, block: int, node: BlockNode) -> None:
+    def _adopt(self, cache: KVCache, block: int, node: BlockNode, swaps: dict[int, tuple[list[int], list[int]]]) -> None:
         """A committed block duplicating ``node``: use the tree's pages and free the cache's own;
         a page the tree lacks (sliding window) is taken from the cache. A tree page in a colder tier
-        is not adopted (an active request's pages stay primary): the cache keeps its own."""
+        is not adopted (an active request's pages stay primary): the cache keeps its own. The reference
+        swaps are left in ``swaps`` (pool group -> (tree pages to take, own pages to let go, in order))
+        for the caller to apply in one step."""
         for lg, blocks in enumerate(cache._blocks):
             mine, theirs = int(blocks[block]), int(node.pages[lg])
             pg = self._lg_pool_group[lg]
             if theirs >= 0 and node.tiers[lg] != 0:
                 continue
             if theirs >= 0 and mine >= 0 and mine != theirs:
-                self._allocators[pg].incref(np.array([theirs], dtype=np.int32))
-                self._allocators[pg].decref(np.array([mine], dtype=np.int32))
+                take, drop = swaps.setdefault(pg, ([], []))
+                take.append(theirs)
+                drop.append(mine)
                 blocks[block] = theirs
             elif theirs < 0 <= mine:
                 node.pages[lg] = mine

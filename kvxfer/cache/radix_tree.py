@@ -212,6 +212,48 @@ class PrefixTree:
         self.touch(node)
         return node
 
+    def insert_chain(self, root_key: bytes, parent: BlockNode | None, keys: Sequence[bytes], tokens: TokenArray,
+                     pages: IntArray, has_extra_key: Sequence[bool], *,
+                     priority: int = DEFAULT_PRIORITY) -> list[BlockNode]:
+        """Add a chain of new blocks, each the child of the one before, the first under ``parent``
+        (None: the scope's root): ``tokens[i]`` / ``pages[i]`` are block i's rows. The same as one
+        ``insert`` per block in order (same LRU stamps, same eviction queue), without per-block checks."""
+        priority = check_priority(priority, "PrefixTree.insert_chain")
+        n = len(keys)
+        if tokens.shape != (n, self.tokens_per_block) or pages.shape != (n, self.num_layer_groups) \
+                or len(has_extra_key) != n:
+            raise KVCacheError(f"PrefixTree.insert_chain: expected {n} x {self.tokens_per_block} tokens, {n} x "
+                               f"{self.num_layer_groups} pages and {n} extra-key flags, got {tokens.shape}, "
+                               f"{pages.shape} and {len(has_extra_key)}")
+        if not n:
+            return []
+        if parent is None:
+            parent = self._roots.get(root_key)
+            if parent is None:
+                parent = BlockNode(root_key, None, -1, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int32))
+                self._roots[root_key] = parent
+        if parent.removed:
+            raise KVCacheError(f"PrefixTree.insert_chain: parent block {parent.key.hex()[:16]} was removed")
+        if keys[0] in parent.children:
+            raise KVCacheError(f"PrefixTree.insert_chain: block {keys[0].hex()[:16]} is already in the tree")
+        parent._child_tokens = parent._child_list = None
+        # One array per block (copies of the rows): a node must not keep a whole chain's rows alive.
+        tok_rows = list(tokens.astype(np.int64, copy=False))
+        page_rows = list(pages.astype(np.int32, copy=False))
+        zero_tiers = np.zeros(self.num_layer_groups, dtype=np.int8)
+        nodes: list[BlockNode] = []
+        depth = parent.depth
+        for key, tok, page, extra in zip(keys, tok_rows, page_rows, has_extra_key, strict=True):
+            depth += 1
+            node = BlockNode(key, parent, depth, tok.copy(), page.copy(), zero_tiers.copy(), extra, priority,
+                             next(self._clock))
+            parent.children[key] = node
+            self._num_blocks += 1
+            self._push(node)          # as touch(node)
+            nodes.append(node)
+            parent = node
+        return nodes
+
     def remove(self, node: BlockNode) -> None:
         """Take a leaf block out of the tree (its pages are the caller's to release)."""
         if node.is_root or node.removed:
