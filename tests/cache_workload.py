@@ -5,7 +5,7 @@ request's pages. ``tests/test_cache_golden.py`` compares it with ``tests/data/ca
 code this round replaced: events whole, each state section as a digest).
 
 Regenerate the golden only for an intended behaviour change:
-``PYTHONPATH=. python -m tests.cache_workload tests/data/cache_golden.json``.
+``PYTHONPATH=. python tests/cache_workload.py tests/data/cache_golden.json``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from tier_helpers import multi_pool_config
 
 from kvxfer.cache import CacheConfig, KVCache, KVCacheManager
 from kvxfer.cache.hashing import ReuseScope
-from tests.tier_helpers import multi_pool_config
 
 TPB = 4
 Record = list[dict[str, Any]]

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cache_workload import compact, run_workload
 
 from kvxfer.cache import events
 from kvxfer.cache.allocator import SlotAllocator
-from tests.cache_workload import compact, run_workload
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "cache_golden.json"
 

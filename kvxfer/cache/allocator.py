@@ -8,6 +8,7 @@ handed out: the primary tier's quota can shrink and grow inside its registered p
 from __future__ import annotations
 
 import numpy as np
+import numpy.ma  # np.unique imports it on first use (~15-40 ms): paid at import, not by the first request
 import numpy.typing as npt
 
 from kvxfer.errors import BlockIdError, OutOfSlotsError

@@ -169,8 +169,7 @@ class PrefixReuse(TierQuotas):
         cache._keys = cache._prompt_keys[:len(plan.nodes)]
         cache._tree_nodes = list(plan.nodes)
         cache._partial_src = plan.partial
-        for node in (*plan.nodes, *(() if plan.partial is None else (plan.partial,))):
-            self._tree.touch(node)
+        self._tree.touch_all((*plan.nodes, plan.partial))
 
     def _copy_on_write(self, cache: KVCache, stream: Any = None) -> bool:
         """Give the cache private copies of its partially reused block (shared with the tree) before
@@ -284,20 +283,21 @@ class PrefixReuse(TierQuotas):
         stop = first + n
         parent = cache._tree_nodes[first - 1] if first > 0 else None
         toks = cache._tokens
+        live = [np.flatnonzero(pages[:, lg] >= 0) for lg in range(pages.shape[1])]
+        for lg, rows in enumerate(live):       # a new block's page cannot be a tree page already
+            pg = self._lg_pool_group[lg]
+            taken = pages[rows, lg][self._in_tree_t[0][pg][pages[rows, lg]]]
+            if taken.size:
+                raise KVCacheError(f"pool group {pg}: slot {int(taken[0])} of tier 0 is already a tree page")
         nodes = self._tree.insert_chain(cache._root_key, parent, keys, toks[first * tpb:stop * tpb].reshape(n, tpb),
                                         pages, [b in cache._extra_keys for b in range(first, stop)], priority=priority)
         cache._tree_nodes.extend(nodes)
         by_pg: dict[int, list[IntArray]] = {}
-        for lg in range(pages.shape[1]):
+        for lg, rows in enumerate(live):
             pg = self._lg_pool_group[lg]
-            live = np.flatnonzero(pages[:, lg] >= 0)
-            slots = pages[live, lg]
-            in_tree = self._in_tree_t[0][pg]
-            taken = slots[in_tree[slots]]
-            if taken.size:
-                raise KVCacheError(f"pool group {pg}: slot {int(taken[0])} of tier 0 is already a tree page")
-            in_tree[slots] = True
-            self._tree_owner[0][pg].update(zip(slots.tolist(), [(nodes[i], lg) for i in live.tolist()], strict=True))
+            slots = pages[rows, lg]
+            self._in_tree_t[0][pg][slots] = True
+            self._tree_owner[0][pg].update(zip(slots.tolist(), [(nodes[i], lg) for i in rows.tolist()], strict=True))
             by_pg.setdefault(pg, []).append(slots)
         for pg, parts in by_pg.items():
             self._allocators[pg].incref(np.concatenate(parts))
@@ -356,21 +356,33 @@ class PrefixReuse(TierQuotas):
                            tiers: TierArray) -> None:
         """The tree lets go of the sliding-window pages a request just released for blocks
         [start, start + len(released)) once no other request holds them (the node keeps -1 there),
-        so window memory is not pinned by the tree; a node left without pages is requeued."""
+        so window memory is not pinned by the tree; a node left without pages is requeued. One
+        reference drop per tier, one Removed per run of blocks of one medium."""
         pg = self._lg_pool_group[layer_group]
         nodes = cache._tree_nodes[start:start + released.size]
+        drops: dict[int, list[int]] = {}
+        groups = layer_group_subset([i == layer_group for i in range(len(self._layout.layer_groups))])
+        run_tier, run = -1, list[bytes]()
+        touched: list[BlockNode | None] = []
         for node, page, tier in zip(nodes, released.tolist(), tiers.tolist(), strict=False):
             if node is None or node.removed or page < 0 or int(node.pages[layer_group]) != page \
                     or int(node.tiers[layer_group]) != tier:
                 continue
-            alloc = self._alloc_of(tier, pg)
-            if self._in_tree_t[tier][pg][page] and alloc.refcount[page] == 1:
-                alloc.decref(np.array([page], dtype=np.int32))
+            if self._in_tree_t[tier][pg][page] and self._alloc_of(tier, pg).refcount[page] == 1:
+                drops.setdefault(tier, []).append(page)
                 self._unmark_tree_page(tier, pg, page)
                 node.pages[layer_group] = -1
-                self._events.put(Removed((node.key,), self._media[tier], layer_group_subset(
-                    [i == layer_group for i in range(len(node.pages))])))
-            self._tree.touch(node)
+                if tier != run_tier and run:
+                    self._events.put(Removed(tuple(run), self._media[run_tier], groups))
+                    run = []
+                run_tier = tier
+                run.append(node.key)
+            touched.append(node)
+        if run:
+            self._events.put(Removed(tuple(run), self._media[run_tier], groups))
+        for tier, pages in drops.items():
+            self._alloc_of(tier, pg).decref_each(np.array(pages, dtype=np.int32))
+        self._tree.touch_all(touched)
 
     def _set_priority(self, cache: KVCache, priority: int) -> None:
         with self._lock:
@@ -381,9 +393,7 @@ class PrefixReuse(TierQuotas):
 
     def _touch_blocks(self, cache: KVCache, start: int, stop: int) -> None:
         """Requeue the tree blocks tied to the cache's blocks [start, stop) for eviction."""
-        for node in cache._tree_nodes[start:stop]:
-            if node is not None:
-                self._tree.touch(node)
+        self._tree.touch_all(cache._tree_nodes[start:stop])
 
     def reset_prefix_tree(self) -> bool:
         """Drop every block of the prefix tree (one AllCleared event); False, changing nothing, while
