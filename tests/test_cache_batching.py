@@ -175,6 +175,19 @@ def test_insert_chain_under_a_new_root_and_its_refusals() -> None:
     assert tree.num_blocks == 1
 
 
+def test_touch_all_equals_one_touch_per_node_across_heap_rebuilds() -> None:
+    """Enough touches to rebuild the eviction queue several times: same stamps, same eviction order."""
+    one, batch = PrefixTree(1, 2), PrefixTree(1, 2)
+    for tree in (one, batch):
+        tree.insert_chain(b"r", None, KEYS, np.zeros((12, 2)), np.arange(12).reshape(12, 1), [False] * 12)
+    order = [KEYS[i * 7 % 12] for i in range(2500)]
+    for key in order:
+        one.touch(next(n for n in one.nodes() if n.key == key))
+    by_key = {n.key: n for n in batch.nodes()}
+    batch.touch_all([by_key[k] for k in order] + [None])
+    assert _tree_state(batch) == _tree_state(one)
+
+
 # --- the manager: commit chunk size does not show ---------------------------------------------------------
 def _drive(mgr: Any, chunk: int) -> list[Any]:
     """Commit two 40-block prompts sharing 10 blocks (the second in ``chunk``-token commits, with a

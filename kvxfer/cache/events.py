@@ -221,6 +221,8 @@ def stored_extra_keys(first_block: int, n_blocks: int, salt: bytes | str | int |
     block 0 (as vLLM puts ``cache_salt`` in the first block's extra keys), each block's extra key as
     hex (None when no block has any)."""
     salt_str = salt_text(salt)
+    if not block_extra and not (salt_str and first_block == 0 < n_blocks):
+        return None                     # no block of the range has an extra key
     out: list[tuple[tuple[str, str], ...] | None] = []
     for b in range(first_block, first_block + n_blocks):
         keys = ((("salt", salt_str),) if b == 0 and salt_str else ()) + (

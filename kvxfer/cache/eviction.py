@@ -44,29 +44,31 @@ class EvictionController(PageMovement):
                 return False
         return True
 
-    def _evict_all(self, victims: list[BlockNode]) -> None:
+    def _evict_all(self, victims: list[BlockNode], flat_pages: list[int], flat_tiers: list[int]) -> None:
         """Let go of the pages of tree-only blocks just taken out of the tree (in eviction order): one
         reference drop per (tier, pool group), freed slots stacked in the order the blocks went; their
         Removed events (per block, one per medium it had pages on, in layer-group order) put as runs of
-        the same medium and layer groups, which the queue merges exactly as it would one by one."""
+        the same medium and layer groups, which the queue merges exactly as it would one by one.
+        ``flat_pages`` / ``flat_tiers``: the victims' pages and their tiers, block by block, layer
+        groups in order."""
         if not victims:
             return
         n_lg = len(self._layout.layer_groups)
-        pages = np.stack([node.pages for node in victims])
-        tiers = np.stack([node.tiers for node in victims]).astype(np.int64)
+        all_pages = np.array(flat_pages, dtype=np.int32)
+        all_tiers = np.array(flat_tiers, dtype=np.int64)
+        pages, tiers = all_pages.reshape(len(victims), n_lg), all_tiers.reshape(len(victims), n_lg)
         keys = [node.key for node in victims]
-        flat_pages, flat_tiers = pages.ravel(), tiers.ravel()        # (block, layer group) order
         flat_pgs = np.tile(np.asarray(self._lg_pool_group, dtype=np.int64), len(victims))
-        live = flat_pages >= 0
-        for tier, pg in sorted({(int(t), int(g)) for t, g in zip(flat_tiers[live].tolist(), flat_pgs[live].tolist(),
+        live = all_pages >= 0
+        for tier, pg in sorted({(int(t), int(g)) for t, g in zip(all_tiers[live].tolist(), flat_pgs[live].tolist(),
                                                                    strict=True)}):
-            slots = flat_pages[live & (flat_tiers == tier) & (flat_pgs == pg)]
+            slots = all_pages[live & (all_tiers == tier) & (flat_pgs == pg)]
             owners = self._tree_owner[tier][pg]
             for slot in slots.tolist():
                 owners.pop(slot, None)
             self._alloc_of(tier, pg).decref_each(slots)
             self._in_tree_t[tier][pg][slots] = False
-        colder = np.flatnonzero(live & (flat_tiers > 0)) % n_lg      # layer groups of colder-tier pages
+        colder = np.flatnonzero(live & (all_tiers > 0)) % n_lg      # layer groups of colder-tier pages
         counts = np.bincount(colder, minlength=n_lg).tolist()
         for lg in dict.fromkeys(colder.tolist()):                      # in the order the blocks reach them
             if (delta := self._stats.traffic(lg)) is not None:
@@ -176,6 +178,8 @@ class EvictionController(PageMovement):
         freed = 0
         kept: list[BlockNode] = []
         victims: list[BlockNode] = []
+        flat_pages: list[int] = []
+        flat_tiers: list[int] = []
         try:
             while freed < n:
                 node = self._tree.pop_leaf()
@@ -188,11 +192,13 @@ class EvictionController(PageMovement):
                 if state:
                     self._tree.remove(node)
                     victims.append(node)
+                    flat_pages += pages
+                    flat_tiers += tiers
                     freed += sum(1 for lg in here if 0 <= pages[lg] < usable and tiers[lg] == tier)
                 else:
                     kept.append(node)
         finally:
-            self._evict_all(victims)
+            self._evict_all(victims, flat_pages, flat_tiers)
             for node in kept:
                 self._tree.requeue(node)
         return alloc.num_free - before

@@ -361,8 +361,9 @@ class PrefixReuse(TierQuotas):
         pg = self._lg_pool_group[layer_group]
         nodes = cache._tree_nodes[start:start + released.size]
         drops: dict[int, list[int]] = {}
+        run: list[bytes]
         groups = layer_group_subset([i == layer_group for i in range(len(self._layout.layer_groups))])
-        run_tier, run = -1, list[bytes]()
+        run_tier, run = -1, []    # the Removed being built: its tier and block keys
         touched: list[BlockNode | None] = []
         for node, page, tier in zip(nodes, released.tolist(), tiers.tolist(), strict=False):
             if node is None or node.removed or page < 0 or int(node.pages[layer_group]) != page \

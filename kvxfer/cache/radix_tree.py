@@ -274,14 +274,16 @@ class PrefixTree:
                                f"{len(node.children)} children (leaves go first)")
         parent = node.parent
         assert parent is not None
-        del parent.children[node.key]
+        siblings = parent.children
+        del siblings[node.key]
         parent._child_tokens = parent._child_list = None
         node.removed = True
         self._num_blocks -= 1
-        if parent.is_root:
-            if not parent.children:
-                del self._roots[parent.key]
-        elif parent.is_leaf:
+        if siblings:
+            return
+        if parent.parent is None:          # a root left without blocks
+            del self._roots[parent.key]
+        else:                              # a block that just became a leaf
             self._push(parent)
 
     def clear(self) -> list[BlockNode]:
@@ -318,7 +320,7 @@ class PrefixTree:
         """
         while self._heap:
             _, _, _, version, node = heapq.heappop(self._heap)
-            if node.removed or version != node._version or not node.is_leaf:
+            if node.removed or version != node._version or node.children:
                 continue
             return node
         return None
