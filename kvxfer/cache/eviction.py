@@ -118,8 +118,12 @@ class EvictionController(PageMovement):
             for lg in self._pg_layer_groups[pool_group]:
                 blocks, tiers = cache._blocks[lg], cache._tiers[lg]
                 np.maximum.at(recency, blocks[(blocks >= 0) & (tiers == tier)], stamp)
-        for slot, (node, _) in self._tree_owner[tier][pool_group].items():
-            recency[slot] = max(int(recency[slot]), (node.priority << _PRIORITY_SHIFT) | node.last_used)
+        owners = self._tree_owner[tier][pool_group]
+        if owners:                          # tree pages: their block's priority and LRU stamp
+            slots = np.fromiter(owners, dtype=np.int64, count=len(owners))
+            stamps = np.fromiter(((node.priority << _PRIORITY_SHIFT) | node.last_used for node, _ in owners.values()),
+                                 dtype=np.int64, count=len(owners))
+            recency[slots] = np.maximum(recency[slots], stamps)
         held = alloc.refcount > self._in_tree_t[tier][pool_group]
         key = (held.astype(np.int64) << _HELD_BIT) | recency
         idx = np.flatnonzero(movable)
@@ -194,7 +198,9 @@ class EvictionController(PageMovement):
                     victims.append(node)
                     flat_pages += pages
                     flat_tiers += tiers
-                    freed += sum(1 for lg in here if 0 <= pages[lg] < usable and tiers[lg] == tier)
+                    for lg in here:
+                        if tiers[lg] == tier and 0 <= pages[lg] < usable:
+                            freed += 1
                 else:
                     kept.append(node)
         finally:
