@@ -5,7 +5,8 @@ and off (off: no tree, the floor of the same calls).
 
 The pool holds one request plus 64 blocks, so from the second request on every resize evicts the
 previous request's tree blocks (reuse on). Each figure is the median of ``--reps`` requests after one
-warm-up request. Prints a table; ``--json PATH`` writes the figures.
+warm-up request (``first_resume``: one sample per manager). Prints a table; ``--json PATH`` writes the
+figures. Before/after a change: run it with PYTHONPATH pointing at each checkout.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def main() -> None:
             print(f"{n:>7} {n // TOKENS_PER_BLOCK:>6} {'on' if reuse else 'off':>5} "
                   + " ".join(f"{res[p]:>15.2f}" for p in PHASES))
     print("evict_resize: resize(prompt) of a new request while the previous request's blocks fill the pool "
-          "(reuse on: evicts them all); chunked_commit: 1,024-token commits; first_resume: a fresh manager's")
+          "(reuse on: evicts them all); chunked_commit: 1,024-token commits; first_resume: a fresh manager's "
+          "first resume (one sample each; the process's first one pays any lazy import)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "cache_commit", "model": "llama-3.2-1b", "device": "cpu",
