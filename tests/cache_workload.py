@@ -4,8 +4,9 @@ stacks, tree-page marks, tree contents (keys, pages, tiers, priorities, LRU stam
 request's pages. ``tests/test_cache_golden.py`` compares it with ``tests/data/cache_golden.json`` (made by the per-block
 code this round replaced: events whole, each state section as a digest).
 
-Regenerate the golden only for an intended behaviour change:
-``PYTHONPATH=. python tests/cache_workload.py tests/data/cache_golden.json``.
+``run_random_workloads`` adds seeded random workloads, compared by digest with
+``tests/data/cache_golden_random.txt``. Regenerate both only for an intended behaviour change:
+``PYTHONPATH=. python tests/cache_workload.py tests/data/cache_golden.json tests/data/cache_golden_random.txt``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import random
 import sys
 import tempfile
 from collections.abc import Callable
@@ -265,6 +267,82 @@ def _no_reuse(record: Record) -> None:
     run.check("a closed")
 
 
+def _random_workload(seed: int, record: Record, disk_dir: str) -> None:
+    """A seeded random mix of create (prompts sharing prefixes, salts, extra keys), resume, commit in
+    random chunks with random priorities, suspend, close, set_priority, pins, shrinking and history
+    moves, on one of three configurations (tiers and a tiny event queue; sliding windows; two pool
+    groups over tiers); recorded every 5 operations."""
+    rnd = random.Random(seed)
+    if seed % 3 == 0:
+        cfg = CacheConfig.for_model(2, 2, 8, TPB, "float16", 20, host_blocks=8, disk_blocks=10, disk_path=disk_dir,
+                                    event_queue_capacity=rnd.choice([2, 50]))
+    elif seed % 3 == 1:
+        cfg = CacheConfig.for_model(4, 2, 8, TPB, "float16", 22, windows=[None, 12], sink_tokens=4)
+    else:
+        cfg = multi_pool_config(disk_dir, primary_slots=20, host_slots=12, disk_slots=14)
+    tpb = cfg.tokens_per_block
+    run = _Run(f"random-{seed}", KVCacheManager(cfg), record)
+    prompts: dict[str, np.ndarray] = {}
+    bases = [_tokens(s, 40 * tpb) for s in range(3)]
+    for step in range(60):
+        op = rnd.random()
+        live = [c for c in run.caches.values() if c.state.value != "closed"]
+        if op < 0.25 and len(live) < 4:
+            n = rnd.randint(1, 12 * tpb)
+            tokens = np.concatenate([rnd.choice(bases)[:rnd.randint(0, n)], _tokens(100 + step, n)])[:n]
+            kw: dict[str, Any] = {}
+            if rnd.random() < 0.2:
+                kw["reuse_scope"] = ReuseScope(salt=5)
+            if rnd.random() < 0.2:
+                kw["extra_keys"] = {1: b"x"}
+            prompts[f"c{step}"] = tokens
+            run.open(f"c{step}", tokens, **kw)
+        elif live:
+            c = rnd.choice(live)
+            active = c.state.value == "active"
+            if op < 0.55 and not active:
+                c.resume()
+            elif op < 0.55:
+                tokens, done = prompts[c.id], c.num_committed_tokens
+                stop = min(tokens.size, done + rnd.randint(1, 5 * tpb))
+                if stop > done and (c.capacity >= stop or c.resize(stop)):
+                    c.commit(tokens[done:stop], priority=rnd.choice([None, None, 10, 60]))
+            elif op < 0.65:
+                c.suspend()
+            elif op < 0.75:
+                c.close()
+            elif op < 0.8:
+                c.set_priority(rnd.choice([5, 35, 90]))
+            elif op < 0.85 and active:
+                pin = run.mgr.pin_pages(c.block_id_map())
+                if rnd.random() < 0.5:
+                    pin.release()
+            elif op < 0.9 and active:
+                c.resize(max(c.history_length, c.capacity - tpb))
+            elif active:
+                c.history_length = c.capacity
+        if step % 5 == 4:
+            run.check(f"op {step}")
+
+
+def run_random_workloads(seeds: range) -> Record:
+    """Every recorded step of ``_random_workload`` for each seed, in order."""
+    record: Record = []
+    for seed in seeds:
+        with tempfile.TemporaryDirectory() as disk_dir:
+            _random_workload(seed, record, disk_dir)
+    return record
+
+
+def digests(record: Record) -> list[str]:
+    """One line per step: its name, then digests of its events and of its state."""
+    return [f"{step['run']} {step['step']} {_digest(step['events'])} {_digest(step['state'])}" for step in record]
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
 WORKLOADS: tuple[Callable[[Record], None], ...] = (_sliding_window, _no_reuse)
 
 
@@ -283,10 +361,12 @@ def compact(record: Record) -> Record:
     """``record`` with each state section replaced by a digest of its canonical JSON (events kept whole)."""
     out = []
     for step in record:
-        state = {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
-                 for k, v in step["state"].items()}
+        state = {k: _digest(v) for k, v in step["state"].items()}
         out.append({"run": step["run"], "step": step["step"], "events": step["events"], "state": state})
     return out
+
+
+RANDOM_SEEDS = range(24)
 
 
 def main(argv: list[str]) -> None:
@@ -294,6 +374,11 @@ def main(argv: list[str]) -> None:
     with open(argv[1], "w") as f:
         f.write("[\n" + ",\n".join(json.dumps(step, separators=(",", ":")) for step in record) + "\n]\n")
     print(f"{len(record)} steps, {sum(len(s['events']) for s in record)} events -> {argv[1]}")
+    if len(argv) > 2:
+        lines = digests(run_random_workloads(RANDOM_SEEDS))
+        with open(argv[2], "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print(f"{len(lines)} random-workload steps -> {argv[2]}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cache_workload import compact, run_workload
+from cache_workload import RANDOM_SEEDS, compact, digests, run_random_workloads, run_workload
 
 from kvxfer.cache import events
 from kvxfer.cache.allocator import SlotAllocator
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "cache_golden.json"
+GOLDEN_RANDOM = pathlib.Path(__file__).parent / "data" / "cache_golden_random.txt"
 
 
 def _differences(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> list[str]:
@@ -42,6 +43,15 @@ def test_workload_matches_golden() -> None:
     assert sum(len(step["events"]) for step in got) > 100
 
 
+def test_random_workloads_match_golden() -> None:
+    """Seeded random workloads (tiers, sliding windows, two pool groups; pins, shrinks, priorities):
+    each recorded step's events and state digest as the golden's."""
+    want = GOLDEN_RANDOM.read_text().splitlines()
+    got = digests(run_random_workloads(RANDOM_SEEDS))
+    assert len(got) == len(want) > 200
+    assert [g for g, w in zip(got, want, strict=True) if g != w][:3] == []
+
+
 def test_golden_sees_event_coalescing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutation: without coalescing the event stream differs."""
     monkeypatch.setattr(events, "_continues", lambda head, last, new: False)
@@ -62,3 +72,5 @@ def test_golden_sees_free_stack_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SlotAllocator, "decref", reversed_push)
     diffs = _differences(json.loads(json.dumps(compact(run_workload()))), json.loads(GOLDEN.read_text()))
     assert any("allocators differs" in d for d in diffs)
+    got = digests(run_random_workloads(RANDOM_SEEDS))
+    assert got != GOLDEN_RANDOM.read_text().splitlines()

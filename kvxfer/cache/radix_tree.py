@@ -177,6 +177,8 @@ class PrefixTree:
             if node is None or node.removed or node.parent is None:
                 continue
             node.last_used = next(self._clock)
+            if node.children:
+                continue                      # queued when it becomes a leaf (see _push)
             node._version += 1
             heapq.heappush(self._heap, (node.priority, node.last_used, next(self._seq), node._version, node))
             if len(self._heap) > 4 * self._num_blocks + 1024:
@@ -260,9 +262,9 @@ class PrefixTree:
                              next(self._clock))
             parent.children[key] = node
             self._num_blocks += 1
-            self._push(node)          # as touch(node)
             nodes.append(node)
             parent = node
+        self._push(nodes[-1])         # the chain's one leaf (see _push)
         return nodes
 
     def remove(self, node: BlockNode) -> None:
@@ -299,6 +301,10 @@ class PrefixTree:
 
     # --- eviction order ---------------------------------------------------------------------------
     def _push(self, node: BlockNode) -> None:
+        """Queue ``node`` as an eviction candidate (superseding its older entries). Only leaves are
+        candidates: a block with children is not queued, it is when it becomes a leaf (``remove``)."""
+        if node.children:
+            return
         node._version += 1
         heapq.heappush(self._heap, (node.priority, node.last_used, next(self._seq), node._version, node))
         if len(self._heap) > 4 * self._num_blocks + 1024:
