@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -109,6 +110,9 @@ class EventQueue:
     so the ids a consumer drains skip exactly where events were dropped. Consecutive events merge:
     ``Stored`` continuing the previous chain (same LoRA, block size, medium, layer groups),
     ``Removed`` of one medium and layer groups, ``Updated`` with the same change.
+
+    The newest event's continuations are kept aside and folded into it once (when another event
+    follows, or at drain), so merging a long run costs linear time, not quadratic.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -116,6 +120,7 @@ class EventQueue:
             raise ConfigError(f"EventQueue capacity must be an int > 0, got {capacity!r}")
         self.capacity = capacity
         self._events: collections.deque[KVEvent] = collections.deque()
+        self._tail: list[KVEvent] = []   # events continuing self._events[-1], not yet folded into it
         self.dropped = 0
         self._dropped_since_drain = 0
         self._next_id = 0
@@ -131,10 +136,11 @@ class EventQueue:
     def put(self, event: KVEvent) -> None:
         """Append ``event``, merging it into the newest queued event when it continues it."""
         if self._events:
-            merged = _coalesce(self._events[-1], event)
-            if merged is not None:
-                self._events[-1] = merged
+            last = self._events[-1]
+            if _continues(last, self._tail[-1] if self._tail else last, event):
+                self._tail.append(event)
                 return
+            self._fold_tail()
         if len(self._events) >= self.capacity:
             self._events.popleft()
             self.dropped += 1
@@ -142,9 +148,15 @@ class EventQueue:
         self._events.append(dataclasses.replace(event, event_id=self._next_id))
         self._next_id += 1
 
+    def _fold_tail(self) -> None:
+        if self._tail:
+            self._events[-1] = _merged(self._events[-1], self._tail)
+            self._tail = []
+
     def drain(self) -> list[KVEvent]:
         """Every queued event, oldest first, after an ``EventsDropped`` marker when events were
         dropped since the last drain; the queue is left empty."""
+        self._fold_tail()
         out: list[KVEvent] = []
         if self._dropped_since_drain:
             first = self._events[0].event_id if self._events else self._next_id
@@ -155,26 +167,37 @@ class EventQueue:
         return out
 
 
-def _coalesce(last: KVEvent, new: KVEvent) -> KVEvent | None:
-    if isinstance(last, Stored) and isinstance(new, Stored):
-        if (new.parent_hash is not None and new.parent_hash == last.block_hashes[-1]
+def _continues(head: KVEvent, last: KVEvent, new: KVEvent) -> bool:
+    """Whether ``new`` merges into the queued event ``head`` whose newest continuation is ``last``
+    (``head`` itself when it has none)."""
+    if isinstance(head, Stored) and isinstance(new, Stored) and isinstance(last, Stored):
+        return (new.parent_hash is not None and new.parent_hash == last.block_hashes[-1]
                 and (new.block_size, new.lora_id, new.medium, new.layer_groups)
-                == (last.block_size, last.lora_id, last.medium, last.layer_groups)):
-            extra = None
-            if last.extra_keys is not None or new.extra_keys is not None:
-                extra = ((last.extra_keys or (None,) * len(last.block_hashes))
-                         + (new.extra_keys or (None,) * len(new.block_hashes)))
-            return dataclasses.replace(last, block_hashes=last.block_hashes + new.block_hashes,
-                                       token_ids=last.token_ids + new.token_ids, extra_keys=extra)
-        return None
-    if isinstance(last, Removed) and isinstance(new, Removed) and (last.medium, last.layer_groups) == (
-            new.medium, new.layer_groups):
-        return dataclasses.replace(last, block_hashes=last.block_hashes + new.block_hashes)
-    if isinstance(last, Updated) and isinstance(new, Updated) and (
-            last.medium, last.priority, last.old_medium, last.old_priority, last.layer_groups) == (
-            new.medium, new.priority, new.old_medium, new.old_priority, new.layer_groups):
-        return dataclasses.replace(last, block_hashes=last.block_hashes + new.block_hashes)
-    return None
+                == (head.block_size, head.lora_id, head.medium, head.layer_groups))
+    if isinstance(head, Removed) and isinstance(new, Removed):
+        return (head.medium, head.layer_groups) == (new.medium, new.layer_groups)
+    if isinstance(head, Updated) and isinstance(new, Updated):
+        return (head.medium, head.priority, head.old_medium, head.old_priority, head.layer_groups) == (
+            new.medium, new.priority, new.old_medium, new.old_priority, new.layer_groups)
+    return False
+
+
+def _merged(head: KVEvent, tail: Sequence[KVEvent]) -> KVEvent:
+    """``head`` with the blocks of its continuations ``tail`` (events of its type) appended; its id and
+    other fields kept."""
+    if isinstance(head, Stored):
+        stored = [head, *(e for e in tail if isinstance(e, Stored))]
+        extra = None
+        if any(e.extra_keys is not None for e in stored):
+            extra = tuple(itertools.chain.from_iterable(e.extra_keys or (None,) * len(e.block_hashes)
+                                                        for e in stored))
+        return dataclasses.replace(head, block_hashes=tuple(itertools.chain.from_iterable(
+            e.block_hashes for e in stored)), token_ids=tuple(itertools.chain.from_iterable(
+                e.token_ids for e in stored)), extra_keys=extra)
+    if isinstance(head, Removed | Updated):
+        return dataclasses.replace(head, block_hashes=tuple(itertools.chain.from_iterable(
+            e.block_hashes for e in (head, *tail) if isinstance(e, Removed | Updated))))
+    return head
 
 
 def layer_group_subset(present: Sequence[bool]) -> tuple[int, ...] | None:
@@ -198,6 +221,8 @@ def stored_extra_keys(first_block: int, n_blocks: int, salt: bytes | str | int |
     block 0 (as vLLM puts ``cache_salt`` in the first block's extra keys), each block's extra key as
     hex (None when no block has any)."""
     salt_str = salt_text(salt)
+    if not block_extra and not (salt_str and first_block == 0 < n_blocks):
+        return None                     # no block of the range has an extra key
     out: list[tuple[tuple[str, str], ...] | None] = []
     for b in range(first_block, first_block + n_blocks):
         keys = ((("salt", salt_str),) if b == 0 and salt_str else ()) + (

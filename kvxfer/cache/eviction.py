@@ -44,22 +44,49 @@ class EvictionController(PageMovement):
                 return False
         return True
 
-    def _evict(self, node: BlockNode) -> None:
-        """Drop a tree-only leaf and its pages (in whatever tiers they are); emits Removed."""
-        self._tree.remove(node)
-        media = [self._media[int(t)] if p >= 0 else None for p, t in zip(node.pages.tolist(), node.tiers.tolist(),
-                                                                         strict=True)]
-        for lg, (page, tier) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
-            if page >= 0:
-                pg = self._lg_pool_group[lg]
-                self._alloc_of(tier, pg).decref(np.array([page], dtype=np.int32))
-                self._unmark_tree_page(tier, pg, page)
-                if tier > 0 and (delta := self._stats.traffic(lg)) is not None:
-                    delta.iter_host_dropped_blocks += 1
-                    delta.iter_host_dropped_bytes += self._page_bytes[pg]
-        for medium in dict.fromkeys(m for m in media if m is not None):   # one Removed per medium held
-            self._events.put(Removed((node.key,), medium, layer_group_subset([m == medium for m in media])))
-        self._traffic.dropped()
+    def _evict_all(self, victims: list[BlockNode], flat_pages: list[int], flat_tiers: list[int]) -> None:
+        """Let go of the pages of tree-only blocks just taken out of the tree (in eviction order): one
+        reference drop per (tier, pool group), freed slots stacked in the order the blocks went; their
+        Removed events (per block, one per medium it had pages on, in layer-group order) put as runs of
+        the same medium and layer groups, which the queue merges exactly as it would one by one.
+        ``flat_pages`` / ``flat_tiers``: the victims' pages and their tiers, block by block, layer
+        groups in order."""
+        if not victims:
+            return
+        n_lg = len(self._layout.layer_groups)
+        all_pages = np.array(flat_pages, dtype=np.int32)
+        all_tiers = np.array(flat_tiers, dtype=np.int64)
+        pages, tiers = all_pages.reshape(len(victims), n_lg), all_tiers.reshape(len(victims), n_lg)
+        keys = [node.key for node in victims]
+        flat_pgs = np.tile(np.asarray(self._lg_pool_group, dtype=np.int64), len(victims))
+        live = all_pages >= 0
+        for tier, pg in sorted({(int(t), int(g)) for t, g in zip(all_tiers[live].tolist(), flat_pgs[live].tolist(),
+                                                                   strict=True)}):
+            slots = all_pages[live & (all_tiers == tier) & (flat_pgs == pg)]
+            owners = self._tree_owner[tier][pg]
+            for slot in slots.tolist():
+                owners.pop(slot, None)
+            self._alloc_of(tier, pg).decref_each(slots)
+            self._in_tree_t[tier][pg][slots] = False
+        colder = np.flatnonzero(live & (all_tiers > 0)) % n_lg      # layer groups of colder-tier pages
+        counts = np.bincount(colder, minlength=n_lg).tolist()
+        for lg in dict.fromkeys(colder.tolist()):                      # in the order the blocks reach them
+            if (delta := self._stats.traffic(lg)) is not None:
+                delta.iter_host_dropped_blocks += counts[lg]
+                delta.iter_host_dropped_bytes += counts[lg] * self._page_bytes[self._lg_pool_group[lg]]
+        # Blocks with a page in every layer group, all in one tier, make one Removed of that medium.
+        uniform = (pages >= 0).all(axis=1) & (tiers == tiers[:, :1]).all(axis=1)
+        code = np.where(uniform, tiers[:, 0], -1)
+        starts = [0, *(np.flatnonzero((code[1:] != code[:-1]) | (code[1:] < 0)) + 1).tolist()]
+        for s, e in zip(starts, [*starts[1:], len(victims)], strict=True):
+            if code[s] >= 0:
+                self._events.put(Removed(tuple(keys[s:e]), self._media[int(code[s])]))
+                continue
+            media = [self._media[t] if p >= 0 else None for p, t in zip(pages[s].tolist(), tiers[s].tolist(),
+                                                                        strict=True)]
+            for medium in dict.fromkeys(m for m in media if m is not None):
+                self._events.put(Removed((keys[s],), medium, layer_group_subset([m == medium for m in media])))
+        self._traffic.dropped(len(victims))
 
     def _locked_mask(self, tier: int, pool_group: int) -> npt.NDArray[np.bool_]:
         """Slots of ``tier`` that must not move: pages and scratch slots of ACTIVE requests, and the
@@ -91,8 +118,12 @@ class EvictionController(PageMovement):
             for lg in self._pg_layer_groups[pool_group]:
                 blocks, tiers = cache._blocks[lg], cache._tiers[lg]
                 np.maximum.at(recency, blocks[(blocks >= 0) & (tiers == tier)], stamp)
-        for slot, (node, _) in self._tree_owner[tier][pool_group].items():
-            recency[slot] = max(int(recency[slot]), (node.priority << _PRIORITY_SHIFT) | node.last_used)
+        owners = self._tree_owner[tier][pool_group]
+        if owners:                          # tree pages: their block's priority and LRU stamp
+            slots = np.fromiter(owners, dtype=np.int64, count=len(owners))
+            stamps = np.fromiter(((node.priority << _PRIORITY_SHIFT) | node.last_used for node, _ in owners.values()),
+                                 dtype=np.int64, count=len(owners))
+            recency[slots] = np.maximum(recency[slots], stamps)
         held = alloc.refcount > self._in_tree_t[tier][pool_group]
         key = (held.astype(np.int64) << _HELD_BIT) | recency
         idx = np.flatnonzero(movable)
@@ -136,22 +167,46 @@ class EvictionController(PageMovement):
 
     def _drop_in(self, tier: int, pool_group: int, n: int) -> int:
         """Drop tree-only leaves droppable at ``tier`` until ``n`` slots of ``(tier, pool_group)`` are
-        free (or none is left); emits Removed. Returns the slots of that tier freed."""
+        free (or none is left); emits Removed. Returns the slots of that tier freed.
+
+        The leaves are chosen one by one (a parent becomes a leaf when its last child goes) and their
+        pages released together at the end: a tree-only page has one reference, so each of the chosen
+        blocks' pages of ``(tier, pool_group)`` below the usable limit frees a slot."""
         alloc = self._alloc_of(tier, pool_group)
         before = alloc.num_free
+        usable = alloc.usable
+        here = self._pg_layer_groups[pool_group]
+        refcounts = [[self._alloc_of(t, pg).refcount for pg in range(len(self._allocators))]
+                     for t in range(len(self._tiers))]
+        lg_pg = self._lg_pool_group
+        freed = 0
         kept: list[BlockNode] = []
-        while alloc.num_free - before < n:
-            node = self._tree.pop_leaf()
-            if node is None:
-                break
-            if not self._tree_only(node):
-                continue             # requeued when its request lets go
-            if self._droppable_here(node, tier):
-                self._evict(node)
-            else:
-                kept.append(node)
-        for node in kept:
-            self._tree.requeue(node)
+        victims: list[BlockNode] = []
+        flat_pages: list[int] = []
+        flat_tiers: list[int] = []
+        try:
+            while freed < n:
+                node = self._tree.pop_leaf()
+                if node is None:
+                    break
+                pages, tiers = node.pages.tolist(), node.tiers.tolist()
+                state = _drop_state(pages, tiers, tier, refcounts, lg_pg)
+                if state is None:
+                    continue             # requeued when its request lets go
+                if state:
+                    self._tree.remove(node)
+                    victims.append(node)
+                    flat_pages += pages
+                    flat_tiers += tiers
+                    for lg in here:
+                        if tiers[lg] == tier and 0 <= pages[lg] < usable:
+                            freed += 1
+                else:
+                    kept.append(node)
+        finally:
+            self._evict_all(victims, flat_pages, flat_tiers)
+            for node in kept:
+                self._tree.requeue(node)
         return alloc.num_free - before
 
     def _room_estimate(self, tier: int, pool_group: int) -> int:
@@ -191,3 +246,17 @@ class EvictionController(PageMovement):
         dst = self._alloc_of(dst_tier, pool_group).alloc(src.size)
         self._copy_pages(pool_group, [(src_tier, src, dst_tier, dst)])
         self._relocate(pool_group, src_tier, src, dst_tier, dst)
+
+
+def _drop_state(pages: list[int], tiers: list[int], tier: int, refcounts: list[list[npt.NDArray[np.int32]]],
+                lg_pool_group: list[int]) -> bool | None:
+    """For a block with ``pages`` / ``tiers`` per layer group: None when a request still holds one of
+    its pages (reference count above the tree's one); else whether dropping it is eviction at ``tier``
+    (``_droppable_here``: none of its pages is in a warmer tier)."""
+    warmer = False
+    for lg, page in enumerate(pages):
+        if page >= 0:
+            if refcounts[tiers[lg]][lg_pool_group[lg]][page] != 1:
+                return None
+            warmer = warmer or tiers[lg] < tier
+    return not warmer

@@ -169,8 +169,7 @@ class PrefixReuse(TierQuotas):
         cache._keys = cache._prompt_keys[:len(plan.nodes)]
         cache._tree_nodes = list(plan.nodes)
         cache._partial_src = plan.partial
-        for node in (*plan.nodes, *(() if plan.partial is None else (plan.partial,))):
-            self._tree.touch(node)
+        self._tree.touch_all((*plan.nodes, plan.partial))
 
     def _copy_on_write(self, cache: KVCache, stream: Any = None) -> bool:
         """Give the cache private copies of its partially reused block (shared with the tree) before
@@ -223,7 +222,12 @@ class PrefixReuse(TierQuotas):
         return True
 
     def _insert_committed(self, cache: KVCache, priority: int | None) -> None:
-        """Key the cache's newly full blocks and enter them into the tree (adopting duplicates)."""
+        """Key the cache's newly full blocks and enter them into the tree (adopting duplicates).
+
+        The new blocks are, in order, some the tree already has (adopted one by one), then either a
+        chain of blocks new to the tree (entered in one batch: one reference-count update per pool
+        group, one Stored per run of blocks with the same layer groups) or, when the block before them
+        left the tree, blocks that cannot be entered at all."""
         tpb = self._layout.tokens_per_block
         full = cache.num_committed_tokens // tpb
         have = len(cache._keys)
@@ -242,31 +246,72 @@ class PrefixReuse(TierQuotas):
         new_keys += self._keys(cache, toks[upto * tpb:full * tpb], parent_key, first_block=upto)
         pages = np.stack([blocks[have:full] for blocks in cache._blocks], axis=1)
         root_key = cache._root_key
-        for i, key in enumerate(new_keys):
-            b = have + i
-            cache._keys.append(key)
-            parent = cache._tree_nodes[b - 1] if b > 0 else None
-            if b > 0 and (parent is None or parent.removed):
-                cache._tree_nodes.append(None)
-                continue
-            node = self._tree.child(root_key, parent, key)
-            if node is None:
-                node = self._tree.insert(root_key, parent, key, toks[b * tpb:(b + 1) * tpb], pages[i],
-                                         has_extra_key=b in cache._extra_keys,
-                                         priority=DEFAULT_PRIORITY if priority is None else priority)
-                self._mark_tree_pages(node, range(len(cache._blocks)))
-                self._events.put(Stored(None if parent is None else parent.key, (key,),
-                                        tuple(toks[b * tpb:(b + 1) * tpb].tolist()), tpb,
-                                        cache.reuse_scope.lora_id, self._medium,
-                                        stored_extra_keys(b, 1, cache.reuse_scope.salt, cache._extra_keys),
-                                        layer_group_subset((pages[i] >= 0).tolist())))
-            else:
-                self._adopt(cache, b, node)
+        cache._keys.extend(new_keys)
+        swaps: dict[int, tuple[list[int], list[int]]] = {}
+        b = have
+        try:
+            while b < full:
+                parent = cache._tree_nodes[b - 1] if b > 0 else None
+                if b > 0 and (parent is None or parent.removed):
+                    cache._tree_nodes.extend([None] * (full - b))    # the chain cannot continue in the tree
+                    return
+                node = self._tree.child(root_key, parent, new_keys[b - have])
+                if node is None:
+                    break
+                self._adopt(cache, b, node, swaps)
                 old = node.priority
                 if priority is not None and self._tree.set_priority(node, priority):
                     self._events.put(Updated((node.key,), self._node_medium(node), priority, old_priority=old))
                 self._tree.touch(node)
-            cache._tree_nodes.append(node)
+                cache._tree_nodes.append(node)
+                b += 1
+        finally:
+            for pg, (theirs, mine) in swaps.items():
+                self._allocators[pg].incref(np.array(theirs, dtype=np.int32))
+                self._allocators[pg].decref_each(np.array(mine, dtype=np.int32))
+        if b < full:
+            self._enter_chain(cache, b, new_keys[b - have:], pages[b - have:],
+                              DEFAULT_PRIORITY if priority is None else priority)
+
+    def _enter_chain(self, cache: KVCache, first: int, keys: list[bytes], pages: IntArray, priority: int) -> None:
+        """Enter the cache's blocks ``first, first + 1, ...`` (keys ``keys``, primary pages ``pages[i]``
+        per layer group, -1: none) into the tree as a chain of new blocks, give the tree its references
+        and emit their Stored events (one per run of consecutive blocks holding the same layer groups,
+        as the queue would have merged them)."""
+        tpb = self._layout.tokens_per_block
+        n = len(keys)
+        stop = first + n
+        parent = cache._tree_nodes[first - 1] if first > 0 else None
+        toks = cache._tokens
+        live = [np.flatnonzero(pages[:, lg] >= 0) for lg in range(pages.shape[1])]
+        for lg, rows in enumerate(live):       # a new block's page cannot be a tree page already
+            pg = self._lg_pool_group[lg]
+            taken = pages[rows, lg][self._in_tree_t[0][pg][pages[rows, lg]]]
+            if taken.size:
+                raise KVCacheError(f"pool group {pg}: slot {int(taken[0])} of tier 0 is already a tree page")
+        nodes = self._tree.insert_chain(cache._root_key, parent, keys, toks[first * tpb:stop * tpb].reshape(n, tpb),
+                                        pages, [b in cache._extra_keys for b in range(first, stop)], priority=priority)
+        cache._tree_nodes.extend(nodes)
+        by_pg: dict[int, list[IntArray]] = {}
+        for lg, rows in enumerate(live):
+            pg = self._lg_pool_group[lg]
+            slots = pages[rows, lg]
+            self._in_tree_t[0][pg][slots] = True
+            self._tree_owner[0][pg].update(zip(slots.tolist(), [(nodes[i], lg) for i in rows.tolist()], strict=True))
+            by_pg.setdefault(pg, []).append(slots)
+        for pg, parts in by_pg.items():
+            self._allocators[pg].incref(np.concatenate(parts))
+        present = pages >= 0
+        starts = [0, *(np.flatnonzero((present[1:] != present[:-1]).any(axis=1)) + 1).tolist()]
+        scope = cache.reuse_scope
+        for s, e in zip(starts, [*starts[1:], n], strict=True):
+            row = present[s]
+            groups = None if row.all() else tuple(np.flatnonzero(row).tolist())
+            parent_hash = (None if parent is None else parent.key) if s == 0 else keys[s - 1]
+            self._events.put(Stored(parent_hash, tuple(keys[s:e]),
+                                    tuple(toks[(first + s) * tpb:(first + e) * tpb].tolist()), tpb, scope.lora_id,
+                                    self._medium, stored_extra_keys(first + s, e - s, scope.salt, cache._extra_keys),
+                                    groups))
 
     def _mark_tree_pages(self, node: BlockNode, layer_groups: Sequence[int] | range) -> None:
         """Give the tree its reference on ``node``'s page of each listed layer group."""
@@ -280,18 +325,21 @@ class PrefixReuse(TierQuotas):
                 self._in_tree_t[tier][pg][page] = True
                 self._tree_owner[tier][pg][page] = (node, lg)
 
-    def _adopt(self, cache: KVCache, block: int, node: BlockNode) -> None:
+    def _adopt(self, cache: KVCache, block: int, node: BlockNode, swaps: dict[int, tuple[list[int], list[int]]]) -> None:
         """A committed block duplicating ``node``: use the tree's pages and free the cache's own;
         a page the tree lacks (sliding window) is taken from the cache. A tree page in a colder tier
-        is not adopted (an active request's pages stay primary): the cache keeps its own."""
+        is not adopted (an active request's pages stay primary): the cache keeps its own. The reference
+        swaps are left in ``swaps`` (pool group -> (tree pages to take, own pages to let go, in order))
+        for the caller to apply in one step."""
         for lg, blocks in enumerate(cache._blocks):
             mine, theirs = int(blocks[block]), int(node.pages[lg])
             pg = self._lg_pool_group[lg]
             if theirs >= 0 and node.tiers[lg] != 0:
                 continue
             if theirs >= 0 and mine >= 0 and mine != theirs:
-                self._allocators[pg].incref(np.array([theirs], dtype=np.int32))
-                self._allocators[pg].decref(np.array([mine], dtype=np.int32))
+                take, drop = swaps.setdefault(pg, ([], []))
+                take.append(theirs)
+                drop.append(mine)
                 blocks[block] = theirs
             elif theirs < 0 <= mine:
                 node.pages[lg] = mine
@@ -308,21 +356,34 @@ class PrefixReuse(TierQuotas):
                            tiers: TierArray) -> None:
         """The tree lets go of the sliding-window pages a request just released for blocks
         [start, start + len(released)) once no other request holds them (the node keeps -1 there),
-        so window memory is not pinned by the tree; a node left without pages is requeued."""
+        so window memory is not pinned by the tree; a node left without pages is requeued. One
+        reference drop per tier, one Removed per run of blocks of one medium."""
         pg = self._lg_pool_group[layer_group]
         nodes = cache._tree_nodes[start:start + released.size]
+        drops: dict[int, list[int]] = {}
+        run: list[bytes]
+        groups = layer_group_subset([i == layer_group for i in range(len(self._layout.layer_groups))])
+        run_tier, run = -1, []    # the Removed being built: its tier and block keys
+        touched: list[BlockNode | None] = []
         for node, page, tier in zip(nodes, released.tolist(), tiers.tolist(), strict=False):
             if node is None or node.removed or page < 0 or int(node.pages[layer_group]) != page \
                     or int(node.tiers[layer_group]) != tier:
                 continue
-            alloc = self._alloc_of(tier, pg)
-            if self._in_tree_t[tier][pg][page] and alloc.refcount[page] == 1:
-                alloc.decref(np.array([page], dtype=np.int32))
+            if self._in_tree_t[tier][pg][page] and self._alloc_of(tier, pg).refcount[page] == 1:
+                drops.setdefault(tier, []).append(page)
                 self._unmark_tree_page(tier, pg, page)
                 node.pages[layer_group] = -1
-                self._events.put(Removed((node.key,), self._media[tier], layer_group_subset(
-                    [i == layer_group for i in range(len(node.pages))])))
-            self._tree.touch(node)
+                if tier != run_tier and run:
+                    self._events.put(Removed(tuple(run), self._media[run_tier], groups))
+                    run = []
+                run_tier = tier
+                run.append(node.key)
+            touched.append(node)
+        if run:
+            self._events.put(Removed(tuple(run), self._media[run_tier], groups))
+        for tier, pages in drops.items():
+            self._alloc_of(tier, pg).decref_each(np.array(pages, dtype=np.int32))
+        self._tree.touch_all(touched)
 
     def _set_priority(self, cache: KVCache, priority: int) -> None:
         with self._lock:
@@ -333,9 +394,7 @@ class PrefixReuse(TierQuotas):
 
     def _touch_blocks(self, cache: KVCache, start: int, stop: int) -> None:
         """Requeue the tree blocks tied to the cache's blocks [start, stop) for eviction."""
-        for node in cache._tree_nodes[start:stop]:
-            if node is not None:
-                self._tree.touch(node)
+        self._tree.touch_all(cache._tree_nodes[start:stop])
 
     def reset_prefix_tree(self) -> bool:
         """Drop every block of the prefix tree (one AllCleared event); False, changing nothing, while
