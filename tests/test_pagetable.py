@@ -246,3 +246,44 @@ def test_plan_validate_uniform_power_of_two_entries(clash: str) -> None:
     else:
         with pytest.raises(PageTableError, match="overlap"):
             plan.validate(regions, regions)
+
+
+def _outcome(fn: object) -> str | None:
+    try:
+        fn()   # type: ignore[operator]
+    except PageTableError as exc:
+        return str(exc)
+    return None
+
+
+_SMALL_REGIONS = [MemoryRegion(0x10000, 0x1000), MemoryRegion(0x40000, 0x800)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(-0x80, 0x1100), st.sampled_from([0, 1, 16, 64, 0x100, 0x400])),
+                min_size=1, max_size=16),
+       st.booleans())
+def test_small_tables_are_validated_exactly_as_large_ones(entries: list[tuple[int, int, int]], big_len: bool) -> None:
+    """The plain-Python path for <= 16 entries agrees with the vectorised one: same verdict, same message
+    (bounds, unregistered regions, 64-bit wrap-around, overlapping destinations)."""
+    region = np.array([r for r, _, _ in entries], dtype=np.uint32)
+    base = np.array([_SMALL_REGIONS[min(r, 1)].base_address for r, _, _ in entries], dtype=np.int64)
+    addr = (base + np.array([o for _, o, _ in entries])).astype(np.uint64)
+    nbytes = np.array([n for _, _, n in entries], dtype=np.uint64)
+    if big_len:   # one entry that wraps around 2**64
+        nbytes[0] = np.uint64(2**64 - 16)
+    table = PageTable(addr, nbytes, region)
+    verdict = _outcome(lambda: table._validate_small(_SMALL_REGIONS))
+    assert verdict == _outcome(lambda: table._validate_vectorised(_SMALL_REGIONS))
+    if verdict is None:   # validate checks overlaps only between entries inside their regions
+        plan = TransferPlan(table, table)
+        assert _outcome(plan._check_disjoint_small) == \
+            _outcome(lambda: plan._check_disjoint_vectorised(_SMALL_REGIONS))
+
+
+def test_small_path_mutation_is_caught() -> None:
+    """The comparison above can fail: a small table one byte past its region is refused by both paths."""
+    table = PageTable(np.array([0x10000 + 0x1000 - 16], np.uint64), np.array([17], np.uint64), np.zeros(1, np.uint32))
+    assert _outcome(lambda: table._validate_small(_SMALL_REGIONS)) is not None
+    assert _outcome(lambda: table._validate_small(_SMALL_REGIONS)) == \
+        _outcome(lambda: table._validate_vectorised(_SMALL_REGIONS))

@@ -14,7 +14,7 @@ TTFT minus arrival (decode commits the prompt's blocks before the first token co
 
 The one-process baseline uses the workers' cache configuration (prefix reuse on, the same block count)
 and looks the prompt up in its prefix tree as a serving engine would, so both sides pay the same
-cache bookkeeping. ``--device cuda:N`` runs both workers and the one-process
+cache bookkeeping; the two alternate which runs first on each iteration. ``--device cuda:N`` runs both workers and the one-process
 baseline on that GPU (``--backend cuda_ipc`` moves KV through CUDA IPC); the goal there is
 "after prefill" <= 1 ms + KV bytes / (0.8 x D2D), with D2D (device copy, bytes/s) measured in the run.
 
@@ -45,7 +45,14 @@ from kvxfer.cli.demo import WorkerProcess
 from kvxfer.cli.output import print_json
 from kvxfer.cli.serve import parse_checksum
 from kvxfer.disagg.auth import SECRET_ENV
-from kvxfer.disagg.oracle import DEFAULT_POSITIONS, TOLERANCE, PromptKV, compare_kv, read_prompt_kv
+from kvxfer.disagg.oracle import (
+    DEFAULT_POSITIONS,
+    TOLERANCE,
+    PromptKV,
+    compare_kv,
+    positions_within,
+    read_prompt_kv,
+)
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import ConfigError
@@ -128,13 +135,18 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                 d_ttft, d_arrival, d_xfer, d_prefill, d_tail, d_verify, s_ttft, nbytes = [], [], [], [], [], [], [], 0
                 stages: dict[str, list[float]] = {k: [] for k in ("request", "queued", "post", "messages", "commit")}
                 failed, worst = 0, 0.0
-                for _ in range(iters):
+                positions = positions_within(n, kv_positions, cfg.kv_spec, seed=n)   # what decode returns
+                for i in range(iters):
                     tokens = rng.integers(0, cfg.vocab_size, n)
+                    # Alternate which runs first, so neither side always finds the GPU just warmed up.
+                    if i % 2:
+                        s_took, s_first, s_kv = single_process_ttft(ref_model, ref_manager, tokens, chunk, positions)
                     res = decode.generate(tokens, 1, return_kv=kv_positions)
-                    assert res.prompt_kv is not None
-                    s_took, s_first, s_kv = single_process_ttft(ref_model, ref_manager, tokens, chunk,
-                                                                res.prompt_kv.positions)
-                    assert s_kv is not None
+                    if not i % 2:
+                        s_took, s_first, s_kv = single_process_ttft(ref_model, ref_manager, tokens, chunk, positions)
+                    assert res.prompt_kv is not None and s_kv is not None
+                    if not np.array_equal(res.prompt_kv.positions, positions):
+                        raise ConfigError("decode returned the prompt KV at other positions than the benchmark expects")
                     report = compare_kv(res.prompt_kv, s_kv, tolerance)
                     failed += not (report.ok and res.tokens == [s_first])
                     worst = max(worst, report.max_error)

@@ -11,7 +11,7 @@ import numpy.typing as npt
 from kvxfer.errors import PageTableError
 from kvxfer.memory_region import MemoryRegion
 from kvxfer.pagetable import ops, wire
-from kvxfer.pagetable.table import PageTable
+from kvxfer.pagetable.table import _SMALL, PageTable
 
 PLAN_MAGIC = b"KVTP"
 _PLAN_COLUMNS: tuple[tuple[str, np.dtype[np.generic]], ...] = (("src_addr", np.dtype(np.uint64)), ("dst_addr", np.dtype(np.uint64)),
@@ -109,6 +109,12 @@ class TransferPlan:
             self.dst.validate(dst_regions)
         except PageTableError as exc:
             raise PageTableError(f"TransferPlan destination {exc}") from exc
+        if len(self.dst) <= _SMALL:
+            self._check_disjoint_small()
+        else:
+            self._check_disjoint_vectorised(dst_regions)
+
+    def _check_disjoint_vectorised(self, dst_regions: Sequence[MemoryRegion]) -> None:
         if _uniform_and_disjoint(self.dst, dst_regions):
             return
         keep = np.flatnonzero(self.dst.nbytes > 0)
@@ -127,6 +133,19 @@ class TransferPlan:
                 f"TransferPlan destination entries {i} [{int(self.dst.addr[i]):#x}, +{int(self.dst.nbytes[i])}) "
                 f"and {k} [{int(self.dst.addr[k]):#x}, +{int(self.dst.nbytes[k])}) overlap: a byte would be "
                 f"written twice")
+
+    def _check_disjoint_small(self) -> None:
+        """The overlap check of ``validate`` for a few entries, in plain Python (same message)."""
+        addr, nbytes = self.dst.addr.tolist(), self.dst.nbytes.tolist()
+        order = sorted((i for i, b in enumerate(nbytes) if b > 0), key=lambda i: addr[i])
+        reach = 0
+        for j, k in enumerate(order):
+            if j and addr[k] < reach:
+                i = next(x for x in order[:j] if addr[x] + nbytes[x] > addr[k])
+                raise PageTableError(
+                    f"TransferPlan destination entries {i} [{addr[i]:#x}, +{nbytes[i]}) and {k} "
+                    f"[{addr[k]:#x}, +{nbytes[k]}) overlap: a byte would be written twice")
+            reach = max(reach, addr[k] + nbytes[k])
 
     # --- wire format ----------------------------------------------------------------------------
     def to_bytes(self) -> bytes:

@@ -20,6 +20,9 @@ TABLE_MAGIC = b"KVPT"
 _TABLE_COLUMNS: tuple[tuple[str, np.dtype[np.generic]], ...] = (("addr", np.dtype(np.uint64)), ("nbytes", np.dtype(np.uint64)), ("region", np.dtype(np.uint32)))
 
 
+#: Tables of at most this many entries are validated in plain Python (a few microseconds).
+_SMALL = 16
+
 @dataclass(frozen=True, eq=False)
 class PageTable:
     """Entries ``i``: ``nbytes[i]`` bytes at absolute address ``addr[i]`` inside registered region
@@ -114,6 +117,12 @@ class PageTable:
         n = len(self)
         if not n:
             return
+        if n <= _SMALL:
+            self._validate_small(regions)
+        else:
+            self._validate_vectorised(regions)
+
+    def _validate_vectorised(self, regions: Sequence[MemoryRegion]) -> None:
         first, last = int(self.region.min()), int(self.region.max())
         if last >= len(regions):
             i = int(np.argmax(self.region >= len(regions)))
@@ -134,6 +143,19 @@ class PageTable:
             raise PageTableError(
                 f"entry {i}: [{int(self.addr[i]):#x}, +{int(self.nbytes[i])}) lies outside region "
                 f"{int(self.region[i])} [{r.base_address:#x}, {r.end_address:#x})")
+
+    def _validate_small(self, regions: Sequence[MemoryRegion]) -> None:
+        """``validate`` for a few entries in plain Python (numpy's per-call cost would dominate): the
+        same checks, in the same order, with the same messages."""
+        addr, nbytes, region = self.addr.tolist(), self.nbytes.tolist(), self.region.tolist()
+        for i, r in enumerate(region):
+            if r >= len(regions):
+                raise PageTableError(f"entry {i}: region {r} not registered ({len(regions)} regions)")
+        for i, (a, b, r) in enumerate(zip(addr, nbytes, region, strict=True)):
+            reg = regions[r]
+            if a < reg.base_address or a + b > reg.end_address:
+                raise PageTableError(f"entry {i}: [{a:#x}, +{b}) lies outside region {r} "
+                                     f"[{reg.base_address:#x}, {reg.end_address:#x})")
 
     # --- wire format ----------------------------------------------------------------------------
     def to_bytes(self) -> bytes:

@@ -3,11 +3,13 @@ execute a whole plan as one kernel launch on a stream (see ``cuda_copy``).
 
 Connect maps the peer's regions once and uploads the table that translates its advertised addresses
 (``cuda_copy.DeltaTable``); a post uploads the plan's arrays in one copy and launches. Completion is
-the copy's CUDA event: a completion thread synchronises on every event in order as soon as it is
-posted and finishes the handle (callbacks such as a worker engine's wake-up run then), and ``wait``
-also synchronises on it directly when nothing but copies is queued ahead of it (the model's stream
-was idle at post), so a caller blocked in ``wait`` needs no thread hand-off; whichever of the two
-sees the event complete first finishes the handle and sends the notification. Notifications travel
+the copy's CUDA event. A copy that must tell the peer (``notify``) or someone (``add_done_callback``)
+is handed to a completion thread, which synchronises on its event and finishes it (callbacks such as
+a worker engine's wake-up run then); any other copy costs no thread at all: ``status``/``done`` query
+its event, and ``wait`` synchronises on it in the caller's thread when nothing but copies is queued
+ahead of it (the model's stream was idle at post), else hands it to the completion thread and waits,
+bounded by its timeout. Whichever sees the event complete first finishes the handle (and sends the
+notification). Notifications travel
 on a small ZeroMQ PUSH/PULL channel on 127.0.0.1, after the data; a receiver thread delivers them
 (and wakes the owner's engine) as they arrive, so nobody polls for them.
 """
@@ -178,8 +180,9 @@ class CudaIpcTransport(Transport):
             failed._finish(TransferStatus.FAILED, str(exc), TransferFailed)
             return failed
         handle = _CopyHandle(transfer_id, peer, plan.total_bytes, op, event, bounded,
-                             lambda h: self._complete(h, peer, notify))
-        self._completions.put(handle)
+                             lambda h: self._complete(h, peer, notify), self._completions.put)
+        if notify is not None:   # the peer learns of the data only through the completion thread
+            handle.watch()
         return handle
 
     def _complete(self, handle: _CopyHandle, peer: str, notify: bytes | None) -> None:
@@ -235,15 +238,44 @@ class CudaIpcTransport(Transport):
 
 
 class _CopyHandle(TransferHandle):
-    """A posted copy: ``wait`` synchronises on its CUDA event when the copy is bounded (see the
-    module docstring), so completion costs no thread hand-off and no polling."""
+    """A posted copy (see the module docstring): finished by the completion thread once ``watch``ed,
+    else by whoever asks (``status``, ``done``, ``wait``), so a caller that posts and waits pays no
+    thread hand-off."""
 
     def __init__(self, transfer_id: int, peer: str, nbytes: int, op: str, event: Any, bounded: bool,
-                 complete: Callable[[_CopyHandle], None]) -> None:
+                 complete: Callable[[_CopyHandle], None], hand_off: Callable[[_CopyHandle], None]) -> None:
         super().__init__(transfer_id, peer, nbytes, op, abort=lambda h: False)
         self.event = event
         self.bounded = bounded
         self.complete = complete
+        self._hand_off = hand_off
+        self._watched = False
+
+    def watch(self) -> None:
+        """Have the completion thread finish this copy (once; no-op when finished)."""
+        with self._cond:
+            if self._watched or self._status.terminal:
+                return
+            self._watched = True
+        self._hand_off(self)
+
+    @property
+    def status(self) -> TransferStatus:
+        """Current state; an unwatched copy is finished here when its event has completed."""
+        if not self._status.terminal and not self._watched:
+            try:
+                ready = bool(self.event.query())
+            except RuntimeError as exc:
+                self._finish(TransferStatus.FAILED, f"CUDA copy failed: {exc}", TransferFailed)
+            else:
+                if ready:
+                    self.complete(self)
+        return self._status
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        """As ``TransferHandle.add_done_callback``: the completion thread then finishes the copy."""
+        super().add_done_callback(fn)
+        self.watch()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raise TransferTimeout (still pending), or the failure."""
@@ -254,6 +286,8 @@ class _CopyHandle(TransferHandle):
                 self._finish(TransferStatus.FAILED, f"CUDA copy failed: {exc}", TransferFailed)
             else:
                 self.complete(self)
+        elif not self._status.terminal:
+            self.watch()
         super().wait(timeout)
 
 
