@@ -1,0 +1,88 @@
+"""The cuda_ipc transfer handle's completion rules, with a stand-in for the CUDA event (runs anywhere):
+a copy nobody watches is finished by whoever asks and never handed to the completion thread; one with a
+callback (or a notification) is handed over exactly once; ``wait`` on a bounded copy synchronises itself."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvxfer.errors import TransferFailed, TransferTimeout
+from kvxfer.transport import TransferStatus
+from kvxfer.transport.cuda_ipc import _CopyHandle
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.ready = False
+        self.syncs = 0
+        self.error: str | None = None
+
+    def query(self) -> bool:
+        if self.error:
+            raise RuntimeError(self.error)
+        return self.ready
+
+    def synchronize(self) -> None:
+        if self.error:
+            raise RuntimeError(self.error)
+        self.syncs += 1
+        self.ready = True
+
+
+def make(bounded: bool = True) -> tuple[_CopyHandle, FakeEvent, list[str], list[_CopyHandle]]:
+    event, completed = FakeEvent(), []
+    handed: list[_CopyHandle] = []
+
+    def complete(h: _CopyHandle) -> None:
+        if h._finish(TransferStatus.DONE):
+            completed.append("done")
+    return _CopyHandle(1, "peer", 64, "write", event, bounded, complete, handed.append), event, completed, handed
+
+
+def test_an_unwatched_copy_is_finished_by_whoever_asks_without_a_hand_off() -> None:
+    handle, event, completed, handed = make()
+    assert handle.status is TransferStatus.PENDING and not handle.done()
+    event.ready = True
+    assert handle.done() and handle.status is TransferStatus.DONE
+    assert completed == ["done"] and handed == []
+
+
+def test_a_callback_hands_the_copy_to_the_completion_thread_once() -> None:
+    handle, event, completed, handed = make()
+    seen: list[int] = []
+    handle.add_done_callback(lambda h: seen.append(h.id))
+    handle.add_done_callback(lambda h: seen.append(h.id))
+    assert handed == [handle]
+    assert handle.status is TransferStatus.PENDING   # watched: the thread finishes it, not a status query
+    event.ready = True
+    assert handle.status is TransferStatus.PENDING
+    handed[0].complete(handed[0])                    # what the completion thread does after synchronising
+    assert seen == [1, 1] and completed == ["done"]
+
+
+def test_wait_on_a_bounded_copy_synchronises_in_the_callers_thread() -> None:
+    handle, event, completed, handed = make(bounded=True)
+    handle.wait(1.0)
+    assert event.syncs == 1 and completed == ["done"] and handed == []
+
+
+def test_wait_on_an_unbounded_copy_waits_for_the_completion_thread_within_its_timeout() -> None:
+    handle, event, completed, handed = make(bounded=False)
+    with pytest.raises(TransferTimeout):
+        handle.wait(0.05)
+    assert handed == [handle] and event.syncs == 0
+    finisher = threading.Timer(0.05, lambda: handle.complete(handle))
+    finisher.start()
+    handle.wait(5.0)
+    finisher.join()
+    assert completed == ["done"] and handed == [handle]
+
+
+def test_a_failed_copy_reports_the_cuda_error() -> None:
+    handle, event, _, _ = make()
+    event.error = "an illegal memory access was encountered"
+    assert handle.status is TransferStatus.FAILED
+    with pytest.raises(TransferFailed, match="illegal memory access"):
+        handle.wait(1.0)
