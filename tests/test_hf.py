@@ -367,7 +367,9 @@ def test_llama_3_2_1b_shape_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = prompt(7, 300, 128000)
     expected, dense_kv = model.dense_generate(tokens, NEW_TOKENS)
     manager = KVCacheManager(source.kv_spec.cache_config(16, 64, "cuda:0", enable_prefix_reuse=False))
-    assert model.generate(manager, tokens, NEW_TOKENS) == expected
+    # In-process paged generation attends over paged K/V with other kernels than the dense run: the same
+    # near-tie rule as for the disaggregated run (the H200 flipped the near tie at token 23 here once).
+    assert_greedy_equal_but_for_near_ties(model, tokens, model.generate(manager, tokens, NEW_TOKENS), expected)
     with PrefillWorker(WorkerConfig(name("prefill"), model=model, device="cuda:0", num_blocks=64), SECRET) \
             as prefill, \
             DecodeWorker(WorkerConfig(name("decode"), model=model, device="cuda:0", num_blocks=64,
