@@ -34,6 +34,7 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,17 +118,25 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
     secret = secrets.token_hex(32)
     env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     d2d = d2d_bytes_per_s(device)
-    prefill = WorkerProcess(["prefill", "--backend", backend, "--model", model_name, "--device", device, "--blocks", str(blocks),
-                             "--tokens-per-block", str(TOKENS_PER_BLOCK), "--chunk-size", str(chunk),
-                             "--name", f"bench-prefill-{os.getpid()}"], env, 120.0)
+    # One copy of the weights serves the baseline and decode's generation, drawn while the prefill process
+    # draws its own (at 8B each takes ~90 s of one CPU thread: the seeded CPU generator keeps them equal).
+    with ThreadPoolExecutor(1) as pool:
+        loading = pool.submit(ReferenceModel, cfg, device)
+        try:
+            prefill = WorkerProcess(["prefill", "--backend", backend, "--model", model_name, "--device", device,
+                                     "--blocks", str(blocks), "--tokens-per-block", str(TOKENS_PER_BLOCK),
+                                     "--chunk-size", str(chunk), "--name", f"bench-prefill-{os.getpid()}"],
+                                    env, 600.0)
+        finally:
+            ref_model = loading.result()
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
     try:
         dcfg = WorkerConfig(f"bench-decode-{os.getpid()}", cfg, TOKENS_PER_BLOCK, blocks, backend=backend,
                             deadline_s=600.0, lease_s=600.0, checksum=checksum, device=device)
-        ref_model = ReferenceModel(cfg, device)
         ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, blocks, device))   # as the workers
-        with DecodeWorker(dcfg, secret, prefill=prefill.address, mode=mode, layerwise=layerwise) as decode:
+        with DecodeWorker(dcfg, secret, prefill=prefill.address, mode=mode, layerwise=layerwise,
+                          model=ref_model) as decode:
             decode.generate(rng.integers(0, cfg.vocab_size, min(lengths)), 1)           # warm-up (connections)
             single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, min(lengths)), chunk)
             tolerance = TOLERANCE.get(cfg.dtype, 3e-2)
