@@ -127,6 +127,23 @@ def test_handshake_and_messages_both_ways(server: ControlServer) -> None:
     assert server.peers == []
 
 
+def test_send_urgent_returns_once_the_io_thread_has_taken_the_message(server: ControlServer) -> None:
+    """``send_urgent`` hands the frame over before returning (so the sender's next Python work cannot
+    keep the I/O thread waiting for the GIL); ``wait_handed`` on a frame not yet queued times out."""
+    client = connect(server.address, ident("prefill", "prefill-0"), SECRET, timeout=3, expect_role="decode")
+    conn = server.accept(3)
+    endpoint = client._endpoint
+    for n in range(20):
+        client.send_urgent("test.echo", n=n, data=b"x")
+        with endpoint._lock:
+            assert endpoint._handed == endpoint._enqueued   # taken by the I/O thread, not still queued
+    assert [conn.recv(3)["n"] for _ in range(20)] == list(range(20))
+    start = time.monotonic()
+    assert not endpoint.wait_handed(endpoint._enqueued + 1, 0.05)
+    assert time.monotonic() - start >= 0.04
+    client.close("done")
+
+
 def test_reverse_roles_and_plain_client_without_layout() -> None:
     srv = ControlServer(ident("prefill", "prefill-0"), SECRET, accept_roles=("decode",))
     try:

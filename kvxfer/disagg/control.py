@@ -66,6 +66,9 @@ PeerLostCallback = Callable[["PeerConnection", str], None]
 ArrivalHook = Callable[["PeerConnection", Message], bool]
 Secret = AuthKey | str | bytes | None
 _ANY_VERSION = (0, 1 << 16)
+#: How long ``PeerConnection.send_urgent`` waits for the I/O thread to take its message (a hint for the
+#: scheduler, not a delivery guarantee: the message is sent either way).
+URGENT_HANDOFF_S = 0.005
 
 
 def check_timeout(timeout: float, what: str) -> float:
@@ -122,6 +125,15 @@ class PeerConnection:
         if self._error is not None:
             self._raise_lost()
         self._endpoint.enqueue(self._route, encode(Message(type, body, self.peer.version)))
+
+    def send_urgent(self, type: str, **body: Any) -> None:
+        """``send``, then wait (at most ``URGENT_HANDOFF_S``) until the I/O thread has handed the message to
+        the socket: for a message on a request's critical path sent by a thread with more Python work to
+        do (the engine), which would otherwise hold the GIL while the I/O thread waits to send."""
+        if self._error is not None:
+            self._raise_lost()
+        seq = self._endpoint.enqueue(self._route, encode(Message(type, body, self.peer.version)))
+        self._endpoint.wait_handed(seq, URGENT_HANDOFF_S)
 
     def watch(self, wake: Callable[[], None], on_arrival: ArrivalHook | None = None) -> None:
         """Call ``wake()`` (from the I/O thread; it must not block) whenever a message arrives or the
@@ -215,15 +227,19 @@ class _Endpoint:
         self._outbox: deque[tuple[bytes, bytes]] = deque()
         self._calls: deque[Callable[[], None]] = deque()
         self._lock = threading.Lock()
+        self._flushed = threading.Condition(self._lock)
+        self._enqueued = 0     # frames ever queued ...
+        self._handed = 0       # ... and ever handed to the socket (or dropped), both under _lock
         self._peers: dict[bytes, PeerConnection] = {}
         self._stop = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-control-{local.name}", daemon=True)
 
     # --- user-thread side --------------------------------------------------------------------------
-    def enqueue(self, route: bytes, frame: bytes) -> None:
+    def enqueue(self, route: bytes, frame: bytes) -> int:
         """Queue ``frame`` (unsealed: the I/O thread seals it in sending order) and wake the I/O thread;
-        PeerUnreachable when the endpoint is closed or ``outbox_limit`` frames already wait."""
+        returns its sequence number (for ``wait_handed``). PeerUnreachable when the endpoint is closed or
+        ``outbox_limit`` frames already wait."""
         with self._lock:
             if self._closed:
                 raise PeerUnreachable(f"{self.local.name}: control endpoint is closed")
@@ -231,7 +247,17 @@ class _Endpoint:
                 raise PeerUnreachable(f"{self.local.name}: send queue full ({self.outbox_limit} frames not yet "
                                       f"handed to the socket)")
             self._outbox.append((route, frame))
+            self._enqueued += 1
+            seq = self._enqueued
         self._wake()
+        return seq
+
+    def wait_handed(self, seq: int, timeout: float) -> bool:
+        """Block (the GIL released) until frame ``seq`` left the outbox, at most ``timeout`` seconds;
+        whether it did. A thread that sends a message on the critical path and then has Python work to do
+        calls this so that the I/O thread is not kept waiting for the GIL behind that work."""
+        with self._flushed:
+            return self._flushed.wait_for(lambda: self._handed >= seq or self._closed, timeout)
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):   # a wake-up is already pending, or the endpoint is closing
@@ -335,11 +361,14 @@ class _Endpoint:
             items, self._outbox = self._outbox, deque()
         for route, frame in items:
             conn = self._peers.get(route)
-            if conn is None or not conn.alive:
-                continue
-            err = self._send_now(route, conn._channel.seal(frame))
-            if err is not None:
-                self._fail(conn, PeerUnreachable(f"cannot send to {conn.peer.name!r}: {err}"))
+            if conn is not None and conn.alive:
+                err = self._send_now(route, conn._channel.seal(frame))
+                if err is not None:
+                    self._fail(conn, PeerUnreachable(f"cannot send to {conn.peer.name!r}: {err}"))
+        if items:
+            with self._flushed:
+                self._handed += len(items)
+                self._flushed.notify_all()
         for fn in calls:
             fn()
 

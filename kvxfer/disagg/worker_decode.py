@@ -718,7 +718,7 @@ class DecodeWorker(WorkerCounts):
                                           f"({m.num_free_slots()} free)")
             job.session.ready("destination blocks allocated")
             writable = [writable_block_ids(m.layout, c) for m, c in zip(self.managers, job.caches, strict=True)]
-            conn.send("kv_request", request_id=job.request_id, tokens=encode_tokens(job.tokens), skip=job.skip,
+            conn.send_urgent("kv_request", request_id=job.request_id, tokens=encode_tokens(job.tokens), skip=job.skip,
                       blocks=encode_block_ids(writable), mode=job.mode,
                       layerwise=job.layerwise, layers_per_send=self.layers_per_send, lease_s=self.config.lease_s,
                       checksum=encode_checksum_policy(self.config.checksum))

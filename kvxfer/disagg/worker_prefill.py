@@ -594,7 +594,10 @@ class PrefillWorker(WorkerCounts):
 
     def _send(self, conn: PeerConnection, type: str, **body: Any) -> None:
         with contextlib.suppress(KvxferError):   # a lost peer is handled by its reader's "lost" event
-            conn.send(type, **body)
+            if type in ("kv_pushed", "kv_pull"):   # on the request's critical path: hand it over first
+                conn.send_urgent(type, **body)
+            else:
+                conn.send(type, **body)
 
 
 def _notify(request_id: str, part: int) -> bytes:
