@@ -107,6 +107,13 @@ def status_metrics(status: Mapping[str, int | float | str]) -> Iterator[Any]:
             yield gauge
 
 
+#: The stages of ``kvxfer_ttft_stage_seconds`` and the GenerationResult figures they come from: decode's
+#: request (allocation, ``kv_request`` sent), prefill's queue, compute and post (as prefill reported them),
+#: the transfer, decode's digest check and its commit; "messages" is the rest of the arrival time.
+TTFT_STAGES = (("request", "request_s"), ("queued", "queued_s"), ("prefill", "prefill_s"), ("post", "post_s"),
+               ("transfer", "transfer_s"), ("verify", "verify_s"), ("commit", "commit_s"))
+
+
 class WorkerMetrics:
     """A Prometheus registry for one worker (``registry``), its histograms fed by ``observe``."""
 
@@ -119,6 +126,8 @@ class WorkerMetrics:
                                           buckets=SECONDS_BUCKETS, registry=self.registry)
         self.ttft_seconds = Histogram("kvxfer_ttft_seconds", "Submit to first token per request",
                                       buckets=SECONDS_BUCKETS, registry=self.registry)
+        self.stage_seconds = Histogram("kvxfer_ttft_stage_seconds", "Where each request's time to first token went",
+                                       labelnames=["stage"], buckets=SECONDS_BUCKETS, registry=self.registry)
         self.reused_tokens = Counter("kvxfer_decode_reused_tokens", "Prompt tokens decode reused from its tree",
                                      registry=self.registry)
         self.reuse_hits = Counter("kvxfer_reuse_hits", "Requests that reused at least one block on decode",
@@ -129,6 +138,13 @@ class WorkerMetrics:
         self.transfer_bytes.observe(float(stats.get("bytes_moved", 0)))
         self.transfer_seconds.observe(float(stats.get("transfer_s", 0.0)))
         self.ttft_seconds.observe(float(stats.get("ttft_s", 0.0)))
+        stages = {stage: float(stats[key]) for stage, key in TTFT_STAGES if key in stats}
+        if len(stages) == len(TTFT_STAGES) and "arrival_s" in stats:
+            # what no side timed: control messages both ways, notifications, engine wake-ups
+            stages["messages"] = max(0.0, float(stats["arrival_s"]) - sum(
+                v for k, v in stages.items() if k != "commit"))
+        for stage, seconds in stages.items():
+            self.stage_seconds.labels(stage).observe(seconds)
         reused = int(stats.get("reused_tokens_decode", 0))
         self.reused_tokens.inc(reused)
         if reused > 0:
