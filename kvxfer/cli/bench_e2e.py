@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -262,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("--lengths must be >= 1 each and --iters >= 1")
     if a.kv_positions < 1:
         raise ConfigError("--kv-positions must be >= 1")
+    print(HEADER, file=sys.stderr, flush=True)   # each row on stderr as it is measured: a run cut short keeps them
     result = run(lengths, a.backend, a.mode, a.layerwise, a.iters, a.chunk_size, checksum=a.checksum,
-                 kv_positions=a.kv_positions, model_name=a.model, device=a.device)
+                 kv_positions=a.kv_positions, model_name=a.model, device=a.device,
+                 on_row=lambda r: print(format_row(r), file=sys.stderr, flush=True))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2))
