@@ -96,16 +96,22 @@ class SlotAllocator:
         if not arr.size:
             return arr
         uniq, counts = np.unique(arr, return_counts=True)
+        freed: IntArray = uniq[self._release(uniq, counts)].astype(np.int32)
+        self._free[self._top:self._top + freed.size] = freed[::-1]
+        self._top += freed.size
+        return freed
+
+    def _release(self, uniq: IntArray, counts: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """Drop ``counts`` references from the distinct slots ``uniq`` (all or none: BlockIdError when one
+        would go below zero); returns which of them are now free and usable (the caller stacks them)."""
         held = self.refcount[uniq]
         if (counts > held).any():
             bad = int(uniq[counts > held][0])
             raise BlockIdError(f"{self.name}: slot {bad} released more often than it is held "
                                f"(refcount {int(self.refcount[bad])})")
         self.refcount[uniq] = held - counts.astype(np.int32)
-        freed: IntArray = uniq[(self.refcount[uniq] == 0) & (uniq < self.usable)].astype(np.int32)
-        self._free[self._top:self._top + freed.size] = freed[::-1]
-        self._top += freed.size
-        return freed
+        gone: npt.NDArray[np.bool_] = (self.refcount[uniq] == 0) & (uniq < self.usable)
+        return gone
 
     def decref_each(self, ids: npt.ArrayLike) -> IntArray:
         """``decref([i])`` for each id in turn, in one vectorised step: slots go back on the free stack
@@ -115,13 +121,7 @@ class SlotAllocator:
         if not arr.size:
             return arr
         uniq, first_from_end, counts = np.unique(arr[::-1], return_index=True, return_counts=True)
-        held = self.refcount[uniq]
-        if (counts > held).any():
-            bad = int(uniq[counts > held][0])
-            raise BlockIdError(f"{self.name}: slot {bad} released more often than it is held "
-                               f"(refcount {int(self.refcount[bad])})")
-        self.refcount[uniq] = held - counts.astype(np.int32)
-        gone = (self.refcount[uniq] == 0) & (uniq < self.usable)
+        gone = self._release(uniq, counts)
         # A slot becomes free at its last occurrence in ``arr``: order the freed ones by it.
         freed: IntArray = uniq[gone][np.argsort(-first_from_end[gone], kind="stable")].astype(np.int32)
         self._free[self._top:self._top + freed.size] = freed
