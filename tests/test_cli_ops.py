@@ -70,7 +70,7 @@ def test_metrics_health_and_public_status_over_http() -> None:
     metrics = WorkerMetrics(worker, health)
     metrics.observe({"bytes_moved": 1 << 20, "transfer_s": 0.004, "ttft_s": 0.02, "reused_tokens_decode": 16,
                      "request_s": 0.001, "queued_s": 0.0005, "prefill_s": 0.01, "post_s": 0.0005, "verify_s": 0.0,
-                     "commit_s": 0.002, "arrival_s": 0.018})
+                     "commit_s": 0.002, "messages_s": 0.002})
     metrics.observe({"bytes_moved": 1 << 21, "transfer_s": 0.008, "ttft_s": 0.03, "reused_tokens_decode": 0})
     server = OpsServer(worker, metrics, health, 0)
     base = f"http://127.0.0.1:{server.port}"

@@ -169,8 +169,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                     stages["request"].append(res.request_s)
                     stages["queued"].append(res.queued_s)
                     stages["post"].append(res.post_s)
-                    stages["messages"].append(res.arrival_s - res.prefill_s - res.transfer_s - res.verify_s
-                                              - res.request_s - res.queued_s - res.post_s)
+                    stages["messages"].append(res.messages_s)
                     stages["commit"].append(res.ttft_s - res.arrival_s)
                     nbytes = res.bytes_moved
                     s_ttft.append(s_took)

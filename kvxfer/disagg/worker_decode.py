@@ -135,6 +135,9 @@ class GenerationResult:
     """Prefill: its compute ended -> the last transfer posted (push) or ``kv_pull`` sent (pull)."""
     commit_s: float = 0.0
     """KV in place -> first token known (decode commits the prompt's blocks into its cache)."""
+    messages_s: float = 0.0
+    """What no stage above timed: arrival minus request, queued, prefill, post, transfer and verify (the
+    control messages both ways, the completion notification, engine wake-ups)."""
 
     def stats(self) -> dict[str, int | float | str]:
         """The figures of this result without the tokens (what ``generated.stats`` carries)."""
@@ -890,12 +893,15 @@ class DecodeWorker(WorkerCounts):
             return
         nbytes = int(job.pushed["nbytes"]) if job.pushed.type == "kv_pushed" else \
             (job.read.nbytes if job.read is not None else 0)
+        prefill_s, request_s = float(job.pushed["prefill_s"]), job.requested - job.submitted
+        queued_s, post_s, arrival_s = float(job.pushed["queued_s"]), float(job.pushed["post_s"]), arrived - job.submitted
         job.result = GenerationResult(job.request_id, [], int(job.tokens.size), job.skip,
                                       int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
-                                      float(job.pushed["prefill_s"]), transfer_s, arrived - job.submitted, ttft,
-                                      verify_s, prompt_kv, job.prefill.address if job.prefill is not None else "",
-                                      job.requested - job.submitted, float(job.pushed["queued_s"]),
-                                      float(job.pushed["post_s"]), ttft - (arrived - job.submitted))
+                                      prefill_s, transfer_s, arrival_s, ttft, verify_s, prompt_kv,
+                                      job.prefill.address if job.prefill is not None else "",
+                                      request_s, queued_s, post_s, ttft - arrival_s,
+                                      max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s
+                                          - verify_s))
         model, max_new = self.model, job.max_new_tokens
 
         def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)

@@ -109,9 +109,9 @@ def status_metrics(status: Mapping[str, int | float | str]) -> Iterator[Any]:
 
 #: The stages of ``kvxfer_ttft_stage_seconds`` and the GenerationResult figures they come from: decode's
 #: request (allocation, ``kv_request`` sent), prefill's queue, compute and post (as prefill reported them),
-#: the transfer, decode's digest check and its commit; "messages" is the rest of the arrival time.
+#: the transfer, decode's digest check, the rest of the arrival time ("messages") and decode's commit.
 TTFT_STAGES = (("request", "request_s"), ("queued", "queued_s"), ("prefill", "prefill_s"), ("post", "post_s"),
-               ("transfer", "transfer_s"), ("verify", "verify_s"), ("commit", "commit_s"))
+               ("transfer", "transfer_s"), ("verify", "verify_s"), ("messages", "messages_s"), ("commit", "commit_s"))
 
 
 class WorkerMetrics:
@@ -138,13 +138,9 @@ class WorkerMetrics:
         self.transfer_bytes.observe(float(stats.get("bytes_moved", 0)))
         self.transfer_seconds.observe(float(stats.get("transfer_s", 0.0)))
         self.ttft_seconds.observe(float(stats.get("ttft_s", 0.0)))
-        stages = {stage: float(stats[key]) for stage, key in TTFT_STAGES if key in stats}
-        if len(stages) == len(TTFT_STAGES) and "arrival_s" in stats:
-            # what no side timed: control messages both ways, notifications, engine wake-ups
-            stages["messages"] = max(0.0, float(stats["arrival_s"]) - sum(
-                v for k, v in stages.items() if k != "commit"))
-        for stage, seconds in stages.items():
-            self.stage_seconds.labels(stage).observe(seconds)
+        for stage, key in TTFT_STAGES:
+            if key in stats:
+                self.stage_seconds.labels(stage).observe(float(stats[key]))
         reused = int(stats.get("reused_tokens_decode", 0))
         self.reused_tokens.inc(reused)
         if reused > 0:
