@@ -122,18 +122,18 @@ class PeerConnection:
 
     def send(self, type: str, **body: Any) -> None:
         """Queue a message to the peer; ProtocolError if it does not fit its spec, PeerUnreachable if lost."""
-        if self._error is not None:
-            self._raise_lost()
-        self._endpoint.enqueue(self._route, encode(Message(type, body, self.peer.version)))
+        self._enqueue(type, body)
 
     def send_urgent(self, type: str, **body: Any) -> None:
         """``send``, then wait (at most ``URGENT_HANDOFF_S``) until the I/O thread has handed the message to
         the socket: for a message on a request's critical path sent by a thread with more Python work to
         do (the engine), which would otherwise hold the GIL while the I/O thread waits to send."""
+        self._endpoint.wait_handed(self._enqueue(type, body), URGENT_HANDOFF_S)
+
+    def _enqueue(self, type: str, body: dict[str, Any]) -> int:
         if self._error is not None:
             self._raise_lost()
-        seq = self._endpoint.enqueue(self._route, encode(Message(type, body, self.peer.version)))
-        self._endpoint.wait_handed(seq, URGENT_HANDOFF_S)
+        return self._endpoint.enqueue(self._route, encode(Message(type, body, self.peer.version)))
 
     def watch(self, wake: Callable[[], None], on_arrival: ArrivalHook | None = None) -> None:
         """Call ``wake()`` (from the I/O thread; it must not block) whenever a message arrives or the

@@ -427,7 +427,7 @@ class PrefillWorker(WorkerCounts):
                 digest = self._digest(job)   # before decode may read: the pages are final
                 job.session.start_transfer("waiting for decode to read")
                 queued_s, post_s = self._stages(job, now())
-                self._send(job.conn, "kv_pull", request_id=job.request_id, first_token=job.first_token,
+                self._send(job.conn, "kv_pull", urgent=True, request_id=job.request_id, first_token=job.first_token,
                            blocks=encode_block_ids(src_ids), reused_tokens=job.reused_tokens, prefill_s=job.prefill_s,
                            digest=digest, queued_s=queued_s, post_s=post_s)
                 return
@@ -532,7 +532,7 @@ class PrefillWorker(WorkerCounts):
                 self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
                 return
             queued_s, post_s = self._stages(job, job.last_posted)
-            self._send(job.conn, "kv_pushed", request_id=job.request_id, first_token=job.first_token,
+            self._send(job.conn, "kv_pushed", urgent=True, request_id=job.request_id, first_token=job.first_token,
                        parts=len(job.handles), nbytes=nbytes, reused_tokens=job.reused_tokens,
                        prefill_s=job.prefill_s, transfer_s=transfer_s, digest=digest, queued_s=queued_s,
                        post_s=post_s)
@@ -592,12 +592,11 @@ class PrefillWorker(WorkerCounts):
         for job in list(self._jobs.values()):
             self._end(job, SessionState.FAILED, reason)
 
-    def _send(self, conn: PeerConnection, type: str, **body: Any) -> None:
-        with contextlib.suppress(KvxferError):   # a lost peer is handled by its reader's "lost" event
-            if type in ("kv_pushed", "kv_pull"):   # on the request's critical path: hand it over first
-                conn.send_urgent(type, **body)
-            else:
-                conn.send(type, **body)
+    def _send(self, conn: PeerConnection, type: str, *, urgent: bool = False, **body: Any) -> None:
+        """Send, ignoring a lost peer (its reader's "lost" event handles it); ``urgent``: on a request's
+        critical path, handed to the I/O thread before the engine goes on (``send_urgent``)."""
+        with contextlib.suppress(KvxferError):
+            (conn.send_urgent if urgent else conn.send)(type, **body)
 
 
 def _notify(request_id: str, part: int) -> bytes:
