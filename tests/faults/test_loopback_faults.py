@@ -300,6 +300,16 @@ def test_cancel_while_prefill_computes() -> None:
             return real(*args, **kw)
 
         prefill.model.prefill = gated           # type: ignore[method-assign]
+        # Hold prefill's answer to the cancel until decode's state is checked (else the answer can win the
+        # race with the status query on a loaded machine and the zombie is already gone).
+        answer, real_on_message = threading.Event(), prefill._on_message
+
+        def held(conn: Any, msg: Any) -> None:
+            if msg.type == "kv_cancel":
+                answer.wait(10)
+            real_on_message(conn, msg)
+
+        prefill._on_message = held              # type: ignore[method-assign]
         requests = {"B": prompt(2, 60), "A": prompt(1, 20), "C": prompt(3, 24)}
         futures = submit_all(decode, requests)
         assert entered.wait(10)
@@ -308,6 +318,7 @@ def test_cancel_while_prefill_computes() -> None:
         assert isinstance(exc, RequestCancelled) and "request B: user went away" in str(exc)
         # Prefill is about to write B's KV: decode keeps B's blocks until prefill confirms it will not.
         assert decode.status()["zombies"] == 1
+        answer.set()
         release.set()
         assert_survivors(futures, requests, ("B",))
         assert_settled(prefill, decode)
