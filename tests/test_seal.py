@@ -120,9 +120,11 @@ def test_worker_messages_travel_sealed(server: ControlServer) -> None:
 
 
 def strangers(ctx: zmq.Context[zmq.Socket[bytes]], address: str, n: int,
-              go: threading.Event | None = None) -> list[zmq.Socket[bytes]]:
+              go: threading.Event | None = None, seen: Callable[[], int] | None = None) -> list[zmq.Socket[bytes]]:
     """``n`` peers without the secret that each send a hello (on ``go``, from a thread of their own, when
-    given) and never answer their challenge."""
+    given) and never answer their challenge. With ``seen`` (the server's count of hellos handled), each
+    hello waits until the server handled the one before: every peer has its own TCP connection, so
+    without it the server may see them in any order and "the oldest" would not be ``socks[0]``."""
     socks = []
     for _ in range(n):
         sock = ctx.socket(zmq.DEALER)
@@ -132,8 +134,12 @@ def strangers(ctx: zmq.Context[zmq.Socket[bytes]], address: str, n: int,
     hellos = [encode(ClientHandshake(ident("client", f"stranger-{i}"), AuthKey(b"x" * 16)).hello()) for i in range(n)]
 
     def flood() -> None:
-        for sock, hello in zip(socks, hellos, strict=True):
+        for i, (sock, hello) in enumerate(zip(socks, hellos, strict=True)):
             sock.send(hello)
+            deadline = time.monotonic() + 10.0
+            while seen is not None and seen() <= i:
+                assert time.monotonic() < deadline, f"the server did not handle hello {i} within 10 s"
+                time.sleep(0.001)
 
     if go is None:
         flood()
@@ -151,7 +157,7 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 
 def test_a_full_handshake_table_evicts_the_oldest_stranger(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     srv = ControlServer(ident("decode", "decode-0"), SECRET, accept_roles=("client",), max_pending=8)
-    socks = strangers(ctx, srv.address, 20)
+    socks = strangers(ctx, srv.address, 20, seen=lambda: srv.evicted + srv.num_pending)
     try:
         wait_until(lambda: srv.evicted + srv.num_pending == 20)
         assert (srv.evicted, srv.num_pending) == (12, 8)
