@@ -70,7 +70,7 @@ def test_metrics_health_and_public_status_over_http() -> None:
     metrics = WorkerMetrics(worker, health)
     metrics.observe({"bytes_moved": 1 << 20, "transfer_s": 0.004, "ttft_s": 0.02, "reused_tokens_decode": 16,
                      "request_s": 0.001, "queued_s": 0.0005, "prefill_s": 0.01, "post_s": 0.0005, "verify_s": 0.0,
-                     "commit_s": 0.002, "messages_s": 0.002})
+                     "commit_s": 0.002, "messages_s": 0.002, "allocate_s": 0.003})
     metrics.observe({"bytes_moved": 1 << 21, "transfer_s": 0.008, "ttft_s": 0.03, "reused_tokens_decode": 0})
     server = OpsServer(worker, metrics, health, 0)
     base = f"http://127.0.0.1:{server.port}"
@@ -88,7 +88,8 @@ def test_metrics_health_and_public_status_over_http() -> None:
         assert got[("kvxfer_ttft_seconds_count", ())] == 2
         stage = {dict(k[1])["stage"]: v for k, v in got.items() if k[0] == "kvxfer_ttft_stage_seconds_sum"}
         assert stage == pytest.approx({"request": 0.001, "queued": 0.0005, "prefill": 0.01, "post": 0.0005,
-                                       "transfer": 0.012, "verify": 0.0, "commit": 0.002, "messages": 0.002})
+                                       "transfer": 0.012, "verify": 0.0, "commit": 0.002, "messages": 0.002,
+                                       "allocate": 0.003})
         assert got[("kvxfer_reuse_hits_total", ())] == 1 and got[("kvxfer_decode_reused_tokens_total", ())] == 16
         slot = {k[1]: v for k, v in got.items() if k[0] == "kvxfer_slots"}
         primary = (("pool_group", "0"), ("rank", "0"), ("state", "{}"), ("tier", "primary"))

@@ -198,9 +198,9 @@ def test_pull_lease_expires_when_decode_stops_renewing(prefill: PrefillWorker) -
         cache = managers[0].create_kv_cache(tokens)
         cache.resume()
         cache.resize(int(tokens.size))
-        conn.send("kv_request", request_id="q1", tokens=encode_tokens(tokens), skip=0,
-                  blocks=encode_block_ids([cache.block_id_map()]), mode="pull", layerwise=False,
+        conn.send("kv_request", request_id="q1", tokens=encode_tokens(tokens), mode="pull", layerwise=False,
                   layers_per_send=1, lease_s=0.5, checksum=b"")
+        conn.send("kv_blocks", request_id="q1", skip=0, blocks=encode_block_ids([cache.block_id_map()]))
         pull = conn.recv(10)
         assert pull.type == "kv_pull" and pull["request_id"] == "q1"
         assert prefill.held_slots() > 0

@@ -6,7 +6,8 @@ Every request uses a fresh random prompt (no prefix hit anywhere) and one output
 prompt -> KV computed -> KV moved -> first token on decode. Figures are medians over ``--iters``.
 "after prefill" is arrival minus prefill's compute, split into the transfer (post to completion, as
 prefill measured it), "verify" (with ``--checksum``: decode's check) and "control" (the rest), which is
-split again into "request" (decode: submit to ``kv_request`` sent, destination blocks allocated),
+split again into "request" (decode: submit to ``kv_request`` sent; the prompt goes before decode
+allocates its destination blocks, so that allocation, column "alloc", overlaps prefill's compute),
 "queued" (prefill: request arrival to its compute starting: source blocks allocated, hand-off to the
 compute thread), "post" (prefill: compute end to the transfer posted: hand-off, planning) and "messages"
 (what is left: control messages both ways, the completion notification, engine wake-ups). "commit" is
@@ -143,7 +144,8 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
             tolerance = TOLERANCE.get(cfg.dtype, 3e-2)
             for n in lengths:
                 d_ttft, d_arrival, d_xfer, d_prefill, d_tail, d_verify, s_ttft, nbytes = [], [], [], [], [], [], [], 0
-                stages: dict[str, list[float]] = {k: [] for k in ("request", "queued", "post", "messages", "commit")}
+                stages: dict[str, list[float]] = {k: [] for k in ("request", "queued", "post", "messages", "commit",
+                                                                  "allocate")}
                 failed, worst = 0, 0.0
                 positions = positions_within(n, kv_positions, cfg.kv_spec, seed=n)   # what decode returns
                 for i in range(iters):
@@ -171,6 +173,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                     stages["post"].append(res.post_s)
                     stages["messages"].append(res.messages_s)
                     stages["commit"].append(res.ttft_s - res.arrival_s)
+                    stages["allocate"].append(res.allocate_s)
                     nbytes = res.bytes_moved
                     s_ttft.append(s_took)
                 xfer = statistics.median(d_xfer)
@@ -207,7 +210,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
 HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'ratio':>6} {'prefill ms':>11} "
           f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>7} {'after prefill ms':>17} {'control ms':>11} "
           f"{'request':>8} {'queued':>7} {'post':>7} {'messages':>9} {'verify ms':>10} {'commit ms':>10} "
-          f"{'goal ms':>8} KV check")
+          f"{'alloc ms':>9} {'goal ms':>8} KV check")
 
 
 def format_row(r: dict[str, Any]) -> str:
@@ -219,7 +222,7 @@ def format_row(r: dict[str, Any]) -> str:
             f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>7.1f} {r.get('after_prefill_ms', 0.0):>17.2f} "
             f"{r.get('control_ms', 0.0):>11.2f} {r.get('request_ms', 0.0):>8.2f} {r.get('queued_ms', 0.0):>7.2f} "
             f"{r.get('post_ms', 0.0):>7.2f} {r.get('messages_ms', 0.0):>9.2f} {r.get('verify_ms', 0.0):>10.2f} "
-            f"{r.get('commit_ms', 0.0):>10.2f} "
+            f"{r.get('commit_ms', 0.0):>10.2f} {r.get('allocate_ms', 0.0):>9.2f} "
             f"{'-' if goal is None else f'{goal:.2f}':>8} {'ok' if r.get('verified', True) else 'MISMATCH'}"
             f" {r.get('kv_max_error', 0.0):.0e}")
 

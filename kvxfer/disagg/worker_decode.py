@@ -7,8 +7,9 @@ that one is connected, else to the connected prefill with the fewest of this wor
 (ties rotate). A lost prefill fails only the requests sent over its connection; the others keep serving,
 and a prefill added while serving (``add_prefill``) takes the next request.
 
-Per request: allocate caches on every rank, matching the local prefix tree first, so the request only
-asks for the tokens it lacks (``skip``); send ``kv_request`` with its destination block ids; then either
+Per request: send the prompt (``kv_request``) so prefill starts computing, then allocate caches on every
+rank, matching the local prefix tree first, so the request only asks for the tokens it lacks (``skip``),
+and send the destination block ids (``kv_blocks``) while prefill computes; then either
 wait for prefill's writes (push: ``kv_pushed`` plus one transport notification per part) or read the
 pages itself (pull: ``kv_pull`` -> ``transport.read`` -> ``kv_release``), renewing prefill's lease
 meanwhile. Once the KV is in place: commit the prompt, run ``continue_greedy``, return the tokens.
@@ -17,7 +18,7 @@ requests; their blocks are freed once nothing can write into them any more. With
 set, decode digests its own destination pages by logical position (layer, role, head, token chunk) and
 compares them with prefill's digest of its source pages before committing: a mismatch fails the request
 with IntegrityError naming the cell, and nothing of it enters the prefix tree. Blocks decode already
-holds from its prefix tree are read-only: ``kv_request`` names them as -1 (no page), so prefill cannot
+holds from its prefix tree are read-only: ``kv_blocks`` names them as -1 (no page), so prefill cannot
 plan a write there, and a pull's plan reaching into one is refused before the read is posted.
 """
 
@@ -128,7 +129,7 @@ class GenerationResult:
     prefill: str = ""
     """The address of the prefill worker that served the KV (xPyD: which one the request went to)."""
     request_s: float = 0.0
-    """Submit -> ``kv_request`` sent (decode's queue, destination allocation, encoding)."""
+    """Submit -> ``kv_request`` sent (decode's queue, encoding the prompt)."""
     queued_s: float = 0.0
     """Prefill: the request's arrival -> its compute started."""
     post_s: float = 0.0
@@ -138,6 +139,9 @@ class GenerationResult:
     messages_s: float = 0.0
     """What no stage above timed: arrival minus request, queued, prefill, post, transfer and verify (the
     control messages both ways, the completion notification, engine wake-ups)."""
+    allocate_s: float = 0.0
+    """Decode allocating the destination blocks (prefix match, eviction) after ``kv_request`` went out:
+    it overlaps prefill's queue and compute, so it is no part of the sum above."""
 
     def stats(self) -> dict[str, int | float | str]:
         """The figures of this result without the tokens (what ``generated.stats`` carries)."""
@@ -195,6 +199,8 @@ class _Job:
     read_posted: float = 0.0
     requested: float = 0.0
     """When ``kv_request`` was sent."""
+    allocated: float = 0.0
+    """When ``kv_blocks`` was sent (the destination blocks allocated while prefill computes)."""
     last_renew: float = 0.0
     lease_until: float = 0.0
     """Prefill's lease on the source blocks lasts at least until then (renewals sent in time extend it)."""
@@ -706,6 +712,17 @@ class DecodeWorker(WorkerCounts):
         job.peer, job.prefill, job.conn, job.src_layouts = conn.peer.name, peer, conn, peer.layouts
         self._jobs[job.request_id] = job
         try:
+            # The prompt goes first: prefill computes while decode allocates (and evicts for) the destination
+            # blocks, which follow in kv_blocks long before a prompt worth disaggregating is computed.
+            conn.send_urgent("kv_request", request_id=job.request_id, tokens=encode_tokens(job.tokens), mode=job.mode,
+                             layerwise=job.layerwise, layers_per_send=self.layers_per_send,
+                             lease_s=self.config.lease_s, checksum=encode_checksum_policy(self.config.checksum))
+        except KvxferError as exc:
+            self._fail(job, exc)
+            return
+        job.last_renew = job.requested = now()
+        job.lease_until = job.last_renew + self.config.lease_s
+        try:
             for i, m in enumerate(self.managers):
                 job.caches.append(m.create_kv_cache(job.tokens, id=f"{job.request_id}/{i}"))
             for cache in job.caches:
@@ -721,14 +738,13 @@ class DecodeWorker(WorkerCounts):
                                           f"({m.num_free_slots()} free)")
             job.session.ready("destination blocks allocated")
             writable = [writable_block_ids(m.layout, c) for m, c in zip(self.managers, job.caches, strict=True)]
-            conn.send_urgent("kv_request", request_id=job.request_id, tokens=encode_tokens(job.tokens), skip=job.skip,
-                      blocks=encode_block_ids(writable), mode=job.mode,
-                      layerwise=job.layerwise, layers_per_send=self.layers_per_send, lease_s=self.config.lease_s,
-                      checksum=encode_checksum_policy(self.config.checksum))
-            job.last_renew = job.requested = now()
-            job.lease_until = job.last_renew + self.config.lease_s
             job.session.start_transfer("KV requested from prefill")
+            conn.send_urgent("kv_blocks", request_id=job.request_id, skip=job.skip, blocks=encode_block_ids(writable))
+            job.allocated = now()
         except KvxferError as exc:
+            if not job.session.terminal and job.session.state is not SessionState.TRANSFERRING:
+                # Prefill has the prompt but no destination: it must stop computing (nothing of ours to write).
+                self._send(job, "kv_cancel", request_id=job.request_id, reason=f"decode could not allocate: {exc}"[:1000])
             self._fail(job, exc)
 
     def _on_prefill(self, conn: PeerConnection, msg: Message) -> None:
@@ -901,7 +917,7 @@ class DecodeWorker(WorkerCounts):
                                       job.prefill.address if job.prefill is not None else "",
                                       request_s, queued_s, post_s, ttft - arrival_s,
                                       max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s
-                                          - verify_s))
+                                          - verify_s), allocate_s=job.allocated - job.requested)
         model, max_new = self.model, job.max_new_tokens
 
         def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)

@@ -90,8 +90,10 @@ class _Job:
     session: Session
     caches: list[KVCache]
     mode: str
-    dst_ids: BlockIdMaps = field(default_factory=list)
+    dst_ids: BlockIdMaps | None = None
+    """Decode's destination blocks per rank: None until its ``kv_blocks`` came."""
     span: tuple[int, int] = (0, 0)
+    """The tokens decode asked for: ``(skip, prompt length)`` (skip 0 until ``kv_blocks``)."""
     checksum: ChecksumPolicy | None = None
     handles: list[TransferHandle] = field(default_factory=list)
     src_ids: BlockIdMaps = field(default_factory=list)
@@ -111,6 +113,8 @@ class _Job:
     """The compute thread writes the request's pages now: they are freed once it is done with them."""
     groups: dict[int, list[int]] = field(default_factory=dict)
     """Layer-wise push: last layer of each group -> the group's layers."""
+    waiting_layers: list[int] = field(default_factory=list)
+    """Layer-wise push: groups computed before decode's ``kv_blocks`` came (by their last layer)."""
     parts: int = 0
     started: float = field(default_factory=now)
     """When the request arrived: a process stall after this may have made decode give its blocks away."""
@@ -282,6 +286,9 @@ class PrefillWorker(WorkerCounts):
         job = self._jobs.get((peer, rid))
         if msg.type == "kv_request":
             self._on_request(conn, msg)
+        elif msg.type == "kv_blocks":
+            if job is not None:   # else ended already (kv_failed is on its way to decode)
+                self._on_destinations(job, msg)
         elif msg.type == "kv_release":
             if job is not None:
                 self._finish(job, None)
@@ -318,20 +325,14 @@ class PrefillWorker(WorkerCounts):
         if (peer, rid) in self._jobs:
             self._send(conn, "kv_failed", request_id=rid, reason="duplicate request id")
             return
-        dst_layouts = self._peer_layouts[peer]
         try:
             tokens = decode_tokens(msg["tokens"], "kv_request.tokens")
         except ProtocolError as exc:
             self._send(conn, "kv_failed", request_id=rid, reason=str(exc))
             return
-        skip = int(msg["skip"])
-        if not 0 <= skip < tokens.size:
-            self._send(conn, "kv_failed", request_id=rid, reason=f"skip={skip} outside [0, {tokens.size})")
-            return
-        dst_ids = decode_block_ids(msg["blocks"], len(dst_layouts), "kv_request.blocks")
         checksum = decode_checksum_policy(msg["checksum"])
         session = Session(rid, lease=self.leases.grant((peer, rid), float(msg["lease_s"])))
-        job = _Job(peer, rid, conn, session, [], msg["mode"], dst_ids, (skip, int(tokens.size)), checksum)
+        job = _Job(peer, rid, conn, session, [], msg["mode"], None, (0, int(tokens.size)), checksum)
         self._jobs[(peer, rid)] = job
         try:
             self._allocate(job, tokens)
@@ -339,6 +340,25 @@ class PrefillWorker(WorkerCounts):
             self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
             return
         self._start_compute(job, tokens, msg)
+
+    def _on_destinations(self, job: _Job, msg: Message) -> None:
+        """Decode's destination blocks (``kv_blocks``, sent while this side computes): what was waiting for
+        them (layer groups done, the whole compute done) is posted now."""
+        if job.dst_ids is not None:
+            raise ProtocolError(f"kv_blocks: a second one for request {job.request_id!r}")
+        skip, size = int(msg["skip"]), job.span[1]
+        if not 0 <= skip < size:
+            self._end(job, SessionState.FAILED, f"kv_blocks.skip={skip} outside [0, {size})")
+            return
+        job.dst_ids = decode_block_ids(msg["blocks"], len(self._peer_layouts[job.peer]), "kv_blocks.blocks")
+        job.span = (skip, size)
+        if job.session.terminal:   # ended meanwhile; its pages are freed where it ended
+            return
+        waiting, job.waiting_layers = job.waiting_layers, []
+        for layer in waiting:
+            self._on_layer(job, layer)
+        if job.first_token >= 0 and not job.computing:
+            self._send_kv(job)
 
     def _allocate(self, job: _Job, tokens: np.ndarray) -> None:
         """The request's source caches on every rank (prefix match first)."""
@@ -387,6 +407,9 @@ class PrefillWorker(WorkerCounts):
         """A group of layers is in the pages (layer-wise push): write it to decode."""
         if job.session.terminal or job.freed:
             return
+        if job.dst_ids is None:   # decode's kv_blocks has not come yet: posted when it does
+            job.waiting_layers.append(layer)
+            return
         try:
             if job.session.state is SessionState.READY:
                 job.session.start_transfer("layer-wise writes posted")
@@ -421,6 +444,13 @@ class PrefillWorker(WorkerCounts):
         assert result is not None
         job.first_token, job.prefill_s = result
         self.engine.wake()   # layer-wise writes that already finished: the tick reports them now
+        if job.dst_ids is not None:   # else decode's kv_blocks posts it
+            self._send_kv(job)
+
+    def _send_kv(self, job: _Job) -> None:
+        """The request is computed and decode's destinations are known: pull: tell decode where to read;
+        push: write what layer-wise writes did not."""
+        assert job.dst_ids is not None
         try:
             if job.mode == "pull":
                 src_ids = self._source_ids(job)

@@ -2,7 +2,8 @@
 
 Decode <-> prefill, after the authenticated handshake (see docs/disagg.md):
 ``kv_ranks`` (both ways, once: every tensor-parallel rank's layout), ``kv_request`` (decode asks for a
-request's KV, saying which tokens it already holds and where the rest must go), ``kv_pushed`` (push:
+request's KV: the prompt, so prefill starts computing at once), ``kv_blocks`` (right after, once decode
+allocated them: which tokens decode already holds and where the rest must go), ``kv_pushed`` (push:
 the pages are written), ``kv_pull`` (pull: where to read them from), ``kv_release`` (pull: read done),
 ``lease_renew``, ``kv_cancel``, ``kv_failed``. Client <-> decode: ``generate``, ``generate_cancel``,
 ``generated``, ``generate_failed`` (``generate.return_kv`` > 0 asks for the committed prompt KV of that
@@ -13,7 +14,7 @@ Integrity (optional, decode decides): ``kv_request.checksum`` carries decode's C
 answers with a position-keyed KVDigest of the source pages over the tokens decode asked for in
 ``kv_pushed.digest`` or ``kv_pull.digest``; decode digests its own destination pages the same way and
 compares before it commits them (no plan is involved, so a mispaired plan cannot agree with itself).
-``kv_request.blocks`` names decode's read-only blocks (committed, shared with its prefix tree) as -1.
+``kv_blocks.blocks`` names decode's read-only blocks (committed, shared with its prefix tree) as -1.
 """
 
 from __future__ import annotations
@@ -48,13 +49,16 @@ KV_RANKS = register(MessageSpec("kv_ranks", (Field("layouts", "bytes", max_len=M
 KV_REQUEST = register(MessageSpec("kv_request", (
     _RID,
     Field("tokens", "bytes", max_len=4 * MAX_PROMPT_TOKENS),   # int32 little-endian: encode_tokens
-    Field("skip", "int", hi=MAX_PROMPT_TOKENS),
-    Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
     Field("mode", "str", max_len=8, choices=MODES),
     Field("layerwise", "bool"),
     Field("layers_per_send", "int", lo=1, hi=1 << 16),
     Field("lease_s", "float", lo=0.01, hi=3600.0),
     Field("checksum", "bytes", max_len=64),
+)))
+KV_BLOCKS = register(MessageSpec("kv_blocks", (
+    _RID,
+    Field("skip", "int", hi=MAX_PROMPT_TOKENS),
+    Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
 )))
 KV_PUSHED = register(MessageSpec("kv_pushed", (
     _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("parts", "int", hi=1 << 16),

@@ -108,10 +108,12 @@ def status_metrics(status: Mapping[str, int | float | str]) -> Iterator[Any]:
 
 
 #: The stages of ``kvxfer_ttft_stage_seconds`` and the GenerationResult figures they come from: decode's
-#: request (allocation, ``kv_request`` sent), prefill's queue, compute and post (as prefill reported them),
-#: the transfer, decode's digest check, the rest of the arrival time ("messages") and decode's commit.
+#: request (``kv_request`` sent), prefill's queue, compute and post (as prefill reported them), the
+#: transfer, decode's digest check, the rest of the arrival time ("messages") and decode's commit; and
+#: "allocate", decode's destination allocation, which overlaps prefill's queue and compute (not in the sum).
 TTFT_STAGES = (("request", "request_s"), ("queued", "queued_s"), ("prefill", "prefill_s"), ("post", "post_s"),
-               ("transfer", "transfer_s"), ("verify", "verify_s"), ("messages", "messages_s"), ("commit", "commit_s"))
+               ("transfer", "transfer_s"), ("verify", "verify_s"), ("messages", "messages_s"), ("commit", "commit_s"),
+               ("allocate", "allocate_s"))
 
 
 class WorkerMetrics:

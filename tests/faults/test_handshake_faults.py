@@ -274,9 +274,9 @@ def test_vanished_decode_is_forgotten(prefill: PrefillWorker, ctx: zmq.Context[z
             tokens = prompt(2, 40)
             cache = raw.managers[0].create_kv_cache(tokens)
             assert cache.resume() and cache.resize(int(tokens.size))
-            raw.send("kv_request", request_id="r1", tokens=encode_tokens(tokens), skip=0,
-                     blocks=encode_block_ids([cache.block_id_map()]), mode="pull", layerwise=False,
+            raw.send("kv_request", request_id="r1", tokens=encode_tokens(tokens), mode="pull", layerwise=False,
                      layers_per_send=1, lease_s=30.0, checksum=encode_checksum_policy(None))
+            raw.send("kv_blocks", request_id="r1", skip=0, blocks=encode_block_ids([cache.block_id_map()]))
             pull = raw.recv(10)
             assert pull.type == "kv_pull" and pull["request_id"] == "r1"
             last_frame = time.monotonic()

@@ -8,6 +8,7 @@ and what keeps a prefill that is merely busy from losing its lease:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -113,7 +114,16 @@ def test_decode_quarantines_push_blocks_of_a_lost_prefill_until_the_lease_ran_ou
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
             DecodeWorker(WorkerConfig(name("decode"), lease_s=lease), SECRET, prefill=prefill.address) as decode:
 
-        def cut() -> None:
+        has_blocks = threading.Event()
+        on_destinations = prefill._on_destinations
+
+        def note_destinations(*args: Any) -> None:
+            on_destinations(*args)
+            has_blocks.set()
+        prefill._on_destinations = note_destinations  # type: ignore[method-assign]
+
+        def cut() -> None:   # once prefill knows decode's blocks (kv_blocks follows the prompt)
+            assert has_blocks.wait(5.0), "decode's kv_blocks did not come"
             prefill.server.close("cut by the test")
             time.sleep(0.3)
         slow_prefill(prefill, cut)
