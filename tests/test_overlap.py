@@ -95,6 +95,7 @@ def test_prefill_computes_while_decode_allocates(prefill: PrefillWorker, mode: s
             res = decode.generate(tokens, NEW, timeout=60, return_kv=KV)
             assert_matches_reference(res, tokens, NEW)
             assert res.allocate_s > 0 and res.mode == mode and res.layerwise == layerwise
+            assert res.ttft_s == res.arrival_s and res.commit_s > 0   # the commit follows the first token
         assert seen == [True, True, True], "decode allocated before prefill had the prompt"
         assert_idle(prefill, decode)
 

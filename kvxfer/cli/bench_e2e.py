@@ -10,8 +10,10 @@ split again into "request" (decode: submit to ``kv_request`` sent; the prompt go
 allocates its destination blocks, so that allocation, column "alloc", overlaps prefill's compute),
 "queued" (prefill: request arrival to its compute starting: source blocks allocated, hand-off to the
 compute thread), "post" (prefill: compute end to the transfer posted: hand-off, planning) and "messages"
-(what is left: control messages both ways, the completion notification, engine wake-ups). "commit" is
-TTFT minus arrival (decode commits the prompt's blocks before the first token counts).
+(what is left: control messages both ways, the completion notification, engine wake-ups). TTFT ends at
+arrival (the first token, prefill's, is known and its KV in place and verified: a streaming server sends
+it then); "commit" (decode entering the prompt's blocks into its prefix tree) follows it, as the
+one-process baseline's commit would follow its first token (the baseline does not commit).
 
 The one-process baseline uses the workers' cache configuration (prefix reuse on, the same block count)
 and looks the prompt up in its prefix tree as a serving engine would, so both sides pay the same
@@ -172,7 +174,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                     stages["queued"].append(res.queued_s)
                     stages["post"].append(res.post_s)
                     stages["messages"].append(res.messages_s)
-                    stages["commit"].append(res.ttft_s - res.arrival_s)
+                    stages["commit"].append(res.commit_s)
                     stages["allocate"].append(res.allocate_s)
                     nbytes = res.bytes_moved
                     s_ttft.append(s_took)

@@ -120,7 +120,8 @@ class GenerationResult:
     arrival_s: float
     """Submit -> the KV is in decode's pages."""
     ttft_s: float
-    """Submit -> the first generated token is known with its KV in place on decode."""
+    """Submit -> the first generated token is known with its KV in place (and verified) on decode: when a
+    streaming server would send it (decode then commits the prompt, ``commit_s``, before generating)."""
     verify_s: float = 0.0
     """Checking the destination pages against prefill's digest (0 without a checksum policy)."""
     prompt_kv: PromptKV | None = None
@@ -135,7 +136,8 @@ class GenerationResult:
     post_s: float = 0.0
     """Prefill: its compute ended -> the last transfer posted (push) or ``kv_pull`` sent (pull)."""
     commit_s: float = 0.0
-    """KV in place -> first token known (decode commits the prompt's blocks into its cache)."""
+    """After the first token: decode commits the prompt's blocks into its cache (prefix tree, events)
+    before generating the next one (as a one-process engine commits after its first token)."""
     messages_s: float = 0.0
     """What no stage above timed: arrival minus request, queued, prefill, post, transfer and verify (the
     control messages both ways, the completion notification, engine wake-ups)."""
@@ -889,6 +891,9 @@ class DecodeWorker(WorkerCounts):
                 self._fail(job, error, remote_done=True)   # uncommitted: none of its pages enter the tree
                 return
         arrived = now()
+        # The first token (prefill's) is known and its KV is in place, verified: a streaming server would send
+        # it now, as a one-process engine sends its first token before it commits the prompt into its cache.
+        ttft = arrived - job.submitted
         job.session.done("KV in place")
         self._jobs.pop(job.request_id, None)
         self._route_done(job)
@@ -900,7 +905,7 @@ class DecodeWorker(WorkerCounts):
                 cache.commit(job.tokens[job.skip:])
             kv = self.model.bind(list(zip(self.managers, job.caches, strict=True)))
             first = int(job.pushed["first_token"])
-            ttft = now() - job.submitted
+            commit_s = now() - arrived
             prompt_kv = self._prompt_kv(job) if job.return_kv else None   # after TTFT: a check, not serving
         except KvxferError as exc:
             self.counts["failed"] += 1
@@ -915,7 +920,7 @@ class DecodeWorker(WorkerCounts):
                                       int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
                                       prefill_s, transfer_s, arrival_s, ttft, verify_s, prompt_kv,
                                       job.prefill.address if job.prefill is not None else "",
-                                      request_s, queued_s, post_s, ttft - arrival_s,
+                                      request_s, queued_s, post_s, commit_s,
                                       max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s
                                           - verify_s), allocate_s=job.allocated - job.requested)
         model, max_new = self.model, job.max_new_tokens

@@ -109,8 +109,9 @@ def status_metrics(status: Mapping[str, int | float | str]) -> Iterator[Any]:
 
 #: The stages of ``kvxfer_ttft_stage_seconds`` and the GenerationResult figures they come from: decode's
 #: request (``kv_request`` sent), prefill's queue, compute and post (as prefill reported them), the
-#: transfer, decode's digest check, the rest of the arrival time ("messages") and decode's commit; and
-#: "allocate", decode's destination allocation, which overlaps prefill's queue and compute (not in the sum).
+#: transfer, decode's digest check and the rest of the arrival time ("messages"), which add up to TTFT; and,
+#: not in that sum, "commit" (decode entering the prompt into its prefix tree, after the first token) and
+#: "allocate" (decode's destination allocation, overlapping prefill's queue and compute).
 TTFT_STAGES = (("request", "request_s"), ("queued", "queued_s"), ("prefill", "prefill_s"), ("post", "post_s"),
                ("transfer", "transfer_s"), ("verify", "verify_s"), ("messages", "messages_s"), ("commit", "commit_s"),
                ("allocate", "allocate_s"))
