@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import blake3
 import numpy as np
@@ -78,11 +78,16 @@ def key_width(algo: str) -> int:
     return V1_KEY_BYTES if resolve_hash_algo(algo) == HASH_V1_BLOCK_KEY else KEY_BYTES
 
 
+def _hasher(algo: str) -> Callable[[bytes], Any]:
+    """The constructor of the 32-byte hash of the v2 chain under ``algo`` (v1 keys carry a SHA-256 chain):
+    called with the first bytes, it returns an object with ``update`` and ``digest``."""
+    return blake3.blake3 if resolve_hash_algo(algo) in (HASH_V2_BLAKE3, HASH_V2_BLAKE3_64) else hashlib.sha256
+
+
 def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
-    """The 32-byte digest function of the v2 chain under ``algo`` (v1 keys carry a SHA-256 chain)."""
-    if resolve_hash_algo(algo) in (HASH_V2_BLAKE3, HASH_V2_BLAKE3_64):
-        return lambda data: blake3.blake3(data).digest()
-    return lambda data: hashlib.sha256(data).digest()
+    """The 32-byte digest function of the v2 chain under ``algo``."""
+    new = _hasher(algo)
+    return lambda data: bytes(new(data).digest())
 
 
 def cache_salt_id(cache_salt: str) -> int:
@@ -251,9 +256,16 @@ def block_keys(tokens: Sequence[int] | npt.ArrayLike, tokens_per_block: int, par
     digest = _digest_fn(concrete)
     keys: list[bytes] = []
     if concrete != HASH_V1_BLOCK_KEY:
+        # H(parent key || block's tokens || extra key), fed piece by piece (no joined copy per block).
+        new = _hasher(concrete)
         key = parent
         for b in range(n_blocks):
-            key = digest(b"".join((key, data[b * stride:(b + 1) * stride], extras.get(first_block + b, b""))))
+            h = new(key)
+            h.update(data[b * stride:(b + 1) * stride])
+            extra = extras.get(first_block + b)
+            if extra is not None:
+                h.update(extra)
+            key = h.digest()
             keys.append(key)
         return keys
     scope = DEFAULT_SCOPE if scope is None else scope
