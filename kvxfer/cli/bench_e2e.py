@@ -123,7 +123,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
     env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     d2d = d2d_bytes_per_s(device)
     # One copy of the weights serves the baseline and decode's generation, drawn while the prefill process
-    # draws its own (at 8B each takes ~90 s of one CPU thread: the seeded CPU generator keeps them equal).
+    # draws its own (seeded CPU generators, one per tensor, keep them equal; at 8B a copy is ~8e9 draws).
     with ThreadPoolExecutor(1) as pool:
         loading = pool.submit(ReferenceModel, cfg, device)
         try:

@@ -7,7 +7,9 @@ prefill on one, decode on the other, and the tokens must match a single process 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy.typing as npt
 import torch
@@ -61,6 +63,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out.transpose(0, 1).reshape(t, heads * dim).to(q.dtype)
 
 
+def _draw_weights(specs: Sequence[tuple[str, tuple[int, ...], float | None]], seed: int, device: torch.device,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every weight of ``specs`` drawn on the CPU from a generator of its own (seeded from ``seed`` and its
+    index), so any process on any device gets the same weights, and the draws run in parallel threads
+    (an 8B-parameter model took ~90 s on one thread with one generator)."""
+    def draw(index: int, shape: tuple[int, ...], std: float | None) -> torch.Tensor:
+        gen = torch.Generator().manual_seed((seed * _SEED_MIX + index) % (1 << 63))
+        noise = torch.randn(*shape, generator=gen)
+        return (1.0 + 0.1 * noise if std is None else noise * std).to(device, dtype)
+
+    workers = max(1, min(len(specs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="kvxfer-weights") as pool:
+        futures = {name: pool.submit(draw, i, shape, std) for i, (name, shape, std) in enumerate(specs)}
+        return {name: f.result() for name, f in futures.items()}
+
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
 class ReferenceModel(Model):
     """A small Llama-style transformer with seeded random weights and paged KV."""
 
@@ -69,25 +90,21 @@ class ReferenceModel(Model):
         self.device = torch.device(device)
         self.dtype = torch_dtype(config.dtype)
         c = config
-        gen = torch.Generator().manual_seed(c.seed)
-
-        def weight(*shape: int, std: float) -> torch.Tensor:
-            return (torch.randn(*shape, generator=gen) * std).to(self.device, self.dtype)
-
-        def ones(n: int) -> torch.Tensor:
-            return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(self.device, self.dtype)
-
         h, q_out, kv_out = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.embed = weight(c.vocab_size, h, std=1.0)
-        self.layers: list[dict[str, torch.Tensor]] = [
-            {"attn_norm": ones(h), "wq": weight(h, q_out, std=h ** -0.5), "wk": weight(h, kv_out, std=h ** -0.5),
-             "wv": weight(h, kv_out, std=h ** -0.5), "wo": weight(q_out, h, std=q_out ** -0.5),
-             "mlp_norm": ones(h), "w_gate": weight(h, c.intermediate_size, std=h ** -0.5),
-             "w_up": weight(h, c.intermediate_size, std=h ** -0.5),
-             "w_down": weight(c.intermediate_size, h, std=c.intermediate_size ** -0.5)}
-            for _ in range(c.num_layers)]
-        self.final_norm = ones(h)
-        self.lm_head = weight(h, c.vocab_size, std=h ** -0.5)
+        # (name, shape, std) of every weight in a fixed order; std None: a norm's 1 + 0.1 * noise.
+        layer = [("attn_norm", (h,), None), ("wq", (h, q_out), h ** -0.5), ("wk", (h, kv_out), h ** -0.5),
+                 ("wv", (h, kv_out), h ** -0.5), ("wo", (q_out, h), q_out ** -0.5), ("mlp_norm", (h,), None),
+                 ("w_gate", (h, c.intermediate_size), h ** -0.5), ("w_up", (h, c.intermediate_size), h ** -0.5),
+                 ("w_down", (c.intermediate_size, h), c.intermediate_size ** -0.5)]
+        specs = [("embed", (c.vocab_size, h), 1.0), *[(f"{i}.{n}", shape, std) for i in range(c.num_layers)
+                                                     for n, shape, std in layer],
+                 ("final_norm", (h,), None), ("lm_head", (h, c.vocab_size), h ** -0.5)]
+        drawn = _draw_weights(specs, c.seed, self.device, self.dtype)
+        self.embed = drawn["embed"]
+        self.layers: list[dict[str, torch.Tensor]] = [{n: drawn[f"{i}.{n}"] for n, _, _ in layer}
+                                                      for i in range(c.num_layers)]
+        self.final_norm = drawn["final_norm"]
+        self.lm_head = drawn["lm_head"]
 
     # --- forward ----------------------------------------------------------------------------------
     @property
