@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli import main as cli_main
-from kvxfer.disagg import LocalIdentity, connect
+from kvxfer.disagg import LocalIdentity, PeerConnection, connect
 from kvxfer.disagg.oracle import DEFAULT_POSITIONS, KVOracle
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import ClientResult
@@ -26,7 +27,7 @@ from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.disagg.worker_protocol import encode_block_ids, encode_layouts, encode_tokens
 from kvxfer.errors import AuthenticationError, HandshakeRefused, LayoutMismatch, TransferTimeout
 from kvxfer.model import ByteTokenizer, ModelConfig, ReferenceModel, preset
-from kvxfer.transport import LoopbackFaults, create
+from kvxfer.transport import LoopbackFaults, Transport, create
 
 SECRET = "e2e-test-secret-0123456789"
 _names = itertools.count()
@@ -183,34 +184,51 @@ def test_stalled_push_fails_at_the_deadline_and_frees_both_sides() -> None:
         assert_idle(prefill, decode)
 
 
+class HandDecode:
+    """A decode peer driven by hand over the real control plane and a loopback transport."""
+
+    def __init__(self, prefill: PrefillWorker) -> None:
+        self.cfg = WorkerConfig(name("hand-decode"))
+        self.managers = self.cfg.managers()
+        self.transport: Transport = create("loopback", self.cfg.name)
+        self.transport.register(self.managers[0].memory_regions())
+        ident = LocalIdentity("decode", self.cfg.name, self.managers[0].layout, "loopback",
+                              self.transport.metadata(), 0.2)
+        self.conn: PeerConnection = connect(prefill.address, ident, SECRET, expect_role="prefill")
+        self.conn.send("kv_ranks", layouts=encode_layouts([m.layout for m in self.managers]))
+        assert self.conn.recv(5).type == "kv_ranks"
+
+    def request(self, rid: str, tokens: np.ndarray, mode: str = "pull", lease_s: float = 30.0) -> None:
+        self.conn.send("kv_request", request_id=rid, tokens=encode_tokens(tokens), mode=mode, layerwise=False,
+                       layers_per_send=1, lease_s=lease_s, checksum=b"")
+
+    def blocks(self, rid: str, tokens: np.ndarray, skip: int = 0) -> Any:
+        cache = self.managers[0].create_kv_cache(tokens)
+        assert cache.resume() and cache.resize(int(tokens.size))
+        self.conn.send("kv_blocks", request_id=rid, skip=skip, blocks=encode_block_ids([cache.block_id_map()]))
+        return cache
+
+    def close(self) -> None:
+        self.conn.close()
+        self.transport.close()
+
+
 def test_pull_lease_expires_when_decode_stops_renewing(prefill: PrefillWorker) -> None:
     """A decode peer that asks for a pull and then goes quiet: prefill frees the blocks at lease expiry."""
-    cfg = WorkerConfig(name("decode"))
-    managers = cfg.managers()
-    transport = create("loopback", cfg.name)
-    transport.register(managers[0].memory_regions())
-    ident = LocalIdentity("decode", cfg.name, managers[0].layout, "loopback", transport.metadata(), 0.2)
-    conn = connect(prefill.address, ident, SECRET, expect_role="prefill")
+    hand = HandDecode(prefill)
     try:
-        conn.send("kv_ranks", layouts=encode_layouts([m.layout for m in managers]))
-        assert conn.recv(5).type == "kv_ranks"
         tokens = prompts(6)[0]
-        cache = managers[0].create_kv_cache(tokens)
-        cache.resume()
-        cache.resize(int(tokens.size))
-        conn.send("kv_request", request_id="q1", tokens=encode_tokens(tokens), mode="pull", layerwise=False,
-                  layers_per_send=1, lease_s=0.5, checksum=b"")
-        conn.send("kv_blocks", request_id="q1", skip=0, blocks=encode_block_ids([cache.block_id_map()]))
-        pull = conn.recv(10)
+        hand.request("q1", tokens, lease_s=0.5)
+        cache = hand.blocks("q1", tokens)
+        pull = hand.conn.recv(10)
         assert pull.type == "kv_pull" and pull["request_id"] == "q1"
         assert prefill.held_slots() > 0
-        failed = conn.recv(5)
+        failed = hand.conn.recv(5)
         assert failed.type == "kv_failed" and "lease expired" in failed["reason"]
         assert_idle(prefill)
         cache.close()
     finally:
-        conn.close()
-        transport.close()
+        hand.close()
 
 
 def test_demo_refuses_loopback_across_processes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,37 +8,28 @@ the failure paths (decode cannot allocate, ``kv_blocks`` missing, repeated or ma
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvxfer.disagg import LocalIdentity, PeerConnection, connect
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
-from kvxfer.disagg.worker_protocol import encode_block_ids, encode_layouts, encode_tokens
 from kvxfer.errors import OutOfSlotsError, PeerUnreachable
-from kvxfer.transport import Transport, create
+from tests.faults.test_loopback_faults import wait_for
 from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
     KV,
     NEW,
     SECRET,
+    HandDecode,
     _one_thread,
     assert_idle,
     assert_matches_reference,
     name,
     prompts,
 )
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -115,35 +106,6 @@ def test_decode_that_cannot_allocate_cancels_the_computing_prefill(prefill: Pref
         small = prompts(13, prefix=20, count=1)[0]
         assert_matches_reference(decode.generate(small, NEW, timeout=30, return_kv=KV), small, NEW)
         assert_idle(prefill, decode)
-
-
-class HandDecode:
-    """A decode peer driven by hand over the real control plane and a loopback transport."""
-
-    def __init__(self, prefill: PrefillWorker) -> None:
-        self.cfg = WorkerConfig(name("hand-decode"))
-        self.managers = self.cfg.managers()
-        self.transport: Transport = create("loopback", self.cfg.name)
-        self.transport.register(self.managers[0].memory_regions())
-        ident = LocalIdentity("decode", self.cfg.name, self.managers[0].layout, "loopback",
-                              self.transport.metadata(), 0.2)
-        self.conn: PeerConnection = connect(prefill.address, ident, SECRET, expect_role="prefill")
-        self.conn.send("kv_ranks", layouts=encode_layouts([m.layout for m in self.managers]))
-        assert self.conn.recv(5).type == "kv_ranks"
-
-    def request(self, rid: str, tokens: np.ndarray, mode: str = "pull", lease_s: float = 30.0) -> None:
-        self.conn.send("kv_request", request_id=rid, tokens=encode_tokens(tokens), mode=mode, layerwise=False,
-                       layers_per_send=1, lease_s=lease_s, checksum=b"")
-
-    def blocks(self, rid: str, tokens: np.ndarray, skip: int = 0) -> Any:
-        cache = self.managers[0].create_kv_cache(tokens)
-        assert cache.resume() and cache.resize(int(tokens.size))
-        self.conn.send("kv_blocks", request_id=rid, skip=skip, blocks=encode_block_ids([cache.block_id_map()]))
-        return cache
-
-    def close(self) -> None:
-        self.conn.close()
-        self.transport.close()
 
 
 @pytest.fixture
