@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -275,6 +277,8 @@ def test_small_tables_are_validated_exactly_as_large_ones(entries: list[tuple[in
     table = PageTable(addr, nbytes, region)
     verdict = _outcome(lambda: table._validate_small(_SMALL_REGIONS))
     assert verdict == _outcome(lambda: table._validate_vectorised(_SMALL_REGIONS))
+    if len(set(nbytes.tolist())) == 1 and int(nbytes[0]) > 0:   # the one-length fast path, same verdict
+        assert verdict == _outcome(lambda: table._validate_vectorised(_SMALL_REGIONS, int(nbytes[0])))
     if verdict is None:   # validate checks overlaps only between entries inside their regions
         plan = TransferPlan(table, table)
         assert _outcome(plan._check_disjoint_small) == \
@@ -287,3 +291,32 @@ def test_small_path_mutation_is_caught() -> None:
     assert _outcome(lambda: table._validate_small(_SMALL_REGIONS)) is not None
     assert _outcome(lambda: table._validate_small(_SMALL_REGIONS)) == \
         _outcome(lambda: table._validate_vectorised(_SMALL_REGIONS))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(17, 60), st.sampled_from([16, 64, 48]), st.sampled_from([0, 8, 64]), st.booleans(),
+       st.integers(0, 3), st.randoms(use_true_random=False))
+def test_uniform_length_plans_are_refused_exactly_when_bytes_overlap(n: int, length: int, skew: int, two: bool,
+                                                                    clashes: int, rnd: Any) -> None:
+    """Plans of more than 16 entries of one length (the vectorised fast paths: one pass for the
+    shared length, the slot count for overlaps) against a brute-force oracle over byte intervals:
+    refused for overlap exactly when two destination intervals share a byte, else accepted."""
+    regions = [MemoryRegion(0x100000 + skew, 64 * 256), MemoryRegion(0x200000, 64 * 256)]
+    slots = rnd.sample(range(250), n)
+    dst_region = [rnd.randrange(2) if two else 0 for _ in range(n)]
+    dst_addr = [regions[r].base_address + s * 64 for r, s in zip(dst_region, slots, strict=True)]
+    for _ in range(clashes):   # move one entry onto (or across) another's bytes
+        i, j = rnd.sample(range(n), 2)
+        dst_addr[i], dst_region[i] = dst_addr[j] + rnd.choice([0, 8, length - 8]), dst_region[j]
+    src = table([regions[0].base_address + 64 * i for i in range(n)], [length] * n)
+    plan = TransferPlan(src, table(dst_addr, [length] * n, dst_region))
+    spans = sorted((a, a + length) for a in dst_addr)
+    overlap = any(b[0] < a[1] for a, b in itertools.pairwise(spans))
+    outside = any(not regions[r].contains(a, length) for a, r in zip(dst_addr, dst_region, strict=True))
+    got = _outcome(lambda: plan.validate(regions, regions))
+    if outside:
+        assert got is not None and "outside region" in got
+    elif overlap:
+        assert got is not None and "overlap" in got
+    else:
+        assert got is None

@@ -101,21 +101,28 @@ class TransferPlan:
     def validate(self, src_regions: Sequence[MemoryRegion], dst_regions: Sequence[MemoryRegion]) -> None:
         """Raise PageTableError when an entry lies outside its registered region on either side, or when
         two destination entries overlap (no destination byte may be written twice)."""
+        # Both sides share one length column (checked at construction): whether it is uniform is
+        # worked out once here (one pass) and spares each side its end-address pass.
+        length = None
+        if len(self) > _SMALL:
+            first = int(self.src.nbytes[0])
+            if 0 < first < 1 << 62 and bool((self.src.nbytes == np.uint64(first)).all()):
+                length = first
         try:
-            self.src.validate(src_regions)
+            self.src.validate(src_regions, length)
         except PageTableError as exc:
             raise PageTableError(f"TransferPlan source {exc}") from exc
         try:
-            self.dst.validate(dst_regions)
+            self.dst.validate(dst_regions, length)
         except PageTableError as exc:
             raise PageTableError(f"TransferPlan destination {exc}") from exc
         if len(self.dst) <= _SMALL:
             self._check_disjoint_small()
         else:
-            self._check_disjoint_vectorised(dst_regions)
+            self._check_disjoint_vectorised(dst_regions, length)
 
-    def _check_disjoint_vectorised(self, dst_regions: Sequence[MemoryRegion]) -> None:
-        if _uniform_and_disjoint(self.dst, dst_regions):
+    def _check_disjoint_vectorised(self, dst_regions: Sequence[MemoryRegion], length: int | None = None) -> None:
+        if _uniform_and_disjoint(self.dst, dst_regions, length):
             return
         keep = np.flatnonzero(self.dst.nbytes > 0)
         if keep.size < 2:
@@ -168,28 +175,41 @@ class TransferPlan:
                    PageTable(dst_addr, nbytes, fixed["dst_region"].astype(np.uint32)))
 
 
-def _uniform_and_disjoint(dst: PageTable, regions: Sequence[MemoryRegion]) -> bool:
+def _uniform_and_disjoint(dst: PageTable, regions: Sequence[MemoryRegion], length: int | None = None) -> bool:
     """True when every entry has the same power-of-two length L, starts at a multiple of L inside its
     (already validated) region, and no two entries start at the same place: then none overlap. An O(n)
     check (one bincount over the regions' L-slots) for the common KV plan, where sorting would cost
-    O(n log n); False means "not shown", and the caller sorts."""
+    O(n log n); False means "not shown", and the caller sorts. ``length``: the caller already knows
+    every entry is this long."""
     n = len(dst)
     if n < 2:
         return n == 1
-    length = int(dst.nbytes[0])
-    if length <= 0 or length & (length - 1) or not bool((dst.nbytes == np.uint64(length)).all()):
+    if length is None:
+        length = int(dst.nbytes[0])
+        if length <= 0 or not bool((dst.nbytes == np.uint64(length)).all()):
+            return False
+    if length <= 0 or length & (length - 1):
         return False
-    shift = np.uint64(length.bit_length() - 1)
-    base = np.array([r.base_address for r in regions], dtype=np.uint64)
-    slots = np.array([r.nbytes for r in regions], dtype=np.int64) >> int(shift)
+    shift = length.bit_length() - 1
+    slots = np.array([r.nbytes for r in regions], dtype=np.int64) >> shift
     if int(slots.sum()) > 8 * n + (1 << 16):
         return False
+    mask = length - 1
+    first = int(dst.region[0])
     one = len(regions) == 1 or int(dst.region.min()) == int(dst.region.max())
-    offset = dst.addr - (base[int(dst.region[0])] if one else base[dst.region])
-    if bool((offset & np.uint64(length - 1)).any()):
+    if one and not regions[first].base_address & mask:
+        # One L-aligned region: entries must be L-aligned addresses; slot = addr >> shift - base slot.
+        if bool(np.bitwise_and(dst.addr, np.uint64(mask)).any()):
+            return False
+        index = np.right_shift(dst.addr, np.uint64(shift))
+        np.subtract(index, np.uint64(regions[first].base_address >> shift), out=index)
+        return int(np.bincount(index.view(np.int64), minlength=1).max()) <= 1
+    base = np.array([r.base_address for r in regions], dtype=np.uint64)
+    offset = dst.addr - (base[first] if one else base[dst.region])
+    if bool((offset & np.uint64(mask)).any()):
         return False
-    index = (offset >> shift).astype(np.int64)
+    index64 = (offset >> np.uint64(shift)).astype(np.int64)
     if not one:
-        index += (np.cumsum(slots) - slots)[dst.region]
-    return int(np.bincount(index, minlength=1).max()) <= 1
+        index64 += (np.cumsum(slots) - slots)[dst.region]
+    return int(np.bincount(index64, minlength=1).max()) <= 1
 

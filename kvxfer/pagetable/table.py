@@ -112,24 +112,30 @@ class PageTable:
         return [self.take(slice(a, b)) for a, b in ops.balanced_cuts(self.nbytes, n)]
 
     # --- checks ---------------------------------------------------------------------------------
-    def validate(self, regions: Sequence[MemoryRegion]) -> None:
-        """Raise PageTableError naming the first entry outside its region (or overflowing 64 bits)."""
+    def validate(self, regions: Sequence[MemoryRegion], uniform_length: int | None = None) -> None:
+        """Raise PageTableError naming the first entry outside its region (or overflowing 64 bits).
+        ``uniform_length``: every entry is known to be this long (a plan checked it once for both sides)."""
         n = len(self)
         if not n:
             return
         if n <= _SMALL:
             self._validate_small(regions)
         else:
-            self._validate_vectorised(regions)
+            self._validate_vectorised(regions, uniform_length)
 
-    def _validate_vectorised(self, regions: Sequence[MemoryRegion]) -> None:
+    def _validate_vectorised(self, regions: Sequence[MemoryRegion], uniform_length: int | None = None) -> None:
         first, last = int(self.region.min()), int(self.region.max())
         if last >= len(regions):
             i = int(np.argmax(self.region >= len(regions)))
             raise PageTableError(f"entry {i}: region {int(self.region[i])} not registered "
                                  f"({len(regions)} regions)")
+        if first == last and uniform_length is not None:
+            # One region, one length (the common KV table): two reductions, the sums in Python ints.
+            r = regions[first]
+            if int(self.addr.min()) >= r.base_address and int(self.addr.max()) + uniform_length <= r.end_address:
+                return
         stop = self.addr + self.nbytes
-        if first == last:   # one region (the common KV table): bounds against scalars, no gathers
+        if first == last:   # one region: bounds against scalars, no gathers
             r = regions[first]
             if int(self.addr.min()) >= r.base_address and int(stop.max()) <= r.end_address and \
                     not bool((stop < self.addr).any()):
