@@ -123,8 +123,12 @@ def _copier() -> Any:
 
 
 @pytest.fixture(scope="module")
-def kernel_copier() -> Any:
-    return _copier()
+def kernel_copier() -> Iterator[Any]:
+    """A kernel copier that runs every plan through the kernel (no cuMemcpyAsync for few runs)."""
+    with pytest.MonkeyPatch.context() as mp:
+        copier = _copier()
+        mp.setattr(copier[0], "DIRECT_RUNS", 0)
+        yield copier
 
 
 def _disjoint_runs(rng: np.random.Generator, sizes: np.ndarray, space: int, align: int, skew: int) -> np.ndarray:
@@ -191,3 +195,17 @@ def test_kernel_runs_longer_than_one_grid_row(kernel_copier: Any, monkeypatch: p
     monkeypatch.setattr(cuda_copy, "_MAX_RUN_BYTES", 1 << 20)
     sizes = np.array([(5 << 20) + 3, 1 << 20, 4096], np.int64)
     _check_kernel(kernel_copier, sizes, 16, 0, 0, True, 5)
+
+
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_few_runs_take_cuda_memcpy_and_land_exactly(remote_src: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans of at most DIRECT_RUNS runs skip the kernel (one cuMemcpyAsync each): same bytes, and the
+    kernel is really not launched (its path would raise here)."""
+    cuda_copy, copier = _copier()
+    monkeypatch.setattr(cuda_copy, "DIRECT_RUNS", 8)   # the default (the kernel tests set it to 0)
+
+    def no_kernel(*a: Any, **k: Any) -> None:
+        raise AssertionError("the kernel ran for a plan of few runs")
+    monkeypatch.setattr(copier, "_run_kernel", no_kernel)
+    sizes = np.array([7, 16, 100, 4096, 40000, 4 << 20], np.int64)
+    _check_kernel((cuda_copy, copier), sizes, 16, 3, 5, remote_src, 6)

@@ -12,7 +12,8 @@ the rest are cut on the host first (``TransferPlan.split``), so no program gets 
 others idle. 16-byte aligned runs move as 16-byte vectors with ``BLOCK`` words per program in
 flight; any other run moves byte by byte (correct, slower; KV runs are 16-byte multiples).
 Without Triton the driver's ``cuMemcpyBatchAsync`` (CUDA >= 12.8) runs the plan, else one
-``cuMemcpyAsync`` per run. GPU-only: importing this module without cuda-python raises
+``cuMemcpyAsync`` per run; plans of at most ``DIRECT_RUNS`` runs (one KV block: latency, not
+bandwidth) always take one ``cuMemcpyAsync`` per run, which starts the GPU sooner than any launch. GPU-only: importing this module without cuda-python raises
 BackendUnavailable.
 """
 
@@ -47,6 +48,9 @@ CHUNK_BYTES = 32 << 10
 BLOCK_WORDS = 4096
 #: Warps per program.
 NUM_WARPS = 4
+#: Plans of at most this many runs are one ``cuMemcpyAsync`` per run: a few microseconds each, where
+#: the kernel path (pack, upload, Triton launch) costs ~50 us before the GPU starts (one KV block).
+DIRECT_RUNS = 8
 #: Largest run the kernel takes in one row of its grid (its length travels as int32).
 _MAX_RUN_BYTES = 1 << 30
 _MAX_GRID_Y = 65535
@@ -334,9 +338,12 @@ class BatchedCopier:
             for lengths in ([48], [32, 16]):     # one shared length, then one length per run
                 count = len(lengths)
                 buf.copy_(torch.arange(64, dtype=torch.int32, device=buf.device))
+                torch.cuda.synchronize(self.device_id)
                 src = np.array([addr, addr + 32][:count], np.uint64)
-                self.copy(src + np.uint64(128), src, np.array(lengths, np.uint64), np.zeros(count, np.uint32),
-                          self._local, remote_src).synchronize()
+                with self._lock:   # the kernel itself, though plans this small go to cuMemcpyAsync
+                    self._run_kernel(src + np.uint64(128), src, np.array(lengths, np.uint64),
+                                     np.zeros(count, np.uint32), self._local, remote_src)
+                self.stream.synchronize()
                 if not torch.equal(buf[32:44], buf[:12]):
                     raise TransferFailed("the copy kernel's warm-up copy came back wrong")
 
@@ -351,14 +358,14 @@ class BatchedCopier:
             self._model_done.record(self._default_stream)
             self.stream.wait_event(self._model_done)  # type: ignore[no-untyped-call]
             if dst.size:
-                if self.method == "kernel":
+                if self.method == "kernel" and dst.size > DIRECT_RUNS:
                     self._run_kernel(dst, src, nbytes, remote_region, peer, remote_src)
                 else:
                     if remote_src:
                         src = peer.translate(src, remote_region)
                     else:
                         dst = peer.translate(dst, remote_region)
-                    if self.method == "batch":
+                    if self.method == "batch" and dst.size > DIRECT_RUNS:
                         self._run_batch(dst, src, nbytes)
                     else:
                         for d, s, b in zip(dst.tolist(), src.tolist(), nbytes.tolist(), strict=True):
