@@ -286,6 +286,21 @@ def test_the_same_corruption_without_checksum(offset: int, oracle_sees_it: bool)
 
 
 # --- 7. cancellation -------------------------------------------------------------------------------
+def hold_cancel_answers(prefill: Any) -> threading.Event:
+    """Prefill answers no ``kv_cancel`` until the returned event is set: a test can look at decode's
+    zombies before the answer (which prefill sends at once, its compute being on another thread) buries
+    them; otherwise the answer can win the race with the status query on a loaded machine."""
+    answer, real_on_message = threading.Event(), prefill._on_message
+
+    def held(conn: Any, msg: Any) -> None:
+        if msg.type == "kv_cancel":
+            answer.wait(10)
+        real_on_message(conn, msg)
+
+    prefill._on_message = held
+    return answer
+
+
 def test_cancel_while_prefill_computes() -> None:
     """B is cancelled while prefill is inside its forward pass; prefill then writes into blocks decode
     must still hold, and frees its own; A and C wait behind B and are served."""
@@ -300,16 +315,7 @@ def test_cancel_while_prefill_computes() -> None:
             return real(*args, **kw)
 
         prefill.model.prefill = gated           # type: ignore[method-assign]
-        # Hold prefill's answer to the cancel until decode's state is checked (else the answer can win the
-        # race with the status query on a loaded machine and the zombie is already gone).
-        answer, real_on_message = threading.Event(), prefill._on_message
-
-        def held(conn: Any, msg: Any) -> None:
-            if msg.type == "kv_cancel":
-                answer.wait(10)
-            real_on_message(conn, msg)
-
-        prefill._on_message = held              # type: ignore[method-assign]
+        answer = hold_cancel_answers(prefill)
         requests = {"B": prompt(2, 60), "A": prompt(1, 20), "C": prompt(3, 24)}
         futures = submit_all(decode, requests)
         assert entered.wait(10)
@@ -342,6 +348,7 @@ def test_prefill_busy_past_the_deadline() -> None:
             return real(*args, **kw)
 
         prefill.model.prefill = gated           # type: ignore[method-assign]
+        answer = hold_cancel_answers(prefill)
         requests = {"A": prompt(1, 20), "B": prompt(2, 60)}
         t0 = time.monotonic()
         futures = submit_all(decode, requests)
@@ -353,6 +360,7 @@ def test_prefill_busy_past_the_deadline() -> None:
             assert 1.5 <= took < 1.5 + MARGIN
         status = decode.status()
         assert status["zombies"] == 2 and decode.held_slots() > 0 and status["jobs"] == 0
+        answer.set()
         release.set()
         assert_settled(prefill, decode)
         for tokens in requests.values():        # nothing of either was committed on decode
