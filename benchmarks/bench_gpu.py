@@ -9,8 +9,7 @@ One run measures, with the same statistic (the median) in every column:
   case (``prep_xfer_dlist``), one ``make_prepped_xfer`` + ``transfer`` per iteration;
 - the latency of one ``write(plan).wait()`` of 1, 4 and 16 blocks (p50) against the torch copy.
 
-Every timed iteration of every column starts after the timing thread spun for ``SETTLE_S`` (see
-``settle``), so no column pays for a CPU that has just woken up. Every timed iteration is checked: the destination pages are poisoned before it and verified after
+Every timed iteration is checked: the destination pages are poisoned before it and verified after
 it against a pattern that encodes each element's logical position (layer, role, token, head, dim),
 computed independently in the process that owns the destination.
 
@@ -161,20 +160,6 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-#: Seconds the timing thread spins before every timed iteration of every column (``settle``).
-SETTLE_S = 0.002
-
-
-def settle(seconds: float = SETTLE_S) -> None:
-    """Spin the timing thread before a timed iteration, so every column starts from the same CPU state.
-    After a blocking wait (the pipe to the peer that poisons the pages) the first few hundred
-    microseconds of Python run several times slower (H200 run 9: a one-block write 426 us after the
-    pipe, 108 us back to back), which the back-to-back baselines never paid."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def shift(table: PageTable, offset: int) -> PageTable:
     return PageTable(table.addr, table.nbytes, table.region + np.uint32(offset))
 
@@ -226,7 +211,6 @@ class WallCopy:
         sync(self.device)
         times = []
         for _ in range(iters):
-            settle()
             t0 = time.perf_counter()
             b.copy_(a)
             sync(self.device)
@@ -321,7 +305,6 @@ class Bench:
         for _ in range(iters):
             self.poison(mode, dst_names, blk)
             sync(self.device)
-            settle()
             t0 = time.perf_counter()
             t_posted = post()
             times.append(time.perf_counter() - t0)
@@ -459,7 +442,6 @@ def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, poo
                 post()
             times = []
             for _ in range(iters):
-                settle()
                 t0 = time.perf_counter()
                 post()
                 times.append(time.perf_counter() - t0)
