@@ -113,6 +113,39 @@ def test_device_plan_outside_peer_memory_is_refused(gpu_peer: GpuPeer) -> None:
     assert all(np.array_equal(np.frombuffer(a, np.uint8), b) for a, b in zip(p.call("dump"), before, strict=True))
 
 
+@pytest.mark.parametrize("bad", ["outside", "overlap"])
+def test_large_hostile_plan_is_refused_without_notification(gpu_peer: GpuPeer, bad: str) -> None:
+    """A 64-entry write (the cuda_ipc kernel path, which starts copying before the host's check ends)
+    with one entry past the peer's region, or two destinations sharing bytes: PageTableError naming
+    it, no notification, and no peer byte changes outside the plan's in-region destinations."""
+    p = gpu_peer
+    rng = np.random.default_rng(21)
+    local_regions, peer_regions = list(p.local.regions), list(p.local.peer_regions(p.name))
+    before = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+    src = random_pages(rng, local_regions[:1], 64, PAGE, False)
+    dst = random_pages(rng, peer_regions[:1], 64, PAGE, False)
+    addr = dst.addr.copy()
+    if bad == "outside":
+        addr[37] = np.uint64(peer_regions[0].end_address - PAGE // 2)
+        words = "entry 37"
+    else:
+        addr[40] = addr[12] + np.uint64(PAGE // 2)
+        words = "overlap"
+    from kvxfer.pagetable import TransferPlan
+    plan = TransferPlan(src, PageTable(addr, dst.nbytes, dst.region))
+    with pytest.raises(PageTableError, match=words):
+        p.local.write(p.name, plan, notify=b"must-not-arrive")
+    after = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+    allowed = np.zeros(before[0].size, bool)
+    base = peer_regions[0].base_address
+    for a in addr.tolist():
+        if base <= a and a + PAGE <= peer_regions[0].end_address:
+            allowed[a - base: a - base + PAGE] = True
+    assert np.array_equal(after[0][~allowed], before[0][~allowed])
+    assert all(np.array_equal(a, b) for a, b in zip(after[1:], before[1:], strict=True))
+    assert p.call("notifications", 1, 0.5) == {}
+
+
 # --- the cuda_ipc copy kernel, in one process (odd sizes, unaligned runs, many tiny runs, one huge run) ---
 def _copier() -> Any:
     if not torch.cuda.is_available():
@@ -209,3 +242,48 @@ def test_few_runs_take_cuda_memcpy_and_land_exactly(remote_src: bool, monkeypatc
     monkeypatch.setattr(copier, "_run_kernel", no_kernel)
     sizes = np.array([7, 16, 100, 4096, 40000, 4 << 20], np.int64)
     _check_kernel((cuda_copy, copier), sizes, 16, 3, 5, remote_src, 6)
+
+
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_kernel_copies_no_run_outside_its_regions(kernel_copier: Any, remote_src: bool) -> None:
+    """With bounded region tables the kernel skips every run outside its region on either side
+    (another region's bytes, straddling a region's end, a region the table lacks, a region id of
+    2**32-1) and copies every other run exactly: the host may check a plan while it runs."""
+    cuda_copy, copier = kernel_copier
+    rng = np.random.default_rng(8)
+    space, page = 1 << 20, 4096
+    half = space // 2
+    src = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8)).cuda()
+    dst = torch.full((space,), 0xA5, dtype=torch.uint8, device="cuda")
+    remote, local = (src, dst) if remote_src else (dst, src)
+    shift = (1 << 20) + 16       # the remote side is advertised elsewhere and translated on the GPU
+    r_base = np.array([remote.data_ptr(), remote.data_ptr() + half], np.uint64)
+    l_base = np.array([local.data_ptr(), local.data_ptr() + half], np.uint64)
+    sizes = np.full(2, half, np.uint64)
+    remote_table = cuda_copy.DeltaTable(r_base + np.uint64(shift), r_base, 0, sizes)
+    local_table = cuda_copy.DeltaTable(l_base, l_base, 0, sizes)
+    slots = space // page
+    count = 40
+    r_slot = rng.permutation([s for s in range(slots) if s not in (127, 128)])[:count]
+    l_slot = rng.permutation(slots)[:count]
+    r_reg, l_reg = (r_slot >= slots // 2).astype(np.int64), (l_slot >= slots // 2).astype(np.int64)
+    r_off, l_off = r_slot * page, l_slot * page
+    r_off[3], r_reg[3] = 127 * page + page // 2, 0      # straddles the end of remote region 0
+    r_reg[5] = 1 - r_reg[5]                             # remote address in the other region
+    l_reg[7] = 1 - l_reg[7]                             # local address in the other region
+    r_reg[9] = 2                                        # a remote region the table lacks
+    l_reg[11] = 2**32 - 1                               # a local region id that is negative as int32
+    bad = {3, 5, 7, 9, 11}
+    remote_addr = r_base[0] + np.uint64(shift) + r_off.astype(np.uint64)
+    local_addr = l_base[0] + l_off.astype(np.uint64)
+    s_addr, d_addr = (remote_addr, local_addr) if remote_src else (local_addr, remote_addr)
+    s_off, d_off = (r_off, l_off) if remote_src else (l_off, r_off)
+    event = copier.copy(d_addr, s_addr, np.full(count, page, np.uint64), r_reg.astype(np.uint32), remote_table,
+                        remote_src, l_reg.astype(np.uint32), local_table)
+    event.synchronize()
+    got, want, src_h = dst.cpu().numpy(), np.full(space, 0xA5, np.uint8), src.cpu().numpy()
+    for i, (so, do) in enumerate(zip(s_off.tolist(), d_off.tolist(), strict=True)):
+        if i not in bad:
+            want[do:do + page] = src_h[so:so + page]
+    wrong = np.flatnonzero(got != want)
+    assert wrong.size == 0, f"{wrong.size} wrong bytes, first at {wrong[:5]}"

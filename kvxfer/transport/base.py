@@ -168,8 +168,19 @@ class Transport(ABC):
         if notify is not None and (not isinstance(notify, bytes) or len(notify) > MAX_NOTIFY_BYTES):
             raise TransportError(f"{op} to peer {peer!r}: notify must be bytes of <= {MAX_NOTIFY_BYTES}, "
                                  f"got {type(notify).__name__} of {len(notify) if isinstance(notify, bytes) else '?'}")
+        transfer_id = next(self._ids)
+        handle = self._backend_post_checking(op, peer, plan, notify, transfer_id,
+                                             lambda: self._check_plan(op, peer, plan, md))
+        if handle is not None:
+            return handle
+        self._check_plan(op, peer, plan, md)
+        return self._backend_post(op, peer, plan, notify, transfer_id)
+
+    def _check_plan(self, op: Op, peer: str, plan: TransferPlan, md: TransportMetadata) -> None:
+        """Both sides inside their registered regions, no destination byte written twice, or a
+        PageTableError naming the side (local/remote) and the entry."""
         src_regions, dst_regions = (self._regions, md.regions) if op == "write" else (md.regions, self._regions)
-        try:   # both sides inside their regions, no destination byte written twice: one pass each
+        try:   # one pass each side
             plan.validate(src_regions, dst_regions)
         except PageTableError as exc:
             # Name the side that is wrong (local/remote); an overlap keeps the plan's own message.
@@ -177,7 +188,6 @@ class Transport(ABC):
             self._validate(local, self._regions, f"{op} with peer {peer!r}: local {'source' if op == 'write' else 'destination'}")
             self._validate(remote, md.regions, f"{op} with peer {peer!r}: remote {'destination' if op == 'write' else 'source'}")
             raise PageTableError(f"{op} with peer {peer!r}: {exc}") from None
-        return self._backend_post(op, peer, plan, notify, next(self._ids))
 
     @staticmethod
     def _validate(table: PageTable, regions: Sequence[MemoryRegion], where: str) -> None:
@@ -202,6 +212,14 @@ class Transport(ABC):
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
                       transfer_id: int) -> TransferHandle:
         """Start a validated transfer and return its handle."""
+
+    def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
+                               transfer_id: int, check: Callable[[], None]) -> TransferHandle | None:
+        """Start a transfer whose every run the backend's device copy confines to its registered regions,
+        and run ``check`` (the host's full check, raising PageTableError) while it moves; on a refusal,
+        return only once the copy has stopped, send no notification, and re-raise. None (the default):
+        this backend cannot, and ``check`` runs before ``_backend_post``."""
+        return None
 
     def _backend_poll_notifications(self) -> None:  # noqa: B027
         """Move notifications the backend holds into the inbox (``_deliver``)."""

@@ -169,25 +169,45 @@ def _triton_kernel() -> Any:
     except ImportError:
         return None
 
-    # Triton resolves annotations as kernel globals: only constexpr parameters may be annotated.
-    @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
-    def copy_runs(src_addr, dst_addr, lengths, regions, deltas, anchor8, anchor32, anchor_addr,  # type: ignore[no-untyped-def]
+    # Triton resolves annotations as kernel globals: only constexpr parameters may be annotated. The
+    # counts must not be specialised (a count of 1 would be compiled in, and the launcher reuses the
+    # compiled kernel for every count).
+    @triton.jit(do_not_specialize=["remote_count", "local_count"])  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def copy_runs(src_addr, dst_addr, lengths, regions, local_regions, remote_table, local_table,  # type: ignore[no-untyped-def]
+                  remote_count, local_count, anchor8, anchor32, anchor_addr,
                   REMOTE_SRC: tl.constexpr, PER_RUN_LENGTH: tl.constexpr, PER_RUN_REGION: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  PER_RUN_LOCAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         # Program (run, piece) copies bytes [piece * CHUNK, (piece + 1) * CHUNK) of run ``run``. Addresses
         # become int64 offsets from ``anchor`` (any device buffer) so loads use typed pointers whose
         # 16-byte alignment the compiler is told about: it then emits 16-byte vector loads and stores.
+        # A run not inside its registered regions on both sides (tables of (delta, start, end) per
+        # region) is not copied: the host may check the plan while this kernel runs (RegionTable).
         run = tl.program_id(0)
         start = tl.program_id(1).to(tl.int64) * CHUNK
         n = tl.load(lengths + run * PER_RUN_LENGTH).to(tl.int64)   # one shared length when uniform
         if start < n:
             s = tl.load(src_addr + run)
             d = tl.load(dst_addr + run)
-            delta = tl.load(deltas + tl.load(regions + run * PER_RUN_REGION))
+            r = tl.load(regions + run * PER_RUN_REGION)
+            q = tl.load(local_regions + run * PER_RUN_LOCAL)
+            r_ok = (r >= 0) & (r < remote_count)
+            q_ok = (q >= 0) & (q < local_count)
+            r = tl.where(r_ok, r, 0).to(tl.int64) * 3
+            q = tl.where(q_ok, q, 0).to(tl.int64) * 3
+            delta = tl.load(remote_table + r)
+            if REMOTE_SRC:
+                ra = s
+                la = d
+            else:
+                ra = d
+                la = s
+            inside = r_ok & q_ok & (ra >= tl.load(remote_table + r + 1)) & (ra <= tl.load(remote_table + r + 2) - n) \
+                & (la >= tl.load(local_table + q + 1)) & (la <= tl.load(local_table + q + 2) - n)
             if REMOTE_SRC:
                 s = s + delta
             else:
                 d = d + delta
+            n = tl.where(inside, n, start)     # outside: every mask below is empty
             so = s - anchor_addr
             do = d - anchor_addr
             if ((s | d) & 15) == 0:
@@ -212,13 +232,29 @@ def _triton_kernel() -> Any:
     return copy_runs
 
 
-class DeltaTable:
-    """Per peer: ``mapped - advertised`` (mod 2**64) of every region, on the device, so the kernel
-    turns a peer's advertised address into the local mapping's address."""
+#: Region bounds a table holds when the caller gives none (internal callers with trusted plans).
+_UNBOUNDED = (0, (1 << 63) - 1)
 
-    def __init__(self, advertised: U64, mapped: U64, device_id: int) -> None:
+
+class DeltaTable:
+    """Per set of regions, on the device: ``mapped - advertised`` (mod 2**64) of each, so the kernel turns
+    a peer's advertised address into the local mapping's address, and each region's advertised
+    [start, end), so it copies no run outside its region (``bounded``: a table made without ``nbytes``
+    lets every address through and is for callers whose plans are trusted)."""
+
+    def __init__(self, advertised: U64, mapped: U64, device_id: int, nbytes: U64 | None = None) -> None:
         self.host = (mapped - advertised).astype(np.uint64)
-        self.device = torch.from_numpy(self.host.view(np.int64).copy()).to(f"cuda:{device_id}")
+        self.count = int(advertised.size)
+        if nbytes is None:
+            lo, hi = np.full(self.count, _UNBOUNDED[0], np.int64), np.full(self.count, _UNBOUNDED[1], np.int64)
+        else:
+            end = [int(a) + int(b) for a, b in zip(advertised.tolist(), nbytes.tolist(), strict=True)]
+            if max(end, default=0) >= 1 << 63:
+                raise TransferFailed(f"a region ends at {max(end):#x}, past the kernel's signed 64-bit bounds")
+            lo, hi = advertised.astype(np.int64), np.array(end, np.int64)
+        self.bounded = nbytes is not None
+        rows = np.stack([self.host.view(np.int64), lo, hi], axis=1)
+        self.device = torch.from_numpy(np.ascontiguousarray(rows).reshape(-1)).to(f"cuda:{device_id}")
 
     def translate(self, addr: U64, region: U32) -> U64:
         """The local addresses of the peer's ``addr`` (host side, for the non-kernel methods)."""
@@ -342,15 +378,18 @@ class BatchedCopier:
                 src = np.array([addr, addr + 32][:count], np.uint64)
                 with self._lock:   # the kernel itself, though plans this small go to cuMemcpyAsync
                     self._run_kernel(src + np.uint64(128), src, np.array(lengths, np.uint64),
-                                     np.zeros(count, np.uint32), self._local, remote_src)
+                                     np.zeros(count, np.uint32), self._local, remote_src,
+                                     np.zeros(count, np.uint32), self._local)
                 self.stream.synchronize()
                 if not torch.equal(buf[32:44], buf[:12]):
                     raise TransferFailed("the copy kernel's warm-up copy came back wrong")
 
     def copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: DeltaTable,
-             remote_src: bool) -> torch.cuda.Event:
+             remote_src: bool, local_region: U32 | None = None, local: DeltaTable | None = None) -> torch.cuda.Event:
         """Enqueue the copies (the ``remote_src`` side's addresses are translated through ``peer``);
-        returns an event recorded after them on the copier's stream."""
+        returns an event recorded after them on the copier's stream. The kernel copies no run outside
+        its regions of ``peer`` and ``local`` (``local_region``; without them local addresses are not
+        bounded); the other methods copy whatever they are given (``bounds_on_device`` says which)."""
         make_current(self.device_id)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with self._lock:
@@ -358,8 +397,10 @@ class BatchedCopier:
             self._model_done.record(self._default_stream)
             self.stream.wait_event(self._model_done)  # type: ignore[no-untyped-call]
             if dst.size:
-                if self.method == "kernel" and dst.size > DIRECT_RUNS:
-                    self._run_kernel(dst, src, nbytes, remote_region, peer, remote_src)
+                if self.bounds_on_device(int(dst.size)):
+                    if local is None or local_region is None:
+                        local, local_region = self._local, np.zeros(1, np.uint32)
+                    self._run_kernel(dst, src, nbytes, remote_region, peer, remote_src, local_region, local)
                 else:
                     if remote_src:
                         src = peer.translate(src, remote_region)
@@ -373,7 +414,12 @@ class BatchedCopier:
             event.record(self.stream)
         return event
 
-    def _run_kernel(self, dst: U64, src: U64, nbytes: U64, region: U32, peer: DeltaTable, remote_src: bool) -> None:
+    def bounds_on_device(self, runs: int) -> bool:
+        """Whether a plan of ``runs`` runs goes through the kernel, which checks every run's bounds."""
+        return self.method == "kernel" and runs > DIRECT_RUNS
+
+    def _run_kernel(self, dst: U64, src: U64, nbytes: U64, region: U32, peer: DeltaTable, remote_src: bool,
+                    local_region: U32, local: DeltaTable) -> None:
         n = int(dst.size)
         longest = int(nbytes.max())
         pieces = -(-longest // CHUNK_BYTES)
@@ -384,57 +430,64 @@ class BatchedCopier:
             from kvxfer.pagetable import ops
             entry, offset, length = ops.split_pieces(nbytes, CHUNK_BYTES)
             dst, src, nbytes, region = dst[entry] + offset, src[entry] + offset, length, region[entry]
+            if local_region.size > 1:
+                local_region = local_region[entry]
             n, pieces = int(dst.size), 1
         # Lengths and peer regions travel once when every run shares them (the common KV plan): the
         # upload is then 16 bytes per run instead of 24.
         uniform = int(nbytes.min()) == longest
-        one_region = bool(region.size) and int(region.min()) == int(region.max())
-        k_len, k_reg = (1 if uniform else n), (1 if one_region else n)
+        one_region = peer.count == 1 or (bool(region.size) and int(region.min()) == int(region.max()))
+        one_local = local_region.size == 1 or local.count == 1 or int(local_region.min()) == int(local_region.max())
+        k_len, k_reg, k_loc = (1 if uniform else n), (1 if one_region else n), (1 if one_local else n)
         # Every section starts 16-byte aligned (the compiled kernel assumes aligned pointer arguments).
         at_dst, at_len = 8 * (n + (n & 1)), 16 * (n + (n & 1))
         at_reg = at_len + 16 * (-(-k_len // 4))
-        size = at_reg + 4 * k_reg
+        at_loc = at_reg + 16 * (-(-k_reg // 4))
+        size = at_loc + 4 * k_loc
         stage, stage_addr, uploaded = self._staging.take(size)
         np.copyto(stage[: 8 * n].view(np.uint64), src)
         np.copyto(stage[at_dst: at_dst + 8 * n].view(np.uint64), dst)
         np.copyto(stage[at_len: at_len + 4 * k_len].view(np.uint32), nbytes[:k_len], casting="unsafe")
-        np.copyto(stage[at_reg: size].view(np.uint32), region[:k_reg])
+        np.copyto(stage[at_reg: at_reg + 4 * k_reg].view(np.uint32), region[:k_reg])
+        np.copyto(stage[at_loc: size].view(np.uint32), local_region[:k_loc])
         table = self._table.address(size)
         check(cu.cuMemcpyHtoDAsync(table, stage_addr, size, self._stream_handle), "cuMemcpyHtoDAsync")
         uploaded.record(self.stream)
-        args = (table, table + at_dst, table + at_len, table + at_reg, int(peer.device.data_ptr()),
-                self._anchor_addr, self._anchor_addr, self._anchor_addr)
-        key = (bool(remote_src), int(not uniform), int(not one_region), CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS)
+        args = (table, table + at_dst, table + at_len, table + at_reg, table + at_loc, int(peer.device.data_ptr()),
+                int(local.device.data_ptr()), peer.count, local.count, self._anchor_addr, self._anchor_addr,
+                self._anchor_addr)
+        key = (bool(remote_src), int(not uniform), int(not one_region), int(not one_local), CHUNK_BYTES,
+               BLOCK_WORDS, NUM_WARPS)
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile(key)
         if self._direct:
             try:
-                launch[(n, pieces, 1)](*args, *key[:5], stream=self._stream_handle)
+                launch[(n, pieces, 1)](*args, *key[:6], stream=self._stream_handle)
                 return
             except (TypeError, ValueError, AttributeError):
                 self._direct = False   # this Triton's compiled-kernel launcher differs: use the JIT's
         with torch.cuda.stream(self.stream):
             self._kernel[(n, pieces)](  # type: ignore[index]
                 _Pointer(args[0], torch.int64), _Pointer(args[1], torch.int64), _Pointer(args[2], torch.int32),
-                _Pointer(args[3], torch.int32), peer.device, self._anchor8, self._anchor32, self._anchor_addr,
-                REMOTE_SRC=key[0], PER_RUN_LENGTH=key[1], PER_RUN_REGION=key[2], CHUNK=key[3], BLOCK=key[4],
-                num_warps=key[5])
+                _Pointer(args[3], torch.int32), _Pointer(args[4], torch.int32), peer.device, local.device,
+                peer.count, local.count, self._anchor8, self._anchor32, self._anchor_addr,
+                REMOTE_SRC=key[0], PER_RUN_LENGTH=key[1], PER_RUN_REGION=key[2], PER_RUN_LOCAL=key[3],
+                CHUNK=key[4], BLOCK=key[5], num_warps=key[6])
 
     def _compile(self, key: tuple[Any, ...]) -> Any:
         """Compile one kernel variant through Triton's JIT once (on the copier's stream, a 1-program
         launch that copies nothing) and keep the compiled kernel: later launches go straight to its
         launcher with the copier's stream, without the JIT's per-launch argument binding."""
-        remote_src, per_len, per_reg, chunk, block, warps = key
-        zero = torch.zeros(2, dtype=torch.int64, device=f"cuda:{self.device_id}")
+        remote_src, per_len, per_reg, per_loc, chunk, block, warps = key
+        zero = torch.zeros(4, dtype=torch.int64, device=f"cuda:{self.device_id}")
+        z64, z32 = _Pointer(int(zero.data_ptr()), torch.int64), _Pointer(int(zero.data_ptr()), torch.int32)
         assert self._kernel is not None
         with torch.cuda.stream(self.stream):
             compiled = self._kernel[(1, 1)](
-                _Pointer(int(zero.data_ptr()), torch.int64), _Pointer(int(zero.data_ptr()), torch.int64),
-                _Pointer(int(zero.data_ptr()), torch.int32), _Pointer(int(zero.data_ptr()), torch.int32),
-                _Pointer(int(zero.data_ptr()), torch.int64), self._anchor8, self._anchor32, self._anchor_addr,
-                REMOTE_SRC=remote_src, PER_RUN_LENGTH=per_len, PER_RUN_REGION=per_reg, CHUNK=chunk, BLOCK=block,
-                num_warps=warps)
+                z64, z64, z32, z32, z32, z64, z64, 2, 2, self._anchor8, self._anchor32, self._anchor_addr,
+                REMOTE_SRC=remote_src, PER_RUN_LENGTH=per_len, PER_RUN_REGION=per_reg, PER_RUN_LOCAL=per_loc,
+                CHUNK=chunk, BLOCK=block, num_warps=warps)
         self.stream.synchronize()
         self._compiled[key] = compiled
         return compiled

@@ -16,6 +16,7 @@ on a small ZeroMQ PUSH/PULL channel on 127.0.0.1, after the data; a receiver thr
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import queue
@@ -28,7 +29,14 @@ import msgpack
 import numpy as np
 
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.errors import BackendUnavailable, DecodeError, PeerUnreachable, TransferFailed, TransportError
+from kvxfer.errors import (
+    BackendUnavailable,
+    DecodeError,
+    PageTableError,
+    PeerUnreachable,
+    TransferFailed,
+    TransportError,
+)
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
@@ -85,6 +93,7 @@ class CudaIpcTransport(Transport):
         self._mappings = cuda_copy.IpcMappings(self._device_id)
         self._exports: list[list[Any]] = []
         self._peer_tables: dict[str, Any] = {}   # peer -> cuda_copy.DeltaTable
+        self._local_table: Any = None            # cuda_copy.DeltaTable of the registered regions
         self._zmq = zmq.Context()
         self._pull = self._zmq.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -112,6 +121,9 @@ class CudaIpcTransport(Transport):
                 raise TransportError(f"cuda_ipc {self.name!r}: region {i} is {r.memory_kind!r} memory; "
                                      f"this backend moves device memory only")
         self._exports = [self._cuda.export_region(r.base_address, r.nbytes, r.device_id).to_wire() for r in regions]
+        base = np.array([r.base_address for r in regions], dtype=np.uint64)
+        self._local_table = self._cuda.DeltaTable(base, base, self._device_id,
+                                                  np.array([r.nbytes for r in regions], dtype=np.uint64))
 
     def _backend_blob(self) -> bytes:
         return bytes(msgpack.packb({"node": node_id(), "notify": self._endpoint, "regions": self._exports},
@@ -135,7 +147,8 @@ class CudaIpcTransport(Transport):
             except TransferFailed as exc:
                 raise PeerUnreachable(f"cuda_ipc {self.name!r}: cannot map region {i} of peer {peer!r}: {exc}") from exc
         advertised = np.array([r.base_address for r in md.regions], dtype=np.uint64)
-        self._peer_tables[peer] = self._cuda.DeltaTable(advertised, np.array(mapped, dtype=np.uint64), self._device_id)
+        self._peer_tables[peer] = self._cuda.DeltaTable(advertised, np.array(mapped, dtype=np.uint64), self._device_id,
+                                                        np.array([r.nbytes for r in md.regions], dtype=np.uint64))
         push = self._zmq.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         push.setsockopt(zmq.SNDHWM, 100_000)
@@ -166,24 +179,49 @@ class CudaIpcTransport(Transport):
     # --- transfers ----------------------------------------------------------------------------
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
                       transfer_id: int) -> TransferHandle:
+        handle = self._launch(op, peer, plan, notify, transfer_id)
+        if notify is not None and isinstance(handle, _CopyHandle):   # the peer learns of it through the completion thread
+            handle.watch()
+        return handle
+
+    def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
+                               transfer_id: int, check: Callable[[], None]) -> TransferHandle | None:
+        """The kernel copies no run outside its regions (both sides' bounds are on the device), so a
+        large plan starts at once and the host checks it while the GPU copies (the check of a 131,072-run
+        plan costs about as long as its 4 GiB copy). A refused plan: wait for the copy, no notification."""
+        if self._local_table is None or not self._copier.bounds_on_device(len(plan)):
+            return None
+        handle = self._launch(op, peer, plan, notify, transfer_id)
+        try:
+            check()
+        except PageTableError as exc:
+            if isinstance(handle, _CopyHandle):
+                with contextlib.suppress(RuntimeError):
+                    handle.event.synchronize()
+            handle._finish(TransferStatus.FAILED, str(exc), TransferFailed)   # nobody gets this handle
+            raise
+        if notify is not None and isinstance(handle, _CopyHandle):
+            handle.watch()
+        return handle
+
+    def _launch(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
+                transfer_id: int) -> TransferHandle:
+        """Enqueue the plan's copies; the handle is finished by whoever looks (not watched yet)."""
         table = self._peer_tables.get(peer)
         if table is None:
             raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} is not mapped")
-        remote = plan.dst if op == "write" else plan.src
+        remote, local = (plan.dst, plan.src) if op == "write" else (plan.src, plan.dst)
         # Only copies (bounded) are queued ahead of this one when the model's stream is idle now.
         bounded = bool(self._default_stream.query())
         try:
             event = self._copier.copy(plan.dst.addr, plan.src.addr, plan.src.nbytes, remote.region, table,
-                                      remote_src=op == "read")
+                                      op == "read", local.region, self._local_table)
         except TransferFailed as exc:
             failed = TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=lambda h: False)
             failed._finish(TransferStatus.FAILED, str(exc), TransferFailed)
             return failed
-        handle = _CopyHandle(transfer_id, peer, plan.total_bytes, op, event, bounded,
-                             lambda h: self._complete(h, peer, notify), self._completions.put)
-        if notify is not None:   # the peer learns of the data only through the completion thread
-            handle.watch()
-        return handle
+        return _CopyHandle(transfer_id, peer, plan.total_bytes, op, event, bounded,
+                           lambda h: self._complete(h, peer, notify), self._completions.put)
 
     def _complete(self, handle: _CopyHandle, peer: str, notify: bytes | None) -> None:
         """Finish ``handle`` once its event completed; the first caller sends the notification."""
