@@ -257,7 +257,14 @@ class Bench:
         self.offsets = region_offsets(self.mgrs)
 
     def call(self, *cmd: Any) -> Any:
+        """Send a command to the peer and spin until it answers: a thread asleep in ``recv`` wakes on
+        a slow core, and the post timed right after a poisoning call ran ~4x slower (H200 run 9:
+        128-run post 0.57 ms after ``recv``, 0.12 ms back to back), which the back-to-back baselines
+        never pay. Spinning keeps the timing thread as warm as theirs (a sleep before timing instead
+        idles the GPU, which then starts every column's copy late: run 10)."""
         self.conn.send(cmd)
+        while not self.conn.poll(0):
+            pass
         return self.conn.recv()
 
     def close(self) -> None:
