@@ -4,7 +4,9 @@ One plan becomes ONE kernel launch on the copier's own stream, preceded by ONE h
 of the plan's arrays (source and destination addresses, lengths, peer region ids) from a pinned
 staging buffer. The peer's addresses are translated on the GPU through a per-peer table of
 ``mapped - advertised`` offsets uploaded once at connect (``DeltaTable``), so the post path does no
-per-descriptor work in Python: it copies four arrays into the staging buffer and launches.
+per-descriptor work in Python: it copies the plan's arrays into the staging buffer and launches. The
+same tables hold each region's bounds (the local regions' too): the kernel copies no run outside its
+regions, which lets the transport check a large plan while the GPU copies it.
 
 The kernel (Triton) gives every program one ``CHUNK``-byte piece of one run (2-D grid: run x
 piece), so a 4 MiB run is spread over 128 programs like 128 runs of 32 KiB; runs much longer than

@@ -2,7 +2,8 @@
 execute a whole plan as one kernel launch on a stream (see ``cuda_copy``).
 
 Connect maps the peer's regions once and uploads the table that translates its advertised addresses
-(``cuda_copy.DeltaTable``); a post uploads the plan's arrays in one copy and launches. Completion is
+(``cuda_copy.DeltaTable``, which also bounds every run to its regions, so a large plan is checked
+while it copies); a post uploads the plan's arrays in one copy and launches. Completion is
 the copy's CUDA event. A copy that must tell the peer (``notify``) or someone (``add_done_callback``)
 is handed to a completion thread, which synchronises on its event and finishes it (callbacks such as
 a worker engine's wake-up run then); any other copy costs no thread at all: ``status``/``done`` query
