@@ -15,8 +15,8 @@ others idle. 16-byte aligned runs move as 16-byte vectors with ``BLOCK`` words p
 flight; any other run moves byte by byte (correct, slower; KV runs are 16-byte multiples).
 Without Triton the driver's ``cuMemcpyBatchAsync`` (CUDA >= 12.8) runs the plan, else one
 ``cuMemcpyAsync`` per run; plans of at most ``DIRECT_RUNS`` runs (one KV block: latency, not
-bandwidth) always take one ``cuMemcpyAsync`` per run, which starts the GPU sooner than any launch. GPU-only: importing this module without cuda-python raises
-BackendUnavailable.
+bandwidth) always take one ``cuMemcpyAsync`` per run, which starts the GPU sooner than any launch.
+GPU-only: importing this module without cuda-python raises BackendUnavailable.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def _triton_kernel() -> Any:
         # become int64 offsets from ``anchor`` (any device buffer) so loads use typed pointers whose
         # 16-byte alignment the compiler is told about: it then emits 16-byte vector loads and stores.
         # A run not inside its registered regions on both sides (tables of (delta, start, end) per
-        # region) is not copied: the host may check the plan while this kernel runs (RegionTable).
+        # region) is not copied: the host may check the plan while this kernel runs (DeltaTable).
         run = tl.program_id(0)
         start = tl.program_id(1).to(tl.int64) * CHUNK
         n = tl.load(lengths + run * PER_RUN_LENGTH).to(tl.int64)   # one shared length when uniform

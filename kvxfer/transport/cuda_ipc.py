@@ -190,7 +190,9 @@ class CudaIpcTransport(Transport):
         """The kernel copies no run outside its regions (both sides' bounds are on the device), so a
         large plan starts at once and the host checks it while the GPU copies (the check of a 131,072-run
         plan costs about as long as its 4 GiB copy). A refused plan: wait for the copy, no notification."""
-        if self._local_table is None or not self._copier.bounds_on_device(len(plan)):
+        table = self._peer_tables.get(peer)
+        if self._local_table is None or table is None or not (table.bounded and self._local_table.bounded) \
+                or not self._copier.bounds_on_device(len(plan)):
             return None
         handle = self._launch(op, peer, plan, notify, transfer_id)
         try:
