@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -18,6 +19,7 @@ from kvxfer.errors import (
     ConfigError,
     DecodeError,
     LayoutError,
+    PageTableError,
     PeerUnreachable,
     TransferCancelled,
     TransferFailed,
@@ -218,3 +220,44 @@ def test_registry() -> None:
     with pytest.raises(ConfigError, match="unknown transport backend 'tcp'"):
         create("tcp", "x")
     assert issubclass(BackendUnavailable, TransportError)
+
+
+def test_a_backend_may_check_the_plan_while_it_moves() -> None:
+    """``Transport._backend_post_checking`` (cuda_ipc's kernel path): the backend gets the full host check
+    as a callable to run once its copy has started; a refused plan raises the same PageTableError as on
+    the check-first path, a good one returns the backend's handle. (This stand-in starts nothing before
+    the check: the loopback copy would not confine runs to their regions.)"""
+    from kvxfer.transport.loopback import LoopbackTransport
+
+    events: list[str] = []
+
+    class Launching(LoopbackTransport):
+        def _backend_post_checking(self, op: Any, peer: str, plan: TransferPlan, notify: bytes | None,
+                                   transfer_id: int, check: Any) -> Any:
+            events.append("start")
+            try:
+                check()
+            except PageTableError:
+                events.append("refused")
+                raise
+            events.append("checked")
+            return self._backend_post(op, peer, plan, notify, transfer_id)
+
+    p = Pair()
+    a = Launching(f"{p.a.name}-launching")
+    a.register(regions_of(p.a_bufs))
+    a.connect(p.b.name, p.b.metadata())
+    p.b.connect(a.name, a.metadata())
+    good = p.plan(seed=5)
+    want = p.expected_b(good)
+    a.write(p.b.name, good, notify=b"ok").wait(1)
+    assert events == ["start", "checked"] and np.array_equal(p.b_bufs[0], want)
+    assert p.b.notifications() == {a.name: [b"ok"]}
+    bad = TransferPlan(good.src, type(good.dst)(good.dst.addr, good.dst.nbytes, good.dst.region + np.uint32(1)))
+    with pytest.raises(PageTableError) as launched:
+        a.write(p.b.name, bad, notify=b"no")
+    with pytest.raises(PageTableError) as checked_first:
+        p.a.write(p.b.name, bad, notify=b"no")
+    assert events[2:] == ["start", "refused"]
+    assert str(launched.value).replace(a.name, "A") == str(checked_first.value).replace(p.a.name, "A")
+    assert "not registered" in str(launched.value) and p.b.notifications() == {}
