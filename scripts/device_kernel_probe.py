@@ -37,7 +37,7 @@ def main() -> None:
     d2d = GIB / events_ms(lambda: b.copy_(a), 20) / 1e6
     print(f"D2D {d2d:.0f} GB/s", flush=True)
     copier = cuda_copy.BatchedCopier(0, "kernel")
-    zero = cuda_copy.DeltaTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), 0)
+    zero = cuda_copy.RegionTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), 0)
     rng = np.random.default_rng(0)
     cases = {}
     for name, run, count in (("32KiB x 131072", 32 << 10, 131072), ("4MiB x 1024", 4 << 20, 1024),

@@ -33,7 +33,7 @@ def main() -> None:
     dst = torch.empty_like(src)
     src.random_(0, 256)
     copier = cuda_copy.BatchedCopier(0, "kernel")
-    zero = cuda_copy.DeltaTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), 0)
+    zero = cuda_copy.RegionTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), 0)
     rng = np.random.default_rng(0)
     cases = {}
     for name, run, count in (("1 block: 64 x 64KiB", 64 << 10, 64), ("128 x 4MiB", 4 * MIB, 128),

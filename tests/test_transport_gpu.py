@@ -188,7 +188,7 @@ def _check_kernel(kernel_copier: Any, sizes: np.ndarray, align: int, src_skew: i
     # The remote side's addresses are "advertised" 1 MiB + 16 bytes away and translated on the GPU.
     shift = (1 << 20) + 16
     remote = src if remote_src else dst
-    table = cuda_copy.DeltaTable(np.array([remote.data_ptr() + shift], np.uint64), np.array([remote.data_ptr()], np.uint64), 0)
+    table = cuda_copy.RegionTable(np.array([remote.data_ptr() + shift], np.uint64), np.array([remote.data_ptr()], np.uint64), 0)
     s_addr = (src.data_ptr() + s_off).astype(np.uint64) + np.uint64(shift if remote_src else 0)
     d_addr = (dst.data_ptr() + d_off).astype(np.uint64) + np.uint64(0 if remote_src else shift)
     event = copier.copy(d_addr, s_addr, sizes.astype(np.uint64), np.zeros(sizes.size, np.uint32), table, remote_src)
@@ -260,8 +260,8 @@ def test_kernel_copies_no_run_outside_its_regions(kernel_copier: Any, remote_src
     r_base = np.array([remote.data_ptr(), remote.data_ptr() + half], np.uint64)
     l_base = np.array([local.data_ptr(), local.data_ptr() + half], np.uint64)
     sizes = np.full(2, half, np.uint64)
-    remote_table = cuda_copy.DeltaTable(r_base + np.uint64(shift), r_base, 0, sizes)
-    local_table = cuda_copy.DeltaTable(l_base, l_base, 0, sizes)
+    remote_table = cuda_copy.RegionTable(r_base + np.uint64(shift), r_base, 0, sizes)
+    local_table = cuda_copy.RegionTable(l_base, l_base, 0, sizes)
     slots = space // page
     count = 40
     r_slot = rng.permutation([s for s in range(slots) if s not in (127, 128)])[:count]

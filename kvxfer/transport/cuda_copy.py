@@ -3,7 +3,7 @@
 One plan becomes ONE kernel launch on the copier's own stream, preceded by ONE host-to-device copy
 of the plan's arrays (source and destination addresses, lengths, peer region ids) from a pinned
 staging buffer. The peer's addresses are translated on the GPU through a per-peer table of
-``mapped - advertised`` offsets uploaded once at connect (``DeltaTable``), so the post path does no
+``mapped - advertised`` offsets uploaded once at connect (``RegionTable``), so the post path does no
 per-descriptor work in Python: it copies the plan's arrays into the staging buffer and launches. The
 same tables hold each region's bounds (the local regions' too): the kernel copies no run outside its
 regions, which lets the transport check a large plan while the GPU copies it.
@@ -183,7 +183,7 @@ def _triton_kernel() -> Any:
         # become int64 offsets from ``anchor`` (any device buffer) so loads use typed pointers whose
         # 16-byte alignment the compiler is told about: it then emits 16-byte vector loads and stores.
         # A run not inside its registered regions on both sides (tables of (delta, start, end) per
-        # region) is not copied: the host may check the plan while this kernel runs (DeltaTable).
+        # region) is not copied: the host may check the plan while this kernel runs (RegionTable).
         run = tl.program_id(0)
         start = tl.program_id(1).to(tl.int64) * CHUNK
         n = tl.load(lengths + run * PER_RUN_LENGTH).to(tl.int64)   # one shared length when uniform
@@ -238,7 +238,7 @@ def _triton_kernel() -> Any:
 _UNBOUNDED = (0, (1 << 63) - 1)
 
 
-class DeltaTable:
+class RegionTable:
     """Per set of regions, on the device: ``mapped - advertised`` (mod 2**64) of each, so the kernel turns
     a peer's advertised address into the local mapping's address, and each region's advertised
     [start, end), so it copies no run outside its region (``bounded``: a table made without ``nbytes``
@@ -363,7 +363,7 @@ class BatchedCopier:
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._direct = True
         self._default_stream = torch.cuda.default_stream(device_id)
-        self._local = DeltaTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), device_id)
+        self._local = RegionTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), device_id)
         if self.method == "kernel":
             self._warm_up()
 
@@ -386,8 +386,8 @@ class BatchedCopier:
                 if not torch.equal(buf[32:44], buf[:12]):
                     raise TransferFailed("the copy kernel's warm-up copy came back wrong")
 
-    def copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: DeltaTable,
-             remote_src: bool, local_region: U32 | None = None, local: DeltaTable | None = None) -> torch.cuda.Event:
+    def copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: RegionTable,
+             remote_src: bool, local_region: U32 | None = None, local: RegionTable | None = None) -> torch.cuda.Event:
         """Enqueue the copies (the ``remote_src`` side's addresses are translated through ``peer``);
         returns an event recorded after them on the copier's stream. The kernel copies no run outside
         its regions of ``peer`` and ``local`` (``local_region``; without them local addresses are not
@@ -420,8 +420,8 @@ class BatchedCopier:
         """Whether a plan of ``runs`` runs goes through the kernel, which checks every run's bounds."""
         return self.method == "kernel" and runs > DIRECT_RUNS
 
-    def _run_kernel(self, dst: U64, src: U64, nbytes: U64, region: U32, peer: DeltaTable, remote_src: bool,
-                    local_region: U32, local: DeltaTable) -> None:
+    def _run_kernel(self, dst: U64, src: U64, nbytes: U64, region: U32, peer: RegionTable, remote_src: bool,
+                    local_region: U32, local: RegionTable) -> None:
         n = int(dst.size)
         longest = int(nbytes.max())
         pieces = -(-longest // CHUNK_BYTES)

@@ -2,7 +2,7 @@
 execute a whole plan as one kernel launch on a stream (see ``cuda_copy``).
 
 Connect maps the peer's regions once and uploads the table that translates its advertised addresses
-(``cuda_copy.DeltaTable``, which also bounds every run to its regions, so a large plan is checked
+(``cuda_copy.RegionTable``, which also bounds every run to its regions, so a large plan is checked
 while it copies); a post uploads the plan's arrays in one copy and launches. Completion is
 the copy's CUDA event. A copy that must tell the peer (``notify``) or someone (``add_done_callback``)
 is handed to a completion thread, which synchronises on its event and finishes it (callbacks such as
@@ -93,8 +93,8 @@ class CudaIpcTransport(Transport):
         self._default_stream = torch.cuda.default_stream(self._device_id)
         self._mappings = cuda_copy.IpcMappings(self._device_id)
         self._exports: list[list[Any]] = []
-        self._peer_tables: dict[str, Any] = {}   # peer -> cuda_copy.DeltaTable
-        self._local_table: Any = None            # cuda_copy.DeltaTable of the registered regions
+        self._peer_tables: dict[str, Any] = {}   # peer -> cuda_copy.RegionTable
+        self._local_table: Any = None            # cuda_copy.RegionTable of the registered regions
         self._zmq = zmq.Context()
         self._pull = self._zmq.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -123,7 +123,7 @@ class CudaIpcTransport(Transport):
                                      f"this backend moves device memory only")
         self._exports = [self._cuda.export_region(r.base_address, r.nbytes, r.device_id).to_wire() for r in regions]
         base = np.array([r.base_address for r in regions], dtype=np.uint64)
-        self._local_table = self._cuda.DeltaTable(base, base, self._device_id,
+        self._local_table = self._cuda.RegionTable(base, base, self._device_id,
                                                   np.array([r.nbytes for r in regions], dtype=np.uint64))
 
     def _backend_blob(self) -> bytes:
@@ -148,7 +148,7 @@ class CudaIpcTransport(Transport):
             except TransferFailed as exc:
                 raise PeerUnreachable(f"cuda_ipc {self.name!r}: cannot map region {i} of peer {peer!r}: {exc}") from exc
         advertised = np.array([r.base_address for r in md.regions], dtype=np.uint64)
-        self._peer_tables[peer] = self._cuda.DeltaTable(advertised, np.array(mapped, dtype=np.uint64), self._device_id,
+        self._peer_tables[peer] = self._cuda.RegionTable(advertised, np.array(mapped, dtype=np.uint64), self._device_id,
                                                         np.array([r.nbytes for r in md.regions], dtype=np.uint64))
         push = self._zmq.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
@@ -180,10 +180,7 @@ class CudaIpcTransport(Transport):
     # --- transfers ----------------------------------------------------------------------------
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
                       transfer_id: int) -> TransferHandle:
-        handle = self._launch(op, peer, plan, notify, transfer_id)
-        if notify is not None and isinstance(handle, _CopyHandle):   # the peer learns of it through the completion thread
-            handle.watch()
-        return handle
+        return self._notifying(self._launch(op, peer, plan, notify, transfer_id), notify)
 
     def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
                                transfer_id: int, check: Callable[[], None]) -> TransferHandle | None:
@@ -203,6 +200,12 @@ class CudaIpcTransport(Transport):
                     handle.event.synchronize()
             handle._finish(TransferStatus.FAILED, str(exc), TransferFailed)   # nobody gets this handle
             raise
+        return self._notifying(handle, notify)
+
+    @staticmethod
+    def _notifying(handle: TransferHandle, notify: bytes | None) -> TransferHandle:
+        """A copy with a notification is finished by the completion thread: the peer learns of the data
+        only through it."""
         if notify is not None and isinstance(handle, _CopyHandle):
             handle.watch()
         return handle
