@@ -230,6 +230,28 @@ def test_kernel_runs_longer_than_one_grid_row(kernel_copier: Any, monkeypatch: p
     _check_kernel(kernel_copier, sizes, 16, 0, 0, True, 5)
 
 
+def test_kernels_launch_through_the_driver(kernel_copier: Any) -> None:
+    """On the target GPU every kernel variant is launched by cuLaunchKernel with packed arguments (the
+    warm-up checked its copies); the kernel tests in this module then all run through that launch."""
+    _, copier = kernel_copier
+    assert copier.launcher == "driver", f"kernels launch through {copier.launcher!r}, not the driver"
+    assert copier._compiled and all(type(k).__name__ == "_DriverLaunch" for k in copier._compiled.values())
+
+
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_triton_launcher_fallback_lands_exactly(remote_src: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the driver library's entry points the compiled kernel's own (Triton) launcher runs the
+    same kernel: same bytes."""
+    cuda_copy = pytest.importorskip("kvxfer.transport.cuda_copy")
+    _copier()
+    monkeypatch.setattr(cuda_copy, "_libcuda", lambda: None)
+    monkeypatch.setattr(cuda_copy, "DIRECT_RUNS", 0)
+    copier = cuda_copy.BatchedCopier(0, "kernel")
+    assert copier.launcher == "triton"
+    sizes = np.array([3, 16, 4097, 32768 + 5, 3 << 20], np.int64)
+    _check_kernel((cuda_copy, copier), sizes, 16, 0, 0, remote_src, 9)
+
+
 @pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
 def test_few_runs_take_cuda_memcpy_and_land_exactly(remote_src: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Plans of at most DIRECT_RUNS runs skip the kernel (one cuMemcpyAsync each): same bytes, and the

@@ -22,6 +22,9 @@ GPU-only: importing this module without cuda-python raises BackendUnavailable.
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +39,8 @@ try:
     from cuda.bindings import driver as cu
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise BackendUnavailable(f"cuda-python (cuda.bindings) is not installed: {exc}") from exc
+
+log = logging.getLogger(__name__)
 
 U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
@@ -85,6 +90,25 @@ def make_current(device_id: int) -> None:
     check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     check(cu.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease")
     _current.device = device_id
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL | None:
+    """The driver library for the post path's few calls (a ctypes call costs ~1 us where a
+    cuda-python call or Triton's launcher costs several; all of them release the GIL). None when it
+    cannot be loaded or lacks a symbol: callers then use cuda-python and Triton's launcher."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        p, u, size = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+        for name, args in (("cuLaunchKernel", [p, u, u, u, u, u, u, u, p, p, p]),
+                           ("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, p, size, p]),
+                           ("cuMemcpyAsync", [ctypes.c_uint64, ctypes.c_uint64, size, p]),
+                           ("cuFuncGetParamInfo", [p, size, ctypes.POINTER(size), ctypes.POINTER(size)])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return lib
 
 
 # --- CUDA IPC handles ------------------------------------------------------------------------------
@@ -162,6 +186,65 @@ class _Pointer:
 
     def data_ptr(self) -> int:
         return self._addr
+
+
+#: Struct codes of the copy kernel's non-constexpr parameters, each in an 8-byte slot: seven table
+#: pointers, the two region counts (int32), two anchor pointers and the anchor address (int64).
+_KERNEL_PARAMS = ("Q",) * 7 + ("i4x", "i4x") + ("Q", "Q", "q")
+_PARAM_BYTES = tuple(4 if code.startswith("i") else 8 for code in _KERNEL_PARAMS)
+
+
+class _DriverLaunch:
+    """One compiled kernel variant launched straight through ``cuLaunchKernel``: its arguments are
+    packed into one preallocated buffer (``struct``), so a launch is two C calls (Triton's launcher
+    costs ~12 us back to back and 35-57 us in bench_gpu's loop on the H200, where caches are cold).
+    The parameter list is the driver's (``cuFuncGetParamInfo``): ours, then Triton's hidden scratch
+    pointers, passed as NULL; any other shape raises ValueError and Triton's launcher is used."""
+
+    name = "driver"
+
+    def __init__(self, compiled: Any, lib: ctypes.CDLL) -> None:
+        meta = compiled.metadata
+        for attr, ok in (("global_scratch_size", 0), ("profile_scratch_size", 0), ("num_ctas", 1)):
+            if getattr(meta, attr, ok) != ok:
+                raise ValueError(f"kernel metadata {attr}={getattr(meta, attr)!r}")
+        if getattr(compiled, "function", None) is None:
+            compiled._init_handles()
+        self._fn = ctypes.c_void_p(int(compiled.function))
+        sizes: list[int] = []
+        offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+        while len(sizes) < 64 and lib.cuFuncGetParamInfo(self._fn, len(sizes), ctypes.byref(offset),
+                                                         ctypes.byref(size)) == 0:
+            sizes.append(int(size.value))
+        mine = len(_KERNEL_PARAMS)
+        if tuple(sizes[:mine]) != _PARAM_BYTES or any(s != 8 for s in sizes[mine:]):
+            raise ValueError(f"kernel parameters of {sizes} bytes, expected {list(_PARAM_BYTES)} + hidden pointers")
+        self._buf = ctypes.create_string_buffer(8 * len(sizes))      # hidden pointers stay 0 (NULL)
+        base = ctypes.addressof(self._buf)
+        self._params = (ctypes.c_void_p * len(sizes))(*[base + 8 * i for i in range(len(sizes))])
+        self._pack = struct.Struct("<" + "".join(_KERNEL_PARAMS)).pack_into
+        self._launch = lib.cuLaunchKernel
+        self._threads = 32 * int(meta.num_warps)
+        self._shared = int(meta.shared)
+
+    def __call__(self, grid_x: int, grid_y: int, stream: int, args: tuple[int, ...]) -> None:
+        self._pack(self._buf, 0, *args)
+        rc = self._launch(self._fn, grid_x, grid_y, 1, self._threads, 1, 1, self._shared, stream, self._params, None)
+        if rc != 0:
+            raise TransferFailed(f"cuLaunchKernel of the copy kernel ({grid_x} x {grid_y} programs) failed: CUresult {rc}")
+
+
+class _TritonLaunch:
+    """One compiled kernel variant launched through Triton's own launcher (the compiled kernel's)."""
+
+    name = "triton"
+
+    def __init__(self, compiled: Any, constexprs: tuple[Any, ...]) -> None:
+        self._compiled = compiled
+        self._constexprs = constexprs
+
+    def __call__(self, grid_x: int, grid_y: int, stream: int, args: tuple[int, ...]) -> None:
+        self._compiled[(grid_x, grid_y, 1)](*args, *self._constexprs, stream=stream)
 
 
 def _triton_kernel() -> Any:
@@ -361,15 +444,30 @@ class BatchedCopier:
         self._anchor32 = _Pointer(int(self._anchor.data_ptr()), torch.int32)
         self._anchor_addr = int(self._anchor.data_ptr())
         self._compiled: dict[tuple[Any, ...], Any] = {}
-        self._direct = True
+        self._lib = _libcuda()
+        #: How kernels are launched: "driver" (cuLaunchKernel, packed arguments), "triton" (the compiled
+        #: kernel's launcher) or "jit" (Triton's JIT, when its compiled-kernel launcher differs).
+        self.launcher = "driver" if self._lib is not None else "triton"
         self._default_stream = torch.cuda.default_stream(device_id)
         self._local = RegionTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), device_id)
         if self.method == "kernel":
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Compile both kernel variants now (Triton compiles on first launch: ~0.5 s that would
-        otherwise land on the first transfer of a request)."""
+        """Compile the kernel variants now (Triton compiles on first launch: ~0.5 s that would otherwise
+        land on the first transfer of a request) and check their copies; a driver launch that copies
+        wrong falls back to Triton's launcher before any transfer uses it."""
+        try:
+            self._warm_up_variants()
+        except TransferFailed as exc:
+            if self.launcher != "driver":
+                raise
+            log.warning("cuda copy kernel: the driver launch failed its warm-up copy (%s); using Triton's launcher", exc)
+            self.launcher = "triton"
+            self._compiled.clear()
+            self._warm_up_variants()
+
+    def _warm_up_variants(self) -> None:
         buf = torch.arange(64, dtype=torch.int32, device=f"cuda:{self.device_id}")
         addr = int(buf.data_ptr())
         for remote_src in (False, True):
@@ -383,7 +481,9 @@ class BatchedCopier:
                                      np.zeros(count, np.uint32), self._local, remote_src,
                                      np.zeros(count, np.uint32), self._local)
                 self.stream.synchronize()
-                if not torch.equal(buf[32:44], buf[:12]):
+                want = torch.arange(64, dtype=torch.int32, device=buf.device)
+                want[32:44] = want[:12].clone()   # words 0-11 copied to 32-43, nothing else changed
+                if not torch.equal(buf, want):
                     raise TransferFailed("the copy kernel's warm-up copy came back wrong")
 
     def copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: RegionTable,
@@ -411,8 +511,7 @@ class BatchedCopier:
                     if self.method == "batch" and dst.size > DIRECT_RUNS:
                         self._run_batch(dst, src, nbytes)
                     else:
-                        for d, s, b in zip(dst.tolist(), src.tolist(), nbytes.tolist(), strict=True):
-                            check(cu.cuMemcpyAsync(d, s, b, self._stream_handle), "cuMemcpyAsync")
+                        self._run_memcpy(dst, src, nbytes)
             event.record(self.stream)
         return event
 
@@ -453,7 +552,12 @@ class BatchedCopier:
         np.copyto(stage[at_reg: at_reg + 4 * k_reg].view(np.uint32), region[:k_reg])
         np.copyto(stage[at_loc: size].view(np.uint32), local_region[:k_loc])
         table = self._table.address(size)
-        check(cu.cuMemcpyHtoDAsync(table, stage_addr, size, self._stream_handle), "cuMemcpyHtoDAsync")
+        if self._lib is not None:
+            rc = self._lib.cuMemcpyHtoDAsync_v2(table, stage_addr, size, self._stream_handle)
+            if rc != 0:
+                raise TransferFailed(f"cuMemcpyHtoDAsync of a {size}-byte plan table failed: CUresult {rc}")
+        else:
+            check(cu.cuMemcpyHtoDAsync(table, stage_addr, size, self._stream_handle), "cuMemcpyHtoDAsync")
         uploaded.record(self.stream)
         args = (table, table + at_dst, table + at_len, table + at_reg, table + at_loc, int(peer.device.data_ptr()),
                 int(local.device.data_ptr()), peer.count, local.count, self._anchor_addr, self._anchor_addr,
@@ -463,12 +567,12 @@ class BatchedCopier:
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile(key)
-        if self._direct:
+        if self.launcher != "jit":
             try:
-                launch[(n, pieces, 1)](*args, *key[:6], stream=self._stream_handle)
+                launch(n, pieces, self._stream_handle, args)
                 return
             except (TypeError, ValueError, AttributeError):
-                self._direct = False   # this Triton's compiled-kernel launcher differs: use the JIT's
+                self.launcher = "jit"   # this Triton's compiled-kernel launcher differs: use the JIT's
         with torch.cuda.stream(self.stream):
             self._kernel[(n, pieces)](  # type: ignore[index]
                 _Pointer(args[0], torch.int64), _Pointer(args[1], torch.int64), _Pointer(args[2], torch.int32),
@@ -479,8 +583,9 @@ class BatchedCopier:
 
     def _compile(self, key: tuple[Any, ...]) -> Any:
         """Compile one kernel variant through Triton's JIT once (on the copier's stream, a 1-program
-        launch that copies nothing) and keep the compiled kernel: later launches go straight to its
-        launcher with the copier's stream, without the JIT's per-launch argument binding."""
+        launch that copies nothing) and keep a launcher for it: ``cuLaunchKernel`` with packed
+        arguments where the driver's parameter list is the expected one, else the compiled kernel's
+        own launcher; neither pays the JIT's per-launch argument binding."""
         remote_src, per_len, per_reg, per_loc, chunk, block, warps = key
         zero = torch.zeros(4, dtype=torch.int64, device=f"cuda:{self.device_id}")
         z64, z32 = _Pointer(int(zero.data_ptr()), torch.int64), _Pointer(int(zero.data_ptr()), torch.int32)
@@ -491,8 +596,26 @@ class BatchedCopier:
                 REMOTE_SRC=remote_src, PER_RUN_LENGTH=per_len, PER_RUN_REGION=per_reg, PER_RUN_LOCAL=per_loc,
                 CHUNK=chunk, BLOCK=block, num_warps=warps)
         self.stream.synchronize()
-        self._compiled[key] = compiled
-        return compiled
+        launch: Any = _TritonLaunch(compiled, key[:6])
+        if self.launcher == "driver":
+            assert self._lib is not None
+            try:
+                launch = _DriverLaunch(compiled, self._lib)
+            except (ValueError, AttributeError, TypeError):
+                self.launcher = "triton"
+        self._compiled[key] = launch
+        return launch
+
+    def _run_memcpy(self, dst: U64, src: U64, nbytes: U64) -> None:
+        """One ``cuMemcpyAsync`` per run (plans of few runs, or no kernel and no batch API)."""
+        lib, stream = self._lib, self._stream_handle
+        for d, s, b in zip(dst.tolist(), src.tolist(), nbytes.tolist(), strict=True):
+            if lib is not None:
+                rc = lib.cuMemcpyAsync(d, s, b, stream)
+                if rc != 0:
+                    raise TransferFailed(f"cuMemcpyAsync({d:#x} <- {s:#x}, {b} bytes) failed: CUresult {rc}")
+            else:
+                check(cu.cuMemcpyAsync(d, s, b, stream), "cuMemcpyAsync")
 
     def _run_batch(self, dst: U64, src: U64, nbytes: U64) -> None:
         d = np.ascontiguousarray(dst, dtype=np.uint64)
