@@ -21,14 +21,13 @@ GPU-only: importing this module without cuda-python raises BackendUnavailable.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -104,75 +103,12 @@ def _libcuda() -> ctypes.CDLL | None:
         for name, args in (("cuLaunchKernel", [p, u, u, u, u, u, u, u, p, p, p]),
                            ("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, p, size, p]),
                            ("cuMemcpyAsync", [ctypes.c_uint64, ctypes.c_uint64, size, p]),
-                           ("cuFuncGetParamInfo", [p, size, ctypes.POINTER(size), ctypes.POINTER(size)]),
-                           ("cuEventCreate", [ctypes.POINTER(p), u]), ("cuEventRecord", [p, p]),
-                           ("cuEventQuery", [p]), ("cuEventSynchronize", [p]), ("cuEventDestroy_v2", [p]),
-                           ("cuStreamWaitEvent", [p, p, u])):
+                           ("cuFuncGetParamInfo", [p, size, ctypes.POINTER(size), ctypes.POINTER(size)])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
     except (OSError, AttributeError):
         return None
     return lib
-
-
-_CU_EVENT_DISABLE_TIMING = 2
-_CUDA_ERROR_INVALID_CONTEXT = 201
-_CUDA_ERROR_NOT_READY = 600
-
-
-class CopyEvent(Protocol):
-    """What a copy returns: completion of the work recorded before it (a torch or driver event)."""
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-class DriverEvent:
-    """A CUDA event (timing off) driven through the driver library: record, query and synchronize
-    cost a ctypes call each (a torch event's Python layer costs several microseconds per call, more
-    with cold caches). ``query``/``synchronize`` raise RuntimeError when the work before the event
-    failed, as torch's events do."""
-
-    __slots__ = ("_handle", "_lib", "device_id")
-
-    def __init__(self, lib: ctypes.CDLL, device_id: int) -> None:
-        make_current(device_id)
-        handle = ctypes.c_void_p()
-        rc = lib.cuEventCreate(ctypes.byref(handle), _CU_EVENT_DISABLE_TIMING)
-        if rc != 0:
-            raise TransferFailed(f"cuEventCreate failed: CUresult {rc}")
-        self._lib, self._handle, self.device_id = lib, handle, device_id
-
-    def record(self, stream: int) -> None:
-        """Record on the stream with this driver handle (0: the legacy default stream)."""
-        rc = self._lib.cuEventRecord(self._handle, stream)
-        if rc != 0:
-            raise TransferFailed(f"cuEventRecord failed: CUresult {rc}")
-
-    def _call(self, fn: Any) -> int:
-        rc = int(fn(self._handle))
-        if rc == _CUDA_ERROR_INVALID_CONTEXT:   # a thread that never made the device's context current
-            make_current(self.device_id)
-            rc = int(fn(self._handle))
-        return rc
-
-    def query(self) -> bool:
-        """Whether the work recorded before the event has completed."""
-        rc = self._call(self._lib.cuEventQuery)
-        if rc not in (0, _CUDA_ERROR_NOT_READY):
-            raise RuntimeError(f"CUDA event query failed: CUresult {rc}")
-        return rc == 0
-
-    def synchronize(self) -> None:
-        """Block (without the GIL) until the work recorded before the event has completed."""
-        rc = self._call(self._lib.cuEventSynchronize)
-        if rc != 0:
-            raise RuntimeError(f"CUDA event synchronize failed: CUresult {rc}")
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self._lib.cuEventDestroy_v2(self._handle)
 
 
 # --- CUDA IPC handles ------------------------------------------------------------------------------
@@ -419,8 +355,7 @@ class _Staging:
     #: memory (a millisecond each) on the post path.
     INITIAL_BYTES = 4 << 20
 
-    def __init__(self, new_event: Any, count: int = 4) -> None:
-        self._new_event = new_event
+    def __init__(self, count: int = 4) -> None:
         self._bufs = [self._alloc(self.INITIAL_BYTES) for _ in range(count)]
         self._count = count
         self._next = 0
@@ -436,10 +371,11 @@ class _Staging:
             tensor, view, event = self._bufs[i]
         return view, int(tensor.data_ptr()), event
 
-    def _alloc(self, nbytes: int) -> tuple[torch.Tensor, npt.NDArray[np.uint8], Any]:
+    @staticmethod
+    def _alloc(nbytes: int) -> tuple[torch.Tensor, npt.NDArray[np.uint8], Any]:
         size = max(1 << 16, 1 << (max(nbytes, 1) - 1).bit_length())
         tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        return tensor, tensor.numpy(), self._new_event()
+        return tensor, tensor.numpy(), torch.cuda.Event()  # type: ignore[no-untyped-call]
 
 
 class _DeviceTable:
@@ -499,21 +435,20 @@ class BatchedCopier:
         if method == "batch" and self._batch is None:
             raise BackendUnavailable("method='batch' needs cuMemcpyBatchAsync (CUDA driver >= 12.8)")
         self.method = "kernel" if self._kernel is not None else ("batch" if self._batch is not None else "loop")
-        self._lib = _libcuda()
         self._lock = threading.Lock()          # one post at a time owns the staging ring and table
-        self._default_stream = torch.cuda.default_stream(device_id)
-        self._default_handle = int(self._default_stream.cuda_stream)
-        self._staging = _Staging(self._new_event)
+        self._staging = _Staging()
         self._table = _DeviceTable(device_id, self.stream)
-        self._model_done: Any = self._new_event()
+        self._model_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._anchor = torch.empty(16, dtype=torch.int32, device=f"cuda:{device_id}")
         self._anchor8 = _Pointer(int(self._anchor.data_ptr()), torch.uint8)
         self._anchor32 = _Pointer(int(self._anchor.data_ptr()), torch.int32)
         self._anchor_addr = int(self._anchor.data_ptr())
         self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._lib = _libcuda()
         #: How kernels are launched: "driver" (cuLaunchKernel, packed arguments), "triton" (the compiled
         #: kernel's launcher) or "jit" (Triton's JIT, when its compiled-kernel launcher differs).
         self.launcher = "driver" if self._lib is not None else "triton"
+        self._default_stream = torch.cuda.default_stream(device_id)
         self._local = RegionTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), device_id)
         if self.method == "kernel":
             self._warm_up()
@@ -552,19 +487,17 @@ class BatchedCopier:
                     raise TransferFailed("the copy kernel's warm-up copy came back wrong")
 
     def copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: RegionTable,
-             remote_src: bool, local_region: U32 | None = None, local: RegionTable | None = None,
-             model_idle: bool = False) -> CopyEvent:
+             remote_src: bool, local_region: U32 | None = None, local: RegionTable | None = None) -> torch.cuda.Event:
         """Enqueue the copies (the ``remote_src`` side's addresses are translated through ``peer``);
         returns an event recorded after them on the copier's stream. The kernel copies no run outside
         its regions of ``peer`` and ``local`` (``local_region``; without them local addresses are not
-        bounded); the other methods copy whatever they are given (``bounds_on_device`` says which).
-        ``model_idle``: the caller saw the model's (default) stream idle since the plan's pages were
-        written, so the copy need not wait for it."""
+        bounded); the other methods copy whatever they are given (``bounds_on_device`` says which)."""
         make_current(self.device_id)
-        event = self._new_event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with self._lock:
-            if not model_idle:   # pages written by the model on the default stream must be complete
-                self._wait_for_model()
+            # Pages written by the model on the default stream must be complete before we read them.
+            self._model_done.record(self._default_stream)
+            self.stream.wait_event(self._model_done)  # type: ignore[no-untyped-call]
             if dst.size:
                 if self.bounds_on_device(int(dst.size)):
                     if local is None or local_region is None:
@@ -579,31 +512,8 @@ class BatchedCopier:
                         self._run_batch(dst, src, nbytes)
                     else:
                         self._run_memcpy(dst, src, nbytes)
-            self._record(event)
-        return event
-
-    def _new_event(self) -> CopyEvent:
-        return DriverEvent(self._lib, self.device_id) if self._lib is not None \
-            else torch.cuda.Event()  # type: ignore[no-untyped-call]
-
-    def _record(self, event: Any) -> None:
-        """Record ``event`` on the copier's stream."""
-        if self._lib is not None:
-            event.record(self._stream_handle)
-        else:
             event.record(self.stream)
-
-    def _wait_for_model(self) -> None:
-        """Make the copier's stream wait for the work queued so far on the model's (default) stream."""
-        done = self._model_done
-        if self._lib is None:
-            done.record(self._default_stream)
-            self.stream.wait_event(done)  # type: ignore[no-untyped-call]
-            return
-        done.record(self._default_handle)
-        rc = self._lib.cuStreamWaitEvent(self._stream_handle, done._handle, 0)
-        if rc != 0:
-            raise TransferFailed(f"cuStreamWaitEvent (copier waits for the model's stream) failed: CUresult {rc}")
+        return event
 
     def bounds_on_device(self, runs: int) -> bool:
         """Whether a plan of ``runs`` runs goes through the kernel, which checks every run's bounds."""
@@ -648,7 +558,7 @@ class BatchedCopier:
                 raise TransferFailed(f"cuMemcpyHtoDAsync of a {size}-byte plan table failed: CUresult {rc}")
         else:
             check(cu.cuMemcpyHtoDAsync(table, stage_addr, size, self._stream_handle), "cuMemcpyHtoDAsync")
-        self._record(uploaded)
+        uploaded.record(self.stream)
         args = (table, table + at_dst, table + at_len, table + at_reg, table + at_loc, int(peer.device.data_ptr()),
                 int(local.device.data_ptr()), peer.count, local.count, self._anchor_addr, self._anchor_addr,
                 self._anchor_addr)

@@ -221,7 +221,7 @@ class CudaIpcTransport(Transport):
         bounded = bool(self._default_stream.query())
         try:
             event = self._copier.copy(plan.dst.addr, plan.src.addr, plan.src.nbytes, remote.region, table,
-                                      op == "read", local.region, self._local_table, model_idle=bounded)
+                                      op == "read", local.region, self._local_table)
         except TransferFailed as exc:
             failed = TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=lambda h: False)
             failed._finish(TransferStatus.FAILED, str(exc), TransferFailed)
