@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -250,6 +251,37 @@ def test_triton_launcher_fallback_lands_exactly(remote_src: bool, monkeypatch: p
     assert copier.launcher == "triton"
     sizes = np.array([3, 16, 4097, 32768 + 5, 3 << 20], np.int64)
     _check_kernel((cuda_copy, copier), sizes, 16, 0, 0, remote_src, 9)
+
+
+@pytest.mark.parametrize("runs", [1, 64], ids=["memcpy", "kernel"])
+def test_copy_waits_for_the_models_stream(runs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages the model is still writing on the default stream are copied only after it has written them,
+    and the copy's event can be waited on from another thread."""
+    cuda_copy, copier = _copier()
+    monkeypatch.setattr(cuda_copy, "DIRECT_RUNS", 8)
+    page = 64 << 10
+    src = torch.zeros(runs * page, dtype=torch.uint8, device="cuda")
+    dst = torch.full_like(src, 0xA5)
+    base = np.array([dst.data_ptr()], np.uint64)
+    table = cuda_copy.RegionTable(base, base, 0)   # built now: its upload would wait for the model's stream
+    offsets = np.arange(runs, dtype=np.uint64)[::-1] * np.uint64(page)
+    torch.cuda.synchronize()
+    # Tens of milliseconds of GPU time on the default stream, then the model's write.
+    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+    src.fill_(7)
+    event = copier.copy(base + offsets, np.uint64(src.data_ptr()) + offsets[::-1], np.full(runs, page, np.uint64),
+                        np.zeros(runs, np.uint32), table, False)
+    assert event.query() is False          # still queued behind the model's work
+    seen: list[bool] = []
+
+    def wait() -> None:
+        event.synchronize()
+        seen.append(event.query())
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join(30)
+    assert seen == [True]
+    assert torch.equal(dst, torch.full_like(dst, 7)), "the copy read pages the model had not written yet"
 
 
 @pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
