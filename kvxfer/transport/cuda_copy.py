@@ -13,7 +13,10 @@ piece), so a 4 MiB run is spread over 128 programs like 128 runs of 32 KiB; runs
 the rest are cut on the host first (``TransferPlan.split``), so no program gets a long run while
 others idle. 16-byte aligned runs move as 16-byte vectors with ``BLOCK`` words per program in
 flight; any other run moves byte by byte (correct, slower; KV runs are 16-byte multiples).
-Without Triton the driver's ``cuMemcpyBatchAsync`` (CUDA >= 12.8) runs the plan, else one
+Triton compiles each kernel variant once; launches then go straight to ``cuLaunchKernel`` with
+the arguments packed into one buffer (``_DriverLaunch``; the compiled kernel's own launcher where the
+driver's parameter list is not the expected one). Without Triton the driver's ``cuMemcpyBatchAsync``
+(CUDA >= 12.8) runs the plan, else one
 ``cuMemcpyAsync`` per run; plans of at most ``DIRECT_RUNS`` runs (one KV block: latency, not
 bandwidth) always take one ``cuMemcpyAsync`` per run, which starts the GPU sooner than any launch.
 GPU-only: importing this module without cuda-python raises BackendUnavailable.
