@@ -450,7 +450,9 @@ class BatchedCopier:
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._lib = _libcuda()
         #: How kernels are launched: "driver" (cuLaunchKernel, packed arguments), "triton" (the compiled
-        #: kernel's launcher) or "jit" (Triton's JIT, when its compiled-kernel launcher differs).
+        #: kernel's launcher) or "jit" (Triton's JIT, when its compiled-kernel launcher differs). Once a
+        #: variant cannot take the driver launch, later variants use Triton's launcher too (variants
+        #: compiled before keep theirs).
         self.launcher = "driver" if self._lib is not None else "triton"
         self._default_stream = torch.cuda.default_stream(device_id)
         self._local = RegionTable(np.zeros(1, np.uint64), np.zeros(1, np.uint64), device_id)
