@@ -5,7 +5,7 @@ One run measures, with the same statistic (the median) in every column:
   "D2D wall": one ``copy_`` of each case's bytes timed as kvxfer is (host clock, launch to synchronize),
   back to back, and "D2D in place": the same ``copy_`` timed inside the same loop as every post (after
   the same poisoning, before the same verification: the other process's GPU work and cold host caches
-  cost it too, H200: 512 MiB back to back 275 us, in place 300-405 us);
+  cost it too, H200: 512 MiB back to back 266-282 us, in place 273-465 us);
 - torch: an in-process torch copy of the same whole slots (``dst[idx_d] = src[idx_s]``);
 - each kvxfer backend given (``--backends``), for identical layouts and TP 1->2, push and pull;
 - raw NIXL (``--raw-nixl``): NIXL's own agent in both processes, descriptor lists prepared once per
