@@ -17,7 +17,16 @@ from kvxfer.cache import CacheLayoutDesc, KVCacheManager
 from kvxfer.disagg.auth import AuthKey, digest, load_secret
 from kvxfer.disagg.control import ControlServer, PeerConnection, connect
 from kvxfer.disagg.handshake import ClientHandshake, LocalIdentity, PeerInfo, Refusal, ServerHandshake
-from kvxfer.disagg.messages import MESSAGE_SPECS, Field, Message, MessageSpec, decode, encode, register
+from kvxfer.disagg.messages import (
+    MESSAGE_SPECS,
+    PROTOCOL_VERSION,
+    Field,
+    Message,
+    MessageSpec,
+    decode,
+    encode,
+    register,
+)
 from kvxfer.errors import (
     AuthenticationError,
     ConfigError,
@@ -111,7 +120,7 @@ def test_handshake_and_messages_both_ways(server: ControlServer) -> None:
     assert (conn.peer.role, conn.peer.name, conn.peer.metadata) == ("prefill", "prefill-0", b"prefill-0-metadata")
     assert client.peer.layout == LAYOUT and conn.peer.layout is not None
     assert conn.peer.layout.fingerprint == other.fingerprint != LAYOUT.fingerprint
-    assert client.peer.version == conn.peer.version == 1
+    assert client.peer.version == conn.peer.version == PROTOCOL_VERSION
     client.send("test.echo", n=7, data=b"\x00" * 1000)
     got = conn.recv(3)
     assert (got.type, got["n"], got["data"]) == ("test.echo", 7, b"\x00" * 1000)
@@ -229,7 +238,7 @@ def test_unauthenticated_connections_get_nothing(server: ControlServer, ctx: zmq
 
 def test_version_too_old_is_refused_with_the_reason(server: ControlServer) -> None:
     with pytest.raises(HandshakeRefused, match=r"refused by the server \(version\): message.version: unsupported "
-                                               r"protocol version 0 \(this side speaks 1..1\)"):
+                                               rf"protocol version 0 \(this side speaks 1..{PROTOCOL_VERSION}\)"):
         connect(server.address, ident("prefill", "old"), SECRET, timeout=3, versions=(0, 0))
     assert server.peers == [] and server.num_pending == 0
 
@@ -372,7 +381,8 @@ def test_client_detects_a_silent_server(ctx: zmq.Context[zmq.Socket[bytes]]) -> 
 def test_decoder_names_the_bad_field() -> None:
     good = {"min_version": 1, "max_version": 1, "role": "prefill", "name": "p", "nonce": bytes(32)}
     cases = [
-        (msgpack.packb([2, "hello", good]), r"message\.version: unsupported protocol version 2"),
+        (msgpack.packb([PROTOCOL_VERSION + 1, "hello", good]),
+         rf"message\.version: unsupported protocol version {PROTOCOL_VERSION + 1}"),
         (msgpack.packb([True, "hello", good]), r"message\.version"),
         (msgpack.packb([1, "nope", {}]), r"message\.type: unknown message type 'nope'"),
         (msgpack.packb([1, "hello", {**good, "extra": 1}]), r"body: unexpected field 'extra'"),

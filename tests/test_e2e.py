@@ -18,7 +18,7 @@ import torch
 
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli import main as cli_main
-from kvxfer.disagg import LocalIdentity, PeerConnection, connect
+from kvxfer.disagg import PROTOCOL_VERSION, LocalIdentity, PeerConnection, connect
 from kvxfer.disagg.oracle import DEFAULT_POSITIONS, KVOracle
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import ClientResult
@@ -160,7 +160,8 @@ def test_refused_handshakes_fail_fast_with_the_reason(prefill: PrefillWorker) ->
     with pytest.raises(HandshakeRefused, match=r"incompatible layout.*head_dim"):
         DecodeWorker(WorkerConfig(name("decode"), model=other), SECRET, prefill=prefill.address)
     with pytest.raises(HandshakeRefused, match="version"):
-        DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address, versions=(2, 2))
+        DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address,
+                     versions=(PROTOCOL_VERSION + 1, PROTOCOL_VERSION + 1))
     assert time.monotonic() - t0 < 10
     assert_idle(prefill)
 

@@ -4,13 +4,18 @@ started with ``kvxfer serve prefill``, a decode worker in this process, over a U
 
 Every request uses a fresh random prompt (no prefix hit anywhere) and one output token, so TTFT is
 prompt -> KV computed -> KV moved -> first token on decode. Figures are medians over ``--iters``.
-"after prefill" is arrival minus prefill's compute, split into the transfer (post to completion, as
-prefill measured it), "verify" (with ``--checksum``: decode's check) and "control" (the rest), which is
-split again into "request" (decode: submit to ``kv_request`` sent; the prompt goes before decode
-allocates its destination blocks, so that allocation, column "alloc", overlaps prefill's compute),
-"queued" (prefill: request arrival to its compute starting: source blocks allocated, hand-off to the
-compute thread), "post" (prefill: compute end to the transfer posted: hand-off, planning) and "messages"
-(what is left: control messages both ways, the completion notification, engine wake-ups). TTFT ends at
+"after prefill" is the time from the end of prefill's compute to the KV in place (and verified) on decode,
+read from prefill's clock (``kv_posted``, push) and decode's: both run on this host. It splits into
+"post" (prefill: compute end to the last write posted: hand-off, planning), "landing" (the last post to
+decode seeing the data in place: the copy, the transport's notification, decode's wake-up; also the
+"transfer" column, and its GB/s) and "verify" (with ``--checksum``: decode's check). Where prefill's clock
+is not reported (pull), "after prefill" falls back to "overhead". "overhead" is TTFT minus prefill's
+compute: everything that is not the model, before its compute as well as after, split into "request"
+(decode: submit to ``kv_request`` sent; the prompt goes before decode allocates its destination blocks,
+so that allocation, column "alloc", overlaps prefill's compute), "queued" (prefill: request arrival to
+its compute starting: source blocks allocated, hand-off to the compute thread), "post", the transfer as
+decode measured it (push: from prefill's ``kv_posted`` to the data in place), "verify" and "messages"
+(what is left: control messages, the completion notification, engine wake-ups). TTFT ends at
 arrival (the first token, prefill's, is known and its KV in place and verified: a streaming server sends
 it then); "commit" (decode entering the prompt's blocks into its prefix tree) follows it, as the
 one-process baseline's commit would follow its first token (the baseline does not commit).
@@ -146,6 +151,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
             tolerance = TOLERANCE.get(cfg.dtype, 3e-2)
             for n in lengths:
                 d_ttft, d_arrival, d_xfer, d_prefill, d_tail, d_verify, s_ttft, nbytes = [], [], [], [], [], [], [], 0
+                d_after, d_landing = [], []   # from the two processes' clocks (push, protocol 2)
                 stages: dict[str, list[float]] = {k: [] for k in ("request", "queued", "post", "messages", "commit",
                                                                   "allocate")}
                 failed, worst = 0, 0.0
@@ -170,6 +176,11 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                     d_prefill.append(res.prefill_s)
                     d_tail.append(res.arrival_s - res.prefill_s)
                     d_verify.append(res.verify_s)
+                    if res.prefill_computed_at > 0:
+                        d_after.append(res.arrived_at - res.prefill_computed_at)
+                        # layer-wise: the last write may go before the compute's end (the logits)
+                        d_landing.append(res.arrived_at - max(res.prefill_posted_at, res.prefill_computed_at)
+                                         - res.verify_s)
                     stages["request"].append(res.request_s)
                     stages["queued"].append(res.queued_s)
                     stages["post"].append(res.post_s)
@@ -178,8 +189,10 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                     stages["allocate"].append(res.allocate_s)
                     nbytes = res.bytes_moved
                     s_ttft.append(s_took)
-                xfer = statistics.median(d_xfer)
-                tail_ms = statistics.median(d_tail) * 1e3
+                exact = len(d_after) == iters
+                xfer = statistics.median(d_landing if exact else d_xfer)
+                overhead_ms = statistics.median(d_tail) * 1e3
+                tail_ms = statistics.median(d_after) * 1e3 if exact else overhead_ms
                 verify_ms = statistics.median(d_verify) * 1e3
                 goal_ms = 1.0 + nbytes / (0.8 * d2d) * 1e3 if d2d else None
                 rows.append({"prompt_tokens": n, "kv_bytes": nbytes, "single_ttft_ms": statistics.median(s_ttft) * 1e3,
@@ -187,7 +200,9 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                              "prefill_compute_ms": statistics.median(d_prefill) * 1e3,
                              "arrival_ms": statistics.median(d_arrival) * 1e3, "transfer_ms": xfer * 1e3,
                              "transfer_gbps": nbytes / xfer / 1e9 if xfer > 0 else 0.0,
-                             "after_prefill_ms": tail_ms, "verify_ms": verify_ms,
+                             "after_prefill_ms": tail_ms, "after_prefill_from": "clocks" if exact else "overhead",
+                             "landing_ms": statistics.median(d_landing) * 1e3 if exact else None,
+                             "overhead_ms": overhead_ms, "verify_ms": verify_ms,
                              "control_ms": statistics.median(t - x - v for t, x, v in zip(d_tail, d_xfer, d_verify,
                                                                                           strict=True)) * 1e3,
                              **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in stages.items()},
@@ -210,9 +225,9 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
 
 
 HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'ratio':>6} {'prefill ms':>11} "
-          f"{'arrival ms':>11} {'transfer ms':>12} {'GB/s':>7} {'after prefill ms':>17} {'control ms':>11} "
-          f"{'request':>8} {'queued':>7} {'post':>7} {'messages':>9} {'verify ms':>10} {'commit ms':>10} "
-          f"{'alloc ms':>9} {'goal ms':>8} KV check")
+          f"{'arrival ms':>11} {'after prefill ms':>17} {'post':>7} {'transfer ms':>12} {'GB/s':>7} {'verify ms':>10} "
+          f"{'goal ms':>8} {'overhead ms':>12} {'request':>8} {'queued':>7} {'messages':>9} {'commit ms':>10} "
+          f"{'alloc ms':>9} KV check")
 
 
 def format_row(r: dict[str, Any]) -> str:
@@ -221,11 +236,12 @@ def format_row(r: dict[str, Any]) -> str:
     return (f"{r['prompt_tokens']:>7} {r['kv_bytes'] / 2**20:>7.2f} {r['single_ttft_ms']:>15.1f} "
             f"{r['disagg_ttft_ms']:>15.1f} {r['disagg_ttft_ms'] / r['single_ttft_ms']:>6.3f} "
             f"{r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
-            f"{r['transfer_ms']:>12.2f} {r['transfer_gbps']:>7.1f} {r.get('after_prefill_ms', 0.0):>17.2f} "
-            f"{r.get('control_ms', 0.0):>11.2f} {r.get('request_ms', 0.0):>8.2f} {r.get('queued_ms', 0.0):>7.2f} "
-            f"{r.get('post_ms', 0.0):>7.2f} {r.get('messages_ms', 0.0):>9.2f} {r.get('verify_ms', 0.0):>10.2f} "
-            f"{r.get('commit_ms', 0.0):>10.2f} {r.get('allocate_ms', 0.0):>9.2f} "
-            f"{'-' if goal is None else f'{goal:.2f}':>8} {'ok' if r.get('verified', True) else 'MISMATCH'}"
+            f"{r.get('after_prefill_ms', 0.0):>16.2f}{'' if r.get('after_prefill_from') == 'clocks' else '*'} "
+            f"{r.get('post_ms', 0.0):>7.2f} {r['transfer_ms']:>12.2f} {r['transfer_gbps']:>7.1f} "
+            f"{r.get('verify_ms', 0.0):>10.2f} {'-' if goal is None else f'{goal:.2f}':>8} "
+            f"{r.get('overhead_ms', 0.0):>12.2f} {r.get('request_ms', 0.0):>8.2f} {r.get('queued_ms', 0.0):>7.2f} "
+            f"{r.get('messages_ms', 0.0):>9.2f} {r.get('commit_ms', 0.0):>10.2f} {r.get('allocate_ms', 0.0):>9.2f} "
+            f"{'ok' if r.get('verified', True) else 'MISMATCH'}"
             f" {r.get('kv_max_error', 0.0):.0e}")
 
 
@@ -235,7 +251,7 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"kvxfer bench e2e: model {result['model']} on {result.get('device', 'cpu')}{d2d}, "
           f"{result['backend']} {result['mode']}"
           f"{' layer-wise' if result['layerwise'] else ''}, chunk {result['chunk_size']}, median of {result['iters']}, "
-          f"checksum {result.get('checksum', 'off')}")
+          f"checksum {result.get('checksum', 'off')}; * after prefill = overhead (prefill reported no clock)")
     print(HEADER)
     for r in result["rows"]:
         print(format_row(r))

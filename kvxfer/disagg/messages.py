@@ -19,7 +19,8 @@ import msgpack
 
 from kvxfer.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+#: 2 adds ``kv_posted`` (push: decode learns the first token while the writes are in flight).
+PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
 MAX_MESSAGE_BYTES = 64 << 20

@@ -116,7 +116,9 @@ class GenerationResult:
     layerwise: bool
     prefill_s: float
     transfer_s: float
-    """Data movement: prefill's first post to its last completion (push), or decode's read (pull)."""
+    """Data movement: prefill's first post to its last completion (push, when its ``kv_pushed`` came first),
+    decode's wait from prefill's ``kv_posted`` to the data in place (push, protocol 2: the KV is taken
+    before prefill confirms; 0 when the data landed first), or decode's read (pull)."""
     arrival_s: float
     """Submit -> the KV is in decode's pages."""
     ttft_s: float
@@ -144,6 +146,13 @@ class GenerationResult:
     allocate_s: float = 0.0
     """Decode allocating the destination blocks (prefix match, eviction) after ``kv_request`` went out:
     it overlaps prefill's queue and compute, so it is no part of the sum above."""
+    arrived_at: float = 0.0
+    """Decode's monotonic clock when the KV was in place."""
+    prefill_computed_at: float = 0.0
+    """Prefill's monotonic clock at the end of its compute (push, protocol 2; else 0): with
+    ``arrived_at``, the exact time after prefill's compute, but only when both run on one host."""
+    prefill_posted_at: float = 0.0
+    """Prefill's monotonic clock when its last write was posted (as ``prefill_computed_at``)."""
 
     def stats(self) -> dict[str, int | float | str]:
         """The figures of this result without the tokens (what ``generated.stats`` carries)."""
@@ -199,6 +208,8 @@ class _Job:
     parts: set[int] = field(default_factory=set)
     read: TransferHandle | None = None
     read_posted: float = 0.0
+    posted_seen: float = 0.0
+    """When prefill's ``kv_posted`` came (push, protocol 2)."""
     requested: float = 0.0
     """When ``kv_request`` was sent."""
     allocated: float = 0.0
@@ -763,8 +774,11 @@ class DecodeWorker(WorkerCounts):
             if msg.type == "kv_pull":
                 self._send_on(conn, "kv_release", request_id=rid)
             return
-        if msg.type == "kv_pushed":
-            job.pushed = msg
+        if msg.type == "kv_posted":
+            if job.pushed is None:
+                job.pushed, job.posted_seen = msg, now()
+        elif msg.type == "kv_pushed":
+            job.pushed = msg   # replaces kv_posted: the same fields, and prefill's transfer time
         elif msg.type == "kv_pull":
             job.pushed = msg
             src_ids = decode_block_ids(msg["blocks"], len(job.src_layouts), "kv_pull.blocks")
@@ -823,8 +837,11 @@ class DecodeWorker(WorkerCounts):
                     self._send(job, "kv_release", request_id=job.request_id)
                     self._fail(job, TransferFailed(f"read of request {job.request_id}: {job.read.reason}"))
                     continue
-            elif job.pushed is not None and job.pushed.type == "kv_pushed" and len(job.parts) >= job.pushed["parts"]:
-                self._arrived(job, float(job.pushed["transfer_s"]))
+            elif job.pushed is not None and job.pushed.type in ("kv_posted", "kv_pushed") \
+                    and len(job.parts) >= job.pushed["parts"]:
+                # kv_posted: prefill has not seen its writes complete yet; the notifications say they landed.
+                self._arrived(job, float(job.pushed["transfer_s"]) if job.pushed.type == "kv_pushed"
+                              else max(0.0, now() - job.posted_seen))
                 continue
             if t >= job.deadline:
                 self._fail(job, TransferTimeout(self._late(job)))
@@ -849,8 +866,8 @@ class DecodeWorker(WorkerCounts):
     def _late(self, job: _Job) -> str:
         """What is missing when a request's deadline passes."""
         what = f"request {job.request_id}: KV did not arrive within {self.config.deadline_s} s"
-        if job.pushed is not None and job.pushed.type == "kv_pushed":
-            return (f"{what}: prefill reported kv_pushed but only {len(job.parts)} of {job.pushed['parts']} "
+        if job.pushed is not None and job.pushed.type in ("kv_posted", "kv_pushed"):
+            return (f"{what}: prefill reported {job.pushed.type} but only {len(job.parts)} of {job.pushed['parts']} "
                     f"transfer notifications arrived")
         if job.read is not None:
             return f"{what}: decode's read from prefill did not complete"
@@ -912,7 +929,7 @@ class DecodeWorker(WorkerCounts):
             self._close_caches(job)
             self._resolve_error(job, exc)
             return
-        nbytes = int(job.pushed["nbytes"]) if job.pushed.type == "kv_pushed" else \
+        nbytes = int(job.pushed["nbytes"]) if job.pushed.type in ("kv_posted", "kv_pushed") else \
             (job.read.nbytes if job.read is not None else 0)
         prefill_s, request_s = float(job.pushed["prefill_s"]), job.requested - job.submitted
         queued_s, post_s, arrival_s = float(job.pushed["queued_s"]), float(job.pushed["post_s"]), arrived - job.submitted
@@ -922,7 +939,10 @@ class DecodeWorker(WorkerCounts):
                                       job.prefill.address if job.prefill is not None else "",
                                       request_s, queued_s, post_s, commit_s,
                                       max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s
-                                          - verify_s), allocate_s=job.allocated - job.requested)
+                                          - verify_s), allocate_s=job.allocated - job.requested,
+                                      arrived_at=arrived,
+                                      prefill_computed_at=float(job.pushed.body.get("computed_at", 0.0)),
+                                      prefill_posted_at=float(job.pushed.body.get("posted_at", 0.0)))
         model, max_new = self.model, job.max_new_tokens
 
         def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)

@@ -116,6 +116,10 @@ class _Job:
     waiting_layers: list[int] = field(default_factory=list)
     """Layer-wise push: groups computed before decode's ``kv_blocks`` came (by their last layer)."""
     parts: int = 0
+    announced: bool = False
+    """Push, protocol 2: ``kv_posted`` went to decode (every write posted, the first token known)."""
+    digest: bytes | None = None
+    """The digest of the source pages, once taken (``kv_posted`` and ``kv_pushed`` carry the same)."""
     started: float = field(default_factory=now)
     """When the request arrived: a process stall after this may have made decode give its blocks away."""
 
@@ -424,6 +428,8 @@ class PrefillWorker(WorkerCounts):
             handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        self._announce(job)
 
     def _computed(self, job: _Job, result: tuple[int, float] | None, error: BaseException | None) -> None:
         """The compute thread is done with the request's pages: free them if the request ended meanwhile,
@@ -446,6 +452,7 @@ class PrefillWorker(WorkerCounts):
         self.engine.wake()   # layer-wise writes that already finished: the tick reports them now
         if job.dst_ids is not None:   # else decode's kv_blocks posts it
             self._send_kv(job)
+            self._announce(job)   # layer-wise: every write may have been posted during the compute
 
     def _send_kv(self, job: _Job) -> None:
         """The request is computed and decode's destinations are known: pull: tell decode where to read;
@@ -473,6 +480,30 @@ class PrefillWorker(WorkerCounts):
                 handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        self._announce(job)
+
+    def _announce(self, job: _Job) -> None:
+        """Push: once every write is posted and the first token is known, tell decode (``kv_posted``,
+        protocol 2) while the data moves: decode then takes the KV when the transport's notifications say
+        it landed, without waiting for this side to see its writes complete and send ``kv_pushed`` (a
+        hop through both engines and both control threads, ~1-2 ms). The digest is taken here, after the
+        posts, so it overlaps the copy."""
+        expected = len(job.groups) if job.groups else 1
+        if job.announced or job.mode != "push" or job.first_token < 0 or len(job.handles) < expected \
+                or job.conn.peer.version < 2 or job.session.terminal:
+            return
+        job.announced = True
+        try:
+            digest = self._job_digest(job)
+        except KvxferError as exc:
+            self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
+            return
+        queued_s, post_s = self._stages(job, job.last_posted)
+        self._send(job.conn, "kv_posted", urgent=True, request_id=job.request_id, first_token=job.first_token,
+                   parts=len(job.handles), nbytes=sum(h.nbytes for h in job.handles),
+                   reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest, queued_s=queued_s,
+                   post_s=post_s, computed_at=job.compute_started + job.prefill_s, posted_at=job.last_posted)
 
     def _source_ids(self, job: _Job) -> BlockIdMaps:
         """The block ids the request's transfers read: taken (and pinned on every rank) at the first post;
@@ -544,6 +575,12 @@ class PrefillWorker(WorkerCounts):
         nxt = self.leases.next_deadline()
         return 1.0 if nxt is None else max(0.0, nxt - now())
 
+    def _job_digest(self, job: _Job) -> bytes:
+        """``_digest`` of a push, taken once (the pages are final and pinned by then)."""
+        if job.digest is None:
+            job.digest = self._digest(job)
+        return job.digest
+
     def _digest(self, job: _Job) -> bytes:
         """The position-keyed digest of the pages the request's transfers read (pinned), over the tokens
         decode asked for (empty when decode asked for no checksum)."""
@@ -557,7 +594,7 @@ class PrefillWorker(WorkerCounts):
         nbytes = sum(h.nbytes for h in job.handles)
         if transfer_s is not None:
             try:
-                digest = self._digest(job)
+                digest = self._job_digest(job)
             except KvxferError as exc:
                 self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
                 return

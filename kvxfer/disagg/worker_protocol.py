@@ -3,8 +3,10 @@
 Decode <-> prefill, after the authenticated handshake (see docs/disagg.md):
 ``kv_ranks`` (both ways, once: every tensor-parallel rank's layout), ``kv_request`` (decode asks for a
 request's KV: the prompt, so prefill starts computing at once), ``kv_blocks`` (right after, once decode
-allocated them: which tokens decode already holds and where the rest must go), ``kv_pushed`` (push:
-the pages are written), ``kv_pull`` (pull: where to read them from), ``kv_release`` (pull: read done),
+allocated them: which tokens decode already holds and where the rest must go), ``kv_posted`` (push,
+protocol 2: every write is posted; the first token and what decode checks at arrival, sent while the data
+moves, so that decode takes the KV as soon as the transport's notifications say it landed), ``kv_pushed``
+(push: the pages are written, prefill reads them no more: what frees a cancelled request's blocks), ``kv_pull`` (pull: where to read them from), ``kv_release`` (pull: read done),
 ``lease_renew``, ``kv_cancel``, ``kv_failed``. Client <-> decode: ``generate``, ``generate_cancel``,
 ``generated``, ``generate_failed`` (``generate.return_kv`` > 0 asks for the committed prompt KV of that
 many positions in ``generated.kv``: the KV oracle's input, see ``kvxfer.disagg.oracle``). Any authenticated peer (clients included, on both workers):
@@ -67,6 +69,17 @@ KV_PUSHED = register(MessageSpec("kv_pushed", (
     Field("transfer_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
     Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
     *_STAGES,
+)))
+#: ``kv_pushed`` without the transfer time (unknown when sent), plus prefill's clock readings at its
+#: compute's end and at the last post: monotonic seconds, comparable with decode's clock only when both
+#: run on one host (``kvxfer bench e2e`` then splits "after prefill" exactly; decode never relies on them).
+KV_POSTED = register(MessageSpec("kv_posted", (
+    _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("parts", "int", hi=1 << 16),
+    Field("nbytes", "int"), Field("reused_tokens", "int", hi=MAX_PROMPT_TOKENS),
+    Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
+    Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
+    *_STAGES,
+    Field("computed_at", "float", lo=0.0, hi=1e15), Field("posted_at", "float", lo=0.0, hi=1e15),
 )))
 KV_PULL = register(MessageSpec("kv_pull", (
     _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),

@@ -87,7 +87,7 @@ def test_an_unexpected_error_in_an_engine_handler_fails_the_requests_and_marks_t
         real = decode._on_prefill
 
         def buggy(conn: Any, msg: Any) -> None:
-            if msg.type == "kv_pushed":
+            if msg.type in ("kv_posted", "kv_pushed"):   # protocol 2 sends kv_posted first
                 raise RuntimeError("injected bug in a message handler")
             real(conn, msg)
         monkeypatch.setattr(decode, "_on_prefill", buggy)

@@ -218,7 +218,8 @@ def test_late_completion_within_the_deadline_succeeds_and_past_it_fails() -> Non
         requests = three()
         futures = submit_all(decode, requests)
         assert_survivors(futures, requests, ())
-        assert all(f.result().transfer_s >= 0.3 for f in futures.values())   # the delay did apply
+        # The delay did apply: the KV arrived at least 0.3 s after prefill's compute ended.
+        assert all(f.result().arrival_s - f.result().prefill_s >= 0.3 for f in futures.values())
         assert_settled(prefill, decode)
 
         faults.delay_s = 5.0
@@ -434,3 +435,50 @@ def test_no_notification_is_left_pending_after_requests(mode: str) -> None:
         assert_settled(prefill, decode)
         for worker in (prefill, decode):
             assert worker.engine.call(worker.transport.notifications, 10.0) == {}, worker.config.name
+
+
+# --- 7. protocol 2: decode takes the KV when it landed, not when prefill confirms --------------------
+def record_sends(prefill: PrefillWorker, withhold: frozenset[str] = frozenset()) -> list[str]:
+    """The types of every message prefill sends from now on; those in ``withhold`` are dropped."""
+    sent: list[str] = []
+    real = prefill._send
+
+    def send(conn: Any, type: str, **body: Any) -> None:
+        sent.append(type)
+        if type not in withhold:
+            real(conn, type, **body)
+    prefill._send = send  # type: ignore[method-assign]
+    return sent
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["push", "push-layerwise"])
+def test_decode_takes_the_kv_when_it_landed_without_kv_pushed(layerwise: bool) -> None:
+    """With ``kv_pushed`` withheld, every request still completes, exactly: ``kv_posted`` (sent while the
+    writes are in flight) plus the transport's notifications are what decode waits for. (Mutation: decode
+    ignoring ``kv_posted`` times every request out.)"""
+    with pair(layerwise=layerwise, deadline_s=5.0) as (prefill, decode):
+        sent = record_sends(prefill, frozenset({"kv_pushed"}))
+        requests = three()
+        futures = submit_all(decode, requests)
+        assert_survivors(futures, requests, ())
+        wait_for("prefill to see its writes complete", lambda: sent.count("kv_pushed") == 3)
+        assert sent.count("kv_posted") == 3
+        for fut in futures.values():   # one process: the two clocks are one
+            r = fut.result()
+            # layer-wise: the last write may be posted before the compute (the logits) ends
+            assert 0 < r.prefill_computed_at <= r.arrived_at and 0 < r.prefill_posted_at <= r.arrived_at
+            assert r.arrived_at - r.prefill_computed_at <= r.arrival_s - r.prefill_s + 1e-3
+        assert_settled(prefill, decode)
+
+
+def test_a_protocol_1_decode_gets_no_kv_posted_and_waits_for_kv_pushed() -> None:
+    with PrefillWorker(WorkerConfig(name("prefill"), num_blocks=256), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), num_blocks=256), SECRET, prefill=prefill.address,
+                         versions=(1, 1)) as decode:
+        sent = record_sends(prefill)
+        tokens = prompt(7, 40)
+        res = decode.generate(tokens, NEW, timeout=30, return_kv=KV)
+        assert_matches_reference(res, tokens, NEW)
+        assert "kv_posted" not in sent and "kv_pushed" in sent
+        assert res.prefill_computed_at == 0.0 and res.arrived_at > 0
+        assert_settled(prefill, decode)
