@@ -64,7 +64,7 @@ from kvxfer.disagg.oracle import (
     read_prompt_kv,
 )
 from kvxfer.disagg.worker import WorkerConfig
-from kvxfer.disagg.worker_decode import DecodeWorker
+from kvxfer.disagg.worker_decode import DecodeWorker, one_host_landing_s
 from kvxfer.errors import ConfigError
 from kvxfer.model import PRESETS, ReferenceModel, greedy, preset
 from kvxfer.transport import best_backend
@@ -176,11 +176,10 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                     d_prefill.append(res.prefill_s)
                     d_tail.append(res.arrival_s - res.prefill_s)
                     d_verify.append(res.verify_s)
-                    if res.prefill_computed_at > 0:
+                    landing = one_host_landing_s(res.stats())   # both processes run on this host
+                    if landing is not None:
                         d_after.append(res.arrived_at - res.prefill_computed_at)
-                        # layer-wise: the last write may go before the compute's end (the logits)
-                        d_landing.append(res.arrived_at - max(res.prefill_posted_at, res.prefill_computed_at)
-                                         - res.verify_s)
+                        d_landing.append(landing)
                     stages["request"].append(res.request_s)
                     stages["queued"].append(res.queued_s)
                     stages["post"].append(res.post_s)

@@ -29,7 +29,7 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -116,9 +116,10 @@ class GenerationResult:
     layerwise: bool
     prefill_s: float
     transfer_s: float
-    """Data movement: prefill's first post to its last completion (push, when its ``kv_pushed`` came first),
-    decode's wait from prefill's ``kv_posted`` to the data in place (push, protocol 2: the KV is taken
-    before prefill confirms; 0 when the data landed first), or decode's read (pull)."""
+    """Data movement: prefill's first post to its last completion (push: from its ``kv_pushed``, which
+    comes after the KV was taken at ``kv_posted`` and before the last token, unless the generation ends
+    first: then decode's wait from ``kv_posted`` to the data in place, 0 when the data landed first), or
+    decode's read (pull)."""
     arrival_s: float
     """Submit -> the KV is in decode's pages."""
     ttft_s: float
@@ -157,6 +158,18 @@ class GenerationResult:
     def stats(self) -> dict[str, int | float | str]:
         """The figures of this result without the tokens (what ``generated.stats`` carries)."""
         return {k: v for k, v in asdict(self).items() if k not in ("tokens", "request_id", "prompt_kv")}
+
+
+def one_host_landing_s(stats: Mapping[str, Any]) -> float | None:
+    """Prefill's last post (or its compute's end, when later: layer-wise) -> the KV in place on decode,
+    less decode's check, from a result's ``stats()``: prefill's clock readings against decode's, so valid
+    only when both ran on one host (benchmarks, the demo). None when prefill reported no clock (pull,
+    protocol 1)."""
+    computed = float(stats.get("prefill_computed_at", 0.0))
+    if computed <= 0:
+        return None
+    posted = max(float(stats.get("prefill_posted_at", 0.0)), computed)
+    return max(0.0, float(stats.get("arrived_at", 0.0)) - posted - float(stats.get("verify_s", 0.0)))
 
 
 @dataclass(eq=False)
@@ -210,6 +223,8 @@ class _Job:
     read_posted: float = 0.0
     posted_seen: float = 0.0
     """When prefill's ``kv_posted`` came (push, protocol 2)."""
+    prefill_clock: tuple[float, float] = (0.0, 0.0)
+    """``kv_posted``'s clock readings (compute end, last post): kept when ``kv_pushed`` replaces it."""
     requested: float = 0.0
     """When ``kv_request`` was sent."""
     allocated: float = 0.0
@@ -769,6 +784,11 @@ class DecodeWorker(WorkerCounts):
             elif msg.type == "kv_pull":
                 self._send_on(conn, "kv_release", request_id=rid)
             return
+        generating = self._generating.get(rid)
+        if msg.type == "kv_pushed" and generating is not None and generating.conn is conn \
+                and generating.result is not None:   # taken at kv_posted: prefill's copy time, for the result
+            generating.result = replace(generating.result, transfer_s=float(msg["transfer_s"]))
+            return
         job = self._jobs.get(rid)
         if job is None or job.conn is not conn or job.session.state is not SessionState.TRANSFERRING:
             if msg.type == "kv_pull":
@@ -777,6 +797,7 @@ class DecodeWorker(WorkerCounts):
         if msg.type == "kv_posted":
             if job.pushed is None:
                 job.pushed, job.posted_seen = msg, now()
+                job.prefill_clock = (float(msg["computed_at"]), float(msg["posted_at"]))
         elif msg.type == "kv_pushed":
             job.pushed = msg   # replaces kv_posted: the same fields, and prefill's transfer time
         elif msg.type == "kv_pull":
@@ -941,8 +962,7 @@ class DecodeWorker(WorkerCounts):
                                       max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s
                                           - verify_s), allocate_s=job.allocated - job.requested,
                                       arrived_at=arrived,
-                                      prefill_computed_at=float(job.pushed.body.get("computed_at", 0.0)),
-                                      prefill_posted_at=float(job.pushed.body.get("posted_at", 0.0)))
+                                      prefill_computed_at=job.prefill_clock[0], prefill_posted_at=job.prefill_clock[1])
         model, max_new = self.model, job.max_new_tokens
 
         def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)

@@ -74,6 +74,7 @@ from kvxfer.errors import (
     WorkerUnhealthy,
 )
 from kvxfer.model import Model, greedy
+from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import TransferHandle, TransferStatus, Transport
 from kvxfer.transport.integrity import ChecksumPolicy, digest_kv
 
@@ -119,6 +120,11 @@ class _Job:
     announced: bool = False
     """Push, protocol 2: ``kv_posted`` went to decode (every write posted, the first token known)."""
     digest: bytes | None = None
+    reserved: bool = False
+    """Push, one write: the compute thread holds every page of the prompt (``_on_reserved``)."""
+    early_plan: tuple[BlockIdMaps, TransferPlan] | None = None
+    """Push, not layer-wise: the write's plan, built while the compute ran (decode's ``kv_blocks`` came
+    then), with the source ids it read; the post uses it when they are still the ids (``reusable_plan``)."""
     """The digest of the source pages, once taken (``kv_posted`` and ``kv_pushed`` carry the same)."""
     started: float = field(default_factory=now)
     """When the request arrived: a process stall after this may have made decode give its blocks away."""
@@ -253,6 +259,8 @@ class PrefillWorker(WorkerCounts):
         kind, conn, payload = ev
         if kind == "computed":
             self._computed(conn, *payload)
+        elif kind == "reserved":
+            self._on_reserved(conn)
         elif kind == "layer_done":
             self._on_layer(conn, payload)
         elif kind == "lost":
@@ -358,6 +366,8 @@ class PrefillWorker(WorkerCounts):
         job.span = (skip, size)
         if job.session.terminal:   # ended meanwhile; its pages are freed where it ended
             return
+        if job.reserved and job.computing:
+            self._plan_early(job)
         waiting, job.waiting_layers = job.waiting_layers, []
         for layer in waiting:
             self._on_layer(job, layer)
@@ -386,6 +396,7 @@ class PrefillWorker(WorkerCounts):
         if msg["mode"] == "push" and msg["layerwise"]:
             job.groups = {g[-1]: g for g in layer_groups(self.model.kv_spec.num_layers, int(msg["layers_per_send"]))}
         model, chunk, engine = self.model, self.config.chunk_size, self.engine
+        plan_early = msg["mode"] == "push" and not job.groups
 
         def on_layer(layer: int) -> None:   # compute thread
             if job.session.terminal:
@@ -400,6 +411,9 @@ class PrefillWorker(WorkerCounts):
             started = job.compute_started = now()
             kv: Any = LayerwiseKV(shards, self.model.kv_spec, int(tokens.size), on_layer) if job.groups \
                 else model.bind(shards)
+            if plan_early:   # every page of the prompt now (the model would take them chunk by chunk)
+                kv.reserve(int(tokens.size))
+                engine._post_internal(("reserved", job, None))
             with torch.inference_mode():
                 logits = model.prefill(kv, tokens[job.reused_tokens:], chunk, last_only=True)
             return greedy(logits[-1]), now() - started
@@ -469,12 +483,17 @@ class PrefillWorker(WorkerCounts):
                            digest=digest, queued_s=queued_s, post_s=post_s)
                 return
             if not job.groups:
-                plan = plan_between(self.layouts, self._source_ids(job), self._peer_layouts[job.peer], job.dst_ids,
-                                    token_range=job.span, request_id=job.request_id)
+                src_ids = self._source_ids(job)
+                early, job.early_plan = job.early_plan, None
+                plan = reusable_plan(early, src_ids) or plan_between(
+                    self.layouts, src_ids, self._peer_layouts[job.peer], job.dst_ids, token_range=job.span,
+                    request_id=job.request_id)
                 self._check_may_write(job)
                 job.session.start_transfer("write posted")
                 job.posted_at = now()
                 job.last_posted = job.posted_at
+                if job.checksum is None:   # no digest to take: decode hears of the write as it is posted
+                    self._announce(job, posting=plan.total_bytes)
                 handle = self.transport.write(job.peer, plan, _notify(job.request_id, 1))
                 job.handles.append(handle)
                 handle.add_done_callback(self.engine.wake)
@@ -483,14 +502,18 @@ class PrefillWorker(WorkerCounts):
             return
         self._announce(job)
 
-    def _announce(self, job: _Job) -> None:
+    def _announce(self, job: _Job, posting: int | None = None) -> None:
         """Push: once every write is posted and the first token is known, tell decode (``kv_posted``,
         protocol 2) while the data moves: decode then takes the KV when the transport's notifications say
         it landed, without waiting for this side to see its writes complete and send ``kv_pushed`` (a
         hop through both engines and both control threads, ~1-2 ms). The digest is taken here, after the
-        posts, so it overlaps the copy."""
+        posts, so it overlaps the copy. ``posting``: the bytes of the request's one write, about to be
+        posted (no digest to take): the message then travels while the write is posted and the data
+        moves (queued, not waited for, so the post is not held up); a post that fails sends
+        ``kv_failed`` after it."""
         expected = len(job.groups) if job.groups else 1
-        if job.announced or job.mode != "push" or job.first_token < 0 or len(job.handles) < expected \
+        if job.announced or job.mode != "push" or job.first_token < 0 \
+                or len(job.handles) + (posting is not None) < expected \
                 or job.conn.peer.version < 2 or job.session.terminal:
             return
         job.announced = True
@@ -500,10 +523,31 @@ class PrefillWorker(WorkerCounts):
             self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
             return
         queued_s, post_s = self._stages(job, job.last_posted)
-        self._send(job.conn, "kv_posted", urgent=True, request_id=job.request_id, first_token=job.first_token,
-                   parts=len(job.handles), nbytes=sum(h.nbytes for h in job.handles),
+        self._send(job.conn, "kv_posted", urgent=posting is None, request_id=job.request_id,
+                   first_token=job.first_token, parts=expected,
+                   nbytes=sum(h.nbytes for h in job.handles) + (posting or 0),
                    reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest, queued_s=queued_s,
                    post_s=post_s, computed_at=job.compute_started + job.prefill_s, posted_at=job.last_posted)
+
+    def _on_reserved(self, job: _Job) -> None:
+        """The compute thread holds every page of the prompt (push, one write): plan the write now if
+        decode's destinations are known (else when its ``kv_blocks`` comes)."""
+        job.reserved = True
+        if job.dst_ids is not None and job.computing and not job.session.terminal:
+            self._plan_early(job)
+
+    def _plan_early(self, job: _Job) -> None:
+        """Build the push's plan now, while the compute thread runs, from the block ids the request holds
+        now (the planning, ~0.3-0.5 ms, then leaves the path from the compute's end to the post). The
+        compute may still change them (its commit at the prompt's end may swap the last block for the
+        prefix tree's copy): the post checks them first (``reusable_plan``). Nothing is pinned here."""
+        assert job.dst_ids is not None
+        try:
+            ids = [{g: np.asarray(x, dtype=np.int64) for g, x in c.block_id_map().items()} for c in job.caches]
+            job.early_plan = ids, plan_between(self.layouts, ids, self._peer_layouts[job.peer], job.dst_ids,
+                                               token_range=job.span, request_id=job.request_id)
+        except KvxferError as exc:   # the post plans again, and reports what is wrong
+            log.debug("%s: request %s: no early plan: %s", self.config.name, job.request_id, exc)
 
     def _source_ids(self, job: _Job) -> BlockIdMaps:
         """The block ids the request's transfers read: taken (and pinned on every rank) at the first post;
@@ -664,6 +708,17 @@ class PrefillWorker(WorkerCounts):
         critical path, handed to the I/O thread before the engine goes on (``send_urgent``)."""
         with contextlib.suppress(KvxferError):
             (conn.send_urgent if urgent else conn.send)(type, **body)
+
+
+def reusable_plan(early: tuple[BlockIdMaps, TransferPlan] | None, src_ids: BlockIdMaps) -> TransferPlan | None:
+    """The early plan when the source ids it was built from are exactly ``src_ids`` (every rank, every
+    layer group), else None: the pages it would read are no longer the request's."""
+    if early is None:
+        return None
+    ids, plan = early
+    same = len(ids) == len(src_ids) and all(
+        a.keys() == b.keys() and all(np.array_equal(a[g], b[g]) for g in a) for a, b in zip(ids, src_ids, strict=True))
+    return plan if same else None
 
 
 def _notify(request_id: str, part: int) -> bytes:

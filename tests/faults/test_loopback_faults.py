@@ -482,3 +482,46 @@ def test_a_protocol_1_decode_gets_no_kv_posted_and_waits_for_kv_pushed() -> None
         assert "kv_posted" not in sent and "kv_pushed" in sent
         assert res.prefill_computed_at == 0.0 and res.arrived_at > 0
         assert_settled(prefill, decode)
+
+
+# --- 8. the push's plan is built while prefill computes --------------------------------------------
+def test_the_plan_built_during_the_compute_is_posted_when_the_source_ids_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode's kv_blocks comes while prefill computes (slowed here): the write's plan is built then and
+    posted at the compute's end, and the KV is exact."""
+    import kvxfer.disagg.worker_prefill as wp
+    used: list[bool] = []
+    real_reusable = wp.reusable_plan
+
+    def spy(early: Any, src_ids: Any) -> Any:
+        plan = real_reusable(early, src_ids)
+        used.append(plan is not None)
+        return plan
+    monkeypatch.setattr(wp, "reusable_plan", spy)
+    with pair() as (prefill, decode):
+        real_prefill = prefill.model.prefill
+
+        def slow(*a: Any, **k: Any) -> Any:
+            time.sleep(0.3)   # decode's kv_blocks comes meanwhile
+            return real_prefill(*a, **k)
+        monkeypatch.setattr(prefill.model, "prefill", slow)
+        tokens = prompt(8, 50)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
+        assert used == [True]
+        assert_settled(prefill, decode)
+
+
+def test_an_early_plan_is_used_only_for_the_exact_source_ids() -> None:
+    ids = [{0: np.array([3, 4, 5]), 1: np.array([7])}]
+    plan: Any = object()
+    assert wp_reusable((ids, plan), [{0: np.array([3, 4, 5]), 1: np.array([7])}]) is plan
+    assert wp_reusable(None, ids) is None
+    for other in ([{0: np.array([3, 4, 6]), 1: np.array([7])}],     # the last block swapped at commit
+                  [{0: np.array([3, 4, 5])}],                         # a layer group fewer
+                  [{0: np.array([3, 4, 5]), 1: np.array([7])}] * 2,   # another rank count
+                  [{0: np.array([3, 4]), 1: np.array([7])}]):         # fewer blocks
+        assert wp_reusable((ids, plan), other) is None
+
+
+def wp_reusable(early: Any, src_ids: Any) -> Any:
+    from kvxfer.disagg.worker_prefill import reusable_plan
+    return reusable_plan(early, src_ids)
