@@ -135,6 +135,15 @@ class PeerConnection:
             self._raise_lost()
         return self._endpoint.enqueue(self._route, encode(Message(type, body, self.peer.version)))
 
+    def sign_notice(self, data: bytes) -> bytes:
+        """A tag that lets the peer check ``data`` came from this side of this connection (``verify_notice``):
+        for what travels outside the control plane, such as a transfer's completion notice."""
+        return self._channel.sign(data)
+
+    def verify_notice(self, data: bytes, tag: bytes) -> bool:
+        """Whether ``tag`` is the peer's ``sign_notice`` tag of ``data`` on this connection."""
+        return self._channel.verify(data, tag)
+
     def watch(self, wake: Callable[[], None], on_arrival: ArrivalHook | None = None) -> None:
         """Call ``wake()`` (from the I/O thread; it must not block) whenever a message arrives or the
         connection ends, so that one thread can serve many connections with ``poll``. ``on_arrival(conn,

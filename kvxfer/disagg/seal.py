@@ -6,10 +6,16 @@ only holders of the secret can compute. The nonce of a frame is its per-directio
 ...): a frame is ``counter (8 bytes, little-endian) || ciphertext || 16-byte tag``. The receiver
 accepts exactly the next counter, so a replayed, reordered or dropped frame is refused, and a frame
 whose tag does not verify (altered or forged) is refused; either ends the connection with the reason.
+
+The same keys also tag data-plane notices (``sign``/``verify``: a keyed BLAKE2b MAC under a key derived
+per direction): a transfer's completion notice travels on the transport, not on this channel, and
+the receiver must know it came from the peer before it takes the data as landed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 
 from cryptography.exceptions import InvalidTag
@@ -24,6 +30,9 @@ OVERHEAD_BYTES = COUNTER_BYTES + TAG_BYTES
 _COUNTER = struct.Struct("<Q")
 _NONCE_PAD = b"\0\0\0\0"
 _LIMIT = (1 << 64) - 1
+#: Bytes of a notice tag (``SealedChannel.sign``).
+NOTICE_TAG_BYTES = 16
+_NOTICE_LABEL = b"kvxfer data-plane notice v1"
 
 
 class SealError(AuthenticationError):
@@ -45,6 +54,8 @@ class SealedChannel:
             raise AuthenticationError("SealedChannel needs two different 32-byte keys")
         self._send = ChaCha20Poly1305(send_key)
         self._recv = ChaCha20Poly1305(recv_key)
+        self._notice_send = hashlib.blake2b(_NOTICE_LABEL, key=send_key, digest_size=32).digest()
+        self._notice_recv = hashlib.blake2b(_NOTICE_LABEL, key=recv_key, digest_size=32).digest()
         self._sent = 0
         self._expected = 0
 
@@ -82,3 +93,13 @@ class SealedChannel:
             raise SealError(reason, f"frame counter {counter}, expected {self._expected}")
         self._expected += 1
         return plain
+
+    def sign(self, data: bytes) -> bytes:
+        """The tag of a notice this side sends (any thread: no counter is involved; a notice names its
+        request and part, so a replay can only repeat what the peer already said)."""
+        return hashlib.blake2b(data, key=self._notice_send, digest_size=NOTICE_TAG_BYTES).digest()
+
+    def verify(self, data: bytes, tag: bytes) -> bool:
+        """Whether ``tag`` is the peer's tag of ``data`` (constant-time compare)."""
+        want = hashlib.blake2b(data, key=self._notice_recv, digest_size=NOTICE_TAG_BYTES).digest()
+        return hmac.compare_digest(want, tag)

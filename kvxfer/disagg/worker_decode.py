@@ -62,8 +62,10 @@ from kvxfer.disagg.worker import (
 )
 from kvxfer.disagg.worker_protocol import (
     MODES,
+    NOTICE_MAGIC,
     decode_block_ids,
     decode_layouts,
+    decode_notice,
     encode_block_ids,
     encode_checksum_policy,
     encode_layouts,
@@ -290,7 +292,7 @@ class DecodeWorker(WorkerCounts):
         self._generating: dict[str, _Job] = {}   # KV in place, tokens being generated on the compute thread
         self.compute: ComputeThread | None = None
         self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0,
-                       "peer_losses": 0}
+                       "peer_losses": 0, "bad_notices": 0}
         #: Called on the engine thread with each completed request's result (metrics); must not raise.
         self.result_observers: list[Callable[[GenerationResult], None]] = []
         self._ids = itertools.count(1)
@@ -796,8 +798,7 @@ class DecodeWorker(WorkerCounts):
             return
         if msg.type == "kv_posted":
             if job.pushed is None:
-                job.pushed, job.posted_seen = msg, now()
-                job.prefill_clock = (float(msg["computed_at"]), float(msg["posted_at"]))
+                self._posted(job, msg)
         elif msg.type == "kv_pushed":
             job.pushed = msg   # replaces kv_posted: the same fields, and prefill's transfer time
         elif msg.type == "kv_pull":
@@ -828,11 +829,7 @@ class DecodeWorker(WorkerCounts):
         t = now()
         for peer, notes in self.transport.notifications().items():
             for note in notes:
-                rid, _, part = note.decode("utf-8", "replace").rpartition("#")
-                job = self._jobs.get(rid)
-                # ASCII digits only: str.isdigit() accepts "²", which int() refuses.
-                if job is not None and job.peer == peer and part.isascii() and part.isdigit() and len(part) < 8:
-                    job.parts.add(int(part))
+                self._on_notice(peer, note)
         polled = self.transport.notifications_need_polling
         due = t + 1.0
         busy = False
@@ -883,6 +880,48 @@ class DecodeWorker(WorkerCounts):
                 due = min(due, zombie.zombie_until if zombie.read is None or not zombie.read.completes_when_polled
                           else t + 0.001)
         return 0.001 if busy else max(0.0, due - now())
+
+    def _on_notice(self, peer: str, note: bytes) -> None:
+        """A transport notification from ``peer``: a part of a request's KV landed. On a protocol-2
+        connection only a notice tagged by the request's prefill counts (``decode_notice``): with
+        ``kv_posted`` (or the notice's own summary) it completes the request, so a forged one would make
+        decode take pages the data has not reached. A protocol-1 peer sends ``"<request id>#<part>"``,
+        which completes nothing without its ``kv_pushed`` (sent once its writes completed)."""
+        if note.startswith(NOTICE_MAGIC):
+            try:
+                notice = decode_notice(note)
+            except ProtocolError as exc:
+                self._bad_notice(peer, str(exc))
+                return
+            job = self._jobs.get(notice.request_id)
+            if job is None or job.peer != peer or job.conn is None or job.conn.peer.version < 2:
+                return   # ended (a late or duplicated notice), or another peer's request
+            if not job.conn.verify_notice(notice.signed, notice.tag):
+                self._bad_notice(peer, f"notice of request {notice.request_id} part {notice.part} does not "
+                                       f"authenticate (forged, altered, or tagged for another connection)")
+                return
+            job.parts.add(notice.part)
+            if notice.summary is not None and job.pushed is None:
+                self._posted(job, notice.summary)
+            return
+        rid, _, part = note.decode("utf-8", "replace").rpartition("#")
+        job = self._jobs.get(rid)
+        # ASCII digits only: str.isdigit() accepts "²", which int() refuses.
+        if job is None or job.peer != peer or job.conn is None:
+            return
+        if job.conn.peer.version >= 2:
+            self._bad_notice(peer, f"untagged notification {note[:64]!r} on a protocol-2 connection")
+        elif part.isascii() and part.isdigit() and len(part) < 8:
+            job.parts.add(int(part))
+
+    def _bad_notice(self, peer: str, reason: str) -> None:
+        self.counts["bad_notices"] += 1
+        log.warning("%s: notification from %s ignored: %s", self.config.name, peer, reason)
+
+    def _posted(self, job: _Job, msg: Message) -> None:
+        """Prefill posted every write of ``job`` (``kv_posted``, or a notice's summary)."""
+        job.pushed, job.posted_seen = msg, now()
+        job.prefill_clock = (float(msg["computed_at"]), float(msg["posted_at"]))
 
     def _late(self, job: _Job) -> str:
         """What is missing when a request's deadline passes."""

@@ -61,6 +61,7 @@ from kvxfer.disagg.worker_protocol import (
     decode_tokens,
     encode_block_ids,
     encode_layouts,
+    encode_notice,
     encode_stats,
 )
 from kvxfer.errors import (
@@ -437,7 +438,7 @@ class PrefillWorker(WorkerCounts):
             job.parts += 1
             self._check_may_write(job)
             job.last_posted = now()
-            handle = self.transport.write(job.peer, plan, _notify(job.request_id, job.parts))
+            handle = self.transport.write(job.peer, plan, self._notice(job, job.parts))
             job.handles.append(handle)
             handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:
@@ -492,9 +493,12 @@ class PrefillWorker(WorkerCounts):
                 job.session.start_transfer("write posted")
                 job.posted_at = now()
                 job.last_posted = job.posted_at
-                if job.checksum is None:   # no digest to take: decode hears of the write as it is posted
-                    self._announce(job, posting=plan.total_bytes)
-                handle = self.transport.write(job.peer, plan, _notify(job.request_id, 1))
+                summary = None
+                if job.checksum is None and job.conn.peer.version >= 2:
+                    # No digest to take: the write's own notice tells decode all that kv_posted would.
+                    summary = self._posted_fields(job, 1, plan.total_bytes)
+                    job.announced = True
+                handle = self.transport.write(job.peer, plan, self._notice(job, 1, summary))
                 job.handles.append(handle)
                 handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:
@@ -502,18 +506,15 @@ class PrefillWorker(WorkerCounts):
             return
         self._announce(job)
 
-    def _announce(self, job: _Job, posting: int | None = None) -> None:
+    def _announce(self, job: _Job) -> None:
         """Push: once every write is posted and the first token is known, tell decode (``kv_posted``,
-        protocol 2) while the data moves: decode then takes the KV when the transport's notifications say
-        it landed, without waiting for this side to see its writes complete and send ``kv_pushed`` (a
-        hop through both engines and both control threads, ~1-2 ms). The digest is taken here, after the
-        posts, so it overlaps the copy. ``posting``: the bytes of the request's one write, about to be
-        posted (no digest to take): the message then travels while the write is posted and the data
-        moves (queued, not waited for, so the post is not held up); a post that fails sends
-        ``kv_failed`` after it."""
+        protocol 2) while the data moves: decode then takes the KV when the transport's (tagged)
+        notices say it landed, without waiting for this side to see its writes complete and send
+        ``kv_pushed`` (a hop through both engines and both control threads, ~1-2 ms). The digest is
+        taken here, after the posts, so it overlaps the copy. (A request's one write without a digest
+        needs no message: its notice carries the same, ``_send_kv``.)"""
         expected = len(job.groups) if job.groups else 1
-        if job.announced or job.mode != "push" or job.first_token < 0 \
-                or len(job.handles) + (posting is not None) < expected \
+        if job.announced or job.mode != "push" or job.first_token < 0 or len(job.handles) < expected \
                 or job.conn.peer.version < 2 or job.session.terminal:
             return
         job.announced = True
@@ -522,12 +523,24 @@ class PrefillWorker(WorkerCounts):
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
             return
+        self._send(job.conn, "kv_posted", urgent=True, request_id=job.request_id, digest=digest,
+                   **self._posted_fields(job, expected, sum(h.nbytes for h in job.handles)))
+
+    def _posted_fields(self, job: _Job, parts: int, nbytes: int) -> dict[str, Any]:
+        """What ``kv_posted`` says (but ``request_id`` and ``digest``), for a notice's summary as well."""
         queued_s, post_s = self._stages(job, job.last_posted)
-        self._send(job.conn, "kv_posted", urgent=posting is None, request_id=job.request_id,
-                   first_token=job.first_token, parts=expected,
-                   nbytes=sum(h.nbytes for h in job.handles) + (posting or 0),
-                   reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest, queued_s=queued_s,
-                   post_s=post_s, computed_at=job.compute_started + job.prefill_s, posted_at=job.last_posted)
+        return {"first_token": job.first_token, "parts": parts, "nbytes": nbytes, "reused_tokens": job.reused_tokens,
+                "prefill_s": job.prefill_s, "queued_s": queued_s, "post_s": post_s,
+                "computed_at": job.compute_started + job.prefill_s, "posted_at": job.last_posted}
+
+    @staticmethod
+    def _notice(job: _Job, part: int, summary: dict[str, Any] | None = None) -> bytes:
+        """The notification that follows part ``part`` of a request's KV: ``"<request id>#<part>"`` for a
+        protocol-1 peer, else a notice tagged with the connection's key (``encode_notice``), which decode
+        trusts as "landed" only once the tag checks."""
+        if job.conn.peer.version < 2:
+            return f"{job.request_id}#{part}".encode()
+        return encode_notice(job.request_id, part, summary, job.conn.sign_notice)
 
     def _on_reserved(self, job: _Job) -> None:
         """The compute thread holds every page of the prompt (push, one write): plan the write now if
@@ -721,6 +734,3 @@ def reusable_plan(early: tuple[BlockIdMaps, TransferPlan] | None, src_ids: Block
     return plan if same else None
 
 
-def _notify(request_id: str, part: int) -> bytes:
-    """The transport notification that follows part ``part`` of a request's KV."""
-    return f"{request_id}#{part}".encode()

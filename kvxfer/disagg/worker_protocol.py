@@ -21,7 +21,8 @@ compares before it commits them (no plan is involved, so a mispaired plan cannot
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -29,7 +30,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
-from kvxfer.disagg.messages import MAX_MESSAGE_BYTES, Field, MessageSpec, register
+from kvxfer.disagg.messages import MAX_MESSAGE_BYTES, Field, Message, MessageSpec, register
+from kvxfer.disagg.seal import NOTICE_TAG_BYTES
 from kvxfer.errors import ConfigError, DecodeError, LayoutError, ProtocolError
 from kvxfer.transport.integrity import ChecksumPolicy
 
@@ -104,6 +106,54 @@ GENERATED = register(MessageSpec("generated", (
     Field("kv", "bytes", max_len=MAX_MESSAGE_BYTES // 2),
 )))
 GENERATE_FAILED = register(MessageSpec("generate_failed", (_RID, Field("error", "str", max_len=64), _REASON)))
+
+
+#: Protocol 2: a write's completion notice (what the transport delivers after the data) starts with this.
+NOTICE_MAGIC = b"KVX2"
+_NOTICE_MAX_BYTES = 2048
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A decoded completion notice: part ``part`` of request ``request_id`` landed. ``summary`` (the
+    request's one write): what ``kv_posted`` would say, so the notice alone completes the request.
+    Trust it only once ``verify(signed, tag)`` holds on the request's connection."""
+
+    request_id: str
+    part: int
+    summary: Message | None
+    signed: bytes
+    tag: bytes
+
+
+def encode_notice(request_id: str, part: int, summary: Mapping[str, Any] | None,
+                  sign: Callable[[bytes], bytes]) -> bytes:
+    """``NOTICE_MAGIC`` + msgpack ``[request_id, part, summary or nil]`` + the connection's tag of both
+    (``PeerConnection.sign_notice``). ``summary``: the fields of ``kv_posted`` but ``request_id`` and
+    ``digest`` (a notice carries no digest: with checksums, ``kv_posted`` does)."""
+    signed = NOTICE_MAGIC + bytes(msgpack.packb([request_id, part, None if summary is None else dict(summary)],
+                                                use_bin_type=True))
+    return signed + sign(signed)
+
+
+def decode_notice(raw: bytes) -> Notice:
+    """Inverse of ``encode_notice`` without the tag check (the receiver checks it against the connection
+    the request belongs to); ProtocolError naming what is malformed."""
+    if not raw.startswith(NOTICE_MAGIC) or not len(NOTICE_MAGIC) + NOTICE_TAG_BYTES < len(raw) <= _NOTICE_MAX_BYTES:
+        raise ProtocolError(f"notice: {len(raw)} bytes, not a tagged {NOTICE_MAGIC!r} notice of at most "
+                            f"{_NOTICE_MAX_BYTES} bytes")
+    signed, tag = raw[:-NOTICE_TAG_BYTES], raw[-NOTICE_TAG_BYTES:]
+    obj = _unpack(signed[len(NOTICE_MAGIC):], "notice")
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise ProtocolError("notice: expected [request_id, part, summary]")
+    rid, part, summary = obj
+    _RID.check(rid, "notice")
+    Field("part", "int", lo=1, hi=1 << 16).check(part, "notice")
+    if summary is not None and not isinstance(summary, dict):
+        raise ProtocolError("notice.summary: expected a map or nil")
+    message = None if summary is None else \
+        Message("kv_posted", KV_POSTED.check_body({**summary, "request_id": rid, "digest": b""}, "notice.summary"))
+    return Notice(rid, part, message, signed, tag)
 
 
 def _unpack(data: bytes, what: str) -> Any:

@@ -451,18 +451,24 @@ def record_sends(prefill: PrefillWorker, withhold: frozenset[str] = frozenset())
     return sent
 
 
-@pytest.mark.parametrize("layerwise", [False, True], ids=["push", "push-layerwise"])
-def test_decode_takes_the_kv_when_it_landed_without_kv_pushed(layerwise: bool) -> None:
+@pytest.mark.parametrize(("layerwise", "checksum", "posted"), [
+    (False, False, 0),   # one write, no digest: its tagged notice carries what kv_posted would
+    (True, False, 3),    # layer-wise: kv_posted once every part is posted and the first token known
+    (False, True, 3),    # with a digest: kv_posted carries it
+], ids=["push", "push-layerwise", "push-checksum"])
+def test_decode_takes_the_kv_when_it_landed_without_kv_pushed(layerwise: bool, checksum: bool, posted: int) -> None:
     """With ``kv_pushed`` withheld, every request still completes, exactly: ``kv_posted`` (sent while the
-    writes are in flight) plus the transport's notifications are what decode waits for. (Mutation: decode
-    ignoring ``kv_posted`` times every request out.)"""
-    with pair(layerwise=layerwise, deadline_s=5.0) as (prefill, decode):
+    writes are in flight) or the write's own tagged notice, plus the notices of every part, are what
+    decode waits for. (Mutations: decode ignoring ``kv_posted``, or a notice's summary, times the
+    requests out.)"""
+    with pair(layerwise=layerwise, deadline_s=5.0, checksum=ChecksumPolicy() if checksum else None) \
+            as (prefill, decode):
         sent = record_sends(prefill, frozenset({"kv_pushed"}))
         requests = three()
         futures = submit_all(decode, requests)
         assert_survivors(futures, requests, ())
         wait_for("prefill to see its writes complete", lambda: sent.count("kv_pushed") == 3)
-        assert sent.count("kv_posted") == 3
+        assert sent.count("kv_posted") == posted
         for fut in futures.values():   # one process: the two clocks are one
             r = fut.result()
             # layer-wise: the last write may be posted before the compute (the logits) ends
@@ -525,3 +531,58 @@ def test_an_early_plan_is_used_only_for_the_exact_source_ids() -> None:
 def wp_reusable(early: Any, src_ids: Any) -> Any:
     from kvxfer.disagg.worker_prefill import reusable_plan
     return reusable_plan(early, src_ids)
+
+
+# --- 9. notices: only the request's prefill can say its KV landed ----------------------------------
+SUMMARY = {"first_token": 1, "parts": 1, "nbytes": 1, "reused_tokens": 0, "prefill_s": 0.0, "queued_s": 0.0,
+           "post_s": 0.0, "computed_at": 1.0, "posted_at": 1.0}
+
+
+def test_a_forged_or_untagged_notice_does_not_complete_a_request() -> None:
+    """The real notice of request F is lost and kv_pushed withheld: a notice with a wrong tag, a
+    protocol-1 notice and a malformed one complete nothing (each counted); a notice tagged by F's
+    prefill connection then completes it. (Mutation: decode not checking the tag completes F with
+    the forged notice, and the bad-notice count stays 1.)"""
+    from kvxfer.disagg.worker_protocol import encode_notice
+    with pair(prefill_faults=LoopbackFaults(drop_notification=1), deadline_s=10.0) as (prefill, decode):
+        sent = record_sends(prefill, frozenset({"kv_pushed"}))
+        tokens = prompt(9, 40)
+        fut = decode.submit(tokens, NEW, request_id="F", return_kv=KV)
+        wait_for("F's write to complete on prefill", lambda: "kv_pushed" in sent)
+        src = prefill.transport.name
+        for note in (encode_notice("F", 1, SUMMARY, lambda signed: bytes(16)),   # wrong tag
+                     b"F#1",                                                      # protocol 1, untagged
+                     b"KVX2" + bytes(40)):                                        # malformed
+            decode.transport._deliver(src, note)
+        decode.engine.wake()
+        wait_for("decode to weigh the three notices", lambda: decode.counts["bad_notices"] == 3)
+        time.sleep(0.2)
+        assert not fut.done()
+        conn = prefill.engine.call(lambda: next(iter(prefill._peers.values())), 5.0)
+        decode.transport._deliver(src, encode_notice("F", 1, {**SUMMARY, "nbytes": tokens.size * BYTES_PER_TOKEN,
+                                                              "first_token": reference(tokens, 1)[0]},
+                                                     conn.sign_notice))
+        decode.engine.wake()
+        assert_matches_reference(fut.result(10), tokens, NEW)
+        assert_settled(prefill, decode)
+
+
+@pytest.mark.parametrize(("raw", "pattern"), [
+    (b"KVX1" + bytes(40), "not a tagged"),
+    (b"KVX2" + bytes(10), "not a tagged"),
+    (b"KVX2" + bytes(3000), "not a tagged"),
+    (b"KVX2" + b"\x93\xa1F\x01\xc0" + bytes(16), None),                      # well formed, no summary
+    (b"KVX2" + b"\x93\xa1F\x00\xc0" + bytes(16), r"notice\.part"),
+    (b"KVX2" + b"\x92\xa1F\x01" + bytes(16), r"expected \[request_id, part, summary\]"),
+    (b"KVX2" + b"\x93\xa1F\x01\x81\xa5parts\x01" + bytes(16), r"notice\.summary.*missing field"),
+    (b"KVX2" + b"\x93\xa0\x01\xc0" + bytes(16), r"notice\.request_id"),
+])
+def test_malformed_notices_name_what_is_wrong(raw: bytes, pattern: str | None) -> None:
+    from kvxfer.disagg.worker_protocol import decode_notice
+    from kvxfer.errors import ProtocolError
+    if pattern is None:
+        notice = decode_notice(raw)
+        assert (notice.request_id, notice.part, notice.summary, notice.tag) == ("F", 1, None, bytes(16))
+    else:
+        with pytest.raises(ProtocolError, match=pattern):
+            decode_notice(raw)
