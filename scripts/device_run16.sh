@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17, H200 run 16: goal 5 after kv_posted and the early plan: bench e2e at the Llama-3.2-1B shape,
+# Issue 17, H200 runs 16-17: goal 5 after kv_posted, the early plan and tagged notices: bench e2e at the Llama-3.2-1B shape,
 # the same with the stage probe (scripts/stage_trace) at 4k and 32k, and the demo on cuda:0.
 source scripts/device_setup.sh >/dev/null 2>&1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -168,6 +168,18 @@ def test_shutdown_refuses_open_caches() -> None:
         m.create_kv_cache()
 
 
+def test_allocator_incref_counts_every_occurrence_in_any_order() -> None:
+    """incref's two paths: ascending ids (one each) and unordered or repeated ids (counted), exactly."""
+    a = SlotAllocator(8, "pg")
+    a.alloc(6)
+    a.incref(np.array([1, 2, 5], dtype=np.int32))
+    a.incref(np.array([5, 1, 5, 0, 5], dtype=np.int32))
+    assert a.refcount[:6].tolist() == [2, 3, 2, 1, 1, 5]
+    with pytest.raises(BlockIdError, match="incref of free slot 6"):
+        a.incref(np.array([6, 1], dtype=np.int32))
+    assert a.refcount[:7].tolist() == [2, 3, 2, 1, 1, 5, 0]   # all or nothing
+
+
 def test_allocator_refcounts_and_errors() -> None:
     a = SlotAllocator(6, "pg")
     ids = a.alloc(4)

@@ -88,7 +88,11 @@ class SlotAllocator:
         arr = self.check(ids)
         if arr.size and (self.refcount[arr] <= 0).any():
             raise BlockIdError(f"{self.name}: incref of free slot {int(arr[self.refcount[arr] <= 0][0])}")
-        np.add.at(self.refcount, arr, 1)
+        if arr.size > 1 and not bool((arr[1:] > arr[:-1]).all()):   # unordered, maybe repeated: count each
+            uniq, counts = np.unique(arr, return_counts=True)
+            self.refcount[uniq] += counts.astype(self.refcount.dtype)
+        else:   # strictly ascending (a request's blocks, as usual): distinct, one increment each (~50x np.add.at)
+            self.refcount[arr] += 1
 
     def decref(self, ids: npt.ArrayLike) -> IntArray:
         """Drop one reference per id; returns the ids that became free (and are back on the stack)."""

@@ -656,7 +656,10 @@ class PrefillWorker(WorkerCounts):
                 self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
                 return
             queued_s, post_s = self._stages(job, job.last_posted)
-            self._send(job.conn, "kv_pushed", urgent=True, request_id=job.request_id, first_token=job.first_token,
+            # Announced (kv_posted or the notice's summary): decode has, or is about to take, the KV without
+            # it, so it is no longer urgent (it frees a cancelled request's blocks; its transfer time is
+            # for the statistics).
+            self._send(job.conn, "kv_pushed", urgent=not job.announced, request_id=job.request_id, first_token=job.first_token,
                        parts=len(job.handles), nbytes=nbytes, reused_tokens=job.reused_tokens,
                        prefill_s=job.prefill_s, transfer_s=transfer_s, digest=digest, queued_s=queued_s,
                        post_s=post_s)

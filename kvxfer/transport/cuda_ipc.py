@@ -230,12 +230,15 @@ class CudaIpcTransport(Transport):
                            lambda h: self._complete(h, peer, notify), self._completions.put)
 
     def _complete(self, handle: _CopyHandle, peer: str, notify: bytes | None) -> None:
-        """Finish ``handle`` once its event completed; the first caller sends the notification."""
-        if handle._finish(TransferStatus.DONE) and notify is not None:
+        """Finish ``handle`` once its event completed. The notification goes first (the first caller sends
+        it): the handle's callbacks (an engine's wake-up, which then runs Python) would otherwise hold
+        the GIL ahead of it, and the peer waits for it."""
+        if notify is not None and handle.claim_notification():
             with self._push_lock:
                 sock = self._push.get(peer)
                 if sock is not None:
                     sock.send_multipart([self.name.encode(), notify])
+        handle._finish(TransferStatus.DONE)
 
     def _complete_loop(self) -> None:
         """Finish every posted copy once its event completed, in posting order (a caller blocked in
@@ -294,6 +297,15 @@ class _CopyHandle(TransferHandle):
         self.complete = complete
         self._hand_off = hand_off
         self._watched = False
+        self._notified = False
+
+    def claim_notification(self) -> bool:
+        """True for the one caller that sends this copy's notification (none once the copy failed)."""
+        with self._cond:
+            if self._notified or self._status.terminal:
+                return False
+            self._notified = True
+            return True
 
     def watch(self) -> None:
         """Have the completion thread finish this copy (once; no-op when finished)."""

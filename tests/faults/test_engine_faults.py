@@ -26,6 +26,7 @@ from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError, PeerUnreachable, RequestCancelled, TransferFailed, WorkerUnhealthy
 from kvxfer.transport import create
+from kvxfer.transport.integrity import ChecksumPolicy
 from tests.faults.conftest import assert_settled
 from tests.test_e2e import SECRET, name, prompts, reference
 
@@ -82,12 +83,15 @@ def test_a_notification_with_a_unicode_digit_is_ignored() -> None:
 
 def test_an_unexpected_error_in_an_engine_handler_fails_the_requests_and_marks_the_worker_unhealthy(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    # With a checksum, prefill's kv_posted (the digest) is on the request's path; without, the write's
+    # tagged notice alone completes it and no message handler runs before the answer.
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
-            DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address) as decode:
+            DecodeWorker(WorkerConfig(name("decode"), checksum=ChecksumPolicy()), SECRET,
+                         prefill=prefill.address) as decode:
         real = decode._on_prefill
 
         def buggy(conn: Any, msg: Any) -> None:
-            if msg.type in ("kv_posted", "kv_pushed"):   # protocol 2 sends kv_posted first
+            if msg.type in ("kv_posted", "kv_pushed"):
                 raise RuntimeError("injected bug in a message handler")
             real(conn, msg)
         monkeypatch.setattr(decode, "_on_prefill", buggy)

@@ -28,6 +28,7 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.disagg.worker_prefill import PrefillWorker
+from kvxfer.disagg.worker_protocol import decode_notice
 from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed, TransferTimeout
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import TransferHandle, available_backends
@@ -227,7 +228,7 @@ def test_prefill_killed_during_transfers_fails_only_requests_in_flight(backend: 
 
                 def notifications() -> dict[str, list[bytes]]:
                     notes = poll_notes()
-                    if any(n.startswith(b"victim#") for ns in notes.values() for n in ns):
+                    if any(decode_notice(n).request_id == "victim" for ns in notes.values() for n in ns):
                         kill_first()
                     return notes
                 decode.transport.notifications = notifications  # type: ignore[method-assign]
