@@ -134,9 +134,11 @@ def test_generate_timeout_bounds_the_connection(capsys: pytest.CaptureFixture[st
 
 def test_two_clients_get_their_own_names_and_cannot_cancel_each_other() -> None:
     stall = LoopbackFaults(never_complete=True)
-    with PrefillWorker(WorkerConfig(f"cli-prefill-{os.getpid()}"), SECRET, transport_options={"faults": stall}) \
-            as prefill, DecodeWorker(WorkerConfig(f"cli-decode-{os.getpid()}", deadline_s=60.0), SECRET,
-                                     prefill=prefill.address, mode="pull", bind="tcp://127.0.0.1:0") as decode:
+    # Pull: decode's own reads stall (the faults of the transport that posts them), so every request
+    # waits for its cancel however fast the machine is.
+    with PrefillWorker(WorkerConfig(f"cli-prefill-{os.getpid()}"), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(f"cli-decode-{os.getpid()}", deadline_s=60.0), SECRET, prefill=prefill.address,
+                         mode="pull", bind="tcp://127.0.0.1:0", transport_options={"faults": stall}) as decode:
         a, b = GenerateClient(decode.address, SECRET), GenerateClient(decode.address, SECRET)
         try:
             assert a.name != b.name

@@ -90,10 +90,12 @@ def test_delay_completes_late_and_cancel_during_delay_writes_nothing() -> None:
     plan = p.plan(seed=4)
     want = p.expected_b(plan)
     h = p.a.write(p.b.name, plan, notify=b"late")
-    assert not h.done()
+    assert not h.done() and h.finished_at == 0.0
     t0 = time.monotonic()
     h.wait(2)
     assert time.monotonic() - t0 >= 0.1
+    time.sleep(0.05)   # looked at later: finished_at stays when the transfer completed
+    assert t0 + 0.1 <= h.finished_at <= time.monotonic() - 0.05
     assert np.array_equal(p.b_bufs[0], want)
     before = p.b_bufs[0].copy()
     h2 = p.a.write(p.b.name, p.plan(seed=5), notify=b"never")

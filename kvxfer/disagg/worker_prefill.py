@@ -624,7 +624,9 @@ class PrefillWorker(WorkerCounts):
             if failed:
                 self._end(job, SessionState.FAILED, f"transfer failed: {failed[0].reason}")
             elif all(s is TransferStatus.DONE for s in statuses):
-                self._finish(job, now() - job.posted_at)
+                # When the backend saw the last write complete: the engine may look much later (busy
+                # with other requests' digests and posts).
+                self._finish(job, max(h.finished_at for h in job.handles) - job.posted_at)
             elif any(h.completes_when_polled for h in job.handles):
                 busy = True   # the others wake the engine when they finish
         if busy:

@@ -50,6 +50,9 @@ class TransferHandle:
         self._reason = ""
         self._error_type: type[TransportError] = TransferFailed
         self._callbacks: list[Callable[[TransferHandle], None]] = []
+        #: ``time.monotonic()`` when the transfer reached its terminal state (0.0 before): when the
+        #: backend saw it complete, not when someone looked (a busy engine may look much later).
+        self.finished_at = 0.0
 
     def __repr__(self) -> str:
         return (f"TransferHandle(id={self.id}, op={self.op}, peer={self.peer!r}, nbytes={self.nbytes}, "
@@ -123,6 +126,7 @@ class TransferHandle:
             if self._status.terminal:
                 return False
             self._status = status
+            self.finished_at = time.monotonic()
             self._reason = reason
             self._error_type = error_type
             self._cond.notify_all()
