@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,7 +95,10 @@ def test_device_memory_moves_exact_bytes(gpu_peer: GpuPeer, op: str, coalesced: 
                     random_pages(rng, local_regions, pages, 4 * PAGE, coalesced))
         want_local = expected_after(plan, peer_regions, peer_before, local_regions, local_before)
         want_peer = peer_before
-    getattr(p.local, op)(p.name, plan, notify=f"{op}-{coalesced}".encode()).wait(60)
+    posted = time.monotonic()
+    handle = getattr(p.local, op)(p.name, plan, notify=f"{op}-{coalesced}".encode())
+    handle.wait(60)
+    assert posted < handle.finished_at <= time.monotonic()   # stamped when the copy was seen complete
     assert all(np.array_equal(a, b) for a, b in zip(_host(p.bufs), want_local, strict=True))
     got_peer = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
     assert all(np.array_equal(a, b) for a, b in zip(got_peer, want_peer, strict=True))

@@ -23,6 +23,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -232,13 +233,15 @@ class CudaIpcTransport(Transport):
     def _complete(self, handle: _CopyHandle, peer: str, notify: bytes | None) -> None:
         """Finish ``handle`` once its event completed. The notification goes first (the first caller sends
         it): the handle's callbacks (an engine's wake-up, which then runs Python) would otherwise hold
-        the GIL ahead of it, and the peer waits for it."""
+        the GIL ahead of it, and the peer waits for it. The handle's ``finished_at`` is taken first: the
+        send may give the GIL away (to a compute thread, for up to its switch interval)."""
+        done_at = time.monotonic()
         if notify is not None and handle.claim_notification():
             with self._push_lock:
                 sock = self._push.get(peer)
                 if sock is not None:
                     sock.send_multipart([self.name.encode(), notify])
-        handle._finish(TransferStatus.DONE)
+        handle._finish(TransferStatus.DONE, at=done_at)
 
     def _complete_loop(self) -> None:
         """Finish every posted copy once its event completed, in posting order (a caller blocked in

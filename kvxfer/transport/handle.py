@@ -120,13 +120,14 @@ class TransferHandle:
 
     # --- for backends ------------------------------------------------------------------------------
     def _finish(self, status: TransferStatus, reason: str = "",
-                error_type: type[TransportError] = TransferFailed) -> bool:
-        """Move to a terminal state once; later calls are ignored. Returns whether this call won."""
+                error_type: type[TransportError] = TransferFailed, at: float | None = None) -> bool:
+        """Move to a terminal state once; later calls are ignored. Returns whether this call won. ``at``:
+        when the backend saw it happen (``time.monotonic()``), if earlier than now."""
         with self._cond:
             if self._status.terminal:
                 return False
             self._status = status
-            self.finished_at = time.monotonic()
+            self.finished_at = time.monotonic() if at is None else at
             self._reason = reason
             self._error_type = error_type
             self._cond.notify_all()
