@@ -288,6 +288,29 @@ def test_copy_waits_for_the_models_stream(runs: int, monkeypatch: pytest.MonkeyP
     assert torch.equal(dst, torch.full_like(dst, 7)), "the copy read pages the model had not written yet"
 
 
+@pytest.mark.parametrize("runs", [2, 64], ids=["memcpy", "kernel"])
+def test_a_settled_copy_does_not_wait_for_the_models_stream(runs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``after_model=False`` (a write posted ``settled``: its pages were synchronized): the copy runs while
+    tens of milliseconds of later model work are still queued on the default stream, and lands exactly.
+    (Mutation: the copier ignoring the flag leaves the copy queued behind that work.)"""
+    cuda_copy, copier = _copier()
+    monkeypatch.setattr(cuda_copy, "DIRECT_RUNS", 8)
+    page = 64 << 10
+    src = torch.full((runs * page,), 9, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    base = np.array([dst.data_ptr()], np.uint64)
+    table = cuda_copy.RegionTable(base, base, 0)
+    offsets = np.arange(runs, dtype=np.uint64) * np.uint64(page)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]   # the next prompt's work, ~100 ms
+    event = copier.copy(base + offsets, np.uint64(src.data_ptr()) + offsets, np.full(runs, page, np.uint64),
+                        np.zeros(runs, np.uint32), table, False, after_model=False)
+    event.synchronize()
+    assert torch.cuda.default_stream().query() is False, "the copy waited for the model's later work"
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)
+
+
 @pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
 def test_few_runs_take_cuda_memcpy_and_land_exactly(remote_src: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Plans of at most DIRECT_RUNS runs skip the kernel (one cuMemcpyAsync each): same bytes, and the

@@ -235,7 +235,7 @@ def test_a_backend_may_check_the_plan_while_it_moves() -> None:
 
     class Launching(LoopbackTransport):
         def _backend_post_checking(self, op: Any, peer: str, plan: TransferPlan, notify: bytes | None,
-                                   transfer_id: int, check: Any) -> Any:
+                                   transfer_id: int, check: Any, *, settled: bool = False) -> Any:
             events.append("start")
             try:
                 check()

@@ -498,7 +498,9 @@ class PrefillWorker(WorkerCounts):
                     # No digest to take: the write's own notice tells decode all that kv_posted would.
                     summary = self._posted_fields(job, 1, plan.total_bytes)
                     job.announced = True
-                handle = self.transport.write(job.peer, plan, self._notice(job, 1, summary))
+                # Settled: the compute thread read the first token, a device sync after every kernel that
+                # wrote these pages; the copy need not wait for what it queued since (the next prompt).
+                handle = self.transport.write(job.peer, plan, self._notice(job, 1, summary), settled=True)
                 job.handles.append(handle)
                 handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:

@@ -92,9 +92,13 @@ class Transport(ABC):
         self._backend_connect(peer, md)
         self._peers[peer] = md
 
-    def write(self, peer: str, plan: TransferPlan, notify: bytes | None = None) -> TransferHandle:
-        """Push: ``plan.src`` (local) -> ``plan.dst`` (peer); ``notify`` reaches the peer after the data."""
-        return self._post("write", peer, plan, notify)
+    def write(self, peer: str, plan: TransferPlan, notify: bytes | None = None, *,
+              settled: bool = False) -> TransferHandle:
+        """Push: ``plan.src`` (local) -> ``plan.dst`` (peer); ``notify`` reaches the peer after the data.
+        ``settled``: the caller synchronized with the work that wrote the source pages, so a device
+        backend need not order the copy after the model's stream (where later work may be queued by
+        then, such as the next prompt's prefill)."""
+        return self._post("write", peer, plan, notify, settled)
 
     def read(self, peer: str, plan: TransferPlan, notify: bytes | None = None) -> TransferHandle:
         """Pull: ``plan.src`` (peer) -> ``plan.dst`` (local); ``notify`` reaches the peer after the data."""
@@ -160,7 +164,8 @@ class Transport(ABC):
         if wake is not None:
             wake()
 
-    def _post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle:
+    def _post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
+              settled: bool = False) -> TransferHandle:
         self._check_open()
         md = self._peer(peer)
         if not isinstance(plan, TransferPlan):
@@ -170,11 +175,11 @@ class Transport(ABC):
                                  f"got {type(notify).__name__} of {len(notify) if isinstance(notify, bytes) else '?'}")
         transfer_id = next(self._ids)
         handle = self._backend_post_checking(op, peer, plan, notify, transfer_id,
-                                             lambda: self._check_plan(op, peer, plan, md))
+                                             lambda: self._check_plan(op, peer, plan, md), settled=settled)
         if handle is not None:
             return handle
         self._check_plan(op, peer, plan, md)
-        return self._backend_post(op, peer, plan, notify, transfer_id)
+        return self._backend_post(op, peer, plan, notify, transfer_id, settled=settled)
 
     def _check_plan(self, op: Op, peer: str, plan: TransferPlan, md: TransportMetadata) -> None:
         """Both sides inside their registered regions, no destination byte written twice, or a
@@ -210,11 +215,12 @@ class Transport(ABC):
 
     @abstractmethod
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
-                      transfer_id: int) -> TransferHandle:
-        """Start a validated transfer and return its handle."""
+                      transfer_id: int, *, settled: bool = False) -> TransferHandle:
+        """Start a validated transfer and return its handle (``settled``: see ``write``)."""
 
     def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
-                               transfer_id: int, check: Callable[[], None]) -> TransferHandle | None:
+                               transfer_id: int, check: Callable[[], None], *,
+                               settled: bool = False) -> TransferHandle | None:
         """Start a transfer whose every run the backend's device copy confines to its registered regions,
         and run ``check`` (the host's full check, raising PageTableError) while it moves; on a refusal,
         return only once the copy has stopped, send no notification, and re-raise. None (the default):

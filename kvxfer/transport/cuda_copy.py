@@ -493,17 +493,20 @@ class BatchedCopier:
                     raise TransferFailed("the copy kernel's warm-up copy came back wrong")
 
     def copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: RegionTable,
-             remote_src: bool, local_region: U32 | None = None, local: RegionTable | None = None) -> torch.cuda.Event:
+             remote_src: bool, local_region: U32 | None = None, local: RegionTable | None = None, *,
+             after_model: bool = True) -> torch.cuda.Event:
         """Enqueue the copies (the ``remote_src`` side's addresses are translated through ``peer``);
         returns an event recorded after them on the copier's stream. The kernel copies no run outside
         its regions of ``peer`` and ``local`` (``local_region``; without them local addresses are not
-        bounded); the other methods copy whatever they are given (``bounds_on_device`` says which)."""
+        bounded); the other methods copy whatever they are given (``bounds_on_device`` says which).
+        ``after_model``: the copies wait for all work queued on the default stream so far (pages the
+        model writes there); False when the caller already synchronized with what wrote the pages."""
         make_current(self.device_id)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with self._lock:
-            # Pages written by the model on the default stream must be complete before we read them.
-            self._model_done.record(self._default_stream)
-            self.stream.wait_event(self._model_done)  # type: ignore[no-untyped-call]
+            if after_model:   # pages written by the model on the default stream must be complete first
+                self._model_done.record(self._default_stream)
+                self.stream.wait_event(self._model_done)  # type: ignore[no-untyped-call]
             if dst.size:
                 if self.bounds_on_device(int(dst.size)):
                     if local is None or local_region is None:

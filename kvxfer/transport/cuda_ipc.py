@@ -180,11 +180,12 @@ class CudaIpcTransport(Transport):
 
     # --- transfers ----------------------------------------------------------------------------
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
-                      transfer_id: int) -> TransferHandle:
-        return self._notifying(self._launch(op, peer, plan, notify, transfer_id), notify)
+                      transfer_id: int, *, settled: bool = False) -> TransferHandle:
+        return self._notifying(self._launch(op, peer, plan, notify, transfer_id, settled), notify)
 
     def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
-                               transfer_id: int, check: Callable[[], None]) -> TransferHandle | None:
+                               transfer_id: int, check: Callable[[], None], *,
+                               settled: bool = False) -> TransferHandle | None:
         """The kernel copies no run outside its regions (both sides' bounds are on the device), so a
         large plan starts at once and the host checks it while the GPU copies (the check of a 131,072-run
         plan costs about as long as its 4 GiB copy). A refused plan: wait for the copy, no notification."""
@@ -192,7 +193,7 @@ class CudaIpcTransport(Transport):
         if self._local_table is None or table is None or not (table.bounded and self._local_table.bounded) \
                 or not self._copier.bounds_on_device(len(plan)):
             return None
-        handle = self._launch(op, peer, plan, notify, transfer_id)
+        handle = self._launch(op, peer, plan, notify, transfer_id, settled)
         try:
             check()
         except PageTableError as exc:
@@ -212,17 +213,18 @@ class CudaIpcTransport(Transport):
         return handle
 
     def _launch(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
-                transfer_id: int) -> TransferHandle:
+                transfer_id: int, settled: bool = False) -> TransferHandle:
         """Enqueue the plan's copies; the handle is finished by whoever looks (not watched yet)."""
         table = self._peer_tables.get(peer)
         if table is None:
             raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} is not mapped")
         remote, local = (plan.dst, plan.src) if op == "write" else (plan.src, plan.dst)
-        # Only copies (bounded) are queued ahead of this one when the model's stream is idle now.
-        bounded = bool(self._default_stream.query())
+        # Only copies (bounded) are queued ahead of this one when it does not wait for the model's stream
+        # or that stream is idle now.
+        bounded = settled or bool(self._default_stream.query())
         try:
             event = self._copier.copy(plan.dst.addr, plan.src.addr, plan.src.nbytes, remote.region, table,
-                                      op == "read", local.region, self._local_table)
+                                      op == "read", local.region, self._local_table, after_model=not settled)
         except TransferFailed as exc:
             failed = TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=lambda h: False)
             failed._finish(TransferStatus.FAILED, str(exc), TransferFailed)

@@ -65,7 +65,7 @@ class LoopbackTransport(Transport):
             raise PeerUnreachable(f"loopback {self.name!r}: no live transport named {peer!r} in this process")
 
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
-                      transfer_id: int) -> TransferHandle:
+                      transfer_id: int, *, settled: bool = False) -> TransferHandle:
         self._posts += 1
         post_no = self._posts
         due = time.monotonic() + self.faults.delay_s

@@ -238,7 +238,7 @@ class NixlTransport(Transport):
         return self._agent.initialize_xfer(nixl_op, ldescs, rdescs, peer, notify)
 
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
-                      transfer_id: int) -> TransferHandle:
+                      transfer_id: int, *, settled: bool = False) -> TransferHandle:
         if not len(plan):
             handle = TransferHandle(transfer_id, peer, 0, op)
             if notify is not None:

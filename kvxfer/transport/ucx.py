@@ -381,7 +381,7 @@ class UcxTransport(Transport):
 
     # --- posting (caller thread) --------------------------------------------------------------------
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
-                      transfer_id: int) -> TransferHandle:
+                      transfer_id: int, *, settled: bool = False) -> TransferHandle:
         if len(plan) >= MAX_RUNS:
             raise TransportError(f"ucx {op} with peer {peer!r}: {len(plan)} runs exceeds {MAX_RUNS - 1}; "
                                  f"coalesce or split the plan")

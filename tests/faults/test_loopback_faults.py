@@ -586,3 +586,21 @@ def test_malformed_notices_name_what_is_wrong(raw: bytes, pattern: str | None) -
     else:
         with pytest.raises(ProtocolError, match=pattern):
             decode_notice(raw)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["push", "push-layerwise"])
+def test_only_a_write_after_the_whole_compute_is_posted_settled(layerwise: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device copy may skip waiting for the model's stream only when the compute thread synchronized
+    after writing the pages (the whole prompt, first token read): never for a layer group posted while
+    the model still runs."""
+    with pair(layerwise=layerwise) as (prefill, decode):
+        flags: list[bool] = []
+        real_write = prefill.transport.write
+
+        def write(peer: str, plan: Any, notify: bytes | None = None, *, settled: bool = False) -> Any:
+            flags.append(settled)
+            return real_write(peer, plan, notify, settled=settled)
+        monkeypatch.setattr(prefill.transport, "write", write)
+        tokens = prompt(10, 40)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
+        assert flags == ([False] * LAYERS if layerwise else [True])
