@@ -120,6 +120,7 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
     """Measure every length; returns the rows and the set-up (``on_row`` sees each row as it is done;
     ``checksum``: decode verifies every request's pages, so TTFT and arrival include digest and check)."""
     torch.set_num_threads(1)
+    sys.setswitchinterval(0.0005)   # as ``kvxfer serve`` (the prefill process) sets it: see --switch-interval-ms
     logging.getLogger("kvxfer").setLevel(logging.ERROR)
     backend = best_backend() if backend == "auto" else backend
     cfg = preset(model_name)

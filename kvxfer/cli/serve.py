@@ -69,6 +69,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "hf:tiny-swa, hf:llama-3.2-1b, hf:llama-3-8b (seeded random weights) or hf:/path/to/dir "
                         "(a local checkpoint directory)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--switch-interval-ms", type=float, default=0.5,
+                   help="the interpreter's GIL switch interval: how long the compute thread (the model, mostly "
+                        "Python) may hold the GIL while the engine, control and transfer-completion threads wait "
+                        "for it (Python's default is 5 ms; a notification then waits up to that long)")
     p.add_argument("--tokens-per-block", type=int, default=16)
     p.add_argument("--blocks", type=int, default=512, help="blocks per layer group")
     p.add_argument("--head-order", choices=("HND", "NHD"), default="HND")
@@ -201,6 +205,9 @@ def serve(a: argparse.Namespace) -> int:
     """Run one worker until SIGTERM/SIGINT (exit 0) or until it turns unhealthy (exit ``EXIT_UNHEALTHY``);
     prints ``listening on ADDRESS`` once ready, then where its metrics and KV events are served."""
     torch.set_num_threads(1)
+    if not 0 < a.switch_interval_ms <= 100:
+        raise ConfigError(f"--switch-interval-ms must be in (0, 100], got {a.switch_interval_ms}")
+    sys.setswitchinterval(a.switch_interval_ms / 1e3)
     from kvxfer.disagg.worker_decode import DecodeWorker
     from kvxfer.disagg.worker_prefill import PrefillWorker
     key = load_key(a.secret_file)
