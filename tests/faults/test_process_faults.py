@@ -352,8 +352,9 @@ def test_decode_killed_before_during_and_after_transfers_prefill_frees_everythin
             proc, client = start_decode()
             post_write = prefill.transport.write
 
-            def write(peer: str, plan: TransferPlan, notify: bytes | None = None) -> TransferHandle:
-                handle = post_write(peer, plan, notify)
+            def write(peer: str, plan: TransferPlan, notify: bytes | None = None, *,
+                      settled: bool = False) -> TransferHandle:
+                handle = post_write(peer, plan, notify, settled=settled)
                 if proc.proc.returncode is None:
                     proc.kill()
                 return handle
