@@ -55,7 +55,7 @@ class StubWorker:
         self.managers = [make_manager(8)]
         self._status = status or {"role": "decode", "name": "d", "held_slots": 0, "open_caches": 0, "jobs": 0,
                                   "requests": 3, "completed": 2, "failed": 1, "cancelled": 0,
-                                  "integrity_failures": 1, "peer_losses": 2}
+                                  "integrity_failures": 1, "bad_notices": 4, "peer_losses": 2}
         self.fail: Exception | None = None
 
     def status(self) -> dict[str, Any]:
@@ -81,6 +81,7 @@ def test_metrics_health_and_public_status_over_http() -> None:
         assert got[("kvxfer_requests_total", (("outcome", "completed"), ("role", "decode")))] == 2
         assert got[("kvxfer_requests_total", (("outcome", "failed"), ("role", "decode")))] == 1
         assert got[("kvxfer_integrity_failures_total", (("role", "decode"),))] == 1
+        assert got[("kvxfer_bad_notices_total", (("role", "decode"),))] == 4
         assert got[("kvxfer_peer_losses_total", (("role", "decode"),))] == 2
         assert got[("kvxfer_transfer_size_bytes_count", ())] == 2
         assert got[("kvxfer_transfer_size_bytes_sum", ())] == 3 << 20

@@ -91,6 +91,8 @@ def status_metrics(status: Mapping[str, int | float | str]) -> Iterator[Any]:
             requests.add_metric([role, outcome], float(status[key]))
     yield requests
     for key, name, doc in (("integrity_failures", "kvxfer_integrity_failures", "Requests whose pages failed the digest"),
+                           ("bad_notices", "kvxfer_bad_notices",
+                            "Transfer notifications ignored: forged, untagged or malformed (protocol 2)"),
                            ("peer_losses", "kvxfer_peer_losses", "Peer connections lost (not closed cleanly)"),
                            ("bytes_sent", "kvxfer_sent_bytes", "KV bytes sent by prefill"),
                            ("reused_tokens", "kvxfer_prefill_reused_tokens", "Prompt tokens prefill reused")):
