@@ -31,6 +31,7 @@ from kvxfer.cache.layout import plan_layout
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.disagg import messages
 from kvxfer.disagg.messages import MESSAGE_SPECS, Message
+from kvxfer.disagg.worker_protocol import Notice, decode_notice, encode_notice
 from kvxfer.errors import DecodeError, PageTableError, ProtocolError, TransferFailed, TransportError
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import Transport, TransportMetadata, available_backends, create
@@ -109,6 +110,19 @@ def _digests() -> list[bytes]:
     return out
 
 
+def _notices() -> list[bytes]:
+    summary = {"first_token": 7, "parts": 1, "nbytes": 4096, "reused_tokens": 16, "prefill_s": 0.25, "queued_s": 0.001,
+               "post_s": 0.0002, "computed_at": 1234.5, "posted_at": 1234.6}
+    return [encode_notice("req-7", 1, summary, lambda b: bytes(range(16))),
+            encode_notice("req-8", 3, None, lambda b: bytes(16))]
+
+
+def _same_notice(v: Notice) -> bool:
+    summary = None if v.summary is None else {k: x for k, x in v.summary.body.items() if k not in ("request_id", "digest")}
+    again = decode_notice(encode_notice(v.request_id, v.part, summary, lambda b: v.tag))
+    return (again.request_id, again.part, again.summary, again.tag) == (v.request_id, v.part, v.summary, v.tag)
+
+
 def _same_table(a: PageTable, b: PageTable) -> bool:
     return (np.array_equal(a.addr, b.addr) and np.array_equal(a.nbytes, b.nbytes) and np.array_equal(a.region, b.region)
             and a.coords.keys() == b.coords.keys() and all(np.array_equal(a.coords[k], b.coords[k]) for k in a.coords))
@@ -142,6 +156,7 @@ DECODERS = [
             lambda v: messages.decode(messages.encode(v)) == v),
     Decoder("KVDigest.from_bytes", KVDigest.from_bytes, DecodeError, _digests(), True,
             lambda v: KVDigest.from_bytes(v.to_bytes()) == v),
+    Decoder("worker_protocol.decode_notice", decode_notice, ProtocolError, _notices(), False, _same_notice),
 ]
 IDS = [d.name for d in DECODERS]
 
