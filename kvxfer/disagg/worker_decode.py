@@ -149,6 +149,8 @@ class GenerationResult:
     allocate_s: float = 0.0
     """Decode allocating the destination blocks (prefix match, eviction) after ``kv_request`` went out:
     it overlaps prefill's queue and compute, so it is no part of the sum above."""
+    transfer_by_prefill: bool = False
+    """Whether ``transfer_s`` is prefill's own figure (post to completion, from ``kv_pushed``)."""
     arrived_at: float = 0.0
     """Decode's monotonic clock when the KV was in place."""
     prefill_computed_at: float = 0.0
@@ -789,7 +791,8 @@ class DecodeWorker(WorkerCounts):
         generating = self._generating.get(rid)
         if msg.type == "kv_pushed" and generating is not None and generating.conn is conn \
                 and generating.result is not None:   # taken at kv_posted: prefill's copy time, for the result
-            generating.result = replace(generating.result, transfer_s=float(msg["transfer_s"]))
+            generating.result = replace(generating.result, transfer_s=float(msg["transfer_s"]),
+                                        transfer_by_prefill=True)
             return
         job = self._jobs.get(rid)
         if job is None or job.conn is not conn or job.session.state is not SessionState.TRANSFERRING:
@@ -1000,7 +1003,7 @@ class DecodeWorker(WorkerCounts):
                                       request_s, queued_s, post_s, commit_s,
                                       max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s
                                           - verify_s), allocate_s=job.allocated - job.requested,
-                                      arrived_at=arrived,
+                                      transfer_by_prefill=job.pushed.type == "kv_pushed", arrived_at=arrived,
                                       prefill_computed_at=job.prefill_clock[0], prefill_posted_at=job.prefill_clock[1])
         model, max_new = self.model, job.max_new_tokens
 

@@ -473,6 +473,7 @@ def test_decode_takes_the_kv_when_it_landed_without_kv_pushed(layerwise: bool, c
             r = fut.result()
             # layer-wise: the last write may be posted before the compute (the logits) ends
             assert 0 < r.prefill_computed_at <= r.arrived_at and 0 < r.prefill_posted_at <= r.arrived_at
+            assert not r.transfer_by_prefill   # kv_pushed (prefill's own figure) never came
             assert r.arrived_at - r.prefill_computed_at <= r.arrival_s - r.prefill_s + 1e-3
         assert_settled(prefill, decode)
 
