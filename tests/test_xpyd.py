@@ -86,7 +86,8 @@ def test_one_prefill_serves_two_decodes_at_once() -> None:
 
 
 def test_a_lost_prefill_fails_only_its_requests_and_an_added_one_serves_at_once() -> None:
-    """Close one of two prefills with requests in flight on both: only its requests fail (PeerUnreachable),
+    """Close one of two prefills with requests in flight on both: only its requests fail (PeerUnreachable, or
+    TransferFailed naming the shutdown when its kv_failed came first),
     the other's complete, later requests avoid it; ``add_prefill`` brings a new one that the next
     requests use; nothing stays held."""
     pre = prefills(2)
@@ -106,7 +107,8 @@ def test_a_lost_prefill_fails_only_its_requests_and_an_added_one_serves_at_once(
                     res = fut.result(timeout=60)
                 except KvxferError as exc:
                     assert target == pre[0].address, f"a request to the surviving prefill failed: {exc!r}"
-                    assert isinstance(exc, PeerUnreachable), exc
+                    # Lost (PeerUnreachable), or told first: a closing prefill fails its requests in flight.
+                    assert isinstance(exc, PeerUnreachable) or "prefill worker shutting down" in str(exc), exc
                     continue
                 # A request still waiting to start when the loss was seen goes to the survivor instead.
                 assert res.prefill in (target, pre[1].address)
