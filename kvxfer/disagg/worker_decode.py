@@ -909,15 +909,15 @@ class DecodeWorker(WorkerCounts):
             return
         rid, _, part = note.decode("utf-8", "replace").rpartition("#")
         job = self._jobs.get(rid)
-        # ASCII digits only: str.isdigit() accepts "²", which int() refuses.
         if job is None or job.peer != peer or job.conn is None:
             return
         if job.conn.peer.version >= 2:
             self._bad_notice(peer, f"untagged notification {note[:64]!r} on a protocol-2 connection")
-        elif part.isascii() and part.isdigit() and len(part) < 8:
+        elif part.isascii() and part.isdigit() and len(part) < 8:   # str.isdigit() accepts "²", int() does not
             job.parts.add(int(part))
 
     def _bad_notice(self, peer: str, reason: str) -> None:
+        """Count and log a notification that completes nothing (``bad_notices`` in ``status``)."""
         self.counts["bad_notices"] += 1
         log.warning("%s: notification from %s ignored: %s", self.config.name, peer, reason)
 

@@ -121,12 +121,12 @@ class _Job:
     announced: bool = False
     """Push, protocol 2: ``kv_posted`` went to decode (every write posted, the first token known)."""
     digest: bytes | None = None
+    """The digest of the source pages, once taken (``kv_posted`` and ``kv_pushed`` carry the same)."""
     reserved: bool = False
     """Push, one write: the compute thread holds every page of the prompt (``_on_reserved``)."""
     early_plan: tuple[BlockIdMaps, TransferPlan] | None = None
     """Push, not layer-wise: the write's plan, built while the compute ran (decode's ``kv_blocks`` came
     then), with the source ids it read; the post uses it when they are still the ids (``reusable_plan``)."""
-    """The digest of the source pages, once taken (``kv_posted`` and ``kv_pushed`` carry the same)."""
     started: float = field(default_factory=now)
     """When the request arrived: a process stall after this may have made decode give its blocks away."""
 
@@ -659,14 +659,13 @@ class PrefillWorker(WorkerCounts):
             except KvxferError as exc:
                 self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
                 return
-            queued_s, post_s = self._stages(job, job.last_posted)
+            fields = self._posted_fields(job, len(job.handles), nbytes)
+            del fields["computed_at"], fields["posted_at"]   # kv_pushed: kv_posted's fields but the clocks
             # Announced (kv_posted or the notice's summary): decode has, or is about to take, the KV without
             # it, so it is no longer urgent (it frees a cancelled request's blocks; its transfer time is
             # for the statistics).
-            self._send(job.conn, "kv_pushed", urgent=not job.announced, request_id=job.request_id, first_token=job.first_token,
-                       parts=len(job.handles), nbytes=nbytes, reused_tokens=job.reused_tokens,
-                       prefill_s=job.prefill_s, transfer_s=transfer_s, digest=digest, queued_s=queued_s,
-                       post_s=post_s)
+            self._send(job.conn, "kv_pushed", urgent=not job.announced, request_id=job.request_id,
+                       transfer_s=transfer_s, digest=digest, **fields)
         self.stats.bytes_sent += nbytes
         self.stats.completed += 1
         job.session.done("decode has the KV" if transfer_s is None else "written")
@@ -739,5 +738,3 @@ def reusable_plan(early: tuple[BlockIdMaps, TransferPlan] | None, src_ids: Block
     same = len(ids) == len(src_ids) and all(
         a.keys() == b.keys() and all(np.array_equal(a[g], b[g]) for g in a) for a, b in zip(ids, src_ids, strict=True))
     return plan if same else None
-
-

@@ -111,6 +111,7 @@ GENERATE_FAILED = register(MessageSpec("generate_failed", (_RID, Field("error", 
 #: Protocol 2: a write's completion notice (what the transport delivers after the data) starts with this.
 NOTICE_MAGIC = b"KVX2"
 _NOTICE_MAX_BYTES = 2048
+_PART = Field("part", "int", lo=1, hi=1 << 16)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def decode_notice(raw: bytes) -> Notice:
         raise ProtocolError("notice: expected [request_id, part, summary]")
     rid, part, summary = obj
     _RID.check(rid, "notice")
-    Field("part", "int", lo=1, hi=1 << 16).check(part, "notice")
+    _PART.check(part, "notice")
     if summary is not None and not isinstance(summary, dict):
         raise ProtocolError("notice.summary: expected a map or nil")
     message = None if summary is None else \
