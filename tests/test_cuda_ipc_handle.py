@@ -10,7 +10,7 @@ import pytest
 
 from kvxfer.errors import TransferFailed, TransferTimeout
 from kvxfer.transport import TransferStatus
-from kvxfer.transport.cuda_ipc import _CopyHandle
+from kvxfer.transport.cuda_ipc import CudaIpcTransport, _CopyHandle
 
 
 class FakeEvent:
@@ -85,4 +85,32 @@ def test_a_failed_copy_reports_the_cuda_error() -> None:
     event.error = "an illegal memory access was encountered"
     assert handle.status is TransferStatus.FAILED
     with pytest.raises(TransferFailed, match="illegal memory access"):
+        handle.wait(1.0)
+
+
+def test_a_settled_copy_with_a_notification_is_finished_by_the_posting_thread() -> None:
+    """``write(..., settled=True)`` with a notification: the posting thread waits on the copy's event and
+    finishes it (notification included) before returning; nothing is handed to the completion thread.
+    (Mutation: watching it instead leaves it pending and handed over.)"""
+    handle, event, completed, handed = make(bounded=True)
+    assert CudaIpcTransport._notifying(handle, b"notice", True) is handle
+    assert handle.status is TransferStatus.DONE and event.syncs == 1
+    assert completed == ["done"] and handed == []
+
+
+def test_a_copy_with_a_notification_not_settled_goes_to_the_completion_thread() -> None:
+    handle, event, completed, handed = make(bounded=True)
+    CudaIpcTransport._notifying(handle, b"notice", False)
+    assert handed == [handle] and event.syncs == 0 and completed == []
+    handle2, event2, _, handed2 = make(bounded=True)
+    CudaIpcTransport._notifying(handle2, None, True)   # nobody to tell: whoever looks finishes it
+    assert handed2 == [] and event2.syncs == 0 and handle2.status is TransferStatus.PENDING
+
+
+def test_a_settled_copy_that_fails_in_the_posting_thread_names_the_cuda_error() -> None:
+    handle, event, completed, _ = make(bounded=True)
+    event.error = "an illegal memory access was encountered"
+    CudaIpcTransport._notifying(handle, b"notice", True)
+    assert handle.status is TransferStatus.FAILED and completed == []
+    with pytest.raises(TransferFailed, match="CUDA copy failed: an illegal memory access"):
         handle.wait(1.0)

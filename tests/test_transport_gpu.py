@@ -105,6 +105,29 @@ def test_device_memory_moves_exact_bytes(gpu_peer: GpuPeer, op: str, coalesced: 
     assert p.call("notifications", 1, 10.0) == {p.local.name: [f"{op}-{coalesced}".encode()]}
 
 
+def test_a_settled_write_is_done_when_posted_and_its_notice_follows(gpu_peer: GpuPeer) -> None:
+    """``write(..., settled=True)`` with a notification (prefill's one write per request): exact bytes,
+    the notification arrives, and on cuda_ipc the handle is already done when ``write`` returns (the
+    posting thread waited on the copy and sent the notification itself). (Mutation: handing it to the
+    completion thread instead leaves it pending at return on cuda_ipc.)"""
+    p = gpu_peer
+    rng = np.random.default_rng(13)
+    local_regions, peer_regions = list(p.local.regions), list(p.local.peer_regions(p.name))
+    local_before = _host(p.bufs)
+    peer_before = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+    plan = pair(random_pages(rng, local_regions, 200, 4 * PAGE, False),
+                random_pages(rng, peer_regions, 200, 4 * PAGE, False))
+    want_peer = expected_after(plan, local_regions, local_before, peer_regions, peer_before)
+    torch.cuda.synchronize()   # what "settled" promises: the pages' writers are done
+    handle = p.local.write(p.name, plan, notify=b"settled-write", settled=True)
+    if p.local.backend == "cuda_ipc":
+        assert handle.status.terminal, "a settled cuda_ipc write with a notification returned unfinished"
+    handle.wait(60)
+    got_peer = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+    assert all(np.array_equal(a, b) for a, b in zip(got_peer, want_peer, strict=True))
+    assert p.call("notifications", 1, 10.0) == {p.local.name: [b"settled-write"]}
+
+
 def test_device_plan_outside_peer_memory_is_refused(gpu_peer: GpuPeer) -> None:
     p = gpu_peer
     before = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
@@ -118,8 +141,9 @@ def test_device_plan_outside_peer_memory_is_refused(gpu_peer: GpuPeer) -> None:
     assert all(np.array_equal(np.frombuffer(a, np.uint8), b) for a, b in zip(p.call("dump"), before, strict=True))
 
 
+@pytest.mark.parametrize("settled", [False, True], ids=["ordered", "settled"])
 @pytest.mark.parametrize("bad", ["outside", "overlap"])
-def test_large_hostile_plan_is_refused_without_notification(gpu_peer: GpuPeer, bad: str) -> None:
+def test_large_hostile_plan_is_refused_without_notification(gpu_peer: GpuPeer, bad: str, settled: bool) -> None:
     """A 64-entry write (the cuda_ipc kernel path, which starts copying before the host's check ends)
     with one entry past the peer's region, or two destinations sharing bytes: PageTableError naming
     it, no notification, and no peer byte changes outside the plan's in-region destinations."""
@@ -139,7 +163,7 @@ def test_large_hostile_plan_is_refused_without_notification(gpu_peer: GpuPeer, b
     from kvxfer.pagetable import TransferPlan
     plan = TransferPlan(src, PageTable(addr, dst.nbytes, dst.region))
     with pytest.raises(PageTableError, match=words):
-        p.local.write(p.name, plan, notify=b"must-not-arrive")
+        p.local.write(p.name, plan, notify=b"must-not-arrive", settled=settled)
     after = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
     allowed = np.zeros(before[0].size, bool)
     base = peer_regions[0].base_address

@@ -97,7 +97,8 @@ class Transport(ABC):
         """Push: ``plan.src`` (local) -> ``plan.dst`` (peer); ``notify`` reaches the peer after the data.
         ``settled``: the caller synchronized with the work that wrote the source pages, so a device
         backend need not order the copy after the model's stream (where later work may be queued by
-        then, such as the next prompt's prefill)."""
+        then, such as the next prompt's prefill), and may finish such a write with a notification
+        before returning (cuda_ipc: the copy's own duration, sparing a thread hand-off)."""
         return self._post("write", peer, plan, notify, settled)
 
     def read(self, peer: str, plan: TransferPlan, notify: bytes | None = None) -> TransferHandle:
