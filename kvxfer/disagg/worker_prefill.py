@@ -126,7 +126,8 @@ class _Job:
     """Push, one write: the compute thread holds every page of the prompt (``_on_reserved``)."""
     early_plan: tuple[BlockIdMaps, TransferPlan] | None = None
     """Push, not layer-wise: the write's plan, built while the compute ran (decode's ``kv_blocks`` came
-    then), with the source ids it read; the post uses it when they are still the ids (``reusable_plan``)."""
+    then), with the source ids it read (pinned then, in ``pins``); the post uses it when they are still
+    the ids (``reusable_plan``)."""
     started: float = field(default_factory=now)
     """When the request arrived: a process stall after this may have made decode give its blocks away."""
 
@@ -553,23 +554,30 @@ class PrefillWorker(WorkerCounts):
 
     def _plan_early(self, job: _Job) -> None:
         """Build the push's plan now, while the compute thread runs, from the block ids the request holds
-        now (the planning, ~0.3-0.5 ms, then leaves the path from the compute's end to the post). The
-        compute may still change them (its commit at the prompt's end may swap the last block for the
-        prefix tree's copy): the post checks them first (``reusable_plan``). Nothing is pinned here."""
+        now, and pin those pages (the planning, ~0.3-0.5 ms, and the pin, ~0.1 ms, then leave the path
+        from the compute's end to the post). The compute may still change the ids (its commit at the
+        prompt's end may swap the last block for the prefix tree's copy): the post checks them first
+        (``reusable_plan``), and plans and pins again if they changed (the early pin is released with
+        the request's others)."""
         assert job.dst_ids is not None
         try:
             ids = [{g: np.asarray(x, dtype=np.int64) for g, x in c.block_id_map().items()} for c in job.caches]
-            job.early_plan = ids, plan_between(self.layouts, ids, self._peer_layouts[job.peer], job.dst_ids,
-                                               token_range=job.span, request_id=job.request_id)
+            plan = plan_between(self.layouts, ids, self._peer_layouts[job.peer], job.dst_ids, token_range=job.span,
+                                request_id=job.request_id)
         except KvxferError as exc:   # the post plans again, and reports what is wrong
             log.debug("%s: request %s: no early plan: %s", self.config.name, job.request_id, exc)
+            return
+        job.pins.extend(m.pin_pages(i) for m, i in zip(self.managers, ids, strict=True))
+        job.early_plan = ids, plan
 
     def _source_ids(self, job: _Job) -> BlockIdMaps:
-        """The block ids the request's transfers read: taken (and pinned on every rank) at the first post;
-        a later post must read the same pages, or its digest could not describe them all."""
+        """The block ids the request's transfers read: taken (and pinned on every rank, unless the early
+        plan pinned these very ids) at the first post; a later post must read the same pages, or its
+        digest could not describe them all."""
         now_ids = [{g: np.asarray(ids, dtype=np.int64) for g, ids in c.block_id_map().items()} for c in job.caches]
         if not job.src_ids:
-            job.pins = [m.pin_pages(ids) for m, ids in zip(self.managers, now_ids, strict=True)]
+            if reusable_plan(job.early_plan, now_ids) is None:
+                job.pins.extend(m.pin_pages(ids) for m, ids in zip(self.managers, now_ids, strict=True))
             job.src_ids = now_ids
         elif any(not np.array_equal(a[g], b[g]) for a, b in zip(job.src_ids, now_ids, strict=True) for g in a):
             raise CacheStateError(f"request {job.request_id}: its block ids changed between two posts of its "

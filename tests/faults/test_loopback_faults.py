@@ -511,10 +511,47 @@ def test_the_plan_built_during_the_compute_is_posted_when_the_source_ids_held(mo
             time.sleep(0.3)   # decode's kv_blocks comes meanwhile
             return real_prefill(*a, **k)
         monkeypatch.setattr(prefill.model, "prefill", slow)
+        pins = spy_pins(prefill)
         tokens = prompt(8, 50)
         assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
-        assert used == [True]
+        assert used and all(used)   # the ids held: the early plan (and its pin) served the post
+        # The early plan's pages were pinned with it, while the model computed; the post pinned nothing.
+        # (Mutation: pinning at the post regardless makes it two pins, the second after the compute.)
+        assert pins == [True]
         assert_settled(prefill, decode)
+
+
+def test_an_early_plan_whose_ids_changed_is_planned_and_pinned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compute changed the request's ids after the early plan (as a commit swapping the last block
+    does; simulated): the post plans and pins the ids it reads, the KV is exact, and both pins are
+    released (no page held afterwards)."""
+    import kvxfer.disagg.worker_prefill as wp
+    monkeypatch.setattr(wp, "reusable_plan", lambda early, src_ids: None)
+    with pair() as (prefill, decode):
+        real_prefill = prefill.model.prefill
+
+        def slow(*a: Any, **k: Any) -> Any:
+            time.sleep(0.3)
+            return real_prefill(*a, **k)
+        monkeypatch.setattr(prefill.model, "prefill", slow)
+        pins = spy_pins(prefill)
+        tokens = prompt(9, 50)
+        assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
+        assert pins == [True, False]   # the early pin while computing, the post's after it
+        assert_settled(prefill, decode)
+
+
+def spy_pins(prefill: PrefillWorker) -> list[bool]:
+    """Record, for each ``pin_pages`` of the prefill worker, whether a request was being computed then."""
+    seen: list[bool] = []
+    manager = prefill.managers[0]
+    real = manager.pin_pages
+
+    def pin(ids: Any) -> Any:
+        seen.append(any(job.computing for job in prefill._jobs.values()))
+        return real(ids)
+    manager.pin_pages = pin  # type: ignore[method-assign]
+    return seen
 
 
 def test_an_early_plan_is_used_only_for_the_exact_source_ids() -> None:
