@@ -220,3 +220,26 @@ def test_a_peer_that_stops_reading_times_the_sender_out() -> None:
 def test_endpoints_off_this_host_or_malformed_are_refused(endpoint: str) -> None:
     with pytest.raises(DecodeError, match="notification endpoint"):
         parse_endpoint(endpoint)
+
+
+def test_a_connection_that_never_names_itself_is_closed_and_frees_its_slot(caplog: pytest.LogCaptureFixture) -> None:
+    """Idle connections cannot hold every slot: one that sends no name within ``hello_timeout`` is closed,
+    one that named itself stays open however long it is quiet. (Mutation: no timeout keeps it open.)"""
+    got = Collected()
+    box = NotifyInbox("test", got, max_connections=2, hello_timeout=0.2)
+    try:
+        named = NotifyOutbox(box.endpoint, "prefill")
+        silent = raw(box)
+        silent.settimeout(5)
+        started = time.monotonic()
+        assert silent.recv(16) == b""   # closed by the inbox
+        assert 0.15 < time.monotonic() - started < 3
+        assert "no name within 0.2 s" in caplog.text
+        time.sleep(0.3)
+        named.send(b"still here")
+        assert got.wait_for(1) == [("prefill", b"still here")]
+        wait_until(lambda: box.num_connections == 1)
+        named.close()
+        silent.close()
+    finally:
+        box.close()

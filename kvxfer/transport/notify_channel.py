@@ -10,7 +10,9 @@ thread wakes from ``select`` with the frame in its socket.
 Wire: a connection's first frame names the sender (UTF-8, at most ``MAX_NAME_BYTES``), every later
 frame is one notification; a frame is a 4-byte big-endian length and that many bytes. The receiver
 bounds what a peer can make it hold: frames over ``max_frame`` bytes, an over-long or undecodable
-name end that connection (logged); past ``max_connections`` new connections are closed at once.
+name end that connection (logged), as does a connection that has not named itself within
+``hello_timeout`` seconds (so idle connections cannot hold every slot); past ``max_connections`` new
+connections are closed at once; a failing ``accept`` (out of file descriptors) is logged and retried.
 Anyone on the host can connect, as to any 127.0.0.1 port: the receiver hands every frame with its
 claimed sender to ``deliver``, which must check it (cuda_ipc keeps only connected peers' frames; the
 workers trust a notice only when its tag checks).
@@ -24,6 +26,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from kvxfer.errors import DecodeError, PeerUnreachable
@@ -94,12 +97,13 @@ class NotifyOutbox:
 class _Reader:
     """What the receiver knows of one connection: the bytes of its unfinished frame and its sender."""
 
-    __slots__ = ("buffer", "sender", "where")
+    __slots__ = ("buffer", "opened", "sender", "where")
 
     def __init__(self, where: str) -> None:
         self.buffer = bytearray()
         self.sender: str | None = None
         self.where = where
+        self.opened = time.monotonic()
 
 
 class NotifyInbox:
@@ -107,10 +111,11 @@ class NotifyInbox:
     for every notification, in arrival order per connection."""
 
     def __init__(self, name: str, deliver: Callable[[str, bytes], None], *, max_frame: int = 1 << 16,
-                 max_connections: int = 1024) -> None:
+                 max_connections: int = 1024, hello_timeout: float = 5.0) -> None:
         self.name = name
         self.max_frame = max_frame
         self.max_connections = max_connections
+        self.hello_timeout = hello_timeout
         self._deliver = deliver
         self._selector = selectors.DefaultSelector()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -157,21 +162,35 @@ class NotifyInbox:
     def _run(self) -> None:
         try:
             while not self._closing:
-                for key, _ in self._selector.select():
+                unnamed = [r.opened for r in self._readers.values() if r.sender is None]
+                timeout = None if not unnamed else max(0.0, min(unnamed) + self.hello_timeout - time.monotonic())
+                for key, _ in self._selector.select(timeout):
                     sock = key.fileobj
                     assert isinstance(sock, socket.socket)
                     if sock is self._listener:
                         self._accept()
-                    elif sock is not self._wake_r:
+                    elif sock is not self._wake_r and sock in self._readers:
                         self._read(sock)
+                if unnamed:
+                    self._drop_silent()
         except Exception as exc:   # notifications stop: transfers still complete, waiters time out naming it
             log.error("notification inbox %r: the receiver failed; no more notifications will arrive: %s",
                       self.name, exc, exc_info=exc)
+
+    def _drop_silent(self) -> None:
+        """Close the connections that have not named themselves within ``hello_timeout``."""
+        late = time.monotonic() - self.hello_timeout
+        for sock in [s for s, r in self._readers.items() if r.sender is None and r.opened <= late]:
+            self._drop(sock, f"no name within {self.hello_timeout:g} s")
 
     def _accept(self) -> None:
         try:
             sock, addr = self._listener.accept()
         except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:   # out of file descriptors, say: the connection waits in the backlog
+            log.warning("notification inbox %r: accept failed (retrying in 10 ms): %s", self.name, exc)
+            time.sleep(0.01)
             return
         if len(self._readers) >= self.max_connections:
             log.warning("notification inbox %r: refusing a connection from %s: %d already open", self.name, addr,
