@@ -114,3 +114,31 @@ def test_a_settled_copy_that_fails_in_the_posting_thread_names_the_cuda_error() 
     assert handle.status is TransferStatus.FAILED and completed == []
     with pytest.raises(TransferFailed, match="CUDA copy failed: an illegal memory access"):
         handle.wait(1.0)
+
+
+def test_a_copy_whose_notification_cannot_be_sent_fails_naming_it() -> None:
+    """The data landed but the peer will never learn of it (its notification channel is gone): the copy
+    fails with the reason instead of finishing as done, so the sender reports the request failed rather
+    than waiting for a peer that waits for the notice. (Mutation: ignoring the send's failure.)"""
+    import threading as _threading
+
+    from kvxfer.errors import PeerUnreachable
+
+    class GoneOutbox:
+        def send(self, payload: bytes) -> None:
+            raise PeerUnreachable("notification endpoint tcp://127.0.0.1:1: send failed: broken pipe")
+
+    transport = object.__new__(CudaIpcTransport)   # the completion rule alone: no CUDA needed
+    transport.name = "prefill"
+    transport._push_lock = _threading.Lock()
+    for outbox, reason in ((GoneOutbox(), "send failed: broken pipe"), (None, "'decode' was disconnected")):
+        transport._push = {} if outbox is None else {"decode": outbox}
+        handle, _, _, _ = make()
+        transport._complete(handle, "decode", b"notice")
+        assert handle.status is TransferStatus.FAILED
+        with pytest.raises(TransferFailed, match=f"copy done, its notification to 'decode' not sent: .*{reason}"):
+            handle.wait(1.0)
+    transport._push = {}
+    handle, _, _, _ = make()
+    transport._complete(handle, "decode", None)   # nothing to tell: done
+    assert handle.status is TransferStatus.DONE
