@@ -12,6 +12,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -251,3 +252,33 @@ def test_a_connection_that_never_names_itself_is_closed_and_frees_its_slot(caplo
         silent.close()
     finally:
         box.close()
+
+
+@pytest.mark.parametrize("failing", ["socketpair", "thread"])
+def test_an_inbox_that_cannot_start_releases_what_it_opened(failing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A constructor that fails halfway closes the sockets it opened. (Mutation: no clean-up leaves the
+    listener, or the listener and the socket pair, open.)"""
+    opened: list[socket.socket] = []
+    real_server, real_pair = socket.create_server, socket.socketpair
+
+    def server(*a: Any, **k: Any) -> socket.socket:
+        opened.append(real_server(*a, **k))
+        return opened[-1]
+
+    def pair(*a: Any, **k: Any) -> tuple[socket.socket, socket.socket]:
+        if failing == "socketpair":
+            raise OSError("injected")
+        both = real_pair(*a, **k)
+        opened.extend(both)
+        return both
+
+    def fail(*a: object, **k: object) -> None:
+        raise OSError("injected")
+    monkeypatch.setattr(socket, "create_server", server)
+    monkeypatch.setattr(socket, "socketpair", pair)
+    if failing == "thread":
+        monkeypatch.setattr(threading.Thread, "start", fail)
+    with pytest.raises(OSError, match="injected"):
+        NotifyInbox("test", Collected())
+    assert len(opened) == (1 if failing == "socketpair" else 3)
+    assert all(sock.fileno() == -1 for sock in opened), "a socket of the failed inbox is still open"

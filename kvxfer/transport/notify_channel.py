@@ -117,22 +117,27 @@ class NotifyInbox:
         self.max_connections = max_connections
         self.hello_timeout = hello_timeout
         self._deliver = deliver
-        self._selector = selectors.DefaultSelector()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._wake_r, self._wake_w = socket.socketpair()
         self._readers: dict[socket.socket, _Reader] = {}
-        try:
+        self._closing = False
+        self._selector = selectors.DefaultSelector()
+        opened: list[socket.socket] = []
+        try:   # whatever was opened is closed again if a later step fails
+            self._listener = socket.create_server(("127.0.0.1", 0))
+            opened.append(self._listener)
+            self._wake_r, self._wake_w = socket.socketpair()
+            opened += [self._wake_r, self._wake_w]
             self._listener.setblocking(False)
             self._wake_r.setblocking(False)
             self._selector.register(self._listener, selectors.EVENT_READ)
             self._selector.register(self._wake_r, selectors.EVENT_READ)
+            self.endpoint = f"{ENDPOINT_PREFIX}{self._listener.getsockname()[1]}"
+            self._thread = threading.Thread(target=self._run, name=f"notify-inbox-{name}", daemon=True)
+            self._thread.start()
         except BaseException:
-            self._release()
+            for sock in opened:
+                sock.close()
+            self._selector.close()
             raise
-        self.endpoint = f"{ENDPOINT_PREFIX}{self._listener.getsockname()[1]}"
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name=f"notify-inbox-{name}", daemon=True)
-        self._thread.start()
 
     @property
     def num_connections(self) -> int:
