@@ -3,12 +3,7 @@
 # alone), bench e2e at the Llama-3.2-1B shape (and Llama-3-8B with WITH_8B=1), the demo on cuda:0, then `pytest -m gpu` in the time left of BUDGET_S (585 s).
 # Every output is also written under $OUT. Usage: bash scripts/device_final.sh
 source scripts/device_setup.sh
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
-export UCX_LOG_LEVEL=error
-filter() { grep -v "NIXL INFO"; }
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
-  python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.cuda, "triton", triton.__version__)'; } > "$OUT/env.txt" 2>&1
+record_env
 cat "$OUT/env.txt"
 echo "=== post stamps"
 timeout 90 python3 scripts/device_post_stamps.py "$OUT/post_stamps.json" 2>&1 | tail -12
@@ -23,8 +18,7 @@ PYTHONPATH=$BOTH timeout 130 python3 -m kvxfer bench e2e --device cuda:0 --backe
   --lengths 1024,4096 --iters 2 --out "$OUT/e2e_8b.json" 2>&1 | filter | tail -4
 fi
 echo "=== demo cuda"
-PYTHONPATH=$BOTH timeout 60 python3 -m kvxfer demo --device cuda:0 --backend cuda_ipc --checksum full --json > "$OUT/demo_cuda.json" 2> "$OUT/demo_cuda.err"
-echo "demo exit $?"; python3 -c "import json; d=json.load(open('$OUT/demo_cuda.json')); print({k: d[k] for k in ('requests','mismatches','kv_mismatches','failed','ttft_ms_p50')}); print('transfer_ms per request:', [round(r['transfer_ms'], 3) for r in d['rows']])" || tail -5 "$OUT/demo_cuda.err"
+demo_cuda demo_cuda --checksum full
 echo "=== pytest -m gpu"
 PYTHONPATH=$BOTH timeout $(( ${BUDGET_S:-585} - SECONDS )) python3 -m pytest -m gpu -q -ra -p no:cacheprovider tests/ 2>&1 | filter > "$OUT/pytest_gpu.txt"
 tail -25 "$OUT/pytest_gpu.txt"

@@ -3,12 +3,8 @@
 # in its processes, and bench e2e (1B shape) with its control split, sampled by py-spy (carried in
 # .devwheels/extra). Usage: bash scripts/device_profile.sh   (OUT=... for the results folder)
 source scripts/device_setup.sh
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
-export UCX_LOG_LEVEL=error
 SPY=/tmp/site_extra/bin/py-spy
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
-  python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.cuda, "triton", triton.__version__)'; } > "$OUT/env.txt" 2>&1
+record_env
 cat "$OUT/env.txt"
 echo "=== post probe"
 timeout 90 python3 scripts/device_post_probe.py "$OUT/post_probe.json" 2>&1 | tail -14

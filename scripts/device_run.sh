@@ -5,10 +5,6 @@
 #   bash scripts/device_run.sh final    # `pytest -m gpu`, the demo on cuda:0, bench e2e at the Llama-3.2-1B shape
 # Carry .devwheels (made by ../shared/tools/device-wheels .devwheels plus blake3/pyzmq in .devwheels/extra).
 source scripts/device_setup.sh
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
-export UCX_LOG_LEVEL=error
-filter() { grep -v "NIXL INFO"; }
 if [ "${1:-tests}" = final ]; then
   { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
     python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.version.cuda, "transformers", transformers.__version__)'; } > "$OUT/env.txt" 2>&1

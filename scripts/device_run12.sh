@@ -4,9 +4,6 @@
 # GPU tests (examples, demo, the 1B transformers shape), bench_gpu (cuda_ipc), the post-path stamps,
 # then the rest of `pytest -m gpu` while BUDGET_S (300 s) lasts.
 source scripts/device_setup.sh >/dev/null 2>&1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
-export UCX_LOG_LEVEL=error
 BUDGET_S=${BUDGET_S:-300}
 left() { echo $(( BUDGET_S - SECONDS )); }
 echo "=== test_transport_gpu (cuda_ipc and the kernel)"

@@ -4,9 +4,6 @@
 # the bench-context probe (where a post's time goes inside bench_gpu's loop), bench_gpu cuda_ipc with the
 # "D2D in place" column.
 source scripts/device_setup.sh >/dev/null 2>&1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
-export UCX_LOG_LEVEL=error
 BUDGET_S=${BUDGET_S:-330}
 left() { echo $(( BUDGET_S - SECONDS )); }
 echo "=== test_transport_gpu"

@@ -2,7 +2,6 @@
 # Issue 17, H200 run 15: the GPU transport tests on the final tree (driver launch, torch events), and a
 # mutation (the copier's stream no longer waits for the model's stream: its test must fail).
 source scripts/device_setup.sh >/dev/null 2>&1
-export UCX_LOG_LEVEL=error
 echo "=== test_transport_gpu"
 PYTHONPATH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx timeout 150 python3 -m pytest -q -rf -p no:cacheprovider \
   tests/test_transport_gpu.py 2>&1 | grep -v "NIXL INFO" | tail -4

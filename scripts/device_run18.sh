@@ -3,12 +3,7 @@
 # shapes, the stage probe at 4k (1B), the demo on cuda:0. `pytest -m gpu` runs in a second call
 # (scripts/device_pytest_gpu.sh): both together pass one call's 10 minutes.
 source scripts/device_setup.sh >/dev/null 2>&1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
-export UCX_LOG_LEVEL=error
-filter() { grep -v "NIXL INFO"; }
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
-  python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.cuda, "triton", triton.__version__)'; } > "$OUT/env.txt" 2>&1
+record_env
 echo "=== bench e2e 1B"
 PYTHONPATH=$BOTH timeout 170 python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc --model llama-3.2-1b \
   --lengths 1024,4096,16384,32768 --iters 3 --out "$OUT/e2e_1b.json" 2>&1 | filter | tail -6
@@ -20,5 +15,4 @@ KVX_TRACE=$OUT/trace_4096 PYTHONPATH=$BOTH:$PWD/scripts/stage_trace timeout 80 p
   --backend cuda_ipc --model llama-3.2-1b --lengths 4096 --iters 2 2>&1 | filter | tail -1
 python3 scripts/stage_trace/merge.py "$OUT/trace_4096" 30
 echo "=== demo cuda"
-PYTHONPATH=$BOTH timeout 60 python3 -m kvxfer demo --device cuda:0 --backend cuda_ipc --checksum full --json > "$OUT/demo_cuda.json" 2> "$OUT/demo_cuda.err"
-echo "demo exit $?"; python3 -c "import json; d=json.load(open('$OUT/demo_cuda.json')); print({k: d[k] for k in ('requests','mismatches','kv_mismatches','failed','ttft_ms_p50')}); print('transfer_ms per request:', [round(r['transfer_ms'], 3) for r in d['rows']])" || tail -5 "$OUT/demo_cuda.err"
+demo_cuda demo_cuda --checksum full

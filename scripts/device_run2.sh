@@ -2,10 +2,6 @@
 # Issue 17, second device run: cuda_ipc/kernel GPU tests after the completion-path change, the post
 # profile, bench_gpu cuda_ipc alone, bench e2e (1B) without a profiler. OUT=... for the results.
 source scripts/device_setup.sh
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
-export UCX_LOG_LEVEL=error
-filter() { grep -v "NIXL INFO"; }
 echo "=== pytest gpu (transport, workers)"
 PYTHONPATH=$BOTH timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_transport_gpu.py tests/test_integrity.py tests/test_examples.py 2>&1 | filter | tail -6
 echo "=== post profile"

@@ -3,12 +3,7 @@
 # PUSH/PULL: the GPU transport tests, bench e2e at the Llama-3.2-1B shape (4 lengths), the stage probe
 # at 4k, and the demo on cuda:0 twice (transfers of its small requests).
 source scripts/device_setup.sh >/dev/null 2>&1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
-export UCX_LOG_LEVEL=error
-filter() { grep -v "NIXL INFO"; }
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
-  python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.cuda, "triton", triton.__version__)'; } > "$OUT/env.txt" 2>&1
+record_env
 echo "=== pytest tests/test_transport_gpu.py"
 PYTHONPATH=$BOTH timeout 150 python3 -m pytest -q -ra -p no:cacheprovider tests/test_transport_gpu.py 2>&1 | filter | tail -4
 echo "=== bench e2e 1B"
@@ -20,6 +15,5 @@ KVX_TRACE=$OUT/trace_4096 PYTHONPATH=$BOTH:$PWD/scripts/stage_trace timeout 80 p
 python3 scripts/stage_trace/merge.py "$OUT/trace_4096" 30
 for i in 1 2; do
 echo "=== demo cuda #$i"
-PYTHONPATH=$BOTH timeout 60 python3 -m kvxfer demo --device cuda:0 --backend cuda_ipc --json > "$OUT/demo_cuda_$i.json" 2> "$OUT/demo_cuda.err"
-echo "demo exit $?"; python3 -c "import json; d=json.load(open('$OUT/demo_cuda_$i.json')); print({k: d[k] for k in ('requests','mismatches','kv_mismatches','failed','ttft_ms_p50')}); print('transfer_ms per request:', [round(r['transfer_ms'], 3) for r in d['rows']])" || tail -5 "$OUT/demo_cuda.err"
+demo_cuda demo_cuda_$i
 done

@@ -2,9 +2,6 @@
 # Issue 17, H200 run 28: does the GIL switch interval (0.5 ms, kvxfer serve's default since run 23) slow the
 # prefill process's compute? bench e2e 8B at 4k, 4 iterations, at 5 ms then 0.5 ms.
 source scripts/device_setup.sh >/dev/null 2>&1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
-export UCX_LOG_LEVEL=error
 for si in 5 0.5; do
 echo "=== bench e2e 8B 4k, switch interval $si ms"
 PYTHONPATH=$BOTH timeout 110 python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc --model llama-3-8b \

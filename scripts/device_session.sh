@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# What every device run script shares (sourced by scripts/device_setup.sh after the wheels are in; it
+# installs nothing, so it can be sourced anywhere): the output folder, the PYTHONPATH with both bindings,
+# and helpers for the machine record and the demo on cuda:0.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+BOTH=$PYTHONPATH:/tmp/site_nixl:/tmp/site_ucxx
+export UCX_LOG_LEVEL=error
+
+# NIXL's informational lines out of a command's output.
+filter() { grep -v "NIXL INFO"; }
+
+# The machine, driver, torch and Triton versions, into $OUT/env.txt.
+record_env() {
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.cuda, "triton", triton.__version__)'
+  } > "$OUT/env.txt" 2>&1
+}
+
+# The demo's JSON summary: its counts and each request's transfer (ms); else the tail of its stderr.
+demo_summary() {  # demo_summary JSON ERR
+  python3 - "$1" <<'PY' || tail -5 "$2"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print({k: d[k] for k in ("requests", "mismatches", "kv_mismatches", "failed", "ttft_ms_p50")})
+print("transfer_ms per request:", [round(r["transfer_ms"], 3) for r in d["rows"]])
+PY
+}
+
+# The demo on cuda:0 over cuda_ipc (60 s at most): its JSON in $OUT/NAME.json, then its summary.
+demo_cuda() {  # demo_cuda NAME [demo options]
+  local name=$1; shift
+  PYTHONPATH=$BOTH timeout 60 python3 -m kvxfer demo --device cuda:0 --backend cuda_ipc "$@" --json \
+    > "$OUT/$name.json" 2> "$OUT/$name.err"
+  echo "demo exit $?"
+  demo_summary "$OUT/$name.json" "$OUT/$name.err"
+}
