@@ -46,11 +46,16 @@ def main() -> None:
         s = rng.choice(slots, count, replace=False).astype(np.uint64) * np.uint64(run) + np.uint64(src.data_ptr())
         d = rng.choice(slots, count, replace=False).astype(np.uint64) * np.uint64(run) + np.uint64(dst.data_ptr())
         cases[name] = (d, s, np.full(count, run, np.uint64), np.zeros(count, np.uint32), run * count)
-    variants = [(32 << 10, 4096, 4), (128 << 10, 4096, 4)]
+    # (chunk, block words, warps, plans launched in parts): the shipped variant first, then the same
+    # without parts (one launch per plan, as before run 29), then the kernel's knobs one at a time.
+    pipeline = cuda_copy.PIPELINE_RUNS
+    variants = [(32 << 10, 4096, 4, True), (32 << 10, 4096, 4, False), (32 << 10, 2048, 4, True),
+                (32 << 10, 4096, 8, True), (64 << 10, 4096, 4, True), (16 << 10, 2048, 4, True)]
     rows = []
-    for chunk, block, warps in variants:
+    for chunk, block, warps, parts in variants:
         cuda_copy.CHUNK_BYTES, cuda_copy.BLOCK_WORDS, cuda_copy.NUM_WARPS = chunk, block, warps
-        row = {"chunk": chunk, "block_words": block, "warps": warps}
+        cuda_copy.PIPELINE_RUNS = pipeline if parts else 1 << 62
+        row = {"chunk": chunk, "block_words": block, "warps": warps, "parts": parts}
         for name, (d, s, n, r, total) in cases.items():
             copier.copy(d, s, n, r, zero, False).synchronize()   # compile + warm
 
@@ -80,15 +85,19 @@ def main() -> None:
                          "post_us": statistics.median(host) * 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    # correctness of the last variant on the 131072-run case
+    # correctness of the shipped variant (in parts) on the 131072-run case, every run of every part sampled
+    cuda_copy.CHUNK_BYTES, cuda_copy.BLOCK_WORDS, cuda_copy.NUM_WARPS = variants[0][:3]
+    cuda_copy.PIPELINE_RUNS = pipeline
     d, s, n, r, _ = cases["32KiB x 131072"]
     dst.fill_(0)
     copier.copy(d, s, n, r, zero, False).synchronize()
-    k = np.random.default_rng(1).choice(d.size, 64, replace=False)
+    k = np.concatenate([np.random.default_rng(1).choice(d.size, 256, replace=False), [0, 8191, 8192, 40959,
+                                                                                      40960, d.size - 1]])
     ok = all(torch.equal(dst[int(d[i]) - dst.data_ptr():][: 32 << 10], src[int(s[i]) - src.data_ptr():][: 32 << 10])
              for i in k)
     # latency of one small post (64 runs of 64 KiB, like one 4 MiB block of 64 layer-roles) vs torch
-    cuda_copy.CHUNK_BYTES, cuda_copy.BLOCK_WORDS, cuda_copy.NUM_WARPS = variants[0]
+    cuda_copy.CHUNK_BYTES, cuda_copy.BLOCK_WORDS, cuda_copy.NUM_WARPS = variants[0][:3]
+    cuda_copy.PIPELINE_RUNS = pipeline
     d1, s1 = cases["4MiB x 128"][0][:1], cases["4MiB x 128"][1][:1]
     dd = (d1[0] + np.arange(64, dtype=np.uint64) * np.uint64(64 << 10)).astype(np.uint64)
     ss = (s1[0] + np.arange(64, dtype=np.uint64) * np.uint64(64 << 10)).astype(np.uint64)

@@ -259,6 +259,40 @@ def test_kernel_runs_longer_than_one_grid_row(kernel_copier: Any, monkeypatch: p
     _check_kernel(kernel_copier, sizes, 16, 0, 0, True, 5)
 
 
+def _count_parts(copier: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """Record (runs, on the upload stream) of every part the copier launches."""
+    parts: list[tuple[int, bool]] = []
+    launch_part = copier._launch_part
+
+    def counted(dst: Any, *args: Any, **kw: Any) -> int:
+        parts.append((int(dst.size), bool(kw["on_upload_stream"])))
+        return int(launch_part(dst, *args, **kw))
+    monkeypatch.setattr(copier, "_launch_part", counted)
+    return parts
+
+
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_a_large_plan_goes_in_parts_and_lands_exactly(kernel_copier: Any, remote_src: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan of more than PIPELINE_RUNS runs is launched in parts of growing size (the first on the
+    copier's stream, the rest uploaded on the second stream): every byte lands, nothing else changes."""
+    cuda_copy, copier = kernel_copier
+    monkeypatch.setattr(cuda_copy, "PIPELINE_RUNS", 16)
+    monkeypatch.setattr(cuda_copy, "FIRST_PART_RUNS", 8)
+    parts = _count_parts(copier, monkeypatch)
+    sizes = np.random.default_rng(21).integers(1, 40, 300) * 16 + np.random.default_rng(22).integers(0, 2, 300)
+    _check_kernel(kernel_copier, sizes, 16, 0, 0, remote_src, 21)
+    assert parts == [(8, False), (32, True), (128, True), (132, True)]
+
+
+def test_the_default_parts_of_a_plan_of_many_runs(kernel_copier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the shipped sizes a plan of 50,000 runs goes as 8,192 + 32,768 + 9,040 runs, exactly."""
+    parts = _count_parts(kernel_copier[1], monkeypatch)
+    sizes = np.random.default_rng(23).integers(1, 9, 50000) * 16
+    _check_kernel(kernel_copier, sizes, 16, 0, 0, True, 23)
+    assert parts == [(8192, False), (32768, True), (9040, True)]
+
+
 def test_kernels_launch_through_the_driver(kernel_copier: Any) -> None:
     """On the target GPU every kernel variant is launched by cuLaunchKernel with packed arguments (the
     warm-up checked its copies); the kernel tests in this module then all run through that launch."""
@@ -349,12 +383,19 @@ def test_few_runs_take_cuda_memcpy_and_land_exactly(remote_src: bool, monkeypatc
     _check_kernel((cuda_copy, copier), sizes, 16, 3, 5, remote_src, 6)
 
 
+@pytest.mark.parametrize("in_parts", [False, True], ids=["one-launch", "in-parts"])
 @pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
-def test_kernel_copies_no_run_outside_its_regions(kernel_copier: Any, remote_src: bool) -> None:
+def test_kernel_copies_no_run_outside_its_regions(kernel_copier: Any, remote_src: bool, in_parts: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """With bounded region tables the kernel skips every run outside its region on either side
     (another region's bytes, straddling a region's end, a region the table lacks, a region id of
-    2**32-1) and copies every other run exactly: the host may check a plan while it runs."""
+    2**32-1) and copies every other run exactly: the host may check a plan while it runs. In parts,
+    each part carries its own runs' region ids (3 + 12 + 25 runs here)."""
     cuda_copy, copier = kernel_copier
+    if in_parts:
+        monkeypatch.setattr(cuda_copy, "PIPELINE_RUNS", 4)
+        monkeypatch.setattr(cuda_copy, "FIRST_PART_RUNS", 3)
+        parts = _count_parts(copier, monkeypatch)
     rng = np.random.default_rng(8)
     space, page = 1 << 20, 4096
     half = space // 2
@@ -386,6 +427,8 @@ def test_kernel_copies_no_run_outside_its_regions(kernel_copier: Any, remote_src
     event = copier.copy(d_addr, s_addr, np.full(count, page, np.uint64), r_reg.astype(np.uint32), remote_table,
                         remote_src, l_reg.astype(np.uint32), local_table)
     event.synchronize()
+    if in_parts:
+        assert [runs for runs, _ in parts] == [3, 12, 25]
     got, want, src_h = dst.cpu().numpy(), np.full(space, 0xA5, np.uint8), src.cpu().numpy()
     for i, (so, do) in enumerate(zip(s_off.tolist(), d_off.tolist(), strict=True)):
         if i not in bad:
