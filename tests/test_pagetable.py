@@ -320,3 +320,19 @@ def test_uniform_length_plans_are_refused_exactly_when_bytes_overlap(n: int, len
         assert got is not None and "overlap" in got
     else:
         assert got is None
+
+
+def test_the_slot_marks_of_an_unvalidated_table_outside_its_region_show_nothing() -> None:
+    """``_uniform_and_disjoint`` marks each entry's slot in an array over the regions' slots; an entry
+    past its region (a caller that did not validate first) must give "not shown", never an index error
+    or a wrapped (negative) index that would hide a clash."""
+    from kvxfer.pagetable.plan import _uniform_and_disjoint
+    regions = [MemoryRegion(0x100000, 64 * 32)]
+    inside = table([0x100000 + 64 * i for i in range(20)], [64] * 20)
+    assert _uniform_and_disjoint(inside, regions)
+    past = table([0x100000 + 64 * i for i in range(19)] + [0x100000 + 64 * 40], [64] * 20)
+    assert not _uniform_and_disjoint(past, regions)
+    below = table([0x100000 + 64 * i for i in range(19)] + [0x100000 - 64], [64] * 20)
+    assert not _uniform_and_disjoint(below, regions)
+    twice = table([0x100000 + 64 * i for i in range(19)] + [0x100000], [64] * 20)
+    assert not _uniform_and_disjoint(twice, regions)

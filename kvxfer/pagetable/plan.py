@@ -176,10 +176,12 @@ class TransferPlan:
 
 
 def _uniform_and_disjoint(dst: PageTable, regions: Sequence[MemoryRegion], length: int | None = None) -> bool:
-    """True when every entry has the same power-of-two length L, starts at a multiple of L inside its
-    (already validated) region, and no two entries start at the same place: then none overlap. An O(n)
-    check (one bincount over the regions' L-slots) for the common KV plan, where sorting would cost
-    O(n log n); False means "not shown", and the caller sorts. ``length``: the caller already knows
+    """True when every entry has the same power-of-two length L >= 2, starts at a multiple of L inside
+    its (already validated) region, and no two entries start at the same place: then none overlap. An
+    O(n) check for the common KV plan, where sorting would cost O(n log n): each entry marks its L-slot
+    in one boolean array over the regions' slots, and n distinct marks mean n distinct starts (a mark
+    costs ~1 ns per entry where ``bincount`` + ``max`` cost ~3; a 65,536-run TP plan 166 -> ~80 us on
+    the CPU VM). False means "not shown", and the caller sorts. ``length``: the caller already knows
     every entry is this long."""
     n = len(dst)
     if n < 2:
@@ -188,28 +190,33 @@ def _uniform_and_disjoint(dst: PageTable, regions: Sequence[MemoryRegion], lengt
         length = int(dst.nbytes[0])
         if length <= 0 or not bool((dst.nbytes == np.uint64(length)).all()):
             return False
-    if length <= 0 or length & (length - 1):
+    if length < 2 or length & (length - 1):
         return False
     shift = length.bit_length() - 1
     slots = np.array([r.nbytes for r in regions], dtype=np.int64) >> shift
-    if int(slots.sum()) > 8 * n + (1 << 16):
+    total = int(slots.sum())
+    if total > 8 * n + (1 << 16):
         return False
     mask = length - 1
     first = int(dst.region[0])
     one = len(regions) == 1 or int(dst.region.min()) == int(dst.region.max())
     if one and not regions[first].base_address & mask:
-        # One L-aligned region: entries must be L-aligned addresses; slot = addr >> shift - base slot.
-        if bool(np.bitwise_and(dst.addr, np.uint64(mask)).any()):
+        # One L-aligned region: entries must be L-aligned addresses (one OR over them all); slot =
+        # addr >> shift - base slot.
+        if int(np.bitwise_or.reduce(dst.addr)) & mask:
             return False
         index = np.right_shift(dst.addr, np.uint64(shift))
         np.subtract(index, np.uint64(regions[first].base_address >> shift), out=index)
-        return int(np.bincount(index.view(np.int64), minlength=1).max()) <= 1
-    base = np.array([r.base_address for r in regions], dtype=np.uint64)
-    offset = dst.addr - (base[first] if one else base[dst.region])
-    if bool((offset & np.uint64(mask)).any()):
+    else:
+        base = np.array([r.base_address for r in regions], dtype=np.uint64)
+        index = dst.addr - (base[first] if one else base[dst.region])
+        if int(np.bitwise_or.reduce(index)) & mask:
+            return False
+        np.right_shift(index, np.uint64(shift), out=index)
+        if not one:
+            index += (np.cumsum(slots) - slots).astype(np.uint64)[dst.region]
+    if int(index.max()) >= total:   # an entry outside its regions (not validated; below wraps up): not shown
         return False
-    index64 = (offset >> np.uint64(shift)).astype(np.int64)
-    if not one:
-        index64 += (np.cumsum(slots) - slots)[dst.region]
-    return int(np.bincount(index64, minlength=1).max()) <= 1
-
+    seen = np.zeros(total, dtype=np.bool_)
+    seen[index.view(np.int64)] = True   # every index < total, so none reads as a negative (wrapping) one
+    return int(np.count_nonzero(seen)) == n
