@@ -336,3 +336,19 @@ def test_the_slot_marks_of_an_unvalidated_table_outside_its_region_show_nothing(
     assert not _uniform_and_disjoint(below, regions)
     twice = table([0x100000 + 64 * i for i in range(19)] + [0x100000], [64] * 20)
     assert not _uniform_and_disjoint(twice, regions)
+
+
+def test_an_overlap_between_two_regions_that_alias_one_buffer_is_refused() -> None:
+    """Registration allows two regions over the same bytes (pools that alias on purpose). Entries at one
+    address in the two regions write the same bytes twice, though their slots within each region differ:
+    the per-region slot marks must not call them disjoint (they did, before ``regions_disjoint``)."""
+    regions = [MemoryRegion(1 << 20, 1 << 16), MemoryRegion(1 << 20, 1 << 16)]
+    n = 32
+    addr = [(1 << 20) + 256 * i for i in range(n - 1)] + [1 << 20]   # the last one (region 1) = entry 0
+    dst = table(addr, [256] * n, [0] * (n - 1) + [1])
+    src = table([(1 << 30) + 256 * i for i in range(n)], [256] * n)
+    with pytest.raises(PageTableError, match=r"entries 0 .* and 31 .* overlap"):
+        TransferPlan(src, dst).validate([MemoryRegion(1 << 30, 1 << 20)], regions)
+    apart = [MemoryRegion(1 << 20, 1 << 16), MemoryRegion(1 << 24, 1 << 16)]   # the same offsets, two buffers
+    moved = table(addr[:-1] + [1 << 24], [256] * n, [0] * (n - 1) + [1])
+    TransferPlan(src, moved).validate([MemoryRegion(1 << 30, 1 << 20)], apart)

@@ -208,6 +208,8 @@ def _uniform_and_disjoint(dst: PageTable, regions: Sequence[MemoryRegion], lengt
         index = np.right_shift(dst.addr, np.uint64(shift))
         np.subtract(index, np.uint64(regions[first].base_address >> shift), out=index)
     else:
+        if not one and not regions_disjoint(regions):   # two names for one buffer: slots would not tell
+            return False
         base = np.array([r.base_address for r in regions], dtype=np.uint64)
         index = dst.addr - (base[first] if one else base[dst.region])
         if int(np.bitwise_or.reduce(index)) & mask:
@@ -220,3 +222,10 @@ def _uniform_and_disjoint(dst: PageTable, regions: Sequence[MemoryRegion], lengt
     seen = np.zeros(total, dtype=np.bool_)
     seen[index.view(np.int64)] = True   # every index < total, so none reads as a negative (wrapping) one
     return int(np.count_nonzero(seen)) == n
+
+
+def regions_disjoint(regions: Sequence[MemoryRegion]) -> bool:
+    """True when no two of ``regions`` share a byte. Registration allows aliases (two pools over one
+    buffer), and a check that reasons per region must then fall back to absolute addresses."""
+    spans = sorted((r.base_address, r.end_address) for r in regions)
+    return all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
