@@ -350,5 +350,5 @@ def test_an_overlap_between_two_regions_that_alias_one_buffer_is_refused() -> No
     with pytest.raises(PageTableError, match=r"entries 0 .* and 31 .* overlap"):
         TransferPlan(src, dst).validate([MemoryRegion(1 << 30, 1 << 20)], regions)
     apart = [MemoryRegion(1 << 20, 1 << 16), MemoryRegion(1 << 24, 1 << 16)]   # the same offsets, two buffers
-    moved = table(addr[:-1] + [1 << 24], [256] * n, [0] * (n - 1) + [1])
+    moved = table([*addr[:-1], 1 << 24], [256] * n, [0] * (n - 1) + [1])
     TransferPlan(src, moved).validate([MemoryRegion(1 << 30, 1 << 20)], apart)

@@ -1,6 +1,7 @@
 """Extractor: published layouts + block ids -> PageTables, and two layouts -> a paired TransferPlan."""
 
 from kvxfer.extractor.block_ids import BlockIds, HasBlockIdMap
+from kvxfer.extractor.blocks import block_template, plan_blocks
 from kvxfer.extractor.extract import COORDS, extract
 from kvxfer.extractor.multirank import all_regions, plan_between, region_offsets
 from kvxfer.extractor.pairing import plan_transfer
@@ -14,6 +15,7 @@ __all__ = [
     "HasCommittedTokens",
     "Placement",
     "all_regions",
+    "block_template",
     "check_writable",
     "committed_tokens",
     "extract",
@@ -21,6 +23,7 @@ __all__ = [
     "layout_roles",
     "placements",
     "plan_between",
+    "plan_blocks",
     "plan_transfer",
     "region_indices",
     "region_offsets",

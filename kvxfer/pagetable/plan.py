@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -228,4 +229,4 @@ def regions_disjoint(regions: Sequence[MemoryRegion]) -> bool:
     """True when no two of ``regions`` share a byte. Registration allows aliases (two pools over one
     buffer), and a check that reasons per region must then fall back to absolute addresses."""
     spans = sorted((r.base_address, r.end_address) for r in regions)
-    return all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+    return all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
