@@ -7,7 +7,9 @@ One run measures, with the same statistic (the median) in every column:
   the same poisoning, before the same verification: the other process's GPU work and cold host caches
   cost it too, H200: 512 MiB back to back 266-282 us, in place 273-465 us);
 - torch: an in-process torch copy of the same whole slots (``dst[idx_d] = src[idx_s]``);
-- each kvxfer backend given (``--backends``), for identical layouts and TP 1->2, push and pull;
+- each kvxfer backend given (``--backends``), for identical layouts and TP 1->2, push and pull; with
+  cuda_ipc also "cuda_ipc_blocks": the same transfers posted as BlockPlans (``plan_blocks``: one run
+  template + slot pairs, whose addresses the kernel forms on the GPU);
 - raw NIXL (``--raw-nixl``): NIXL's own agent in both processes, descriptor lists prepared once per
   case (``prep_xfer_dlist``), one ``make_prepped_xfer`` + ``transfer`` per iteration;
 - the latency of one ``write(plan).wait()`` of 1, 4 and 16 blocks (p50) against the torch copy.
@@ -34,8 +36,8 @@ import numpy as np
 import torch
 
 from kvxfer.cache import BufferId, CacheConfig, CacheLayoutDesc, KVCacheManager
-from kvxfer.extractor import plan_transfer
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.extractor import plan_blocks, plan_transfer
+from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport import create
 
 LAYERS, KV_HEADS, HEAD_DIM, TPB = 32, 8, 128, 32
@@ -303,6 +305,20 @@ class Bench:
             out.append(TransferPlan(shift(plan.src, self.offsets["prefill"]), shift(plan.dst, self.offsets[dn])))
         return out, ms
 
+    def block_plans(self, mode: str, dst_names: list[str], blk: dict[str, np.ndarray]) -> tuple[list[BlockPlan], float]:
+        """The same transfers as ``plans``, as BlockPlans, and the planning time in ms."""
+        out, ms = [], 0.0
+        for dn in dst_names:
+            sl, dl = (self.mgrs["prefill"].layout, self.peer_layouts[dn]) if mode == "push" else \
+                (self.peer_layouts["prefill"], self.mgrs[dn].layout)
+            t0 = time.perf_counter()
+            plan = plan_blocks(sl, {0: blk["prefill"]}, dl, {0: blk[dn]})
+            ms += (time.perf_counter() - t0) * 1e3
+            if plan is None:
+                raise RuntimeError(f"plan_blocks gave no block plan for {mode} to {dn}")
+            out.append(plan.shift_regions(self.offsets["prefill"], self.offsets[dn]))
+        return out, ms
+
     def set_source(self, mode: str, blocks: np.ndarray) -> None:
         if mode == "push":
             fill(self.mgrs["prefill"], blocks)
@@ -351,7 +367,7 @@ class Bench:
             self._tick.add_(1)
             sync(self.device)
 
-    def backend_post(self, backend: str, mode: str, plans: list[TransferPlan]) -> Any:
+    def backend_post(self, backend: str, mode: str, plans: list[TransferPlan] | list[BlockPlan]) -> Any:
         t = self.ts[backend]
         op, peer = (t.write if mode == "push" else t.read), f"{PEER}-{backend}"
 
@@ -398,7 +414,9 @@ class Bench:
 def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, latency_iters: int,
         device: str, own_context_first: bool = True) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
+    columns = backends + (["cuda_ipc_blocks"] if "cuda_ipc" in backends else []) + (["raw_nixl"] if raw else [])
     results: dict[str, Any] = {"backends": backends, "raw_nixl": raw, "gpu": gpu, "device": device, "cases": [],
+                               "columns": columns,
                                "latency": [], "nixl_threads": int(os.environ.get("KVXFER_NIXL_THREADS", "0")),
                                "own_context_first": own_context_first,
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -431,6 +449,10 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                 limit, _, _ = bench.timed(wall.post(nbytes), mode, dst_names, blk, iters, moves_pages=False)
                 row["d2d_inplace_gbps"] = nbytes / statistics.median(limit) / 1e9
                 posts: list[tuple[str, Any]] = [(b, bench.backend_post(b, mode, plans)) for b in backends]
+                if "cuda_ipc" in backends:
+                    block_plans, row["block_plan_ms"] = bench.block_plans(mode, dst_names, blk)
+                    assert sum(p.total_bytes for p in block_plans) == nbytes
+                    posts.append(("cuda_ipc_blocks", bench.backend_post("cuda_ipc", mode, block_plans)))
                 prepped = None
                 if raw:
                     raw_post, prepped = bench.raw_nixl_post(mode, plans)
@@ -476,6 +498,8 @@ def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, poo
         row: dict[str, Any] = {"blocks": k, "bytes": plans[0].total_bytes, "descriptors": len(plans[0])}
         posts: list[tuple[str, Any]] = [("torch", index_copy(pool_s, pool_d, si, di, bench.device, True))]
         posts += [(b, bench.backend_post(b, "push", plans)) for b in bench.backends]
+        if "cuda_ipc" in bench.backends:
+            posts.append(("cuda_ipc_blocks", bench.backend_post("cuda_ipc", "push", bench.block_plans("push", ["decode"], sub)[0])))
         prepped = None
         if raw:
             raw_post, prepped = bench.raw_nixl_post("push", plans)
@@ -496,7 +520,7 @@ def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, poo
         for lh, rh, _ in prepped or []:
             lh.release()
             rh.release()
-        for b in bench.backends:
+        for b in bench.backends + (["cuda_ipc_blocks"] if "cuda_ipc" in bench.backends else []):
             row[f"{b}_x_torch"] = row[f"{b}_p50_us"] / row["torch_p50_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -504,12 +528,12 @@ def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, poo
 
 
 def print_tables(res: dict[str, Any]) -> None:
-    names = res["backends"] + (["raw_nixl"] if res["raw_nixl"] else [])
+    names = res["columns"]
     print(f"\n{res['gpu']}; D2D {res['d2d_gbps']:.0f} GB/s; medians; NIXL threads {res['nixl_threads']}; "
           f"own context first {res['own_context_first']}")
     head = f"{'tokens':>6} {'case':>9} {'mode':>4} {'desc':>7} {'MiB':>6} {'torch':>6} {'D2Dwall':>7} {'inplace':>7}"
     for n in names:
-        head += f" {n[:8]:>8} {'xD2D':>5} {'xwall':>5} {'xinpl':>5} {'post ms':>7}"
+        head += f" {n[-8:]:>8} {'xD2D':>5} {'xwall':>5} {'xinpl':>5} {'post ms':>7}"
     print(head + " wrong")
     for r in res["cases"]:
         line = (f"{r['tokens']:>6} {r['case']:>9} {r['mode']:>4} {r['descriptors']:>7} {r['bytes'] / 2**20:>6.0f} "
@@ -518,7 +542,7 @@ def print_tables(res: dict[str, Any]) -> None:
             line += (f" {r[f'{n}_gbps']:>8.1f} {r[f'{n}_x_d2d']:>5.2f} {r[f'{n}_x_d2d_wall']:>5.2f}"
                      f" {r[f'{n}_x_d2d_inplace']:>5.2f} {r[f'{n}_post_ms']:>7.2f}")
         print(line + " " + str(sum(r[f"{n}_wrong_elements"] for n in names)))
-    print(f"\n{'blocks':>6} {'MiB':>5} {'torch us':>9}" + "".join(f" {n[:8]:>8} us" for n in names))
+    print(f"\n{'blocks':>6} {'MiB':>5} {'torch us':>9}" + "".join(f" {n[-8:]:>8} us" for n in names))
     for r in res["latency"]:
         print(f"{r['blocks']:>6} {r['bytes'] / 2**20:>5.0f} {r['torch_p50_us']:>9.1f}"
               + "".join(f" {r[f'{n}_p50_us']:>11.1f}" for n in names))
@@ -541,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)
-    names = a.backends + (["raw_nixl"] if a.raw_nixl else [])
+    names = res["columns"]
     wrong = sum(r[f"{n}_wrong_elements"] for r in res["cases"] + res["latency"] for n in names
                 if f"{n}_wrong_elements" in r)
     return 0 if wrong == 0 else 1

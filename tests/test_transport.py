@@ -13,10 +13,19 @@ from typing import Any
 import numpy as np
 import pytest
 from transport_helpers.peer import serve, table_wire
-from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
+from transport_helpers.plans import (
+    PAGE,
+    expected_after,
+    expected_after_blocks,
+    make_buffers,
+    pair,
+    random_block_plan,
+    random_pages,
+    regions_of,
+)
 
 from kvxfer.errors import PageTableError, PeerUnreachable, TransferCancelled, TransferTimeout, TransportError
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport import TransferStatus, Transport, available_backends, create
 
 AVAILABLE = available_backends()
@@ -96,6 +105,55 @@ def test_random_plans_move_exact_bytes(pair_of: Pair, op: str, coalesced: bool) 
             assert np.array_equal(got, want)
         assert drain(p.b, 1) == {p.a.name: [b"n%d" % round_no]}
         assert p.a.notifications() == {}
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_block_plans_move_exact_bytes(pair_of: Pair, op: str) -> None:
+    """A BlockPlan (template over both regions of each side, random slot pairs) moves exactly the runs its
+    definition names (expected bytes computed run by run, not through ``expand``), then notifies."""
+    p = pair_of
+    rng = np.random.default_rng(17)
+    for round_no in range(2):
+        if op == "write":
+            plan = random_block_plan(rng, list(p.a.regions), list(p.b.regions), 12, 4, 1024)
+            want_b = expected_after_blocks(plan, list(p.a.regions), p.a_bufs, list(p.b.regions), p.b_bufs)
+            want_a = [x.copy() for x in p.a_bufs]
+        else:
+            plan = random_block_plan(rng, list(p.b.regions), list(p.a.regions), 12, 4, 1024)
+            want_a = expected_after_blocks(plan, list(p.b.regions), p.b_bufs, list(p.a.regions), p.a_bufs)
+            want_b = [x.copy() for x in p.b_bufs]
+        handle = getattr(p.a, op)(p.b.name, plan, notify=b"blocks%d" % round_no)
+        handle.wait(10.0)
+        assert handle.status is TransferStatus.DONE and handle.nbytes == 12 * 4 * 1024
+        for got, want in zip(p.a_bufs + p.b_bufs, want_a + want_b, strict=True):
+            assert np.array_equal(got, want)
+        assert drain(p.b, 1) == {p.a.name: [b"blocks%d" % round_no]}
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_hostile_block_plan_is_refused_naming_the_side(pair_of: Pair, op: str) -> None:
+    """A block past the peer's region, or two blocks on one destination slot: PageTableError naming the
+    side (local/remote) and the run, nothing written, no notification."""
+    p = pair_of
+    before = [x.copy() for x in p.a_bufs + p.b_bufs]
+    rng = np.random.default_rng(5)
+    src_regions, dst_regions = (list(p.a.regions), list(p.b.regions)) if op == "write" else \
+        (list(p.b.regions), list(p.a.regions))
+    good = random_block_plan(rng, src_regions, dst_regions, 6, 2, 1024)
+    far = good.src_slots.copy() if op == "read" else good.dst_slots.copy()
+    far[3] = 10_000   # far past the remote side's regions
+    twice = good.dst_slots.copy()
+    twice[4] = twice[1]
+    fields = [good.src_step, good.src_offset, good.dst_step, good.dst_offset, good.nbytes, good.src_region,
+              good.dst_region]
+    past = BlockPlan(good.src_slots, far, *fields) if op == "write" else BlockPlan(far, good.dst_slots, *fields)
+    for plan, words in ((past, r"remote .*block 3.*outside region"),
+                        (BlockPlan(good.src_slots, twice, *fields), ("remote" if op == "write" else "local") + " .*overlap")):
+        with pytest.raises(PageTableError, match=words):
+            getattr(p.a, op)(p.b.name, plan, notify=b"never")
+    assert drain(p.b, 1, timeout=0.1) == {}
+    for got, want in zip(p.a_bufs + p.b_bufs, before, strict=True):
+        assert np.array_equal(got, want)
 
 
 def test_empty_plan_completes_and_notifies(pair_of: Pair) -> None:

@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 from transport_helpers.gpu_peer import serve_gpu
-from transport_helpers.plans import PAGE, expected_after, pair, random_pages
+from transport_helpers.plans import (
+    PAGE,
+    expected_after,
+    expected_after_blocks,
+    pair,
+    random_block_plan,
+    random_pages,
+)
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PageTableError
@@ -103,6 +110,53 @@ def test_device_memory_moves_exact_bytes(gpu_peer: GpuPeer, op: str, coalesced: 
     got_peer = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
     assert all(np.array_equal(a, b) for a, b in zip(got_peer, want_peer, strict=True))
     assert p.call("notifications", 1, 10.0) == {p.local.name: [f"{op}-{coalesced}".encode()]}
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_device_block_plans_move_exact_bytes(gpu_peer: GpuPeer, op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BlockPlan over device memory (template over both regions of each side, random slot pairs) lands
+    exactly, the expected bytes computed run by run from its definition; on cuda_ipc it goes to the GPU
+    as slots + template (``expand`` is never called: mutation of the post path to expanding fails here)."""
+    from kvxfer.pagetable import BlockPlan
+    p = gpu_peer
+    rng = np.random.default_rng(31)
+    local_regions, peer_regions = list(p.local.regions), list(p.local.peer_regions(p.name))
+    local_before = _host(p.bufs)
+    peer_before = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+    if op == "write":
+        plan = random_block_plan(rng, local_regions, peer_regions, 40, 24, 4 * PAGE + 16)
+        want_peer = expected_after_blocks(plan, local_regions, local_before, peer_regions, peer_before)
+        want_local = local_before
+    else:
+        plan = random_block_plan(rng, peer_regions, local_regions, 40, 24, 4 * PAGE + 16)
+        want_local = expected_after_blocks(plan, peer_regions, peer_before, local_regions, local_before)
+        want_peer = peer_before
+    if p.local.backend == "cuda_ipc":
+        def no_expand(self: BlockPlan) -> None:
+            raise AssertionError("cuda_ipc expanded a block plan")
+        monkeypatch.setattr(BlockPlan, "expand", no_expand)
+    handle = getattr(p.local, op)(p.name, plan, notify=f"blocks-{op}".encode())
+    handle.wait(60)
+    assert all(np.array_equal(a, b) for a, b in zip(_host(p.bufs), want_local, strict=True))
+    got_peer = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+    assert all(np.array_equal(a, b) for a, b in zip(got_peer, want_peer, strict=True))
+    assert p.call("notifications", 1, 10.0) == {p.local.name: [f"blocks-{op}".encode()]}
+
+
+def test_a_device_block_plan_past_the_peer_is_refused(gpu_peer: GpuPeer) -> None:
+    from kvxfer.pagetable import BlockPlan
+    p = gpu_peer
+    before = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+    good = random_block_plan(np.random.default_rng(32), list(p.local.regions), list(p.local.peer_regions(p.name)),
+                             8, 4, PAGE)
+    far = good.dst_slots.copy()
+    far[5] = 1 << 20
+    bad = BlockPlan(good.src_slots, far, good.src_step, good.src_offset, good.dst_step, good.dst_offset, good.nbytes,
+                    good.src_region, good.dst_region)
+    with pytest.raises(PageTableError, match=r"remote .*block 5.*outside region"):
+        p.local.write(p.name, bad, notify=b"never")
+    assert all(np.array_equal(np.frombuffer(a, np.uint8), b) for a, b in zip(p.call("dump"), before, strict=True))
+    assert p.call("notifications", 1, 0.3) == {}
 
 
 def test_a_settled_write_is_done_when_posted_and_its_notice_follows(gpu_peer: GpuPeer) -> None:
@@ -291,6 +345,74 @@ def test_the_default_parts_of_a_plan_of_many_runs(kernel_copier: Any, monkeypatc
     sizes = np.random.default_rng(23).integers(1, 9, 50000) * 16
     _check_kernel(kernel_copier, sizes, 16, 0, 0, True, 23)
     assert parts == [(8192, False), (32768, True), (9040, True)]
+
+
+def _check_block_kernel(kernel_copier: Any, nbytes: np.ndarray, blocks: int, remote_src: bool, seed: int) -> None:
+    """``copy_blocks`` of a random block plan (template runs of ``nbytes``, shuffled places in 2x-sized
+    slots, the remote side advertised 1 MiB + 16 bytes away): every byte as the plan's definition says."""
+    from kvxfer.pagetable import BlockPlan
+    cuda_copy, copier = kernel_copier
+    rng = np.random.default_rng(seed)
+    padded = -(-nbytes // 16) * 16
+    step = int(2 * padded.sum())
+    slots = blocks + 3
+    src = torch.from_numpy(rng.integers(0, 256, step * slots, dtype=np.uint8)).cuda()
+    dst = torch.full((step * slots,), 0xA5, dtype=torch.uint8, device="cuda")
+
+    def places() -> np.ndarray:
+        order = rng.permutation(nbytes.size)
+        starts = np.cumsum(2 * padded[order]) - 2 * padded[order] + rng.integers(0, 2, nbytes.size) * padded[order]
+        out = np.empty(nbytes.size, np.int64)
+        out[order] = starts
+        return out
+    s_off, d_off = places(), places()
+    shift = (1 << 20) + 16
+    remote = src if remote_src else dst
+    table = cuda_copy.RegionTable(np.array([remote.data_ptr() + shift], np.uint64), np.array([remote.data_ptr()], np.uint64), 0)
+    s_base = src.data_ptr() + (shift if remote_src else 0)
+    d_base = dst.data_ptr() + (0 if remote_src else shift)
+    t = nbytes.size
+    plan = BlockPlan(rng.integers(0, slots, blocks).astype(np.uint64), rng.choice(slots, blocks, replace=False).astype(np.uint64),
+                     np.full(t, step, np.uint64), (s_base + s_off).astype(np.uint64), np.full(t, step, np.uint64),
+                     (d_base + d_off).astype(np.uint64), nbytes.astype(np.uint64), np.zeros(t, np.uint32),
+                     np.zeros(t, np.uint32))
+    copier.copy_blocks(plan, table, remote_src).synchronize()
+    got, want, src_h = dst.cpu().numpy(), np.full(step * slots, 0xA5, np.uint8), src.cpu().numpy()
+    for b in range(blocks):
+        ss, ds = int(plan.src_slots[b]) * step, int(plan.dst_slots[b]) * step
+        for so, do, n in zip(s_off.tolist(), d_off.tolist(), nbytes.tolist(), strict=True):
+            want[ds + do: ds + do + n] = src_h[ss + so: ss + so + n]
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} wrong bytes, first at {bad[:5]}"
+
+
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_the_block_kernel_lands_exactly(kernel_copier: Any, remote_src: bool) -> None:
+    """KV-like templates (64 runs of 32 KiB), odd lengths (byte tail and byte-wise runs), and one long
+    run among short ones (the template cut into pieces on the host)."""
+    _check_block_kernel(kernel_copier, np.full(64, 32 << 10), 40, remote_src, 41)
+    _check_block_kernel(kernel_copier, np.array([1, 15, 16, 17, 4097, 32768 + 5, 70001]), 30, remote_src, 42)
+    _check_block_kernel(kernel_copier, np.array([(3 << 20) + 4, 16, 48, 1024]), 6, remote_src, 43)
+
+
+def test_the_block_kernel_copies_no_run_outside_its_regions(kernel_copier: Any) -> None:
+    """The kernel's own bounds (the region table): a block plan whose block 1 lies past the destination's
+    region copies blocks 0 and 2 and nothing of block 1 (the transport checks first; this is the
+    device's second line)."""
+    from kvxfer.pagetable import BlockPlan
+    cuda_copy, copier = kernel_copier
+    src = torch.arange(3 * 4096, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(4 * 4096, dtype=torch.uint8, device="cuda")
+    table = cuda_copy.RegionTable(np.array([dst.data_ptr()], np.uint64), np.array([dst.data_ptr()], np.uint64), 0,
+                                  np.array([2 * 4096], np.uint64))   # only the first two slots are "registered"
+    one = np.ones(1, np.uint64)
+    plan = BlockPlan(np.arange(3, dtype=np.uint64), np.array([0, 3, 1], np.uint64), 4096 * one,
+                     np.array([src.data_ptr()], np.uint64), 4096 * one, np.array([dst.data_ptr()], np.uint64),
+                     4096 * one, np.zeros(1, np.uint32), np.zeros(1, np.uint32))
+    copier.copy_blocks(plan, table, False).synchronize()
+    got, src_h = dst.cpu().numpy(), src.cpu().numpy()
+    assert np.array_equal(got[:4096], src_h[:4096]) and np.array_equal(got[4096:8192], src_h[8192:])
+    assert not got[3 * 4096:].any(), "a run outside its region was copied"
 
 
 def test_kernels_launch_through_the_driver(kernel_copier: Any) -> None:

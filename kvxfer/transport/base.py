@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PageTableError, PeerUnreachable, TransportError
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport.handle import TransferHandle
 from kvxfer.transport.metadata import MAX_NAME_CHARS, TransportMetadata, check_regions
 
@@ -92,16 +92,18 @@ class Transport(ABC):
         self._backend_connect(peer, md)
         self._peers[peer] = md
 
-    def write(self, peer: str, plan: TransferPlan, notify: bytes | None = None, *,
+    def write(self, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None = None, *,
               settled: bool = False) -> TransferHandle:
         """Push: ``plan.src`` (local) -> ``plan.dst`` (peer); ``notify`` reaches the peer after the data.
+        A BlockPlan is checked in O(blocks + template) and moved as such by a backend that can (cuda_ipc's
+        kernel), else as its expansion.
         ``settled``: the caller synchronized with the work that wrote the source pages, so a device
         backend need not order the copy after the model's stream (where later work may be queued by
         then, such as the next prompt's prefill), and may finish such a write with a notification
         before returning (cuda_ipc: the copy's own duration, sparing a thread hand-off)."""
         return self._post("write", peer, plan, notify, settled)
 
-    def read(self, peer: str, plan: TransferPlan, notify: bytes | None = None) -> TransferHandle:
+    def read(self, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None = None) -> TransferHandle:
         """Pull: ``plan.src`` (peer) -> ``plan.dst`` (local); ``notify`` reaches the peer after the data."""
         return self._post("read", peer, plan, notify)
 
@@ -165,16 +167,23 @@ class Transport(ABC):
         if wake is not None:
             wake()
 
-    def _post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
+    def _post(self, op: Op, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None,
               settled: bool = False) -> TransferHandle:
         self._check_open()
         md = self._peer(peer)
-        if not isinstance(plan, TransferPlan):
-            raise PageTableError(f"{op} to peer {peer!r}: expected a TransferPlan, got {type(plan).__name__}")
+        if not isinstance(plan, TransferPlan | BlockPlan):
+            raise PageTableError(f"{op} to peer {peer!r}: expected a TransferPlan or BlockPlan, got "
+                                 f"{type(plan).__name__}")
         if notify is not None and (not isinstance(notify, bytes) or len(notify) > MAX_NOTIFY_BYTES):
             raise TransportError(f"{op} to peer {peer!r}: notify must be bytes of <= {MAX_NOTIFY_BYTES}, "
                                  f"got {type(notify).__name__} of {len(notify) if isinstance(notify, bytes) else '?'}")
         transfer_id = next(self._ids)
+        if isinstance(plan, BlockPlan):
+            self._check_block_plan(op, peer, plan, md)
+            blocks = self._backend_post_blocks(op, peer, plan, notify, transfer_id, settled=settled)
+            if blocks is not None:
+                return blocks
+            return self._backend_post(op, peer, plan.expand(), notify, transfer_id, settled=settled)
         handle = self._backend_post_checking(op, peer, plan, notify, transfer_id,
                                              lambda: self._check_plan(op, peer, plan, md), settled=settled)
         if handle is not None:
@@ -194,6 +203,17 @@ class Transport(ABC):
             self._validate(local, self._regions, f"{op} with peer {peer!r}: local {'source' if op == 'write' else 'destination'}")
             self._validate(remote, md.regions, f"{op} with peer {peer!r}: remote {'destination' if op == 'write' else 'source'}")
             raise PageTableError(f"{op} with peer {peer!r}: {exc}") from None
+
+    def _check_block_plan(self, op: Op, peer: str, plan: BlockPlan, md: TransportMetadata) -> None:
+        """``_check_plan`` for a BlockPlan, its error naming the side (local/remote)."""
+        src_regions, dst_regions = (self._regions, md.regions) if op == "write" else (md.regions, self._regions)
+        try:
+            plan.validate(src_regions, dst_regions)
+        except PageTableError as exc:
+            text = str(exc)   # "BlockPlan source ..." / "TransferPlan destination ...": the side named second
+            words = text.split(" ", 2)
+            local = (len(words) > 1 and words[1] == "source") == (op == "write")
+            raise PageTableError(f"{op} with peer {peer!r}: {'local' if local else 'remote'} {text}") from None
 
     @staticmethod
     def _validate(table: PageTable, regions: Sequence[MemoryRegion], where: str) -> None:
@@ -226,6 +246,12 @@ class Transport(ABC):
         and run ``check`` (the host's full check, raising PageTableError) while it moves; on a refusal,
         return only once the copy has stopped, send no notification, and re-raise. None (the default):
         this backend cannot, and ``check`` runs before ``_backend_post``."""
+        return None
+
+    def _backend_post_blocks(self, op: Op, peer: str, plan: BlockPlan, notify: bytes | None, transfer_id: int, *,
+                             settled: bool = False) -> TransferHandle | None:
+        """Start a checked BlockPlan as such (without expanding it); None (the default): this backend
+        cannot, and its expansion goes to ``_backend_post``."""
         return None
 
     def _backend_poll_notifications(self) -> None:  # noqa: B027

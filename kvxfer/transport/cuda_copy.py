@@ -38,6 +38,7 @@ import numpy.typing as npt
 import torch
 
 from kvxfer.errors import BackendUnavailable, TransferFailed
+from kvxfer.pagetable import BlockPlan, ops
 
 try:
     from cuda.bindings import driver as cu
@@ -199,10 +200,11 @@ class _Pointer:
         return self._addr
 
 
-#: Struct codes of the copy kernel's non-constexpr parameters, each in an 8-byte slot: seven table
-#: pointers, the two region counts (int32), two anchor pointers and the anchor address (int64).
+#: Struct codes of the copy kernels' non-constexpr parameters, each in an 8-byte slot. ``copy_runs``:
+#: seven table pointers, the two region counts (int32), two anchor pointers and the anchor address
+#: (int64); ``copy_block_runs``: eleven table pointers, the runs per block and the two region counts.
 _KERNEL_PARAMS = ("Q",) * 7 + ("i4x", "i4x") + ("Q", "Q", "q")
-_PARAM_BYTES = tuple(4 if code.startswith("i") else 8 for code in _KERNEL_PARAMS)
+_BLOCK_KERNEL_PARAMS = ("Q",) * 11 + ("i4x", "i4x", "i4x") + ("Q", "Q", "q")
 
 
 class _DriverLaunch:
@@ -215,7 +217,7 @@ class _DriverLaunch:
 
     name = "driver"
 
-    def __init__(self, compiled: Any, lib: ctypes.CDLL) -> None:
+    def __init__(self, compiled: Any, lib: ctypes.CDLL, params: tuple[str, ...] = _KERNEL_PARAMS) -> None:
         meta = compiled.metadata
         for attr, ok in (("global_scratch_size", 0), ("profile_scratch_size", 0), ("num_ctas", 1)):
             if getattr(meta, attr, ok) != ok:
@@ -228,13 +230,14 @@ class _DriverLaunch:
         while len(sizes) < 64 and lib.cuFuncGetParamInfo(self._fn, len(sizes), ctypes.byref(offset),
                                                          ctypes.byref(size)) == 0:
             sizes.append(int(size.value))
-        mine = len(_KERNEL_PARAMS)
-        if tuple(sizes[:mine]) != _PARAM_BYTES or any(s != 8 for s in sizes[mine:]):
-            raise ValueError(f"kernel parameters of {sizes} bytes, expected {list(_PARAM_BYTES)} + hidden pointers")
+        mine = len(params)
+        want = tuple(4 if code.startswith("i") else 8 for code in params)
+        if tuple(sizes[:mine]) != want or any(s != 8 for s in sizes[mine:]):
+            raise ValueError(f"kernel parameters of {sizes} bytes, expected {list(want)} + hidden pointers")
         self._buf = ctypes.create_string_buffer(8 * len(sizes))      # hidden pointers stay 0 (NULL)
         base = ctypes.addressof(self._buf)
         self._params = (ctypes.c_void_p * len(sizes))(*[base + 8 * i for i in range(len(sizes))])
-        self._pack = struct.Struct("<" + "".join(_KERNEL_PARAMS)).pack_into
+        self._pack = struct.Struct("<" + "".join(params)).pack_into
         self._launch = lib.cuLaunchKernel
         self._threads = 32 * int(meta.num_warps)
         self._shared = int(meta.shared)
@@ -259,74 +262,13 @@ class _TritonLaunch:
         self._compiled[(grid_x, grid_y, 1)](*args, *self._constexprs, stream=stream)
 
 
-def _triton_kernel() -> Any:
+def _triton_kernels() -> Any:
+    """The copy kernels module (``copy_kernels``), or None without Triton."""
     try:
-        import triton
-        import triton.language as tl
+        from kvxfer.transport import copy_kernels
     except ImportError:
         return None
-
-    # Triton resolves annotations as kernel globals: only constexpr parameters may be annotated. The
-    # counts must not be specialised (a count of 1 would be compiled in, and the launcher reuses the
-    # compiled kernel for every count).
-    @triton.jit(do_not_specialize=["remote_count", "local_count"])  # type: ignore[misc,untyped-decorator,unused-ignore]
-    def copy_runs(src_addr, dst_addr, lengths, regions, local_regions, remote_table, local_table,  # type: ignore[no-untyped-def]
-                  remote_count, local_count, anchor8, anchor32, anchor_addr,
-                  REMOTE_SRC: tl.constexpr, PER_RUN_LENGTH: tl.constexpr, PER_RUN_REGION: tl.constexpr,
-                  PER_RUN_LOCAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        # Program (run, piece) copies bytes [piece * CHUNK, (piece + 1) * CHUNK) of run ``run``. Addresses
-        # become int64 offsets from ``anchor`` (any device buffer) so loads use typed pointers whose
-        # 16-byte alignment the compiler is told about: it then emits 16-byte vector loads and stores.
-        # A run not inside its registered regions on both sides (tables of (delta, start, end) per
-        # region) is not copied: the host may check the plan while this kernel runs (RegionTable).
-        run = tl.program_id(0)
-        start = tl.program_id(1).to(tl.int64) * CHUNK
-        n = tl.load(lengths + run * PER_RUN_LENGTH).to(tl.int64)   # one shared length when uniform
-        if start < n:
-            s = tl.load(src_addr + run)
-            d = tl.load(dst_addr + run)
-            r = tl.load(regions + run * PER_RUN_REGION)
-            q = tl.load(local_regions + run * PER_RUN_LOCAL)
-            r_ok = (r >= 0) & (r < remote_count)
-            q_ok = (q >= 0) & (q < local_count)
-            r = tl.where(r_ok, r, 0).to(tl.int64) * 3
-            q = tl.where(q_ok, q, 0).to(tl.int64) * 3
-            delta = tl.load(remote_table + r)
-            if REMOTE_SRC:
-                ra = s
-                la = d
-            else:
-                ra = d
-                la = s
-            inside = r_ok & q_ok & (ra >= tl.load(remote_table + r + 1)) & (ra <= tl.load(remote_table + r + 2) - n) \
-                & (la >= tl.load(local_table + q + 1)) & (la <= tl.load(local_table + q + 2) - n)
-            if REMOTE_SRC:
-                s = s + delta
-            else:
-                d = d + delta
-            n = tl.where(inside, n, start)     # outside: every mask below is empty
-            so = s - anchor_addr
-            do = d - anchor_addr
-            if ((s | d) & 15) == 0:
-                sw = tl.multiple_of(so >> 2, 4)
-                dw = tl.multiple_of(do >> 2, 4)
-                body = tl.multiple_of((n >> 4) << 2, 4)          # words of the 16-byte multiple part
-                w0 = tl.multiple_of(start >> 2, 4)
-                for off in tl.static_range(0, CHUNK // 4, BLOCK):
-                    idx = w0 + off + tl.arange(0, BLOCK)
-                    mask = idx < body
-                    tl.store(anchor32 + dw + idx, tl.load(anchor32 + sw + idx, mask=mask), mask=mask)
-                if start + CHUNK >= n:                          # the last piece also copies the tail
-                    t = ((n >> 4) << 4) + tl.arange(0, 16)
-                    tmask = t < n
-                    tl.store(anchor8 + do + t, tl.load(anchor8 + so + t, mask=tmask), mask=tmask)
-            else:
-                for off in tl.static_range(0, CHUNK, BLOCK):
-                    b = start + off + tl.arange(0, BLOCK)
-                    bmask = b < n
-                    tl.store(anchor8 + do + b, tl.load(anchor8 + so + b, mask=bmask), mask=bmask)
-
-    return copy_runs
+    return copy_kernels
 
 
 #: Region bounds a table holds when the caller gives none (internal callers with trusted plans).
@@ -440,7 +382,8 @@ class BatchedCopier:
         make_current(device_id)
         self.stream = torch.cuda.Stream(device_id)  # type: ignore[no-untyped-call]
         self._stream_handle = int(self.stream.cuda_stream)
-        self._kernel = _triton_kernel() if method in ("auto", "kernel") else None
+        self._kernels = _triton_kernels() if method in ("auto", "kernel") else None
+        self._kernel = self._kernels.copy_runs if self._kernels is not None else None
         self._batch = _batch_fn() if method in ("auto", "batch") else None
         if method == "kernel" and self._kernel is None:
             raise BackendUnavailable("method='kernel' needs Triton, which is not installed")
@@ -502,6 +445,21 @@ class BatchedCopier:
                 want[32:44] = want[:12].clone()   # words 0-11 copied to 32-43, nothing else changed
                 if not torch.equal(buf, want):
                     raise TransferFailed("the copy kernel's warm-up copy came back wrong")
+            # The block kernel: 2 blocks (slots 0 and 1, 32 bytes apart) x 2 template runs of 16 bytes,
+            # the destination 128 bytes on: words 0-15 land on 32-47.
+            buf.copy_(torch.arange(64, dtype=torch.int32, device=buf.device))
+            torch.cuda.synchronize(self.device_id)
+            step, offset = np.full(2, 32, np.uint64), np.array([addr, addr + 16], np.uint64)
+            plan = BlockPlan(np.arange(2, dtype=np.uint64), np.arange(2, dtype=np.uint64), step, offset, step,
+                             offset + np.uint64(128), np.full(2, 16, np.uint64), np.zeros(2, np.uint32),
+                             np.zeros(2, np.uint32))
+            with self._lock:
+                self._run_block_kernel(plan, self._local, remote_src, self._local, local_regions=False)
+            self.stream.synchronize()
+            want = torch.arange(64, dtype=torch.int32, device=buf.device)
+            want[32:48] = want[:16].clone()
+            if not torch.equal(buf, want):
+                raise TransferFailed("the block copy kernel's warm-up copy came back wrong")
 
     def copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: RegionTable,
              remote_src: bool, local_region: U32 | None = None, local: RegionTable | None = None, *,
@@ -535,6 +493,114 @@ class BatchedCopier:
             event.record(self.stream)
         return event
 
+    def copy_blocks(self, plan: BlockPlan, peer: RegionTable, remote_src: bool, local: RegionTable | None = None,
+                    *, after_model: bool = True) -> torch.cuda.Event:
+        """Enqueue a block plan's copies as one upload of its slots and template (``O(B + T)`` bytes) and
+        one launch of ``copy_block_runs``, which forms every run's addresses on the GPU; otherwise as
+        ``copy`` (the ``remote_src`` side translated through ``peer``, every run bounded to its regions of
+        ``peer`` and ``local``, the event recorded after the copies). Method "kernel" only."""
+        if self._kernels is None:
+            raise TransferFailed(f"block plans need the copy kernel (Triton); this copier's method is {self.method!r}")
+        make_current(self.device_id)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with self._lock:
+            if after_model:
+                self._model_done.record(self._default_stream)
+                self.stream.wait_event(self._model_done)  # type: ignore[no-untyped-call]
+            if len(plan):
+                self._run_block_kernel(plan, peer, remote_src, local if local is not None else self._local,
+                                       local_regions=local is not None)
+            event.record(self.stream)
+        return event
+
+    def _run_block_kernel(self, plan: BlockPlan, peer: RegionTable, remote_src: bool, local: RegionTable, *,
+                          local_regions: bool) -> None:
+        """Pack, upload and launch one block plan (the caller holds the lock). ``local_regions``: the local
+        side's template regions index ``local``; else ``local`` has one region, 0."""
+        src_step, src_offset, dst_step, dst_offset, nbytes = (plan.src_step, plan.src_offset, plan.dst_step,
+                                                              plan.dst_offset, plan.nbytes)
+        remote_region, local_region = (plan.src_region, plan.dst_region) if remote_src else (plan.dst_region, plan.src_region)
+        if not local_regions:
+            local_region = np.zeros(nbytes.size, np.uint32)
+        longest = int(nbytes.max())
+        if not longest:
+            return
+        pieces = -(-longest // CHUNK_BYTES)
+        t = int(nbytes.size)
+        # As in ``_run_kernel``: a template whose runs differ much in length (or are too long for one grid
+        # row) is cut into CHUNK pieces on the host, O(T), so every program has one full piece.
+        if longest > _MAX_RUN_BYTES or pieces > _MAX_GRID_Y or \
+                (pieces > 1 and t * pieces > 2 * (int(nbytes.sum()) // CHUNK_BYTES + t) + 64):
+            entry, offset, nbytes = ops.split_pieces(nbytes, CHUNK_BYTES)
+            src_step, dst_step, remote_region, local_region = (src_step[entry], dst_step[entry], remote_region[entry],
+                                                               local_region[entry])
+            src_offset, dst_offset = src_offset[entry] + offset, dst_offset[entry] + offset
+            t, pieces = int(nbytes.size), 1
+        b = plan.num_blocks
+        if b * t > (1 << 31) - 1:
+            raise TransferFailed(f"a block plan of {b} blocks x {t} runs exceeds the kernel's grid (2**31 - 1 runs)")
+        # Sections, each 16-byte aligned: slots (8 B per block, twice), steps and offsets (8 B per run, four
+        # times), lengths and both regions (4 B per run).
+        blk, run8, run4 = 16 * (-(-8 * b // 16)), 16 * (-(-8 * t // 16)), 16 * (-(-4 * t // 16))
+        at = np.cumsum([0, blk, blk, run8, run8, run8, run8, run4, run4, run4])
+        stage, stage_addr, uploaded = self._staging.take(int(at[-1]))
+        columns: list[npt.NDArray[Any]] = [plan.src_slots, plan.dst_slots, src_step, src_offset, dst_step, dst_offset,
+                                           nbytes, remote_region, local_region]
+        for k, col in enumerate(columns):
+            dtype, width = (np.uint64, 8) if k < 6 else (np.uint32, 4)
+            np.copyto(stage[int(at[k]): int(at[k]) + width * col.size].view(dtype), col, casting="unsafe")
+        table = self._table.address(int(at[-1]))
+        self._upload(table, stage_addr, int(at[-1]), self._stream_handle)
+        uploaded.record(self.stream)
+        args = (*(table + int(a) for a in at[:9]), int(peer.device.data_ptr()), int(local.device.data_ptr()), t,
+                peer.count, local.count, self._anchor_addr, self._anchor_addr, self._anchor_addr)
+        key = ("blocks", bool(remote_src), CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS)
+        launch = self._compiled.get(key)
+        if launch is None:
+            launch = self._compile_blocks(key)
+        if self.launcher != "jit":
+            try:
+                launch(b * t, pieces, self._stream_handle, args)
+                return
+            except (TypeError, ValueError, AttributeError):
+                self.launcher = "jit"
+        ptrs = [_Pointer(a, torch.int64 if k < 6 else torch.int32) for k, a in enumerate(args[:9])]
+        with torch.cuda.stream(self.stream):
+            self._kernels.copy_block_runs[(b * t, pieces)](  # type: ignore[union-attr]
+                *ptrs, peer.device, local.device, t, peer.count, local.count, self._anchor8, self._anchor32,
+                self._anchor_addr, REMOTE_SRC=key[1], CHUNK=key[2], BLOCK=key[3], num_warps=key[4])
+
+    def _upload(self, table: int, stage_addr: int, size: int, stream_handle: int) -> None:
+        """Copy ``size`` staged bytes to the device table on the given stream."""
+        if self._lib is not None:
+            rc = self._lib.cuMemcpyHtoDAsync_v2(table, stage_addr, size, stream_handle)
+            if rc != 0:
+                raise TransferFailed(f"cuMemcpyHtoDAsync of a {size}-byte plan table failed: CUresult {rc}")
+        else:
+            check(cu.cuMemcpyHtoDAsync(table, stage_addr, size, stream_handle), "cuMemcpyHtoDAsync")
+
+    def _compile_blocks(self, key: tuple[Any, ...]) -> Any:
+        """Compile ``copy_block_runs`` for one direction once (a 1-program launch that copies nothing, as
+        ``_compile``) and keep a launcher for it."""
+        _, remote_src, chunk, block, warps = key
+        zero = torch.zeros(4, dtype=torch.int64, device=f"cuda:{self.device_id}")
+        z64, z32 = _Pointer(int(zero.data_ptr()), torch.int64), _Pointer(int(zero.data_ptr()), torch.int32)
+        assert self._kernels is not None
+        with torch.cuda.stream(self.stream):
+            compiled = self._kernels.copy_block_runs[(1, 1)](
+                z64, z64, z64, z64, z64, z64, z32, z32, z32, z64, z64, 2, 2, 2, self._anchor8, self._anchor32,
+                self._anchor_addr, REMOTE_SRC=remote_src, CHUNK=chunk, BLOCK=block, num_warps=warps)
+        self.stream.synchronize()
+        launch: Any = _TritonLaunch(compiled, key[1:4])
+        if self.launcher == "driver":
+            assert self._lib is not None
+            try:
+                launch = _DriverLaunch(compiled, self._lib, _BLOCK_KERNEL_PARAMS)
+            except (ValueError, AttributeError, TypeError):
+                self.launcher = "triton"
+        self._compiled[key] = launch
+        return launch
+
     def bounds_on_device(self, runs: int) -> bool:
         """Whether a plan of ``runs`` runs goes through the kernel, which checks every run's bounds."""
         return self.method == "kernel" and runs > DIRECT_RUNS
@@ -548,7 +614,6 @@ class BatchedCopier:
         # many short ones) or too tall; then every program has one full piece.
         if longest > _MAX_RUN_BYTES or pieces > _MAX_GRID_Y or \
                 (pieces > 1 and n * pieces > 2 * (int(nbytes.sum()) // CHUNK_BYTES + n) + 4096):
-            from kvxfer.pagetable import ops
             entry, offset, length = ops.split_pieces(nbytes, CHUNK_BYTES)
             dst, src, nbytes, region = dst[entry] + offset, src[entry] + offset, length, region[entry]
             if local_region.size > 1:
@@ -603,13 +668,7 @@ class BatchedCopier:
         np.copyto(stage[at_reg: at_reg + 4 * k_reg].view(np.uint32), region[:k_reg])
         np.copyto(stage[at_loc: size].view(np.uint32), local_region[:k_loc])
         upload_stream = self._upload_stream if on_upload_stream else self.stream
-        handle = self._upload_handle if on_upload_stream else self._stream_handle
-        if self._lib is not None:
-            rc = self._lib.cuMemcpyHtoDAsync_v2(table, stage_addr, size, handle)
-            if rc != 0:
-                raise TransferFailed(f"cuMemcpyHtoDAsync of a {size}-byte plan table failed: CUresult {rc}")
-        else:
-            check(cu.cuMemcpyHtoDAsync(table, stage_addr, size, handle), "cuMemcpyHtoDAsync")
+        self._upload(table, stage_addr, size, self._upload_handle if on_upload_stream else self._stream_handle)
         uploaded.record(upload_stream)
         if on_upload_stream:
             self.stream.wait_event(uploaded)  # type: ignore[no-untyped-call]

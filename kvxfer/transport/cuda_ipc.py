@@ -39,7 +39,7 @@ from kvxfer.errors import (
     TransferFailed,
     TransportError,
 )
-from kvxfer.pagetable import TransferPlan
+from kvxfer.pagetable import BlockPlan, TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
@@ -202,6 +202,21 @@ class CudaIpcTransport(Transport):
             raise
         return self._notifying(handle, notify, settled)
 
+    def _backend_post_blocks(self, op: Op, peer: str, plan: BlockPlan, notify: bytes | None, transfer_id: int, *,
+                             settled: bool = False) -> TransferHandle | None:
+        """A block plan goes to the GPU as its slots and template (a few KiB for 131,072 runs): the kernel
+        forms every run's addresses, so the post's host work is O(blocks + template). Without the
+        kernel method, or for a plan of a few runs (one block: ``cuMemcpyAsync`` per run starts sooner than
+        any launch): None (its expansion is posted)."""
+        if not self._copier.bounds_on_device(len(plan)):
+            return None
+        local_table = self._local_table
+
+        def enqueue(table: Any) -> Any:
+            return self._copier.copy_blocks(plan, table, op == "read", local_table, after_model=not settled)
+        return self._notifying(self._enqueue(op, peer, plan.total_bytes, enqueue, notify, transfer_id, settled),
+                               notify, settled)
+
     @staticmethod
     def _notifying(handle: TransferHandle, notify: bytes | None, settled: bool) -> TransferHandle:
         """A copy with a notification is finished by the completion thread, as the peer learns of the data
@@ -220,21 +235,30 @@ class CudaIpcTransport(Transport):
     def _launch(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
                 transfer_id: int, settled: bool = False) -> TransferHandle:
         """Enqueue the plan's copies; the handle is finished by whoever looks (not watched yet)."""
+        remote, local = (plan.dst, plan.src) if op == "write" else (plan.src, plan.dst)
+
+        def enqueue(table: Any) -> Any:
+            return self._copier.copy(plan.dst.addr, plan.src.addr, plan.src.nbytes, remote.region, table,
+                                     op == "read", local.region, self._local_table, after_model=not settled)
+        return self._enqueue(op, peer, plan.total_bytes, enqueue, notify, transfer_id, settled)
+
+    def _enqueue(self, op: Op, peer: str, nbytes: int, enqueue: Callable[[Any], Any], notify: bytes | None,
+                 transfer_id: int, settled: bool) -> TransferHandle:
+        """``enqueue(peer's region table)`` queues the copies and returns their event; the handle of them (a
+        failed one when the copier refused)."""
         table = self._peer_tables.get(peer)
         if table is None:
             raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} is not mapped")
-        remote, local = (plan.dst, plan.src) if op == "write" else (plan.src, plan.dst)
         # Only copies (bounded) are queued ahead of this one when it does not wait for the model's stream
         # or that stream is idle now.
         bounded = settled or bool(self._default_stream.query())
         try:
-            event = self._copier.copy(plan.dst.addr, plan.src.addr, plan.src.nbytes, remote.region, table,
-                                      op == "read", local.region, self._local_table, after_model=not settled)
+            event = enqueue(table)
         except TransferFailed as exc:
-            failed = TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=lambda h: False)
+            failed = TransferHandle(transfer_id, peer, nbytes, op, abort=lambda h: False)
             failed._finish(TransferStatus.FAILED, str(exc), TransferFailed)
             return failed
-        return _CopyHandle(transfer_id, peer, plan.total_bytes, op, event, bounded,
+        return _CopyHandle(transfer_id, peer, nbytes, op, event, bounded,
                            lambda h: self._complete(h, peer, notify), self._completions.put)
 
     def _complete(self, handle: _CopyHandle, peer: str, notify: bytes | None) -> None:

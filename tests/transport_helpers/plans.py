@@ -6,7 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 
 PAGE = 4096
 
@@ -78,4 +78,44 @@ def expected_after(plan: TransferPlan, src_regions: list[MemoryRegion], src_byte
         so = s - src_regions[sr].base_address
         do = d - dst_regions[dr].base_address
         out[dr][do:do + n] = src_bytes[sr][so:so + n]
+    return out
+
+
+def random_block_plan(rng: np.random.Generator, src_regions: list[MemoryRegion], dst_regions: list[MemoryRegion],
+                      blocks: int, runs: int, run_bytes: int) -> BlockPlan:
+    """A valid BlockPlan: ``runs`` template runs of ``run_bytes`` spread over both sides' regions (a slot of
+    ``2 x runs x run_bytes`` bytes per side, the runs in shuffled places inside it), ``blocks`` random
+    slot pairs, the destination slots distinct."""
+    step = 2 * runs * run_bytes
+
+    def side(regions: list[MemoryRegion]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint32]]:
+        region = rng.integers(0, len(regions), runs).astype(np.uint32)
+        place = rng.permutation(2 * runs)[:runs].astype(np.uint64) * np.uint64(run_bytes)
+        base = np.array([r.base_address for r in regions], np.uint64)[region]
+        slots = min(regions[int(r)].nbytes // step for r in set(region.tolist()))
+        return base + place, np.uint64(slots), region
+
+    src_offset, src_slots, src_region = side(src_regions)
+    dst_offset, dst_slots, dst_region = side(dst_regions)
+    assert min(int(src_slots), int(dst_slots)) >= blocks
+    return BlockPlan(rng.integers(0, int(src_slots), blocks).astype(np.uint64),
+                     rng.choice(int(dst_slots), blocks, replace=False).astype(np.uint64),
+                     np.full(runs, step, np.uint64), src_offset, np.full(runs, step, np.uint64), dst_offset,
+                     np.full(runs, run_bytes, np.uint64), src_region, dst_region)
+
+
+def expected_after_blocks(plan: BlockPlan, src_regions: list[MemoryRegion], src_bytes: list[npt.NDArray[np.uint8]],
+                          dst_regions: list[MemoryRegion], dst_bytes: list[npt.NDArray[np.uint8]]
+                          ) -> list[npt.NDArray[np.uint8]]:
+    """What the destination regions hold after the block plan ran, run by run from its definition
+    (``slot x step + offset``), not through ``BlockPlan.expand``."""
+    out = [b.copy() for b in dst_bytes]
+    for b in range(plan.num_blocks):
+        for t in range(plan.runs_per_block):
+            n = int(plan.nbytes[t])
+            s = int(plan.src_slots[b]) * int(plan.src_step[t]) + int(plan.src_offset[t])
+            d = int(plan.dst_slots[b]) * int(plan.dst_step[t]) + int(plan.dst_offset[t])
+            sr, dr = int(plan.src_region[t]), int(plan.dst_region[t])
+            so, do = s - src_regions[sr].base_address, d - dst_regions[dr].base_address
+            out[dr][do:do + n] = src_bytes[sr][so:so + n]
     return out
