@@ -1,7 +1,8 @@
-"""The Triton copy kernels of ``cuda_copy``: one over a list of runs, one over a block plan's template.
+"""The Triton kernel of ``cuda_copy`` for block plans (``copy_block_runs``).
 
-Both give every program one ``CHUNK``-byte piece of one run (2-D grid: run x piece) and share the copy
-itself (``copy_piece``): addresses become int64 offsets from ``anchor`` (any device buffer) so loads use
+Like the run-list kernel in ``cuda_copy`` (whose body ``copy_piece`` repeats: that kernel stays as the last
+H200 run validated it until a device run has validated this module), it gives every program one
+``CHUNK``-byte piece of one run (2-D grid: run x piece): addresses become int64 offsets from ``anchor`` (any device buffer) so loads use
 typed pointers whose 16-byte alignment the compiler is told about (it then emits 16-byte vector loads
 and stores), and a run not inside its registered regions on both sides (tables of (delta, start, end)
 per region) is not copied, so the host may check a plan while the kernel runs (``RegionTable``).
@@ -62,23 +63,6 @@ def copy_piece(s, d, n, start, r, q, remote_table, local_table, remote_count, lo
             b = start + off + tl.arange(0, BLOCK)
             bmask = b < n
             tl.store(anchor8 + do + b, tl.load(anchor8 + so + b, mask=bmask), mask=bmask)
-
-
-@triton.jit(do_not_specialize=["remote_count", "local_count"])
-def copy_runs(src_addr, dst_addr, lengths, regions, local_regions, remote_table, local_table,
-              remote_count, local_count, anchor8, anchor32, anchor_addr,
-              REMOTE_SRC: tl.constexpr, PER_RUN_LENGTH: tl.constexpr, PER_RUN_REGION: tl.constexpr,
-              PER_RUN_LOCAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (run, piece): piece ``piece`` of run ``run`` of a list of runs (lengths and regions once
-    for all runs when not PER_RUN_*)."""
-    run = tl.program_id(0)
-    start = tl.program_id(1).to(tl.int64) * CHUNK
-    n = tl.load(lengths + run * PER_RUN_LENGTH).to(tl.int64)   # one shared length when uniform
-    if start < n:
-        copy_piece(tl.load(src_addr + run), tl.load(dst_addr + run), n, start,
-                   tl.load(regions + run * PER_RUN_REGION), tl.load(local_regions + run * PER_RUN_LOCAL),
-                   remote_table, local_table, remote_count, local_count, anchor8, anchor32, anchor_addr,
-                   REMOTE_SRC, CHUNK, BLOCK)
 
 
 @triton.jit(do_not_specialize=["runs_per_block", "remote_count", "local_count"])

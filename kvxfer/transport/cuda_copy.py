@@ -262,8 +262,78 @@ class _TritonLaunch:
         self._compiled[(grid_x, grid_y, 1)](*args, *self._constexprs, stream=stream)
 
 
-def _triton_kernels() -> Any:
-    """The copy kernels module (``copy_kernels``), or None without Triton."""
+def _triton_kernel() -> Any:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    # Triton resolves annotations as kernel globals: only constexpr parameters may be annotated. The
+    # counts must not be specialised (a count of 1 would be compiled in, and the launcher reuses the
+    # compiled kernel for every count).
+    @triton.jit(do_not_specialize=["remote_count", "local_count"])  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def copy_runs(src_addr, dst_addr, lengths, regions, local_regions, remote_table, local_table,  # type: ignore[no-untyped-def]
+                  remote_count, local_count, anchor8, anchor32, anchor_addr,
+                  REMOTE_SRC: tl.constexpr, PER_RUN_LENGTH: tl.constexpr, PER_RUN_REGION: tl.constexpr,
+                  PER_RUN_LOCAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # Program (run, piece) copies bytes [piece * CHUNK, (piece + 1) * CHUNK) of run ``run``. Addresses
+        # become int64 offsets from ``anchor`` (any device buffer) so loads use typed pointers whose
+        # 16-byte alignment the compiler is told about: it then emits 16-byte vector loads and stores.
+        # A run not inside its registered regions on both sides (tables of (delta, start, end) per
+        # region) is not copied: the host may check the plan while this kernel runs (RegionTable).
+        run = tl.program_id(0)
+        start = tl.program_id(1).to(tl.int64) * CHUNK
+        n = tl.load(lengths + run * PER_RUN_LENGTH).to(tl.int64)   # one shared length when uniform
+        if start < n:
+            s = tl.load(src_addr + run)
+            d = tl.load(dst_addr + run)
+            r = tl.load(regions + run * PER_RUN_REGION)
+            q = tl.load(local_regions + run * PER_RUN_LOCAL)
+            r_ok = (r >= 0) & (r < remote_count)
+            q_ok = (q >= 0) & (q < local_count)
+            r = tl.where(r_ok, r, 0).to(tl.int64) * 3
+            q = tl.where(q_ok, q, 0).to(tl.int64) * 3
+            delta = tl.load(remote_table + r)
+            if REMOTE_SRC:
+                ra = s
+                la = d
+            else:
+                ra = d
+                la = s
+            inside = r_ok & q_ok & (ra >= tl.load(remote_table + r + 1)) & (ra <= tl.load(remote_table + r + 2) - n) \
+                & (la >= tl.load(local_table + q + 1)) & (la <= tl.load(local_table + q + 2) - n)
+            if REMOTE_SRC:
+                s = s + delta
+            else:
+                d = d + delta
+            n = tl.where(inside, n, start)     # outside: every mask below is empty
+            so = s - anchor_addr
+            do = d - anchor_addr
+            if ((s | d) & 15) == 0:
+                sw = tl.multiple_of(so >> 2, 4)
+                dw = tl.multiple_of(do >> 2, 4)
+                body = tl.multiple_of((n >> 4) << 2, 4)          # words of the 16-byte multiple part
+                w0 = tl.multiple_of(start >> 2, 4)
+                for off in tl.static_range(0, CHUNK // 4, BLOCK):
+                    idx = w0 + off + tl.arange(0, BLOCK)
+                    mask = idx < body
+                    tl.store(anchor32 + dw + idx, tl.load(anchor32 + sw + idx, mask=mask), mask=mask)
+                if start + CHUNK >= n:                          # the last piece also copies the tail
+                    t = ((n >> 4) << 4) + tl.arange(0, 16)
+                    tmask = t < n
+                    tl.store(anchor8 + do + t, tl.load(anchor8 + so + t, mask=tmask), mask=tmask)
+            else:
+                for off in tl.static_range(0, CHUNK, BLOCK):
+                    b = start + off + tl.arange(0, BLOCK)
+                    bmask = b < n
+                    tl.store(anchor8 + do + b, tl.load(anchor8 + so + b, mask=bmask), mask=bmask)
+
+    return copy_runs
+
+
+def _block_kernels() -> Any:
+    """The block-plan kernel's module (``copy_kernels``), or None without Triton."""
     try:
         from kvxfer.transport import copy_kernels
     except ImportError:
@@ -382,8 +452,10 @@ class BatchedCopier:
         make_current(device_id)
         self.stream = torch.cuda.Stream(device_id)  # type: ignore[no-untyped-call]
         self._stream_handle = int(self.stream.cuda_stream)
-        self._kernels = _triton_kernels() if method in ("auto", "kernel") else None
-        self._kernel = self._kernels.copy_runs if self._kernels is not None else None
+        self._kernel = _triton_kernel() if method in ("auto", "kernel") else None
+        #: The block-plan kernel: None until first asked for (``block_kernel_ready``), then its module, or
+        #: False when it could not be compiled or its check copy came back wrong.
+        self._kernels: Any = None
         self._batch = _batch_fn() if method in ("auto", "batch") else None
         if method == "kernel" and self._kernel is None:
             raise BackendUnavailable("method='kernel' needs Triton, which is not installed")
@@ -445,21 +517,6 @@ class BatchedCopier:
                 want[32:44] = want[:12].clone()   # words 0-11 copied to 32-43, nothing else changed
                 if not torch.equal(buf, want):
                     raise TransferFailed("the copy kernel's warm-up copy came back wrong")
-            # The block kernel: 2 blocks (slots 0 and 1, 32 bytes apart) x 2 template runs of 16 bytes,
-            # the destination 128 bytes on: words 0-15 land on 32-47.
-            buf.copy_(torch.arange(64, dtype=torch.int32, device=buf.device))
-            torch.cuda.synchronize(self.device_id)
-            step, offset = np.full(2, 32, np.uint64), np.array([addr, addr + 16], np.uint64)
-            plan = BlockPlan(np.arange(2, dtype=np.uint64), np.arange(2, dtype=np.uint64), step, offset, step,
-                             offset + np.uint64(128), np.full(2, 16, np.uint64), np.zeros(2, np.uint32),
-                             np.zeros(2, np.uint32))
-            with self._lock:
-                self._run_block_kernel(plan, self._local, remote_src, self._local, local_regions=False)
-            self.stream.synchronize()
-            want = torch.arange(64, dtype=torch.int32, device=buf.device)
-            want[32:48] = want[:16].clone()
-            if not torch.equal(buf, want):
-                raise TransferFailed("the block copy kernel's warm-up copy came back wrong")
 
     def copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: RegionTable,
              remote_src: bool, local_region: U32 | None = None, local: RegionTable | None = None, *,
@@ -493,14 +550,53 @@ class BatchedCopier:
             event.record(self.stream)
         return event
 
+    def block_kernel_ready(self) -> bool:
+        """Whether block plans can go to the GPU as such: on first call compile ``copy_block_runs`` (both
+        directions) and check one copy of 2 blocks x 2 runs. Any failure is logged and the answer stays
+        False, so callers post the expansion through the run-list kernel (the block kernel is newer than
+        the last GPU run that validated this copier: it must not be able to break it)."""
+        if self._kernels is None:
+            if self.method != "kernel":
+                self._kernels = False
+                return False
+            try:
+                self._kernels = _block_kernels() or False
+                if self._kernels:
+                    self._check_block_kernel()
+            except Exception as exc:
+                log.warning("cuda copy: block plans will be expanded (the block kernel failed its check: %s)", exc)
+                self._kernels = False
+        return bool(self._kernels)
+
+    def _check_block_kernel(self) -> None:
+        """2 blocks (slots 0 and 1, 32 bytes apart) x 2 template runs of 16 bytes, the destination 128 bytes
+        on, each direction: words 0-15 land on 32-47, nothing else changes."""
+        buf = torch.arange(64, dtype=torch.int32, device=f"cuda:{self.device_id}")
+        addr = int(buf.data_ptr())
+        step, offset = np.full(2, 32, np.uint64), np.array([addr, addr + 16], np.uint64)
+        plan = BlockPlan(np.arange(2, dtype=np.uint64), np.arange(2, dtype=np.uint64), step, offset, step,
+                         offset + np.uint64(128), np.full(2, 16, np.uint64), np.zeros(2, np.uint32),
+                         np.zeros(2, np.uint32))
+        for remote_src in (False, True):
+            buf.copy_(torch.arange(64, dtype=torch.int32, device=buf.device))
+            torch.cuda.synchronize(self.device_id)
+            with self._lock:
+                self._run_block_kernel(plan, self._local, remote_src, self._local, local_regions=False)
+            self.stream.synchronize()
+            want = torch.arange(64, dtype=torch.int32, device=buf.device)
+            want[32:48] = want[:16].clone()
+            if not torch.equal(buf, want):
+                raise TransferFailed("the block copy kernel's check copy came back wrong")
+
     def copy_blocks(self, plan: BlockPlan, peer: RegionTable, remote_src: bool, local: RegionTable | None = None,
                     *, after_model: bool = True) -> torch.cuda.Event:
         """Enqueue a block plan's copies as one upload of its slots and template (``O(B + T)`` bytes) and
         one launch of ``copy_block_runs``, which forms every run's addresses on the GPU; otherwise as
         ``copy`` (the ``remote_src`` side translated through ``peer``, every run bounded to its regions of
         ``peer`` and ``local``, the event recorded after the copies). Method "kernel" only."""
-        if self._kernels is None:
-            raise TransferFailed(f"block plans need the copy kernel (Triton); this copier's method is {self.method!r}")
+        if not self.block_kernel_ready():
+            raise TransferFailed(f"block plans need the block copy kernel (Triton), which is not available here "
+                                 f"(method {self.method!r}; see the log)")
         make_current(self.device_id)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with self._lock:

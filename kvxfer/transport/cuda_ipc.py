@@ -208,7 +208,7 @@ class CudaIpcTransport(Transport):
         forms every run's addresses, so the post's host work is O(blocks + template). Without the
         kernel method, or for a plan of a few runs (one block: ``cuMemcpyAsync`` per run starts sooner than
         any launch): None (its expansion is posted)."""
-        if not self._copier.bounds_on_device(len(plan)):
+        if not self._copier.bounds_on_device(len(plan)) or not self._copier.block_kernel_ready():
             return None
         local_table = self._local_table
 
