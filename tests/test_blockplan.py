@@ -228,3 +228,14 @@ def test_the_shape_check_agrees_with_the_expanded_plans_check(data: st.DataObjec
     got = verdict(lambda: bp.validate(SRC, dst_regions))
     want = verdict(lambda: bp.expand().validate(SRC, dst_regions))
     assert got == want, (got, want, bp)
+
+
+def test_one_block_whose_template_runs_have_different_steps_is_checked_at_its_addresses() -> None:
+    """Found by the property test: one block at slot 1, a run of step 256 at offset 0 and a run of step 0
+    at offset 128. The offsets alone do not meet, the addresses (256 and 128 + 256 bytes) do."""
+    base = 1 << 20
+    bp = BlockPlan(np.zeros(1), np.ones(1), np.full(2, 4096), np.array([1 << 30, (1 << 30) + 1024]),
+                   np.array([256, 0]), np.array([base, base + 128]), np.array([128, 256]), np.zeros(2, np.uint32),
+                   np.zeros(2, np.uint32))
+    with pytest.raises(PageTableError, match="overlap"):
+        bp.validate(SRC, REGIONS)

@@ -172,12 +172,15 @@ class BlockPlan:
             if not inside.size:
                 continue
             step = self.dst_step[inside]
-            order = inside[np.argsort(self.dst_offset[inside], kind="stable")]
-            start = self.dst_offset[order]
-            stop = start + self.nbytes[order]
+            # Block 0's own addresses: with one step they are the offsets shifted alike for every block; with
+            # several (allowed for one block only) the offsets alone would not show a clash.
+            first = self.dst_offset[inside] + np.uint64(slots[0]) * step
+            order = np.argsort(first, kind="stable")
+            start = first[order]
+            stop = start + self.nbytes[inside][order]
             if start.size > 1 and bool((start[1:] < np.maximum.accumulate(stop)[:-1]).any()):
                 return False
-            if slots.size > 1 and (int(step.min()) != int(step.max()) or int(stop.max()) - int(start[0]) > int(step[0])):
+            if slots.size > 1 and (int(step.min()) != int(step.max()) or int(stop.max()) - int(start[0]) > int(step.max())):
                 return False
         return True
 
