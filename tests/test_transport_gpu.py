@@ -124,11 +124,11 @@ def test_device_block_plans_move_exact_bytes(gpu_peer: GpuPeer, op: str, monkeyp
     local_before = _host(p.bufs)
     peer_before = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
     if op == "write":
-        plan = random_block_plan(rng, local_regions, peer_regions, 40, 24, 4 * PAGE + 16)
+        plan = random_block_plan(rng, local_regions, peer_regions, 40, 6, PAGE + 16)
         want_peer = expected_after_blocks(plan, local_regions, local_before, peer_regions, peer_before)
         want_local = local_before
     else:
-        plan = random_block_plan(rng, peer_regions, local_regions, 40, 24, 4 * PAGE + 16)
+        plan = random_block_plan(rng, peer_regions, local_regions, 40, 6, PAGE + 16)
         want_local = expected_after_blocks(plan, peer_regions, peer_before, local_regions, local_before)
         want_peer = peer_before
     if p.local.backend == "cuda_ipc":
