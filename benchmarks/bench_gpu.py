@@ -10,6 +10,8 @@ One run measures, with the same statistic (the median) in every column:
 - each kvxfer backend given (``--backends``), for identical layouts and TP 1->2, push and pull; with
   cuda_ipc also "cuda_ipc_blocks": the same transfers posted as BlockPlans (``plan_blocks``: one run
   template + slot pairs, whose addresses the kernel forms on the GPU);
+- with cuda_ipc also "cuda_ipc_prep": the same plans prepared once per case (``Transport.prepare``: checked,
+  the kernel's table packed and uploaded, as raw NIXL's lists are prepared once), one ``post`` per iteration;
 - raw NIXL (``--raw-nixl``): NIXL's own agent in both processes, descriptor lists prepared once per
   case (``prep_xfer_dlist``), one ``make_prepped_xfer`` + ``transfer`` per iteration;
 - the latency of one ``write(plan).wait()`` of 1, 4 and 16 blocks (p50) against the torch copy.
@@ -379,6 +381,20 @@ class Bench:
             return posted
         return post
 
+    def prepared_post(self, backend: str, mode: str, plans: list[TransferPlan]) -> tuple[Any, list[Any]]:
+        """The plans prepared once here (``Transport.prepare``), one ``post`` of each per iteration; and the
+        prepared transfers, to release after the case."""
+        t = self.ts[backend]
+        prepared = [t.prepare("write" if mode == "push" else "read", f"{PEER}-{backend}", p) for p in plans]
+
+        def post() -> float:
+            hs = [x.post() for x in prepared]
+            posted = time.perf_counter()
+            for h in hs:
+                h.wait(120)
+            return posted
+        return post, prepared
+
     def raw_nixl_post(self, mode: str, plans: list[TransferPlan]) -> Any:
         """Raw NIXL: both sides' descriptor lists prepared once here, one prepared transfer per plan."""
         agent = self.agent
@@ -414,7 +430,8 @@ class Bench:
 def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, latency_iters: int,
         device: str, own_context_first: bool = True) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
-    columns = backends + (["cuda_ipc_blocks"] if "cuda_ipc" in backends else []) + (["raw_nixl"] if raw else [])
+    columns = backends + (["cuda_ipc_blocks", "cuda_ipc_prep"] if "cuda_ipc" in backends else []) + \
+        (["raw_nixl"] if raw else [])
     results: dict[str, Any] = {"backends": backends, "raw_nixl": raw, "gpu": gpu, "device": device, "cases": [],
                                "columns": columns,
                                "latency": [], "nixl_threads": int(os.environ.get("KVXFER_NIXL_THREADS", "0")),
@@ -453,6 +470,8 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                     block_plans, row["block_plan_ms"] = bench.block_plans(mode, dst_names, blk)
                     assert sum(p.total_bytes for p in block_plans) == nbytes
                     posts.append(("cuda_ipc_blocks", bench.backend_post("cuda_ipc", mode, block_plans)))
+                    prepared_post, prepared = bench.prepared_post("cuda_ipc", mode, plans)
+                    posts.append(("cuda_ipc_prep", prepared_post))
                 prepped = None
                 if raw:
                     raw_post, prepped = bench.raw_nixl_post(mode, plans)
@@ -470,6 +489,8 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                 for lh, rh, _ in prepped or []:
                     lh.release()
                     rh.release()
+                for x in prepared if "cuda_ipc" in backends else []:
+                    x.release()
                 if raw:
                     for b in backends:
                         row[f"{b}_x_raw_nixl"] = row[f"{b}_gbps"] / row["raw_nixl_gbps"]
@@ -500,6 +521,8 @@ def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, poo
         posts += [(b, bench.backend_post(b, "push", plans)) for b in bench.backends]
         if "cuda_ipc" in bench.backends:
             posts.append(("cuda_ipc_blocks", bench.backend_post("cuda_ipc", "push", bench.block_plans("push", ["decode"], sub)[0])))
+            prepared_post, prepared = bench.prepared_post("cuda_ipc", "push", plans)
+            posts.append(("cuda_ipc_prep", prepared_post))
         prepped = None
         if raw:
             raw_post, prepped = bench.raw_nixl_post("push", plans)
@@ -520,7 +543,9 @@ def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, poo
         for lh, rh, _ in prepped or []:
             lh.release()
             rh.release()
-        for b in bench.backends + (["cuda_ipc_blocks"] if "cuda_ipc" in bench.backends else []):
+        for x in prepared if "cuda_ipc" in bench.backends else []:
+            x.release()
+        for b in bench.backends + (["cuda_ipc_blocks", "cuda_ipc_prep"] if "cuda_ipc" in bench.backends else []):
             row[f"{b}_x_torch"] = row[f"{b}_p50_us"] / row["torch_p50_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -156,6 +156,109 @@ def test_a_hostile_block_plan_is_refused_naming_the_side(pair_of: Pair, op: str)
         assert np.array_equal(got, want)
 
 
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a prepared post checked or expanded its plan again")
+
+
+@pytest.mark.parametrize("kind", ["runs", "blocks"])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_prepared_plan_moves_the_bytes_of_each_post(pair_of: Pair, op: str, kind: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare`` once, then three posts with the source rewritten before each: every post lands the bytes
+    the source holds at that post, exactly where the plan's definition says (expected run by run), then
+    notifies. The transport checks the plan at ``prepare`` only: posts run with its checks made to raise
+    (loopback's simulated peer still checks against its real registration, as a NIC does), and a BlockPlan
+    that the backend cannot move as such is expanded once, at the first post."""
+    p = pair_of
+    rng = np.random.default_rng(23)
+    (src_t, src_bufs), (dst_t, dst_bufs) = ((p.a, p.a_bufs), (p.b, p.b_bufs)) if op == "write" else \
+        ((p.b, p.b_bufs), (p.a, p.a_bufs))
+    plan: TransferPlan | BlockPlan = make_plan(rng, src_t.regions, dst_t.regions, 40, False) if kind == "runs" else \
+        random_block_plan(rng, list(src_t.regions), list(dst_t.regions), 10, 3, 1024)
+    prepared = p.a.prepare(op, p.b.name, plan)
+    assert (prepared.op, prepared.peer, prepared.nbytes) == (op, p.b.name, plan.total_bytes)
+    monkeypatch.setattr(Transport, "_check_plan", _refuse)
+    monkeypatch.setattr(Transport, "_check_block_plan", _refuse)
+    expand = BlockPlan.expand
+    expansions: list[int] = []
+    monkeypatch.setattr(BlockPlan, "expand", lambda self: expansions.append(1) or expand(self))
+    for round_no in range(3):
+        for buf in src_bufs:
+            buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+        untouched = [x.copy() for x in src_bufs]
+        if isinstance(plan, BlockPlan):
+            want = expected_after_blocks(plan, list(src_t.regions), src_bufs, list(dst_t.regions), dst_bufs)
+        else:
+            want = expected_after(plan, list(src_t.regions), src_bufs, list(dst_t.regions), dst_bufs)
+        handle = prepared.post(notify=b"prepared%d" % round_no)
+        handle.wait(10.0)
+        assert handle.status is TransferStatus.DONE and handle.nbytes == plan.total_bytes
+        for got, w in zip(dst_bufs + src_bufs, want + untouched, strict=True):
+            assert np.array_equal(got, w)
+        assert drain(p.b, 1) == {p.a.name: [b"prepared%d" % round_no]}
+    assert len(expansions) == (1 if kind == "blocks" else 0)
+
+
+def test_a_bad_plan_is_refused_at_prepare_naming_what_is_wrong(pair_of: Pair) -> None:
+    """The same refusals as ``write``/``read`` (side, region, overlap), made by ``prepare``; and a bad op, an
+    unknown peer or no plan at all. Nothing is written, nothing notified."""
+    p = pair_of
+    before = [x.copy() for x in p.a_bufs + p.b_bufs]
+    a0, b1 = p.a.regions[0], p.b.regions[1]
+    local = PageTable(np.array([a0.base_address], np.uint64), np.array([PAGE], np.uint64), np.array([0], np.uint32))
+    past_end = PageTable(np.array([b1.end_address - PAGE + 1], np.uint64), np.array([PAGE], np.uint64),
+                         np.array([1], np.uint32))
+    with pytest.raises(PageTableError, match="remote"):
+        p.a.prepare("write", p.b.name, TransferPlan(local, past_end))
+    with pytest.raises(PageTableError, match="remote"):
+        p.a.prepare("read", p.b.name, TransferPlan(past_end, local))
+    good = random_block_plan(np.random.default_rng(3), list(p.a.regions), list(p.b.regions), 6, 2, 1024)
+    twice = good.dst_slots.copy()
+    twice[4] = twice[1]
+    with pytest.raises(PageTableError, match=r"remote .*overlap"):
+        p.a.prepare("write", p.b.name, BlockPlan(good.src_slots, twice, good.src_step, good.src_offset, good.dst_step,
+                                                 good.dst_offset, good.nbytes, good.src_region, good.dst_region))
+    with pytest.raises(TransportError, match="op must be 'write' or 'read'"):
+        p.a.prepare("copy", p.b.name, good)  # type: ignore[arg-type]
+    with pytest.raises(PeerUnreachable, match="'nobody' is not connected"):
+        p.a.prepare("write", "nobody", good)
+    with pytest.raises(PageTableError, match="expected a TransferPlan or BlockPlan"):
+        p.a.prepare("write", p.b.name, [1, 2, 3])  # type: ignore[arg-type]
+    assert drain(p.b, 1, timeout=0.1) == {}
+    for got, want in zip(p.a_bufs + p.b_bufs, before, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_a_prepared_transfer_is_bound_to_its_connection(pair_of: Pair) -> None:
+    """A post after the peer was disconnected, or reconnected (its regions may have changed), after
+    ``release`` (also by ``with``), or after ``close`` is refused naming why, and moves nothing; bad
+    arguments to ``post`` are refused as ``write``'s; the plan prepared again works."""
+    p = pair_of
+    plan = make_plan(np.random.default_rng(29), p.a.regions, p.b.regions, 8, False)
+    before = [x.copy() for x in p.b_bufs]
+    prepared = p.a.prepare("write", p.b.name, plan)
+    with pytest.raises(TransportError, match="notify must be bytes"):
+        prepared.post(notify="text")  # type: ignore[arg-type]
+    with pytest.raises(TransportError, match="settled applies to writes only"):
+        p.a.prepare("read", p.b.name, TransferPlan(plan.dst, plan.src)).post(settled=True)
+    p.a.disconnect(p.b.name)
+    with pytest.raises(PeerUnreachable, match="is not connected since this write was prepared"):
+        prepared.post()
+    p.a.connect(p.b.name, p.b.metadata())
+    with pytest.raises(PeerUnreachable, match="reconnected"):
+        prepared.post()
+    assert all(np.array_equal(got, want) for got, want in zip(p.b_bufs, before, strict=True))
+    with p.a.prepare("write", p.b.name, plan) as again:
+        again.post(notify=b"again").wait(10.0)
+    assert drain(p.b, 1) == {p.a.name: [b"again"]}
+    with pytest.raises(TransportError, match="released"):
+        again.post()
+    third = p.a.prepare("write", p.b.name, plan)
+    p.a.close()
+    with pytest.raises(TransportError, match="closed"):
+        third.post()
+
+
 def test_empty_plan_completes_and_notifies(pair_of: Pair) -> None:
     p = pair_of
     empty = TransferPlan(PageTable.empty(), PageTable.empty())

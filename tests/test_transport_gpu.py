@@ -143,19 +143,79 @@ def test_device_block_plans_move_exact_bytes(gpu_peer: GpuPeer, op: str, monkeyp
     assert p.call("notifications", 1, 10.0) == {p.local.name: [f"blocks-{op}".encode()]}
 
 
+@pytest.mark.parametrize("kind", ["runs", "blocks"])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_prepared_device_plan_lands_the_bytes_of_each_post(gpu_peer: GpuPeer, op: str, kind: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare`` once, two posts with new source bytes before each: every post lands what the source holds
+    then, where the plan's definition says (expected run by run), and notifies. On cuda_ipc a post neither
+    packs (the staging ring raises), checks nor expands the plan: one launch of the prepared table
+    (mutation: a post that repacks fails here)."""
+    from kvxfer.pagetable import BlockPlan, TransferPlan
+    from kvxfer.transport import Transport
+    p = gpu_peer
+    rng = np.random.default_rng(61)
+    local_regions, peer_regions = list(p.local.regions), list(p.local.peer_regions(p.name))
+    src_regions, dst_regions = (local_regions, peer_regions) if op == "write" else (peer_regions, local_regions)
+    plan: TransferPlan | BlockPlan = pair(random_pages(rng, src_regions, 300, 4 * PAGE, False),
+                                          random_pages(rng, dst_regions, 300, 4 * PAGE, False)) if kind == "runs" \
+        else random_block_plan(rng, src_regions, dst_regions, 40, 6, PAGE + 16)
+    prepared = p.local.prepare(op, p.name, plan)
+    if p.local.backend == "cuda_ipc":
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise AssertionError("a prepared cuda_ipc post packed, checked or expanded its plan")
+        monkeypatch.setattr(p.local._copier._staging, "take", refuse)  # type: ignore[attr-defined]
+        monkeypatch.setattr(Transport, "_check_plan", refuse)
+        monkeypatch.setattr(Transport, "_check_block_plan", refuse)
+        monkeypatch.setattr(BlockPlan, "expand", refuse)
+    for round_no in range(2):
+        if op == "write":
+            for b in p.bufs:
+                b.copy_(torch.from_numpy(rng.integers(0, 256, b.numel(), dtype=np.uint8)).cuda())
+        else:
+            p.call("scramble", 70 + round_no)
+        local_before = _host(p.bufs)
+        peer_before = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+        src_bytes, dst_bytes = (local_before, peer_before) if op == "write" else (peer_before, local_before)
+        if isinstance(plan, BlockPlan):
+            want = expected_after_blocks(plan, src_regions, src_bytes, dst_regions, dst_bytes)
+        else:
+            want = expected_after(plan, src_regions, src_bytes, dst_regions, dst_bytes)
+        want_local, want_peer = (local_before, want) if op == "write" else (want, peer_before)
+        handle = prepared.post(notify=f"prepared-{op}-{kind}-{round_no}".encode())
+        handle.wait(60)
+        assert all(np.array_equal(a, b) for a, b in zip(_host(p.bufs), want_local, strict=True))
+        got_peer = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+        assert all(np.array_equal(a, b) for a, b in zip(got_peer, want_peer, strict=True))
+        assert p.call("notifications", 1, 10.0) == {p.local.name: [f"prepared-{op}-{kind}-{round_no}".encode()]}
+    prepared.release()
+
+
 def test_a_device_block_plan_past_the_peer_is_refused(gpu_peer: GpuPeer) -> None:
+    """A block plan with block 5 far past the peer's regions: PageTableError naming it, no notification, and
+    no peer byte changes outside the plan's in-region destination runs (on cuda_ipc the kernel starts
+    before the host's check and confines every run to its regions, as for a run list: block 5 is never
+    copied)."""
     from kvxfer.pagetable import BlockPlan
     p = gpu_peer
     before = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
-    good = random_block_plan(np.random.default_rng(32), list(p.local.regions), list(p.local.peer_regions(p.name)),
-                             8, 4, PAGE)
+    peer_regions = list(p.local.peer_regions(p.name))
+    good = random_block_plan(np.random.default_rng(32), list(p.local.regions), peer_regions, 8, 4, PAGE)
     far = good.dst_slots.copy()
     far[5] = 1 << 20
     bad = BlockPlan(good.src_slots, far, good.src_step, good.src_offset, good.dst_step, good.dst_offset, good.nbytes,
                     good.src_region, good.dst_region)
     with pytest.raises(PageTableError, match=r"remote .*block 5.*outside region"):
         p.local.write(p.name, bad, notify=b"never")
-    assert all(np.array_equal(np.frombuffer(a, np.uint8), b) for a, b in zip(p.call("dump"), before, strict=True))
+    allowed = [np.zeros(b.size, bool) for b in before]
+    for b in range(bad.num_blocks):
+        for t in range(bad.runs_per_block):
+            region = peer_regions[int(bad.dst_region[t])]
+            at = int(bad.dst_slots[b]) * int(bad.dst_step[t]) + int(bad.dst_offset[t]) - region.base_address
+            if at >= 0 and at + int(bad.nbytes[t]) <= region.nbytes:
+                allowed[int(bad.dst_region[t])][at: at + int(bad.nbytes[t])] = True
+    after = [np.frombuffer(b, np.uint8) for b in p.call("dump")]
+    assert all(np.array_equal(a[~ok], b[~ok]) for a, b, ok in zip(after, before, allowed, strict=True))
     assert p.call("notifications", 1, 0.3) == {}
 
 

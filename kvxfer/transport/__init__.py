@@ -11,6 +11,7 @@ from kvxfer.transport.base import Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.loopback import LoopbackFaults, LoopbackTransport
 from kvxfer.transport.metadata import TransportMetadata
+from kvxfer.transport.prepared import PreparedTransfer
 from kvxfer.transport.registry import (
     BACKENDS,
     REGISTRY,
@@ -28,6 +29,7 @@ __all__ = [
     "BackendSpec",
     "LoopbackFaults",
     "LoopbackTransport",
+    "PreparedTransfer",
     "TransferHandle",
     "TransferStatus",
     "Transport",

@@ -20,6 +20,7 @@ from kvxfer.errors import PageTableError, PeerUnreachable, TransportError
 from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport.handle import TransferHandle
 from kvxfer.transport.metadata import MAX_NAME_CHARS, TransportMetadata, check_regions
+from kvxfer.transport.prepared import PreparedTransfer
 
 Op = Literal["write", "read"]
 MAX_NOTIFY_BYTES = 4096
@@ -107,6 +108,22 @@ class Transport(ABC):
         """Pull: ``plan.src`` (peer) -> ``plan.dst`` (local); ``notify`` reaches the peer after the data."""
         return self._post("read", peer, plan, notify)
 
+    def prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan) -> PreparedTransfer:
+        """Check ``plan`` for ``op`` ("write": local -> peer, "read": peer -> local) with ``peer`` once and do the
+        backend's per-plan work once (cuda_ipc: its kernel table packed and uploaded), so that each
+        ``PreparedTransfer.post`` only starts the copy. A bad plan is refused here, as ``write``/``read``
+        would refuse it."""
+        self._check_open()
+        if op not in ("write", "read"):
+            raise TransportError(f"prepare for peer {peer!r}: op must be 'write' or 'read', got {op!r:.40}")
+        md = self._peer(peer)
+        self._check_plan_type(op, peer, plan)
+        if isinstance(plan, BlockPlan):
+            self._check_block_plan(op, peer, plan, md)
+        else:
+            self._check_plan(op, peer, plan, md)
+        return PreparedTransfer(self, op, peer, md, plan, self._backend_prepare(op, peer, plan))
+
     def notifications(self) -> dict[str, list[bytes]]:
         """Messages received since the last call, per sending peer, each delivered exactly once."""
         self._backend_poll_notifications()
@@ -171,18 +188,15 @@ class Transport(ABC):
               settled: bool = False) -> TransferHandle:
         self._check_open()
         md = self._peer(peer)
-        if not isinstance(plan, TransferPlan | BlockPlan):
-            raise PageTableError(f"{op} to peer {peer!r}: expected a TransferPlan or BlockPlan, got "
-                                 f"{type(plan).__name__}")
-        if notify is not None and (not isinstance(notify, bytes) or len(notify) > MAX_NOTIFY_BYTES):
-            raise TransportError(f"{op} to peer {peer!r}: notify must be bytes of <= {MAX_NOTIFY_BYTES}, "
-                                 f"got {type(notify).__name__} of {len(notify) if isinstance(notify, bytes) else '?'}")
+        self._check_plan_type(op, peer, plan)
+        self._check_notify(op, peer, notify)
         transfer_id = next(self._ids)
         if isinstance(plan, BlockPlan):
-            self._check_block_plan(op, peer, plan, md)
-            blocks = self._backend_post_blocks(op, peer, plan, notify, transfer_id, settled=settled)
+            blocks = self._backend_post_blocks(op, peer, plan, notify, transfer_id,
+                                               lambda: self._check_block_plan(op, peer, plan, md), settled=settled)
             if blocks is not None:
                 return blocks
+            self._check_block_plan(op, peer, plan, md)
             return self._backend_post(op, peer, plan.expand(), notify, transfer_id, settled=settled)
         handle = self._backend_post_checking(op, peer, plan, notify, transfer_id,
                                              lambda: self._check_plan(op, peer, plan, md), settled=settled)
@@ -190,6 +204,42 @@ class Transport(ABC):
             return handle
         self._check_plan(op, peer, plan, md)
         return self._backend_post(op, peer, plan, notify, transfer_id, settled=settled)
+
+    def _post_prepared(self, prepared: PreparedTransfer, notify: bytes | None, settled: bool) -> TransferHandle:
+        """``PreparedTransfer.post``: the plan was checked by ``prepare`` against the connection it names."""
+        self._check_open()
+        op, peer = prepared.op, prepared.peer
+        if prepared._transport is not self:
+            raise TransportError(f"transport {self.name!r}: prepared {op} to peer {peer!r} belongs to another transport")
+        md = self._peers.get(peer)
+        if md is not prepared.metadata:
+            state = "is not connected" if md is None else "reconnected (its regions may differ)"
+            raise PeerUnreachable(f"transport {self.name!r}: peer {peer!r} {state} since this {op} was prepared; "
+                                  f"prepare the plan again")
+        self._check_notify(op, peer, notify)
+        if settled and op != "write":
+            raise TransportError(f"prepared read from peer {peer!r}: settled applies to writes only")
+        transfer_id = next(self._ids)
+        if prepared.backend_state is not None:
+            return self._backend_post_prepared(prepared, notify, transfer_id, settled=settled)
+        if isinstance(prepared.plan, BlockPlan):
+            blocks = self._backend_post_blocks(op, peer, prepared.plan, notify, transfer_id, lambda: None,
+                                               settled=settled)
+            if blocks is not None:
+                return blocks
+        return self._backend_post(op, peer, prepared.expanded(), notify, transfer_id, settled=settled)
+
+    @staticmethod
+    def _check_plan_type(op: Op, peer: str, plan: object) -> None:
+        if not isinstance(plan, TransferPlan | BlockPlan):
+            raise PageTableError(f"{op} to peer {peer!r}: expected a TransferPlan or BlockPlan, got "
+                                 f"{type(plan).__name__}")
+
+    @staticmethod
+    def _check_notify(op: Op, peer: str, notify: object) -> None:
+        if notify is not None and (not isinstance(notify, bytes) or len(notify) > MAX_NOTIFY_BYTES):
+            raise TransportError(f"{op} to peer {peer!r}: notify must be bytes of <= {MAX_NOTIFY_BYTES}, "
+                                 f"got {type(notify).__name__} of {len(notify) if isinstance(notify, bytes) else '?'}")
 
     def _check_plan(self, op: Op, peer: str, plan: TransferPlan, md: TransportMetadata) -> None:
         """Both sides inside their registered regions, no destination byte written twice, or a
@@ -248,11 +298,25 @@ class Transport(ABC):
         this backend cannot, and ``check`` runs before ``_backend_post``."""
         return None
 
-    def _backend_post_blocks(self, op: Op, peer: str, plan: BlockPlan, notify: bytes | None, transfer_id: int, *,
-                             settled: bool = False) -> TransferHandle | None:
-        """Start a checked BlockPlan as such (without expanding it); None (the default): this backend
-        cannot, and its expansion goes to ``_backend_post``."""
+    def _backend_post_blocks(self, op: Op, peer: str, plan: BlockPlan, notify: bytes | None, transfer_id: int,
+                             check: Callable[[], None], *, settled: bool = False) -> TransferHandle | None:
+        """Start a BlockPlan as such (without expanding it), running ``check`` (the host's check, raising
+        PageTableError) before the copy starts or, where the device confines every run to its registered
+        regions, while it moves (then a refusal returns once the copy has stopped, with no notification, as
+        ``_backend_post_checking``). None (the default): this backend cannot, nothing was started, and the
+        caller checks the plan and posts its expansion to ``_backend_post``."""
         return None
+
+    def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan) -> object | None:
+        """The backend's per-plan work for ``prepare`` on a checked plan (kept as the PreparedTransfer's
+        ``backend_state`` and given back to ``_backend_post_prepared``); None (the default): posts go
+        through ``_backend_post_blocks``/``_backend_post`` without checking the plan again."""
+        return None
+
+    def _backend_post_prepared(self, prepared: PreparedTransfer, notify: bytes | None, transfer_id: int, *,
+                               settled: bool = False) -> TransferHandle:
+        """Start a prepared transfer whose ``backend_state`` this backend made (``_backend_prepare``)."""
+        raise TransportError(f"transport {self.name!r} ({self.backend}) made no prepared state to post")
 
     def _backend_poll_notifications(self) -> None:  # noqa: B027
         """Move notifications the backend holds into the inbox (``_deliver``)."""

@@ -424,6 +424,129 @@ class _DeviceTable:
         return int(self._buf.data_ptr())
 
 
+# --- packed plan tables ----------------------------------------------------------------------------
+def _cut_long_runs(dst: U64, src: U64, nbytes: U64, region: U32, local_region: U32
+                   ) -> tuple[U64, U64, U64, U32, U32, int]:
+    """The runs as the kernel's grid takes them, and its pieces per run: long runs are cut on the host when
+    the grid would be mostly idle programs (a few long runs among many short ones) or too tall; then every
+    program has one full piece. ``local_region`` of one entry stands for every run and stays so."""
+    n = int(dst.size)
+    longest = int(nbytes.max())
+    pieces = -(-longest // CHUNK_BYTES)
+    if longest > _MAX_RUN_BYTES or pieces > _MAX_GRID_Y or \
+            (pieces > 1 and n * pieces > 2 * (int(nbytes.sum()) // CHUNK_BYTES + n) + 4096):
+        entry, offset, length = ops.split_pieces(nbytes, CHUNK_BYTES)
+        dst, src, nbytes, region = dst[entry] + offset, src[entry] + offset, length, region[entry]
+        if local_region.size > 1:
+            local_region = local_region[entry]
+        pieces = 1
+    return dst, src, nbytes, region, local_region, pieces
+
+
+class _RunTable:
+    """One run-list kernel table: sources and destinations (8 B per run), then the lengths, peer regions and
+    local regions (4 B per run, or one value when every run shares it, as in a KV plan: 16 B per run in
+    all), each section 16-byte aligned (the compiled kernel assumes aligned pointer arguments)."""
+
+    __slots__ = ("at_dst", "at_len", "at_loc", "at_reg", "dst", "local_region", "n", "nbytes", "region", "size", "src")
+
+    def __init__(self, dst: U64, src: U64, nbytes: U64, region: U32, local_region: U32, n: int) -> None:
+        self.dst, self.src, self.nbytes, self.region, self.local_region, self.n = dst, src, nbytes, region, local_region, n
+        self.at_dst, self.at_len = 8 * (n + (n & 1)), 16 * (n + (n & 1))
+        self.at_reg = self.at_len + 16 * (-(-nbytes.size // 4))
+        self.at_loc = self.at_reg + 16 * (-(-region.size // 4))
+        self.size = self.at_loc + 4 * local_region.size
+
+    @classmethod
+    def of(cls, dst: U64, src: U64, nbytes: U64, region: U32, local_region: U32, peer_count: int,
+           local_count: int) -> _RunTable:
+        """The table of ``n`` runs, a column of one shared value kept as one entry."""
+        n = int(dst.size)
+        uniform = int(nbytes.min()) == int(nbytes.max())
+        one_region = peer_count == 1 or (bool(region.size) and int(region.min()) == int(region.max()))
+        one_local = local_region.size == 1 or local_count == 1 or int(local_region.min()) == int(local_region.max())
+        return cls(dst, src, nbytes[:1] if uniform else nbytes, region[:1] if one_region else region,
+                   local_region[:1] if one_local else local_region, n)
+
+    @property
+    def per_run(self) -> tuple[int, int, int]:
+        """Whether the lengths, peer regions and local regions are per run (the kernel's constexprs)."""
+        return int(self.nbytes.size > 1), int(self.region.size > 1), int(self.local_region.size > 1)
+
+    def write(self, out: npt.NDArray[np.uint8]) -> None:
+        """Pack the table into ``out`` (at least ``size`` bytes)."""
+        n = self.n
+        np.copyto(out[: 8 * n].view(np.uint64), self.src)
+        np.copyto(out[self.at_dst: self.at_dst + 8 * n].view(np.uint64), self.dst)
+        np.copyto(out[self.at_len: self.at_len + 4 * self.nbytes.size].view(np.uint32), self.nbytes, casting="unsafe")
+        np.copyto(out[self.at_reg: self.at_reg + 4 * self.region.size].view(np.uint32), self.region)
+        np.copyto(out[self.at_loc: self.size].view(np.uint32), self.local_region)
+
+
+class _BlockTable:
+    """One ``copy_block_runs`` table: both sides' slots (8 B per block), the template's steps and offsets
+    (8 B per run, four columns), lengths and both sides' regions (4 B per run), each section 16-byte
+    aligned; a template of runs of very different lengths (or too long for one grid row) is cut into
+    ``CHUNK_BYTES`` pieces first, O(T), so every program has one full piece."""
+
+    __slots__ = ("at", "blocks", "columns", "pieces", "runs", "size")
+
+    def __init__(self, columns: list[npt.NDArray[Any]], blocks: int, runs: int, pieces: int) -> None:
+        if blocks * runs > (1 << 31) - 1:
+            raise TransferFailed(f"a block plan of {blocks} blocks x {runs} runs exceeds the kernel's grid "
+                                 f"(2**31 - 1 runs)")
+        blk, run8, run4 = 16 * (-(-8 * blocks // 16)), 16 * (-(-8 * runs // 16)), 16 * (-(-4 * runs // 16))
+        at = [0]
+        for width in (blk, blk, run8, run8, run8, run8, run4, run4, run4):
+            at.append(at[-1] + width)
+        self.columns, self.blocks, self.runs, self.pieces, self.at, self.size = columns, blocks, runs, pieces, at, at[-1]
+
+    @classmethod
+    def of(cls, plan: BlockPlan, remote_src: bool, local_regions: bool) -> _BlockTable | None:
+        """The table of ``plan`` (None when it moves no byte); ``local_regions`` False: every local run is in
+        region 0 of a one-region local table."""
+        src_step, src_offset, dst_step, dst_offset, nbytes = (plan.src_step, plan.src_offset, plan.dst_step,
+                                                              plan.dst_offset, plan.nbytes)
+        remote_region, local_region = (plan.src_region, plan.dst_region) if remote_src else (plan.dst_region, plan.src_region)
+        if not local_regions:
+            local_region = np.zeros(nbytes.size, np.uint32)
+        longest = int(nbytes.max())
+        if not longest:
+            return None
+        pieces = -(-longest // CHUNK_BYTES)
+        t = int(nbytes.size)
+        if longest > _MAX_RUN_BYTES or pieces > _MAX_GRID_Y or \
+                (pieces > 1 and t * pieces > 2 * (int(nbytes.sum()) // CHUNK_BYTES + t) + 64):
+            entry, offset, nbytes = ops.split_pieces(nbytes, CHUNK_BYTES)
+            src_step, dst_step, remote_region, local_region = (src_step[entry], dst_step[entry], remote_region[entry],
+                                                               local_region[entry])
+            src_offset, dst_offset = src_offset[entry] + offset, dst_offset[entry] + offset
+            t, pieces = int(nbytes.size), 1
+        return cls([plan.src_slots, plan.dst_slots, src_step, src_offset, dst_step, dst_offset, nbytes, remote_region,
+                    local_region], plan.num_blocks, t, pieces)
+
+    def write(self, out: npt.NDArray[np.uint8]) -> None:
+        """Pack the table into ``out`` (at least ``size`` bytes)."""
+        for k, col in enumerate(self.columns):
+            dtype, width = (np.uint64, 8) if k < 6 else (np.uint32, 4)
+            np.copyto(out[self.at[k]: self.at[k] + width * col.size].view(dtype), col, casting="unsafe")
+
+
+class PreparedCopy:
+    """A plan made ready to launch once (``BatchedCopier.prepare_copy`` / ``prepare_blocks``): its kernel
+    table packed and uploaded into a device buffer of its own, or, for the direct copies, its addresses
+    translated; ``BatchedCopier.launch_prepared`` then only enqueues it, with no per-run host work."""
+
+    __slots__ = ("enqueue", "kind", "nbytes", "runs", "table")
+
+    def __init__(self, kind: str, nbytes: int, runs: int, enqueue: Any, table: torch.Tensor | None = None) -> None:
+        self.kind = kind            # "kernel", "blocks", "batch" or "memcpy"
+        self.nbytes = nbytes
+        self.runs = runs
+        self.enqueue = enqueue      # called with the copier's lock held
+        self.table = table          # the device table the kernel reads (kept alive with this object)
+
+
 # --- batched copies --------------------------------------------------------------------------------
 class _Attrs(ctypes.Structure):
     _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocType", ctypes.c_int), ("srcLocId", ctypes.c_int),
@@ -609,62 +732,109 @@ class BatchedCopier:
             event.record(self.stream)
         return event
 
+    # --- prepared plans: packed and uploaded once, launched any number of times -----------------------
+    def prepare_copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: RegionTable, remote_src: bool,
+                     local_region: U32 | None = None, local: RegionTable | None = None) -> PreparedCopy:
+        """What ``copy`` does before its launch, done once: the kernel's table packed and uploaded into a
+        device buffer of the plan's own (on the copier's stream, so later launches follow it), or, for a plan
+        of a few runs (or without the kernel), the remote side's addresses translated. The plan must stay
+        valid for ``peer`` (the caller checks the connection at each launch)."""
+        make_current(self.device_id)
+        n, total = int(dst.size), int(nbytes.sum())
+        if not n:
+            return PreparedCopy("memcpy", 0, 0, lambda: None)
+        if not self.bounds_on_device(n):
+            if remote_src:
+                src = peer.translate(src, remote_region)
+            else:
+                dst = peer.translate(dst, remote_region)
+            d, s, b = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, src, nbytes))
+            if self.method == "batch" and n > DIRECT_RUNS:
+                return PreparedCopy("batch", total, n, lambda: self._run_batch(d, s, b))
+            runs = (d.tolist(), s.tolist(), b.tolist())
+            return PreparedCopy("memcpy", total, n, lambda: self._memcpy_runs(*runs))
+        if local is None or local_region is None:
+            local, local_region = self._local, np.zeros(1, np.uint32)
+        dst, src, nbytes, remote_region, local_region, pieces = _cut_long_runs(dst, src, nbytes, remote_region,
+                                                                               local_region)
+        packed = _RunTable.of(dst, src, nbytes, remote_region, local_region, peer.count, local.count)
+        table = self._upload_owned(packed)
+        addr, local_table = int(table.data_ptr()), local
+        return PreparedCopy("kernel", total, n,
+                            lambda: self._launch_runs(packed, addr, peer, local_table, remote_src, pieces), table)
+
+    def prepare_blocks(self, plan: BlockPlan, peer: RegionTable, remote_src: bool,
+                       local: RegionTable | None = None) -> PreparedCopy:
+        """``prepare_copy`` for a block plan: its slots and template uploaded once (``copy_blocks``'s table)."""
+        if not self.block_kernel_ready():
+            raise TransferFailed(f"block plans need the block copy kernel (Triton), which is not available here "
+                                 f"(method {self.method!r}; see the log)")
+        make_current(self.device_id)
+        packed = _BlockTable.of(plan, remote_src, local is not None)
+        if packed is None:
+            return PreparedCopy("blocks", 0, 0, lambda: None)
+        table = self._upload_owned(packed)
+        addr, local_table = int(table.data_ptr()), local if local is not None else self._local
+        return PreparedCopy("blocks", plan.total_bytes, len(plan),
+                            lambda: self._launch_blocks(packed, addr, peer, local_table, remote_src), table)
+
+    def launch_prepared(self, prepared: PreparedCopy, *, after_model: bool = True) -> torch.cuda.Event:
+        """Enqueue a prepared plan's copies (one launch, or its direct copies); the event recorded after
+        them, ``after_model`` as in ``copy``."""
+        make_current(self.device_id)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with self._lock:
+            if after_model:
+                self._model_done.record(self._default_stream)
+                self.stream.wait_event(self._model_done)  # type: ignore[no-untyped-call]
+            prepared.enqueue()
+            event.record(self.stream)
+        return event
+
+    def _upload_owned(self, packed: _RunTable | _BlockTable) -> torch.Tensor:
+        """A device buffer of its own holding ``packed``, copied on the copier's stream (launches there
+        follow the copy; the buffer's memory is not reused before the copier's queued work is done)."""
+        host = np.zeros(max(packed.size, 16), np.uint8)
+        packed.write(host)
+        with torch.cuda.stream(self.stream):
+            return torch.from_numpy(host).to(f"cuda:{self.device_id}")
+
     def _run_block_kernel(self, plan: BlockPlan, peer: RegionTable, remote_src: bool, local: RegionTable, *,
                           local_regions: bool) -> None:
         """Pack, upload and launch one block plan (the caller holds the lock). ``local_regions``: the local
         side's template regions index ``local``; else ``local`` has one region, 0."""
-        src_step, src_offset, dst_step, dst_offset, nbytes = (plan.src_step, plan.src_offset, plan.dst_step,
-                                                              plan.dst_offset, plan.nbytes)
-        remote_region, local_region = (plan.src_region, plan.dst_region) if remote_src else (plan.dst_region, plan.src_region)
-        if not local_regions:
-            local_region = np.zeros(nbytes.size, np.uint32)
-        longest = int(nbytes.max())
-        if not longest:
+        packed = _BlockTable.of(plan, remote_src, local_regions)
+        if packed is None:
             return
-        pieces = -(-longest // CHUNK_BYTES)
-        t = int(nbytes.size)
-        # As in ``_run_kernel``: a template whose runs differ much in length (or are too long for one grid
-        # row) is cut into CHUNK pieces on the host, O(T), so every program has one full piece.
-        if longest > _MAX_RUN_BYTES or pieces > _MAX_GRID_Y or \
-                (pieces > 1 and t * pieces > 2 * (int(nbytes.sum()) // CHUNK_BYTES + t) + 64):
-            entry, offset, nbytes = ops.split_pieces(nbytes, CHUNK_BYTES)
-            src_step, dst_step, remote_region, local_region = (src_step[entry], dst_step[entry], remote_region[entry],
-                                                               local_region[entry])
-            src_offset, dst_offset = src_offset[entry] + offset, dst_offset[entry] + offset
-            t, pieces = int(nbytes.size), 1
-        b = plan.num_blocks
-        if b * t > (1 << 31) - 1:
-            raise TransferFailed(f"a block plan of {b} blocks x {t} runs exceeds the kernel's grid (2**31 - 1 runs)")
-        # Sections, each 16-byte aligned: slots (8 B per block, twice), steps and offsets (8 B per run, four
-        # times), lengths and both regions (4 B per run).
-        blk, run8, run4 = 16 * (-(-8 * b // 16)), 16 * (-(-8 * t // 16)), 16 * (-(-4 * t // 16))
-        at = np.cumsum([0, blk, blk, run8, run8, run8, run8, run4, run4, run4])
-        stage, stage_addr, uploaded = self._staging.take(int(at[-1]))
-        columns: list[npt.NDArray[Any]] = [plan.src_slots, plan.dst_slots, src_step, src_offset, dst_step, dst_offset,
-                                           nbytes, remote_region, local_region]
-        for k, col in enumerate(columns):
-            dtype, width = (np.uint64, 8) if k < 6 else (np.uint32, 4)
-            np.copyto(stage[int(at[k]): int(at[k]) + width * col.size].view(dtype), col, casting="unsafe")
-        table = self._table.address(int(at[-1]))
-        self._upload(table, stage_addr, int(at[-1]), self._stream_handle)
+        stage, stage_addr, uploaded = self._staging.take(packed.size)
+        packed.write(stage)
+        table = self._table.address(packed.size)
+        self._upload(table, stage_addr, packed.size, self._stream_handle)
         uploaded.record(self.stream)
-        args = (*(table + int(a) for a in at[:9]), int(peer.device.data_ptr()), int(local.device.data_ptr()), t,
-                peer.count, local.count, self._anchor_addr, self._anchor_addr, self._anchor_addr)
+        self._launch_blocks(packed, table, peer, local, remote_src)
+
+    def _launch_blocks(self, packed: _BlockTable, table: int, peer: RegionTable, local: RegionTable,
+                       remote_src: bool) -> None:
+        """Launch ``copy_block_runs`` over a block table already at device address ``table`` (the caller
+        holds the lock; the table's upload is ordered before the launch on the copier's stream)."""
+        args = (*(table + a for a in packed.at[:9]), int(peer.device.data_ptr()), int(local.device.data_ptr()),
+                packed.runs, peer.count, local.count, self._anchor_addr, self._anchor_addr, self._anchor_addr)
         key = ("blocks", bool(remote_src), CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS)
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile_blocks(key)
+        grid = packed.blocks * packed.runs
         if self.launcher != "jit":
             try:
-                launch(b * t, pieces, self._stream_handle, args)
+                launch(grid, packed.pieces, self._stream_handle, args)
                 return
             except (TypeError, ValueError, AttributeError):
                 self.launcher = "jit"
         ptrs = [_Pointer(a, torch.int64 if k < 6 else torch.int32) for k, a in enumerate(args[:9])]
         with torch.cuda.stream(self.stream):
-            self._kernels.copy_block_runs[(b * t, pieces)](  # type: ignore[union-attr]
-                *ptrs, peer.device, local.device, t, peer.count, local.count, self._anchor8, self._anchor32,
-                self._anchor_addr, REMOTE_SRC=key[1], CHUNK=key[2], BLOCK=key[3], num_warps=key[4])
+            self._kernels.copy_block_runs[(grid, packed.pieces)](  # type: ignore[union-attr]
+                *ptrs, peer.device, local.device, packed.runs, peer.count, local.count, self._anchor8,
+                self._anchor32, self._anchor_addr, REMOTE_SRC=key[1], CHUNK=key[2], BLOCK=key[3], num_warps=key[4])
 
     def _upload(self, table: int, stage_addr: int, size: int, stream_handle: int) -> None:
         """Copy ``size`` staged bytes to the device table on the given stream."""
@@ -703,18 +873,8 @@ class BatchedCopier:
 
     def _run_kernel(self, dst: U64, src: U64, nbytes: U64, region: U32, peer: RegionTable, remote_src: bool,
                     local_region: U32, local: RegionTable) -> None:
+        dst, src, nbytes, region, local_region, pieces = _cut_long_runs(dst, src, nbytes, region, local_region)
         n = int(dst.size)
-        longest = int(nbytes.max())
-        pieces = -(-longest // CHUNK_BYTES)
-        # Cut long runs on the host when the grid would be mostly idle programs (a few long runs among
-        # many short ones) or too tall; then every program has one full piece.
-        if longest > _MAX_RUN_BYTES or pieces > _MAX_GRID_Y or \
-                (pieces > 1 and n * pieces > 2 * (int(nbytes.sum()) // CHUNK_BYTES + n) + 4096):
-            entry, offset, length = ops.split_pieces(nbytes, CHUNK_BYTES)
-            dst, src, nbytes, region = dst[entry] + offset, src[entry] + offset, length, region[entry]
-            if local_region.size > 1:
-                local_region = local_region[entry]
-            n, pieces = int(dst.size), 1
         per_run_local = local_region.size > 1
         # A large plan goes in parts of growing size (PIPELINE_RUNS): the GPU copies the first part
         # while the host packs and uploads the next, so packing 131,072 runs (~0.1-0.3 ms) is not
@@ -745,51 +905,41 @@ class BatchedCopier:
                      local_region: U32, local: RegionTable, pieces: int, table: int, *,
                      on_upload_stream: bool) -> int:
         """Pack, upload and launch the kernel over one part of a plan; the bytes of table it used."""
-        n = int(dst.size)
-        # Lengths and peer regions travel once when every run shares them (the common KV plan): the
-        # upload is then 16 bytes per run instead of 24.
-        uniform = int(nbytes.min()) == int(nbytes.max())
-        one_region = peer.count == 1 or (bool(region.size) and int(region.min()) == int(region.max()))
-        one_local = local_region.size == 1 or local.count == 1 or int(local_region.min()) == int(local_region.max())
-        k_len, k_reg, k_loc = (1 if uniform else n), (1 if one_region else n), (1 if one_local else n)
-        # Every section starts 16-byte aligned (the compiled kernel assumes aligned pointer arguments).
-        at_dst, at_len = 8 * (n + (n & 1)), 16 * (n + (n & 1))
-        at_reg = at_len + 16 * (-(-k_len // 4))
-        at_loc = at_reg + 16 * (-(-k_reg // 4))
-        size = at_loc + 4 * k_loc
-        stage, stage_addr, uploaded = self._staging.take(size)
-        np.copyto(stage[: 8 * n].view(np.uint64), src)
-        np.copyto(stage[at_dst: at_dst + 8 * n].view(np.uint64), dst)
-        np.copyto(stage[at_len: at_len + 4 * k_len].view(np.uint32), nbytes[:k_len], casting="unsafe")
-        np.copyto(stage[at_reg: at_reg + 4 * k_reg].view(np.uint32), region[:k_reg])
-        np.copyto(stage[at_loc: size].view(np.uint32), local_region[:k_loc])
+        packed = _RunTable.of(dst, src, nbytes, region, local_region, peer.count, local.count)
+        stage, stage_addr, uploaded = self._staging.take(packed.size)
+        packed.write(stage)
         upload_stream = self._upload_stream if on_upload_stream else self.stream
-        self._upload(table, stage_addr, size, self._upload_handle if on_upload_stream else self._stream_handle)
+        self._upload(table, stage_addr, packed.size, self._upload_handle if on_upload_stream else self._stream_handle)
         uploaded.record(upload_stream)
         if on_upload_stream:
             self.stream.wait_event(uploaded)  # type: ignore[no-untyped-call]
-        args = (table, table + at_dst, table + at_len, table + at_reg, table + at_loc, int(peer.device.data_ptr()),
-                int(local.device.data_ptr()), peer.count, local.count, self._anchor_addr, self._anchor_addr,
-                self._anchor_addr)
-        key = (bool(remote_src), int(not uniform), int(not one_region), int(not one_local), CHUNK_BYTES,
-               BLOCK_WORDS, NUM_WARPS)
+        self._launch_runs(packed, table, peer, local, remote_src, pieces)
+        return -(-packed.size // 16) * 16
+
+    def _launch_runs(self, packed: _RunTable, table: int, peer: RegionTable, local: RegionTable, remote_src: bool,
+                     pieces: int) -> None:
+        """Launch the run-list kernel over a run table already at device address ``table`` (the caller holds
+        the lock; the table's upload is ordered before the launch on the copier's stream)."""
+        args = (table, table + packed.at_dst, table + packed.at_len, table + packed.at_reg, table + packed.at_loc,
+                int(peer.device.data_ptr()), int(local.device.data_ptr()), peer.count, local.count,
+                self._anchor_addr, self._anchor_addr, self._anchor_addr)
+        key = (bool(remote_src), *packed.per_run, CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS)
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile(key)
         if self.launcher != "jit":
             try:
-                launch(n, pieces, self._stream_handle, args)
-                return -(-size // 16) * 16
+                launch(packed.n, pieces, self._stream_handle, args)
+                return
             except (TypeError, ValueError, AttributeError):
                 self.launcher = "jit"   # this Triton's compiled-kernel launcher differs: use the JIT's
         with torch.cuda.stream(self.stream):
-            self._kernel[(n, pieces)](  # type: ignore[index]
+            self._kernel[(packed.n, pieces)](  # type: ignore[index]
                 _Pointer(args[0], torch.int64), _Pointer(args[1], torch.int64), _Pointer(args[2], torch.int32),
                 _Pointer(args[3], torch.int32), _Pointer(args[4], torch.int32), peer.device, local.device,
                 peer.count, local.count, self._anchor8, self._anchor32, self._anchor_addr,
                 REMOTE_SRC=key[0], PER_RUN_LENGTH=key[1], PER_RUN_REGION=key[2], PER_RUN_LOCAL=key[3],
                 CHUNK=key[4], BLOCK=key[5], num_warps=key[6])
-        return -(-size // 16) * 16
 
     def _compile(self, key: tuple[Any, ...]) -> Any:
         """Compile one kernel variant through Triton's JIT once (on the copier's stream, a 1-program
@@ -818,8 +968,11 @@ class BatchedCopier:
 
     def _run_memcpy(self, dst: U64, src: U64, nbytes: U64) -> None:
         """One ``cuMemcpyAsync`` per run (plans of few runs, or no kernel and no batch API)."""
+        self._memcpy_runs(dst.tolist(), src.tolist(), nbytes.tolist())
+
+    def _memcpy_runs(self, dst: list[int], src: list[int], nbytes: list[int]) -> None:
         lib, stream = self._lib, self._stream_handle
-        for d, s, b in zip(dst.tolist(), src.tolist(), nbytes.tolist(), strict=True):
+        for d, s, b in zip(dst, src, nbytes, strict=True):
             if lib is not None:
                 rc = lib.cuMemcpyAsync(d, s, b, stream)
                 if rc != 0:

@@ -44,6 +44,7 @@ from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
 from kvxfer.transport.notify_channel import ENDPOINT_PREFIX, NotifyInbox, NotifyOutbox, parse_endpoint
+from kvxfer.transport.prepared import PreparedTransfer
 
 _MAX_BLOB_BYTES = 16 << 20
 
@@ -187,35 +188,75 @@ class CudaIpcTransport(Transport):
         """The kernel copies no run outside its regions (both sides' bounds are on the device), so a
         large plan starts at once and the host checks it while the GPU copies (the check of a 131,072-run
         plan costs about as long as its 4 GiB copy). A refused plan: wait for the copy, no notification."""
-        table = self._peer_tables.get(peer)
-        if self._local_table is None or table is None or not (table.bounded and self._local_table.bounded) \
-                or not self._copier.bounds_on_device(len(plan)):
+        if not self._bounded_on_device(peer, len(plan)):
             return None
         handle = self._launch(op, peer, plan, notify, transfer_id, settled)
+        return self._notifying(self._checked(handle, check), notify, settled)
+
+    def _backend_post_blocks(self, op: Op, peer: str, plan: BlockPlan, notify: bytes | None, transfer_id: int,
+                             check: Callable[[], None], *, settled: bool = False) -> TransferHandle | None:
+        """A block plan goes to the GPU as its slots and template (a few KiB for 131,072 runs): the kernel
+        forms every run's addresses and confines each to its regions, so it starts at once and ``check``
+        runs while it copies, as for a run list; the post's host work is O(blocks + template). Without the
+        kernel, or for a plan of a few runs (one block: ``cuMemcpyAsync`` per run starts sooner than any
+        launch): None (its expansion is checked and posted)."""
+        if not self._bounded_on_device(peer, len(plan)) or not self._copier.block_kernel_ready():
+            return None
+        local_table = self._local_table
+
+        def enqueue(table: Any) -> Any:
+            return self._copier.copy_blocks(plan, table, op == "read", local_table, after_model=not settled)
+        handle = self._enqueue(op, peer, plan.total_bytes, enqueue, notify, transfer_id, settled)
+        return self._notifying(self._checked(handle, check), notify, settled)
+
+    def _bounded_on_device(self, peer: str, runs: int) -> bool:
+        """Whether a plan of ``runs`` runs to ``peer`` goes through the kernel with both sides' bounds."""
+        table = self._peer_tables.get(peer)
+        return self._local_table is not None and table is not None and table.bounded and \
+            self._local_table.bounded and self._copier.bounds_on_device(runs)
+
+    @staticmethod
+    def _checked(handle: TransferHandle, check: Callable[[], None]) -> TransferHandle:
+        """Run the host's ``check`` while the launched copy moves; on a refusal wait for the copy, fail the
+        handle (nobody gets it, no notification is sent) and re-raise."""
         try:
             check()
         except PageTableError as exc:
             if isinstance(handle, _CopyHandle):
                 with contextlib.suppress(RuntimeError):
                     handle.event.synchronize()
-            handle._finish(TransferStatus.FAILED, str(exc), TransferFailed)   # nobody gets this handle
+            handle._finish(TransferStatus.FAILED, str(exc), TransferFailed)
             raise
-        return self._notifying(handle, notify, settled)
+        return handle
 
-    def _backend_post_blocks(self, op: Op, peer: str, plan: BlockPlan, notify: bytes | None, transfer_id: int, *,
-                             settled: bool = False) -> TransferHandle | None:
-        """A block plan goes to the GPU as its slots and template (a few KiB for 131,072 runs): the kernel
-        forms every run's addresses, so the post's host work is O(blocks + template). Without the
-        kernel method, or for a plan of a few runs (one block: ``cuMemcpyAsync`` per run starts sooner than
-        any launch): None (its expansion is posted)."""
-        if not self._copier.bounds_on_device(len(plan)) or not self._copier.block_kernel_ready():
-            return None
-        local_table = self._local_table
+    def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan) -> Any:
+        """The plan's kernel table packed and uploaded once into a device buffer of its own (a block plan's
+        slots and template where the block kernel runs), or its direct copies' addresses translated."""
+        table = self._peer_tables.get(peer)
+        if table is None:
+            raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} is not mapped")
+        if isinstance(plan, BlockPlan):
+            if self._bounded_on_device(peer, len(plan)) and self._copier.block_kernel_ready():
+                return _Prepared(table, self._copier.prepare_blocks(plan, table, op == "read", self._local_table))
+            plan = plan.expand()
+        remote, local = (plan.dst, plan.src) if op == "write" else (plan.src, plan.dst)
+        return _Prepared(table, self._copier.prepare_copy(plan.dst.addr, plan.src.addr, plan.src.nbytes, remote.region,
+                                                          table, op == "read", local.region, self._local_table))
+
+    def _backend_post_prepared(self, prepared: PreparedTransfer, notify: bytes | None, transfer_id: int, *,
+                               settled: bool = False) -> TransferHandle:
+        """One launch of the prepared table (no per-run host work); the copy's handle as ``write``'s."""
+        state = prepared.backend_state
+        assert isinstance(state, _Prepared)
+        peer = prepared.peer
+        if self._peer_tables.get(peer) is not state.peer_table:
+            raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} was remapped since the transfer was "
+                                  f"prepared; prepare it again")
 
         def enqueue(table: Any) -> Any:
-            return self._copier.copy_blocks(plan, table, op == "read", local_table, after_model=not settled)
-        return self._notifying(self._enqueue(op, peer, plan.total_bytes, enqueue, notify, transfer_id, settled),
-                               notify, settled)
+            return self._copier.launch_prepared(state.copy, after_model=not settled)
+        handle = self._enqueue(prepared.op, peer, state.copy.nbytes, enqueue, notify, transfer_id, settled)
+        return self._notifying(handle, notify, settled)
 
     @staticmethod
     def _notifying(handle: TransferHandle, notify: bytes | None, settled: bool) -> TransferHandle:
@@ -303,6 +344,17 @@ class CudaIpcTransport(Transport):
         """The inbox's thread: a connected peer's notification (frames claiming another sender are dropped)."""
         if sender in self._peers:
             self._deliver(sender, frame)
+
+
+class _Prepared:
+    """cuda_ipc's state of a prepared transfer: the copier's prepared copy and the peer's region table it
+    was made against (a reconnect maps the peer anew: the copy must not run against the old mapping)."""
+
+    __slots__ = ("copy", "peer_table")
+
+    def __init__(self, peer_table: Any, copy: Any) -> None:
+        self.peer_table = peer_table
+        self.copy = copy
 
 
 class _CopyHandle(TransferHandle):

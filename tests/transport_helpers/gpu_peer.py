@@ -32,6 +32,11 @@ def serve_gpu(conn: Connection, backend: str, name: str, sizes: list[int], seed:
         elif cmd == "dump":
             torch.cuda.synchronize()
             reply = [b.cpu().numpy().tobytes() for b in bufs]
+        elif cmd == "scramble":   # new random bytes in every region (seed args[0])
+            for i, b in enumerate(bufs):
+                rng = np.random.default_rng(args[0] * 1000 + i)
+                b.copy_(torch.from_numpy(rng.integers(0, 256, b.numel(), dtype=np.uint8)).cuda())
+            torch.cuda.synchronize()
         elif cmd == "notifications":
             import time
             got: dict[str, list[bytes]] = {}
