@@ -116,7 +116,7 @@ def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: 
 def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int, chunk: int,
         model_name: str = "tiny", on_row: Callable[[dict[str, Any]], None] | None = None,
         checksum: ChecksumPolicy | None = None, kv_positions: int = DEFAULT_POSITIONS,
-        device: str = "cpu", switch_interval_ms: float = 0.5) -> dict[str, Any]:
+        device: str = "cpu", switch_interval_ms: float = 0.5, prepare_writes: bool = True) -> dict[str, Any]:
     """Measure every length; returns the rows and the set-up (``on_row`` sees each row as it is done;
     ``checksum``: decode verifies every request's pages, so TTFT and arrival include digest and check;
     ``switch_interval_ms``: the GIL switch interval of both processes, as ``kvxfer serve`` takes it)."""
@@ -137,7 +137,8 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
             prefill = WorkerProcess(["prefill", "--backend", backend, "--model", model_name, "--device", device,
                                      "--blocks", str(blocks), "--tokens-per-block", str(TOKENS_PER_BLOCK),
                                      "--chunk-size", str(chunk), "--name", f"bench-prefill-{os.getpid()}",
-                                     "--switch-interval-ms", str(switch_interval_ms)],
+                                     "--switch-interval-ms", str(switch_interval_ms),
+                                     *([] if prepare_writes else ["--no-prepare-writes"])],
                                     env, 600.0)
         finally:
             ref_model = loading.result()
@@ -217,7 +218,8 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
         prefill.stop()
     return {"backend": backend, "mode": mode, "layerwise": layerwise, "model": model_name, "iters": iters,
             "device": device, "d2d_gbps": d2d / 1e9,
-            "chunk_size": chunk, "tokens_per_block": TOKENS_PER_BLOCK, "switch_interval_ms": switch_interval_ms, "rows": rows,
+            "chunk_size": chunk, "tokens_per_block": TOKENS_PER_BLOCK, "switch_interval_ms": switch_interval_ms,
+            "prepare_writes": prepare_writes, "rows": rows,
             "checksum": "off" if checksum is None else checksum.describe(),
             "verified": all(r["verified"] for r in rows), "kv_positions": kv_positions,
             "verification": "every timed request: decode's prompt KV (kv_positions stratified positions) against "
@@ -276,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompt positions whose KV every timed request is verified at (stratified sample)")
     ap.add_argument("--switch-interval-ms", type=float, default=0.5,
                     help="the GIL switch interval of both processes (kvxfer serve's, default 0.5)")
+    ap.add_argument("--no-prepare-writes", action="store_true",
+                    help="the prefill process writes its plan at the compute's end (no Transport.prepare): the A/B")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     a = ap.parse_args(argv)
@@ -292,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER, file=sys.stderr, flush=True)   # each row on stderr as it is measured: a run cut short keeps them
     result = run(lengths, a.backend, a.mode, a.layerwise, a.iters, a.chunk_size, checksum=a.checksum,
                  kv_positions=a.kv_positions, model_name=a.model, device=a.device,
-                 switch_interval_ms=a.switch_interval_ms, on_row=lambda r: print(format_row(r), file=sys.stderr, flush=True))
+                 switch_interval_ms=a.switch_interval_ms, prepare_writes=not a.no_prepare_writes, on_row=lambda r: print(format_row(r), file=sys.stderr, flush=True))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2))

@@ -80,6 +80,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease", type=float, default=10.0, help="source-block lease in seconds")
     p.add_argument("--deadline", type=float, default=30.0, help="per-request KV deadline in seconds (decode)")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size in tokens")
+    p.add_argument("--no-prepare-writes", action="store_true",
+                   help="prefill: write the push's plan at the compute's end instead of preparing it while the "
+                        "model computes (Transport.prepare; for A/B measurements)")
     p.add_argument("--secret-file", default=None, help="file holding the shared secret")
     p.add_argument("--metrics-port", type=int, default=None, metavar="N",
                    help="serve Prometheus /metrics, /health and a read-only /status over HTTP on port N (0: any)")
@@ -111,7 +114,7 @@ def worker_config(a: argparse.Namespace, role: str) -> WorkerConfig:
     check_backend(backend, device=a.device)
     return WorkerConfig(a.name or f"{role}-{os.getpid()}", model_source(a.model), a.tokens_per_block, a.blocks,
                         a.head_order, a.tp_size, a.device, backend, a.lease, a.deadline, chunk_size=a.chunk_size,
-                        checksum=getattr(a, "checksum", None))
+                        checksum=getattr(a, "checksum", None), prepare_writes=not a.no_prepare_writes)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

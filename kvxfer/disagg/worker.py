@@ -62,6 +62,9 @@ class WorkerConfig:
     checksum: ChecksumPolicy | None = None
     """Decode: verify each request's pages against a blake3 digest from prefill before committing them
     (None: no checksum). Prefill follows what each decode peer asks for."""
+    prepare_writes: bool = True
+    """Prefill, push: prepare the write's early plan while the model computes (``Transport.prepare``), so the
+    post at the compute's end is one launch; False writes the plan then (the A/B of ``bench e2e``)."""
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "num_blocks", "tp_size"):

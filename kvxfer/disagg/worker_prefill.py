@@ -76,7 +76,7 @@ from kvxfer.errors import (
 )
 from kvxfer.model import Model, greedy
 from kvxfer.pagetable import TransferPlan
-from kvxfer.transport import TransferHandle, TransferStatus, Transport
+from kvxfer.transport import PreparedTransfer, TransferHandle, TransferStatus, Transport
 from kvxfer.transport.integrity import ChecksumPolicy, digest_kv
 
 log = logging.getLogger("kvxfer.disagg.prefill")
@@ -128,6 +128,9 @@ class _Job:
     """Push, not layer-wise: the write's plan, built while the compute ran (decode's ``kv_blocks`` came
     then), with the source ids it read (pinned then, in ``pins``); the post uses it when they are still
     the ids (``reusable_plan``)."""
+    early_prepared: PreparedTransfer | None = None
+    """The early plan prepared for the write (``Transport.prepare``: checked, cuda_ipc's kernel table
+    uploaded) while the compute ran, so the post at its end is one launch."""
     started: float = field(default_factory=now)
     """When the request arrived: a process stall after this may have made decode give its blocks away."""
 
@@ -487,9 +490,14 @@ class PrefillWorker(WorkerCounts):
             if not job.groups:
                 src_ids = self._source_ids(job)
                 early, job.early_plan = job.early_plan, None
-                plan = reusable_plan(early, src_ids) or plan_between(
-                    self.layouts, src_ids, self._peer_layouts[job.peer], job.dst_ids, token_range=job.span,
-                    request_id=job.request_id)
+                prepared = self._take_prepared(job)
+                plan = reusable_plan(early, src_ids)
+                if plan is None:
+                    if prepared is not None:
+                        prepared.release()
+                        prepared = None
+                    plan = plan_between(self.layouts, src_ids, self._peer_layouts[job.peer], job.dst_ids,
+                                        token_range=job.span, request_id=job.request_id)
                 self._check_may_write(job)
                 job.session.start_transfer("write posted")
                 job.posted_at = now()
@@ -501,7 +509,14 @@ class PrefillWorker(WorkerCounts):
                     job.announced = True
                 # Settled: the compute thread read the first token, a device sync after every kernel that
                 # wrote these pages; the copy need not wait for what it queued since (the next prompt).
-                handle = self.transport.write(job.peer, plan, self._notice(job, 1, summary), settled=True)
+                notice = self._notice(job, 1, summary)
+                if prepared is not None:
+                    try:
+                        handle = prepared.post(notice, settled=True)
+                    finally:   # the copy keeps what it reads alive; the prepared transfer is not posted again
+                        prepared.release()
+                else:
+                    handle = self.transport.write(job.peer, plan, notice, settled=True)
                 job.handles.append(handle)
                 handle.add_done_callback(self.engine.wake)
         except KvxferError as exc:
@@ -569,6 +584,18 @@ class PrefillWorker(WorkerCounts):
             return
         job.pins.extend(m.pin_pages(i) for m, i in zip(self.managers, ids, strict=True))
         job.early_plan = ids, plan
+        if not self.config.prepare_writes:
+            return
+        try:   # checked and made ready now too: the post is then one launch (cuda_ipc)
+            job.early_prepared = self.transport.prepare("write", job.peer, plan)
+        except KvxferError as exc:   # the post writes the plan instead, and reports what is wrong
+            log.debug("%s: request %s: early plan not prepared: %s", self.config.name, job.request_id, exc)
+
+    @staticmethod
+    def _take_prepared(job: _Job) -> PreparedTransfer | None:
+        """The job's prepared early write, now owned by the caller (the job no longer holds it)."""
+        prepared, job.early_prepared = job.early_prepared, None
+        return prepared
 
     def _source_ids(self, job: _Job) -> BlockIdMaps:
         """The block ids the request's transfers read: taken (and pinned on every rank, unless the early
@@ -698,6 +725,9 @@ class PrefillWorker(WorkerCounts):
     def _free(self, job: _Job) -> None:
         if job.freed:
             return
+        prepared = self._take_prepared(job)
+        if prepared is not None:
+            prepared.release()
         self.leases.release((job.peer, job.request_id))
         if job.computing:   # the compute thread still writes these pages: freed when it reports back
             return

@@ -512,12 +512,17 @@ def test_the_plan_built_during_the_compute_is_posted_when_the_source_ids_held(mo
             return real_prefill(*a, **k)
         monkeypatch.setattr(prefill.model, "prefill", slow)
         pins = spy_pins(prefill)
+        posts = spy_posts(prefill, monkeypatch)
         tokens = prompt(8, 50)
         assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
         assert used and all(used)   # the ids held: the early plan (and its pin) served the post
         # The early plan's pages were pinned with it, while the model computed; the post pinned nothing.
         # (Mutation: pinning at the post regardless makes it two pins, the second after the compute.)
         assert pins == [True]
+        # It was prepared while the model computed too, and the post was that prepared write, released after
+        # (mutation: writing the plan at the post instead makes it ["write"]).
+        assert posts == ["prepare while computing", "prepared post"]
+        assert all(p.released for p in posts.prepared)   # type: ignore[attr-defined]
         assert_settled(prefill, decode)
 
 
@@ -535,10 +540,46 @@ def test_an_early_plan_whose_ids_changed_is_planned_and_pinned_again(monkeypatch
             return real_prefill(*a, **k)
         monkeypatch.setattr(prefill.model, "prefill", slow)
         pins = spy_pins(prefill)
+        posts = spy_posts(prefill, monkeypatch)
         tokens = prompt(9, 50)
         assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
         assert pins == [True, False]   # the early pin while computing, the post's after it
+        # The early prepared write is dropped (released, never posted) and the new plan written.
+        assert posts == ["prepare while computing", "write"]
+        assert all(p.released for p in posts.prepared)   # type: ignore[attr-defined]
         assert_settled(prefill, decode)
+
+
+class _Posts(list[str]):
+    prepared: list[Any]
+
+
+def spy_posts(prefill: PrefillWorker, monkeypatch: pytest.MonkeyPatch) -> _Posts:
+    """Record the prefill transport's prepares (computing or not), prepared posts and plain writes, in order;
+    ``.prepared`` holds the PreparedTransfers made."""
+    from kvxfer.transport import PreparedTransfer
+    seen = _Posts()
+    seen.prepared = []
+    transport = prefill.transport
+    real_prepare, real_write, real_post = transport.prepare, transport.write, PreparedTransfer.post
+
+    def prepare(*a: Any, **k: Any) -> Any:
+        seen.append("prepare while computing" if any(j.computing for j in prefill._jobs.values()) else "prepare")
+        out = real_prepare(*a, **k)
+        seen.prepared.append(out)
+        return out
+
+    def write(*a: Any, **k: Any) -> Any:
+        seen.append("write")
+        return real_write(*a, **k)
+
+    def post(self: Any, *a: Any, **k: Any) -> Any:
+        seen.append("prepared post")
+        return real_post(self, *a, **k)
+    monkeypatch.setattr(transport, "prepare", prepare)
+    monkeypatch.setattr(transport, "write", write)
+    monkeypatch.setattr(PreparedTransfer, "post", post)
+    return seen
 
 
 def spy_pins(prefill: PrefillWorker) -> list[bool]:
