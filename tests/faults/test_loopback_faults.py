@@ -671,15 +671,22 @@ def test_malformed_notices_name_what_is_wrong(raw: bytes, pattern: str | None) -
 def test_only_a_write_after_the_whole_compute_is_posted_settled(layerwise: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A device copy may skip waiting for the model's stream only when the compute thread synchronized
     after writing the pages (the whole prompt, first token read): never for a layer group posted while
-    the model still runs."""
+    the model still runs. (The one write goes as a plain write or as the early plan's prepared post,
+    whichever the timing of decode's ``kv_blocks`` allowed: both are recorded.)"""
+    from kvxfer.transport import PreparedTransfer
     with pair(layerwise=layerwise) as (prefill, decode):
         flags: list[bool] = []
-        real_write = prefill.transport.write
+        real_write, real_post = prefill.transport.write, PreparedTransfer.post
 
         def write(peer: str, plan: Any, notify: bytes | None = None, *, settled: bool = False) -> Any:
             flags.append(settled)
             return real_write(peer, plan, notify, settled=settled)
+
+        def post(self: PreparedTransfer, notify: bytes | None = None, *, settled: bool = False) -> Any:
+            flags.append(settled)
+            return real_post(self, notify, settled=settled)
         monkeypatch.setattr(prefill.transport, "write", write)
+        monkeypatch.setattr(PreparedTransfer, "post", post)
         tokens = prompt(10, 40)
         assert_matches_reference(decode.generate(tokens, NEW, timeout=30, return_kv=KV), tokens, NEW)
         assert flags == ([False] * LAYERS if layerwise else [True])

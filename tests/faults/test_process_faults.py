@@ -31,7 +31,7 @@ from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.disagg.worker_protocol import decode_notice
 from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed, TransferTimeout
 from kvxfer.pagetable import TransferPlan
-from kvxfer.transport import TransferHandle, available_backends
+from kvxfer.transport import PreparedTransfer, TransferHandle, available_backends
 from tests.test_e2e import (
     KV,
     NEW,
@@ -348,9 +348,10 @@ def test_decode_killed_before_during_and_after_transfers_prefill_frees_everythin
             client.close()
             killed_and_freed(proc)
 
-            # During: the decode process dies as soon as prefill posted the write of the first request.
+            # During: the decode process dies as soon as prefill posted the write of the first request (a
+            # plain write, or the early plan's prepared post).
             proc, client = start_decode()
-            post_write = prefill.transport.write
+            post_write, post_prepared = prefill.transport.write, PreparedTransfer.post
 
             def write(peer: str, plan: TransferPlan, notify: bytes | None = None, *,
                       settled: bool = False) -> TransferHandle:
@@ -358,16 +359,27 @@ def test_decode_killed_before_during_and_after_transfers_prefill_frees_everythin
                 if proc.proc.returncode is None:
                     proc.kill()
                 return handle
+
+            def prepared_post(self: PreparedTransfer, notify: bytes | None = None, *,
+                              settled: bool = False) -> TransferHandle:
+                handle = post_prepared(self, notify, settled=settled)
+                if proc.proc.returncode is None:
+                    proc.kill()
+                return handle
             prefill.transport.write = write  # type: ignore[method-assign]
-            held = long_prompts(41, 3, 500)
-            client.submit(held[0], 4)
-            client.submit(held[1], 4, mode="pull")
-            client.submit(held[2], 4)
-            with pytest.raises(PeerUnreachable):
-                while True:
-                    client.recv(60.0)
-            client.close()
-            prefill.transport.write = post_write  # type: ignore[method-assign]
+            PreparedTransfer.post = prepared_post  # type: ignore[method-assign]
+            try:
+                held = long_prompts(41, 3, 500)
+                client.submit(held[0], 4)
+                client.submit(held[1], 4, mode="pull")
+                client.submit(held[2], 4)
+                with pytest.raises(PeerUnreachable):
+                    while True:
+                        client.recv(60.0)
+                client.close()
+            finally:
+                prefill.transport.write = post_write  # type: ignore[method-assign]
+                PreparedTransfer.post = post_prepared  # type: ignore[method-assign]
             killed_and_freed(proc)
 
             # After: the KV is on decode (prefill finished the request), decode generates when killed.
