@@ -156,6 +156,18 @@ def test_a_hostile_block_plan_is_refused_naming_the_side(pair_of: Pair, op: str)
         assert np.array_equal(got, want)
 
 
+def _first_local_page(p: Pair) -> PageTable:
+    a0 = p.a.regions[0]
+    return PageTable(np.array([a0.base_address], np.uint64), np.array([PAGE], np.uint64), np.array([0], np.uint32))
+
+
+def _page_past_the_peer(p: Pair) -> PageTable:
+    """One page of the peer's region 1 that runs one byte past its end."""
+    b1 = p.b.regions[1]
+    return PageTable(np.array([b1.end_address - PAGE + 1], np.uint64), np.array([PAGE], np.uint64),
+                     np.array([1], np.uint32))
+
+
 def _refuse(*args: object, **kwargs: object) -> None:
     raise AssertionError("a prepared post checked or expanded its plan again")
 
@@ -204,10 +216,7 @@ def test_a_bad_plan_is_refused_at_prepare_naming_what_is_wrong(pair_of: Pair) ->
     unknown peer or no plan at all. Nothing is written, nothing notified."""
     p = pair_of
     before = [x.copy() for x in p.a_bufs + p.b_bufs]
-    a0, b1 = p.a.regions[0], p.b.regions[1]
-    local = PageTable(np.array([a0.base_address], np.uint64), np.array([PAGE], np.uint64), np.array([0], np.uint32))
-    past_end = PageTable(np.array([b1.end_address - PAGE + 1], np.uint64), np.array([PAGE], np.uint64),
-                         np.array([1], np.uint32))
+    local, past_end = _first_local_page(p), _page_past_the_peer(p)
     with pytest.raises(PageTableError, match="remote"):
         p.a.prepare("write", p.b.name, TransferPlan(local, past_end))
     with pytest.raises(PageTableError, match="remote"):
@@ -273,9 +282,7 @@ def test_plan_outside_registered_memory_is_refused(pair_of: Pair, op: str) -> No
     p = pair_of
     before = [x.copy() for x in p.a_bufs + p.b_bufs]
     a0, b1 = p.a.regions[0], p.b.regions[1]
-    local = PageTable(np.array([a0.base_address], np.uint64), np.array([PAGE], np.uint64), np.array([0], np.uint32))
-    past_end = PageTable(np.array([b1.end_address - PAGE + 1], np.uint64), np.array([PAGE], np.uint64),
-                         np.array([1], np.uint32))
+    local, past_end = _first_local_page(p), _page_past_the_peer(p)
     bad_region = PageTable(np.array([b1.base_address], np.uint64), np.array([PAGE], np.uint64),
                            np.array([2], np.uint32))
     local_past = PageTable(np.array([a0.end_address], np.uint64), np.array([PAGE], np.uint64),

@@ -720,15 +720,22 @@ class BatchedCopier:
         if not self.block_kernel_ready():
             raise TransferFailed(f"block plans need the block copy kernel (Triton), which is not available here "
                                  f"(method {self.method!r}; see the log)")
+        def enqueue() -> None:
+            if len(plan):
+                self._run_block_kernel(plan, peer, remote_src, local if local is not None else self._local,
+                                       local_regions=local is not None)
+        return self._ordered(enqueue, after_model)
+
+    def _ordered(self, enqueue: Any, after_model: bool) -> torch.cuda.Event:
+        """Call ``enqueue`` (it queues copies on the copier's stream) holding the copier's lock, after the
+        model's stream's work when ``after_model`` (as in ``copy``); the event recorded after the copies."""
         make_current(self.device_id)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with self._lock:
             if after_model:
                 self._model_done.record(self._default_stream)
                 self.stream.wait_event(self._model_done)  # type: ignore[no-untyped-call]
-            if len(plan):
-                self._run_block_kernel(plan, peer, remote_src, local if local is not None else self._local,
-                                       local_regions=local is not None)
+            enqueue()
             event.record(self.stream)
         return event
 
@@ -781,15 +788,7 @@ class BatchedCopier:
     def launch_prepared(self, prepared: PreparedCopy, *, after_model: bool = True) -> torch.cuda.Event:
         """Enqueue a prepared plan's copies (one launch, or its direct copies); the event recorded after
         them, ``after_model`` as in ``copy``."""
-        make_current(self.device_id)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        with self._lock:
-            if after_model:
-                self._model_done.record(self._default_stream)
-                self.stream.wait_event(self._model_done)  # type: ignore[no-untyped-call]
-            prepared.enqueue()
-            event.record(self.stream)
-        return event
+        return self._ordered(prepared.enqueue, after_model)
 
     def _upload_owned(self, packed: _RunTable | _BlockTable) -> torch.Tensor:
         """A device buffer of its own holding ``packed``, copied on the copier's stream (launches there
