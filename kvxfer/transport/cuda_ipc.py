@@ -246,9 +246,9 @@ class CudaIpcTransport(Transport):
     def _backend_post_prepared(self, prepared: PreparedTransfer, notify: bytes | None, transfer_id: int, *,
                                settled: bool = False) -> TransferHandle:
         """One launch of the prepared table (no per-run host work); the copy's handle as ``write``'s."""
-        state = prepared.backend_state
-        assert isinstance(state, _Prepared)
-        peer = prepared.peer
+        state, peer = prepared.backend_state, prepared.peer
+        if not isinstance(state, _Prepared):   # released by another thread since the post began
+            raise TransportError(f"cuda_ipc {self.name!r}: prepared {prepared.op} to peer {peer!r} was released")
         if self._peer_tables.get(peer) is not state.peer_table:
             raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} was remapped since the transfer was "
                                   f"prepared; prepare it again")
