@@ -209,7 +209,7 @@ class Transport(ABC):
         """``PreparedTransfer.post``: the plan was checked by ``prepare`` against the connection it names."""
         self._check_open()
         op, peer = prepared.op, prepared.peer
-        if prepared._transport is not self:
+        if prepared.transport is not self:
             raise TransportError(f"transport {self.name!r}: prepared {op} to peer {peer!r} belongs to another transport")
         md = self._peers.get(peer)
         if md is not prepared.metadata:

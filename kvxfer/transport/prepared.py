@@ -44,6 +44,11 @@ class PreparedTransfer:
                 f"released={self.released})")
 
     @property
+    def transport(self) -> Transport:
+        """The transport that prepared this transfer (only it can post it)."""
+        return self._transport
+
+    @property
     def nbytes(self) -> int:
         """Bytes one post moves."""
         return self.plan.total_bytes
