@@ -11,7 +11,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -38,6 +38,10 @@ class Collected:
         with self._cond:
             assert self._cond.wait_for(lambda: len(self.frames) >= n, timeout), f"{len(self.frames)} of {n} frames"
             return list(self.frames)
+
+    def wait_until(self, cond: Callable[[list[tuple[str, bytes]]], bool], timeout: float = 5.0) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: cond(self.frames), timeout), f"not seen in {self.frames!r:.200}"
 
 
 @pytest.fixture(autouse=True)
@@ -102,7 +106,7 @@ def test_frames_from_several_threads_do_not_interleave(inbox: tuple[NotifyInbox,
     out.close()
 
 
-@pytest.mark.parametrize("bad", ["long frame", "long name", "name not utf-8"])
+@pytest.mark.parametrize("bad", ["long frame", "long name", "name not utf-8", "empty name"])
 def test_a_hostile_connection_is_closed_and_others_go_on(inbox: tuple[NotifyInbox, Collected], bad: str,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     box, got = inbox
@@ -111,6 +115,8 @@ def test_a_hostile_connection_is_closed_and_others_go_on(inbox: tuple[NotifyInbo
         sock.sendall(frame(b"mallory") + frame(b"x" * 1025) + frame(b"after"))
     elif bad == "long name":
         sock.sendall(frame(b"m" * (MAX_NAME_BYTES + 1)) + frame(b"after"))
+    elif bad == "empty name":
+        sock.sendall(frame(b"") + frame(b"after"))
     else:
         sock.sendall(frame(b"\xff\xfe") + frame(b"after"))
     assert sock.recv(16) == b""   # the inbox closed it
@@ -119,7 +125,7 @@ def test_a_hostile_connection_is_closed_and_others_go_on(inbox: tuple[NotifyInbo
     good.send(b"ok")
     assert got.wait_for(1) == [("prefill", b"ok")]   # nothing of the hostile connection was delivered
     assert {"long frame": "a frame of 1025 bytes (at most 1024)", "long name": f"(at most {MAX_NAME_BYTES})",
-            "name not utf-8": "not UTF-8"}[bad] in caplog.text
+            "name not utf-8": "not UTF-8", "empty name": "name is empty"}[bad] in caplog.text
     good.close()
 
 
@@ -180,8 +186,9 @@ def test_junk_never_stops_the_receiver(chunks: list[bytes]) -> None:
         sock.close()
         out = NotifyOutbox(box.endpoint, "prefill")
         out.send(b"ok")
-        assert ("prefill", b"ok") in got.wait_for(1)
-        assert all(len(f) <= 64 for _, f in got.frames)
+        # Junk that names itself may be delivered first (under its own name): wait for "ok" itself.
+        got.wait_until(lambda frames: ("prefill", b"ok") in frames)
+        assert all(len(f) <= 64 and s for s, f in got.frames)
         out.close()
     finally:
         box.close()

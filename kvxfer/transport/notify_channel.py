@@ -58,8 +58,8 @@ class NotifyOutbox:
         listens there. ``timeout`` bounds the connect and every send (a receiver that stopped reading)."""
         port = parse_endpoint(endpoint)
         name = sender.encode()
-        if len(name) > MAX_NAME_BYTES:
-            raise PeerUnreachable(f"notification sender name of {len(name)} bytes (at most {MAX_NAME_BYTES})")
+        if not 0 < len(name) <= MAX_NAME_BYTES:
+            raise PeerUnreachable(f"notification sender name of {len(name)} bytes (1 to {MAX_NAME_BYTES})")
         self.endpoint = endpoint
         try:
             self._sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
@@ -242,10 +242,14 @@ class NotifyInbox:
             start = end
             if reader.sender is None:
                 try:
-                    reader.sender = frame.decode()
+                    name = frame.decode()
                 except UnicodeDecodeError:
                     self._drop(sock, "the sender's name is not UTF-8")
                     return
+                if not name:
+                    self._drop(sock, "the sender's name is empty")
+                    return
+                reader.sender = name
                 continue
             try:
                 self._deliver(reader.sender, frame)
