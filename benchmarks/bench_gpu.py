@@ -10,8 +10,9 @@ One run measures, with the same statistic (the median) in every column:
 - each kvxfer backend given (``--backends``), for identical layouts and TP 1->2, push and pull; with
   cuda_ipc also "cuda_ipc_blocks": the same transfers posted as BlockPlans (``plan_blocks``: one run
   template + slot pairs, whose addresses the kernel forms on the GPU);
-- with cuda_ipc also "cuda_ipc_prep": the same plans prepared once per case (``Transport.prepare``: checked,
-  the kernel's table packed and uploaded, as raw NIXL's lists are prepared once), one ``post`` per iteration;
+- "cuda_ipc_prep" and "nixl_prep": the same plans prepared once per case (``Transport.prepare``: checked;
+  cuda_ipc's kernel table packed and uploaded; nixl's requests made, as raw NIXL's lists are prepared once),
+  one ``post`` per iteration (nixl reposts its requests, NIXL's prepared-request model);
 - raw NIXL (``--raw-nixl``): NIXL's own agent in both processes, descriptor lists prepared once per
   case (``prep_xfer_dlist``), one ``make_prepped_xfer`` + ``transfer`` per iteration;
 - the latency of one ``write(plan).wait()`` of 1, 4 and 16 blocks (p50) against the torch copy.
@@ -427,11 +428,16 @@ class Bench:
         return post, prepped
 
 
+def prepared_backends(backends: list[str]) -> list[str]:
+    """The backends also timed with their plans prepared once per case (a ``<backend>_prep`` column)."""
+    return [b for b in backends if b in ("cuda_ipc", "nixl")]
+
+
 def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, latency_iters: int,
         device: str, own_context_first: bool = True) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
-    columns = backends + (["cuda_ipc_blocks", "cuda_ipc_prep"] if "cuda_ipc" in backends else []) + \
-        (["raw_nixl"] if raw else [])
+    columns = backends + (["cuda_ipc_blocks"] if "cuda_ipc" in backends else []) + \
+        [f"{b}_prep" for b in prepared_backends(backends)] + (["raw_nixl"] if raw else [])
     results: dict[str, Any] = {"backends": backends, "raw_nixl": raw, "gpu": gpu, "device": device, "cases": [],
                                "columns": columns,
                                "latency": [], "nixl_threads": int(os.environ.get("KVXFER_NIXL_THREADS", "0")),
@@ -470,8 +476,11 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                     block_plans, row["block_plan_ms"] = bench.block_plans(mode, dst_names, blk)
                     assert sum(p.total_bytes for p in block_plans) == nbytes
                     posts.append(("cuda_ipc_blocks", bench.backend_post("cuda_ipc", mode, block_plans)))
-                    prepared_post, prepared = bench.prepared_post("cuda_ipc", mode, plans)
-                    posts.append(("cuda_ipc_prep", prepared_post))
+                prepared: list[Any] = []
+                for b in prepared_backends(backends):
+                    prepared_post, made = bench.prepared_post(b, mode, plans)
+                    posts.append((f"{b}_prep", prepared_post))
+                    prepared += made
                 prepped = None
                 if raw:
                     raw_post, prepped = bench.raw_nixl_post(mode, plans)
@@ -489,10 +498,10 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                 for lh, rh, _ in prepped or []:
                     lh.release()
                     rh.release()
-                for x in prepared if "cuda_ipc" in backends else []:
+                for x in prepared:
                     x.release()
                 if raw:
-                    for b in backends:
+                    for b in backends + [f"{b}_prep" for b in prepared_backends(backends)]:
                         row[f"{b}_x_raw_nixl"] = row[f"{b}_gbps"] / row["raw_nixl_gbps"]
                 results["cases"].append(row)
                 print(json.dumps(row), flush=True)
@@ -521,8 +530,11 @@ def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, poo
         posts += [(b, bench.backend_post(b, "push", plans)) for b in bench.backends]
         if "cuda_ipc" in bench.backends:
             posts.append(("cuda_ipc_blocks", bench.backend_post("cuda_ipc", "push", bench.block_plans("push", ["decode"], sub)[0])))
-            prepared_post, prepared = bench.prepared_post("cuda_ipc", "push", plans)
-            posts.append(("cuda_ipc_prep", prepared_post))
+        prepared: list[Any] = []
+        for b in prepared_backends(bench.backends):
+            prepared_post, made = bench.prepared_post(b, "push", plans)
+            posts.append((f"{b}_prep", prepared_post))
+            prepared += made
         prepped = None
         if raw:
             raw_post, prepped = bench.raw_nixl_post("push", plans)
@@ -543,9 +555,10 @@ def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, poo
         for lh, rh, _ in prepped or []:
             lh.release()
             rh.release()
-        for x in prepared if "cuda_ipc" in bench.backends else []:
+        for x in prepared:
             x.release()
-        for b in bench.backends + (["cuda_ipc_blocks", "cuda_ipc_prep"] if "cuda_ipc" in bench.backends else []):
+        for b in bench.backends + (["cuda_ipc_blocks"] if "cuda_ipc" in bench.backends else []) + \
+                [f"{b}_prep" for b in prepared_backends(bench.backends)]:
             row[f"{b}_x_torch"] = row[f"{b}_p50_us"] / row["torch_p50_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -558,19 +571,19 @@ def print_tables(res: dict[str, Any]) -> None:
           f"own context first {res['own_context_first']}")
     head = f"{'tokens':>6} {'case':>9} {'mode':>4} {'desc':>7} {'MiB':>6} {'torch':>6} {'D2Dwall':>7} {'inplace':>7}"
     for n in names:
-        head += f" {n[-8:]:>8} {'xD2D':>5} {'xwall':>5} {'xinpl':>5} {'post ms':>7}"
+        head += f" {n[-9:]:>9} {'xD2D':>5} {'xwall':>5} {'xinpl':>5} {'post ms':>7}"
     print(head + " wrong")
     for r in res["cases"]:
         line = (f"{r['tokens']:>6} {r['case']:>9} {r['mode']:>4} {r['descriptors']:>7} {r['bytes'] / 2**20:>6.0f} "
                 f"{r['torch_gbps']:>6.0f} {r['d2d_wall_gbps']:>7.0f} {r['d2d_inplace_gbps']:>7.0f}")
         for n in names:
-            line += (f" {r[f'{n}_gbps']:>8.1f} {r[f'{n}_x_d2d']:>5.2f} {r[f'{n}_x_d2d_wall']:>5.2f}"
+            line += (f" {r[f'{n}_gbps']:>9.1f} {r[f'{n}_x_d2d']:>5.2f} {r[f'{n}_x_d2d_wall']:>5.2f}"
                      f" {r[f'{n}_x_d2d_inplace']:>5.2f} {r[f'{n}_post_ms']:>7.2f}")
         print(line + " " + str(sum(r[f"{n}_wrong_elements"] for n in names)))
-    print(f"\n{'blocks':>6} {'MiB':>5} {'torch us':>9}" + "".join(f" {n[-8:]:>8} us" for n in names))
+    print(f"\n{'blocks':>6} {'MiB':>5} {'torch us':>9}" + "".join(f" {n[-9:]:>9} us" for n in names))
     for r in res["latency"]:
         print(f"{r['blocks']:>6} {r['bytes'] / 2**20:>5.0f} {r['torch_p50_us']:>9.1f}"
-              + "".join(f" {r[f'{n}_p50_us']:>11.1f}" for n in names))
+              + "".join(f" {r[f'{n}_p50_us']:>12.1f}" for n in names))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -180,7 +180,7 @@ def test_a_prepared_plan_moves_the_bytes_of_each_post(pair_of: Pair, op: str, ki
     the source holds at that post, exactly where the plan's definition says (expected run by run), then
     notifies. The transport checks the plan at ``prepare`` only: posts run with its checks made to raise
     (loopback's simulated peer still checks against its real registration, as a NIC does), and a BlockPlan
-    that the backend cannot move as such is expanded once, at the first post."""
+    that the backend cannot move as such is expanded at most once (at prepare or the first post)."""
     p = pair_of
     rng = np.random.default_rng(23)
     (src_t, src_bufs), (dst_t, dst_bufs) = ((p.a, p.a_bufs), (p.b, p.b_bufs)) if op == "write" else \
@@ -208,7 +208,7 @@ def test_a_prepared_plan_moves_the_bytes_of_each_post(pair_of: Pair, op: str, ki
         for got, w in zip(dst_bufs + src_bufs, want + untouched, strict=True):
             assert np.array_equal(got, w)
         assert drain(p.b, 1) == {p.a.name: [b"prepared%d" % round_no]}
-    assert len(expansions) == (1 if kind == "blocks" else 0)
+    assert len(expansions) <= (1 if kind == "blocks" else 0)   # at the first post, or at prepare (nixl)
 
 
 def test_a_bad_plan_is_refused_at_prepare_naming_what_is_wrong(pair_of: Pair) -> None:

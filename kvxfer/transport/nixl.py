@@ -4,7 +4,9 @@ Descriptor lists are prepared once per (peer, memory type, unit) as a grid: ever
 memory type cut into ``unit``-byte descriptors. A plan is posted by index into the two grids
 (``make_prepped_xfer``), so posting costs index arithmetic, not descriptor preparation; the unit is
 the largest that divides every offset and length of the plan, so coalesced plans use few, large
-descriptors. The notification travels with the transfer. NIXL's UCX endpoints are created with
+descriptors. The notification travels with the transfer. A prepared transfer (``Transport.prepare``)
+makes its NIXL requests once and each post reposts them with its own notification (``transfer(req,
+notif)``), as NIXL intends prepared requests to be used. NIXL's UCX endpoints are created with
 error handling off (so UCX may use shared memory and CMA on one host, not only tcp): a dead peer is
 therefore detected by the caller's deadline (TransferTimeout), as DESIGN.md assigns failure
 detection to the control plane.
@@ -20,6 +22,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,10 +30,11 @@ import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, PeerUnreachable, TransferFailed, TransportError
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
+from kvxfer.transport.prepared import PreparedTransfer
 from kvxfer.transport.ucx_env import apply_ucx_defaults
 
 #: Largest descriptor grid prepared for one (side, memory type, unit); beyond it the plan's own
@@ -252,9 +256,47 @@ class NixlTransport(Transport):
         except Exception as exc:
             return _failed(transfer_id, peer, plan.total_bytes, op, f"NIXL could not prepare {len(plan)} "
                            f"descriptors: {exc!r}", exc)
+        return self._start(op, peer, plan.total_bytes, requests, notify, transfer_id, per_post_notify=False)
+
+    def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan) -> Any:
+        """The plan's NIXL requests, made once (indices into the prepared grids) and reposted by each post
+        with that post's notification, as NIXL's prepared transfers are meant to be used."""
+        if isinstance(plan, BlockPlan):
+            plan = plan.expand()
+        if not len(plan):
+            return None
+        try:
+            return _PreparedRequests(self._prepare(op, peer, plan, b""))
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise TransferFailed(f"nixl {self.name!r}: NIXL could not prepare {len(plan)} descriptors for "
+                                 f"peer {peer!r}: {exc!r}") from exc
+
+    def _backend_post_prepared(self, prepared: PreparedTransfer, notify: bytes | None, transfer_id: int, *,
+                               settled: bool = False) -> TransferHandle:
+        """Repost the prepared requests; when they are still in flight (an earlier post), or this post
+        carries no notification after one that did (a request keeps its last one), the plan is posted
+        with requests of its own."""
+        state, op, peer = prepared.backend_state, prepared.op, prepared.peer
+        if not isinstance(state, _PreparedRequests):   # released by another thread since the post began
+            raise TransportError(f"nixl {self.name!r}: prepared {op} to peer {peer!r} was released")
+        requests = state.take(bool(notify))
+        if requests is None:
+            return self._backend_post(op, peer, prepared.expanded(), notify, transfer_id, settled=settled)
+        return self._start(op, peer, prepared.nbytes, requests, notify, transfer_id, per_post_notify=True,
+                           give_back=state.give_back)
+
+    def _start(self, op: Op, peer: str, nbytes: int, requests: list[Any], notify: bytes | None, transfer_id: int,
+               *, per_post_notify: bool, give_back: Callable[[list[Any]], None] | None = None) -> TransferHandle:
+        """Post ``requests`` (one per memory-type pair) and return the handle that polls them. One request
+        carries the notification (``per_post_notify``: given to this post, else made into the request);
+        several are followed by it once all are done. ``give_back``: finished requests go back to their
+        prepared transfer instead of being released (a failure releases them all)."""
         pending = list(requests)
         lock = threading.Lock()
         follow_up = notify if (notify is not None and len(requests) > 1) else None
+        post_notify = (notify or b"") if per_post_notify and len(requests) == 1 else b""
 
         def fail(handle: TransferHandle, what: str, exc: Exception | None) -> None:
             _release_all(pending)
@@ -270,13 +312,16 @@ class NixlTransport(Transport):
                         return
                     if state == "DONE":
                         pending.remove(req)
-                        req.release()
+                        if give_back is None:
+                            req.release()
                     elif state == "ERR":
                         fail(handle, "NIXL reported a transfer error", None)
                         return
                 if not pending and not handle._status.terminal:
                     if follow_up is not None:
                         self._agent.send_notif(peer, follow_up)
+                    if give_back is not None:
+                        give_back(requests)
                     handle._finish(TransferStatus.DONE)
 
         def abort(handle: TransferHandle) -> bool:
@@ -287,10 +332,10 @@ class NixlTransport(Transport):
                 _release_all(pending)
             return True
 
-        handle = _NixlHandle(transfer_id, peer, plan.total_bytes, op, poll=poll, abort=abort)
+        handle = _NixlHandle(transfer_id, peer, nbytes, op, poll=poll, abort=abort)
         for req in requests:
             try:
-                state = self._agent.transfer(req)
+                state = self._agent.transfer(req, post_notify) if post_notify else self._agent.transfer(req)
             except Exception as exc:
                 with lock:
                     fail(handle, "NIXL refused to post the transfer", exc)
@@ -300,6 +345,35 @@ class NixlTransport(Transport):
                     fail(handle, "NIXL refused to post the transfer", None)
                 return handle
         return handle
+
+
+class _PreparedRequests:
+    """nixl's state of a prepared transfer: its NIXL requests, lent to one post at a time. NIXL refuses to
+    repost a request in flight, and a request keeps the last notification a post gave it; ``take`` returns
+    None then (the post makes requests of its own). A post that fails releases the requests: later posts
+    make their own."""
+
+    __slots__ = ("_idle", "_lock", "_notified")
+
+    def __init__(self, requests: list[Any]) -> None:
+        self._idle: list[Any] | None = requests
+        self._notified = False
+        self._lock = threading.Lock()
+
+    def take(self, notifies: bool) -> list[Any] | None:
+        """The requests for one post (``notifies``: it gives them a notification), or None."""
+        with self._lock:
+            requests = self._idle
+            if requests is None or (self._notified and not notifies):
+                return None
+            self._idle = None
+            self._notified = self._notified or (notifies and len(requests) == 1)
+            return requests
+
+    def give_back(self, requests: list[Any]) -> None:
+        """The requests' post finished: the next post may take them."""
+        with self._lock:
+            self._idle = requests
 
 
 class _NixlHandle(TransferHandle):

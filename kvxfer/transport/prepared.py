@@ -70,7 +70,7 @@ class PreparedTransfer:
 
     def release(self) -> None:
         """Drop the backend's per-plan resources (cuda_ipc: its device table, once the copies queued are
-        done); later posts raise TransportError. Idempotent."""
+        done; nixl: its requests, once their post finished); later posts raise TransportError. Idempotent."""
         self.released = True
         self.backend_state = None
         self._expanded = None

@@ -1,0 +1,150 @@
+"""nixl backend: prepared transfers repost their NIXL requests (NIXL's prepared-request model), each post
+with its own notification, on real NIXL agents over UCX in this process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
+
+from kvxfer.pagetable import TransferPlan
+from kvxfer.transport import TransferStatus, Transport, available_backends, create
+
+REASON = available_backends()["nixl"]
+pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+_names = iter(range(1_000_000))
+
+
+class Agents:
+    """Two connected nixl transports over seeded host buffers, with a count of the NIXL requests made."""
+
+    def __init__(self) -> None:
+        n = next(_names)
+        self.a_bufs, self.b_bufs = make_buffers([256 << 10, 192 << 10], 5), make_buffers([128 << 10, 320 << 10], 6)
+        self.a, self.b = create("nixl", f"na{n}"), create("nixl", f"nb{n}")
+        self.a.register(regions_of(self.a_bufs))
+        self.b.register(regions_of(self.b_bufs))
+        self.a.connect(self.b.name, self.b.metadata())
+        self.b.connect(self.a.name, self.a.metadata())
+        self.made = 0
+        agent: Any = self.a._agent  # type: ignore[attr-defined]
+        for verb in ("make_prepped_xfer", "initialize_xfer"):
+            real = getattr(agent, verb)
+
+            def counted(*args: Any, _real: Any = real, **kw: Any) -> Any:
+                self.made += 1
+                return _real(*args, **kw)
+            setattr(agent, verb, counted)
+
+    def plan(self, seed: int, pages: int = 24) -> TransferPlan:
+        rng = np.random.default_rng(seed)
+        return pair(random_pages(rng, list(self.a.regions), pages, PAGE, False),
+                    random_pages(rng, list(self.b.regions), pages, PAGE, False))
+
+    def expected(self, plan: TransferPlan) -> list[np.ndarray]:
+        return expected_after(plan, list(self.a.regions), self.a_bufs, list(self.b.regions), self.b_bufs)
+
+    def rewrite_source(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for buf in self.a_bufs:
+            buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+@pytest.fixture
+def agents() -> Iterator[Agents]:
+    x = Agents()
+    yield x
+    x.close()
+
+
+def notifications(t: Transport, want: int, timeout: float = 5.0, settle: float = 0.1) -> list[bytes]:
+    """Every notification ``t`` receives until ``want`` arrived (or timeout), then during ``settle``."""
+    got: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        got += [m for msgs in t.notifications().values() for m in msgs]
+        time.sleep(0.002)
+    time.sleep(settle)
+    return got + [m for msgs in t.notifications().values() for m in msgs]
+
+
+def test_posts_repost_the_prepared_requests_each_with_its_notification(agents: Agents) -> None:
+    """After ``prepare`` no post makes a NIXL request: each reposts the prepared ones, lands the source's
+    current bytes where the plan says, and its own notification reaches the peer once, after the data.
+    Mutation: a prepared post that makes requests of its own (the unprepared path) fails the count."""
+    plan = agents.plan(1)
+    prepared = agents.a.prepare("write", agents.b.name, plan)
+    made_at_prepare = agents.made
+    assert made_at_prepare == 1
+    for round_no in range(4):
+        agents.rewrite_source(100 + round_no)
+        want = agents.expected(plan)
+        handle = prepared.post(notify=b"post%d" % round_no)
+        handle.wait(10.0)
+        assert handle.status is TransferStatus.DONE and handle.nbytes == plan.total_bytes
+        assert all(np.array_equal(got, w) for got, w in zip(agents.b_bufs, want, strict=True))
+        assert notifications(agents.b, 1) == [b"post%d" % round_no]
+    assert agents.made == made_at_prepare
+
+
+def test_a_post_without_notification_after_one_with_sends_none(agents: Agents) -> None:
+    """NIXL keeps the notification a post gave a request: a later post without one must not repeat it
+    (it makes requests of its own), and one with a notification again sends that one.
+    Mutation: ``take`` lending the notified requests to a post without notification fails this."""
+    plan = agents.plan(2)
+    prepared = agents.a.prepare("write", agents.b.name, plan)
+    prepared.post(notify=b"first").wait(10.0)
+    assert notifications(agents.b, 1) == [b"first"]
+    agents.rewrite_source(7)
+    want = agents.expected(plan)
+    quiet = prepared.post()
+    quiet.wait(10.0)
+    assert quiet.status is TransferStatus.DONE
+    assert all(np.array_equal(got, w) for got, w in zip(agents.b_bufs, want, strict=True))
+    assert notifications(agents.b, 1, timeout=0.3) == []
+    prepared.post(notify=b"second").wait(10.0)
+    assert notifications(agents.b, 1) == [b"second"]
+
+
+def test_a_post_while_the_requests_are_lent_makes_its_own(agents: Agents) -> None:
+    """NIXL refuses to repost a request in flight: a post made before the previous one was seen finished
+    gets requests of its own; both land their bytes and notify, and the prepared requests serve the next
+    post again. Mutation: lending the same requests to both posts makes NIXL refuse the second."""
+    plan = agents.plan(3)
+    prepared = agents.a.prepare("write", agents.b.name, plan)
+    want = agents.expected(plan)
+    first = prepared.post(notify=b"one")      # not waited for: its requests stay lent until it is seen done
+    second = prepared.post(notify=b"two")
+    assert agents.made == 2
+    for h in (first, second):
+        h.wait(10.0)
+        assert h.status is TransferStatus.DONE
+    assert all(np.array_equal(got, w) for got, w in zip(agents.b_bufs, want, strict=True))
+    assert sorted(notifications(agents.b, 2)) == [b"one", b"two"]
+    prepared.post(notify=b"three").wait(10.0)
+    assert agents.made == 2
+    assert notifications(agents.b, 1) == [b"three"]
+
+
+def test_a_read_is_prepared_the_same_way(agents: Agents) -> None:
+    """A prepared read pulls the peer's current bytes at each post, reposting its requests."""
+    plan = agents.plan(4)
+    read_plan = TransferPlan(plan.dst, plan.src)    # peer (b) -> local (a)
+    prepared = agents.a.prepare("read", agents.b.name, read_plan)
+    for round_no in range(3):
+        rng = np.random.default_rng(200 + round_no)
+        for buf in agents.b_bufs:
+            buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+        want = expected_after(read_plan, list(agents.b.regions), agents.b_bufs, list(agents.a.regions), agents.a_bufs)
+        prepared.post(notify=b"r%d" % round_no).wait(10.0)
+        assert all(np.array_equal(got, w) for got, w in zip(agents.a_bufs, want, strict=True))
+        assert notifications(agents.b, 1) == [b"r%d" % round_no]
+    assert agents.made == 1
