@@ -1,0 +1,199 @@
+"""Where the time of a prepared cuda_ipc post goes inside bench_gpu's loop (issue 17, goal 1 at 4k; run 37).
+
+bench_gpu's set-up and loop (poison, synchronise, own context first, post + wait, verify), cuda_ipc plans
+prepared once per case (``Transport.prepare``), identical and TP 1->2, push and pull, 4k and 32k tokens.
+Per iteration, from the post's start (host clock, us): the first kernel launch's entry and the last one's
+exit, the posts' return and the waits' end; and on the GPU (CUDA events recorded on the copier's stream
+around each launch) the kernels' time from the first launch to the last one's end. The same ``copy_`` of
+the case's bytes is timed the same way in the same loop (host clock and events on its stream). Then the
+kernel's constants are swept on the 4k identical push (bytes per program, warps, words in flight), each
+variant prepared anew, timed back to back by events and by host clock, its bytes verified by position.
+Medians. Prints a table; JSON to argv[1].
+
+  python3 scripts/device_prep_stages.py $OUT/prep_stages.json
+"""
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, "benchmarks")
+import bench_gpu
+
+from kvxfer.transport import base, cuda_copy
+
+HOST: dict[str, list[int]] = {"launch_in": [], "launch_out": []}
+GPU: list[tuple[Any, Any]] = []
+
+
+def instrument() -> None:
+    """Stamp every kernel launch (host clock in and out) and bracket it with timing events on its stream."""
+    for name in ("_launch_runs", "_launch_blocks"):
+        real = getattr(cuda_copy.BatchedCopier, name)
+
+        def wrapper(self: Any, *args: Any, _real: Any = real, **kw: Any) -> Any:
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            HOST["launch_in"].append(time.perf_counter_ns())
+            before.record(self.stream)
+            try:
+                return _real(self, *args, **kw)
+            finally:
+                after.record(self.stream)
+                HOST["launch_out"].append(time.perf_counter_ns())
+                GPU.append((before, after))
+        setattr(cuda_copy.BatchedCopier, name, wrapper)
+    real_post = base.Transport._post_prepared
+
+    def post_wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+        HOST.setdefault("post_in", []).append(time.perf_counter_ns())
+        return real_post(self, *args, **kw)
+    base.Transport._post_prepared = post_wrapper  # type: ignore[method-assign]
+
+
+def reset() -> None:
+    for v in HOST.values():
+        v.clear()
+    GPU.clear()
+
+
+def one(bench: Any, post: Any, start_ns: int) -> dict[str, float]:
+    """The stamps of one iteration, from ``start_ns`` (us), and the kernels' GPU time (us)."""
+    torch.cuda.synchronize()
+    row = {"launch_in": (HOST["launch_in"][0] - start_ns) / 1e3 if HOST["launch_in"] else 0.0,
+           "launch_out": (HOST["launch_out"][-1] - start_ns) / 1e3 if HOST["launch_out"] else 0.0,
+           "post_in": (HOST["post_in"][0] - start_ns) / 1e3 if HOST.get("post_in") else 0.0}
+    if GPU:
+        row["gpu_us"] = GPU[0][0].elapsed_time(GPU[-1][1]) * 1e3
+        row["gpu_sum_us"] = sum(a.elapsed_time(b) for a, b in GPU) * 1e3
+    return row
+
+
+def measure(bench: Any, mode: str, dst_names: list[str], blk: dict[str, np.ndarray], iters: int) -> dict[str, Any]:
+    plans, _ = bench.plans(mode, dst_names, blk)
+    t = bench.ts["cuda_ipc"]
+    peer = f"{bench_gpu.PEER}-cuda_ipc"
+    prepared = [t.prepare("write" if mode == "push" else "read", peer, p) for p in plans]
+    nbytes = sum(p.total_bytes for p in plans)
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty_like(a)
+    out: dict[str, Any] = {"runs": sum(len(p) for p in plans), "bytes": nbytes, "wrong_elements": 0}
+
+    def loop(kind: str, poisoned: bool) -> None:
+        rows = []
+        for i in range(iters + 1):
+            if poisoned:
+                bench.poison(mode, dst_names, blk)
+                bench_gpu.sync(bench.device)
+                bench.touch_own_context()
+            else:
+                torch.cuda.synchronize()
+            reset()
+            start = time.perf_counter_ns()
+            if kind == "prep":
+                hs = [x.post() for x in prepared]
+                posted = time.perf_counter_ns()
+                for h in hs:
+                    h.wait(120)
+            else:
+                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev0.record()
+                b.copy_(a)
+                ev1.record()
+                posted = time.perf_counter_ns()
+                torch.cuda.synchronize()
+            done = time.perf_counter_ns()
+            row = one(bench, None, start)
+            if kind != "prep":
+                row["gpu_us"] = ev0.elapsed_time(ev1) * 1e3
+            row.update(posted=(posted - start) / 1e3, done=(done - start) / 1e3)
+            if i:
+                rows.append(row)
+            if poisoned and kind == "prep":
+                out["wrong_elements"] += bench.bad(mode, dst_names, blk)
+        keys = sorted({k for r in rows for k in r})
+        out[f"{kind}_{'bench' if poisoned else 'b2b'}"] = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+
+    for kind in ("prep", "copy_"):
+        for poisoned in (True, False):
+            loop(kind, poisoned)
+    for x in prepared:
+        x.release()
+    return out
+
+
+def sweep(bench: Any, blk: dict[str, np.ndarray], iters: int) -> list[dict[str, Any]]:
+    """The kernel's constants on the identical push: each variant prepared anew, back to back."""
+    saved = (cuda_copy.CHUNK_BYTES, cuda_copy.NUM_WARPS, cuda_copy.BLOCK_WORDS)
+    rows = []
+    for chunk_kib, warps, words in ((32, 4, 4096), (64, 4, 4096), (128, 4, 4096), (32, 8, 4096), (64, 8, 8192),
+                                    (128, 8, 8192), (16, 4, 4096), (256, 8, 8192)):
+        cuda_copy.CHUNK_BYTES, cuda_copy.NUM_WARPS, cuda_copy.BLOCK_WORDS = chunk_kib << 10, warps, words
+        try:
+            plans, _ = bench.plans("push", ["decode"], blk)
+            t = bench.ts["cuda_ipc"]
+            prepared = [t.prepare("write", f"{bench_gpu.PEER}-cuda_ipc", p) for p in plans]
+            bench.poison("push", ["decode"], blk)
+            bench_gpu.sync(bench.device)
+            gpu, wall = [], []
+            for i in range(iters + 2):
+                reset()
+                t0 = time.perf_counter_ns()
+                for h in [x.post() for x in prepared]:
+                    h.wait(120)
+                wall.append((time.perf_counter_ns() - t0) / 1e3)
+                gpu.append(GPU[0][0].elapsed_time(GPU[-1][1]) * 1e3)
+            wrong = bench.bad("push", ["decode"], blk)
+            nbytes = sum(p.total_bytes for p in plans)
+            row = {"chunk_kib": chunk_kib, "warps": warps, "words": words, "gpu_us": statistics.median(gpu[2:]),
+                   "wall_us": statistics.median(wall[2:]), "bytes": nbytes, "wrong_elements": wrong}
+            row["gpu_gbps"] = nbytes / row["gpu_us"] / 1e3
+            for x in prepared:
+                x.release()
+        except Exception as exc:   # a variant Triton cannot build: say so, go on
+            row = {"chunk_kib": chunk_kib, "warps": warps, "words": words, "error": repr(exc)[:300]}
+        rows.append(row)
+        print("sweep", json.dumps(row), flush=True)
+    cuda_copy.CHUNK_BYTES, cuda_copy.NUM_WARPS, cuda_copy.BLOCK_WORDS = saved
+    return rows
+
+
+def main() -> None:
+    torch.cuda.set_device(0)
+    instrument()
+    res: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "cases": [], "d2d_gbps": bench_gpu.d2d_gbps("cuda:0")}
+    print(res["gpu"], f"D2D {res['d2d_gbps']:.0f} GB/s", flush=True)
+    print(f"{'tokens':>6} {'case':<9} {'mode':<4} {'loop':<11} | {'post_in':>7} {'launch_in':>9} {'launch_out':>10} "
+          f"{'posted':>7} {'done':>7} {'gpu':>7} | {'copy_ posted':>12} {'done':>7} {'gpu':>7}", flush=True)
+    for tokens in (4096, 32768):
+        nblocks = tokens // bench_gpu.TPB
+        bench = bench_gpu.Bench(["cuda_ipc"], False, nblocks, "cuda:0")
+        rng = np.random.default_rng(tokens)
+        blk = {name: rng.choice(nblocks + 8, nblocks, replace=False).astype(np.int32) for name in bench.mgrs}
+        for case, dst_names in (("identical", ["decode"]), ("tp1->2", ["rank0", "rank1"])):
+            for mode in ("push", "pull"):
+                bench.set_source(mode, blk["prefill"])
+                row = {"tokens": tokens, "case": case, "mode": mode, **measure(bench, mode, dst_names, blk, 9)}
+                res["cases"].append(row)
+                for loop in ("bench", "b2b"):
+                    p, c = row[f"prep_{loop}"], row[f"copy__{loop}"]
+                    print(f"{tokens:>6} {case:<9} {mode:<4} {loop:<11} | {p['post_in']:7.1f} {p['launch_in']:9.1f} "
+                          f"{p['launch_out']:10.1f} {p['posted']:7.1f} {p['done']:7.1f} {p.get('gpu_us', 0):7.1f} | "
+                          f"{c['posted']:12.1f} {c['done']:7.1f} {c['gpu_us']:7.1f}  wrong {row['wrong_elements']}",
+                          flush=True)
+        if tokens == 4096:
+            bench.set_source("push", blk["prefill"])
+            res["sweep"] = sweep(bench, blk, 15)
+        bench.close()
+        del bench
+        torch.cuda.empty_cache()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
