@@ -17,7 +17,8 @@ One run measures, with the same statistic (the median) in every column:
   case (``prep_xfer_dlist``), one ``make_prepped_xfer`` + ``transfer`` per iteration;
 - the latency of one ``write(plan).wait()`` of 1, 4 and 16 blocks (p50) against the torch copy.
 
-Every timed iteration is checked: the destination pages are poisoned before it and verified after
+The columns of a case are interleaved (iteration i times each once, starting at column i), so that drift
+of the machine reaches them alike; every iteration's time is kept in the JSON. Every timed iteration is checked: the destination pages are poisoned before it and verified after
 it against a pattern that encodes each element's logical position (layer, role, token, head, dim),
 computed independently in the process that owns the destination.
 
@@ -339,25 +340,32 @@ class Bench:
         return sum(int(self.call("mismatches", dn, blk[dn])) if mode == "push" else mismatches(self.mgrs[dn], blk[dn])
                    for dn in dst_names)
 
-    def timed(self, post: Any, mode: str, dst_names: list[str], blk: dict[str, np.ndarray],
-              iters: int, moves_pages: bool = True) -> tuple[list[float], list[float], int]:
-        """(seconds per iteration, seconds spent posting, elements wrong summed over iterations). A
-        ``post`` that does not move the case's pages (the D2D limit in place) goes through the same
-        poisoning and verification around it; its wrong count is 0."""
-        post()   # warm-up (connection set-up, registration caches, kernel compile)
-        times, posts, bad = [], [], 0
-        for _ in range(iters):
-            self.poison(mode, dst_names, blk)
-            sync(self.device)
-            if self.own_context_first:
-                self.touch_own_context()
-            t0 = time.perf_counter()
-            t_posted = post()
-            times.append(time.perf_counter() - t0)
-            posts.append(t_posted - t0)
-            wrong = self.bad(mode, dst_names, blk)
-            bad += wrong if moves_pages else 0
-        return times, posts, bad
+    def interleaved(self, columns: list[tuple[str, Any, bool]], mode: str, dst_names: list[str],
+                    blk: dict[str, np.ndarray], iters: int) -> dict[str, tuple[list[float], list[float], int]]:
+        """Per column (name, post, moves its pages): (seconds per iteration, seconds spent posting, elements
+        wrong summed over iterations). Iteration i times every column once, starting at column i (mod
+        their count), so drift of the machine (clocks, the other process, NIXL's progress) reaches every
+        column alike. Each timed post is poisoned before and verified after; a post that does not move
+        the case's pages (the D2D limit in place) goes through the same and counts 0 wrong."""
+        for _, post, _ in columns:
+            post()   # warm-up (connection set-up, registration caches, kernel compile)
+        out: dict[str, tuple[list[float], list[float], int]] = {name: ([], [], 0) for name, _, _ in columns}
+        for i in range(iters):
+            for k in range(len(columns)):
+                name, post, moves_pages = columns[(i + k) % len(columns)]
+                self.poison(mode, dst_names, blk)
+                sync(self.device)
+                if self.own_context_first:
+                    self.touch_own_context()
+                t0 = time.perf_counter()
+                t_posted = post()
+                elapsed = time.perf_counter() - t0
+                wrong = self.bad(mode, dst_names, blk)
+                times, posts, bad = out[name]
+                times.append(elapsed)
+                posts.append(t_posted - t0)
+                out[name] = (times, posts, bad + (wrong if moves_pages else 0))
+        return out
 
     def touch_own_context(self) -> None:
         """One tiny kernel of this process, waited for: after the peer process poisoned the pages, the GPU
@@ -467,10 +475,6 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                                        "descriptors": sum(len(p) for p in plans), "bytes": nbytes, "plan_ms": plan_ms,
                                        "torch_gbps": copy_bytes / torch_ms / 1e6, "d2d_gbps": results["d2d_gbps"]}
                 row["d2d_wall_gbps"] = nbytes / wall.ms(nbytes) / 1e6
-                # The same copy_ timed inside the loop every post is timed in (after the peer or this
-                # process poisoned the pages, before the verification): the limit in those surroundings.
-                limit, _, _ = bench.timed(wall.post(nbytes), mode, dst_names, blk, iters, moves_pages=False)
-                row["d2d_inplace_gbps"] = nbytes / statistics.median(limit) / 1e9
                 posts: list[tuple[str, Any]] = [(b, bench.backend_post(b, mode, plans)) for b in backends]
                 if "cuda_ipc" in backends:
                     block_plans, row["block_plan_ms"] = bench.block_plans(mode, dst_names, blk)
@@ -485,8 +489,16 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                 if raw:
                     raw_post, prepped = bench.raw_nixl_post(mode, plans)
                     posts.append(("raw_nixl", raw_post))
-                for name, post in posts:
-                    times, post_s, bad = bench.timed(post, mode, dst_names, blk, iters)
+                # The same copy_ timed inside the loop every post is timed in (after the peer or this
+                # process poisoned the pages, before the verification), interleaved with the posts: the
+                # limit in those surroundings.
+                timed = bench.interleaved([("d2d_inplace", wall.post(nbytes), False)] +
+                                          [(name, post, True) for name, post in posts], mode, dst_names, blk, iters)
+                row["d2d_inplace_gbps"] = nbytes / statistics.median(timed["d2d_inplace"][0]) / 1e9
+                row["d2d_inplace_times_ms"] = [t * 1e3 for t in timed["d2d_inplace"][0]]
+                for name, _ in posts:
+                    times, post_s, bad = timed[name]
+                    row[f"{name}_times_ms"] = [t * 1e3 for t in times]
                     med = statistics.median(times)
                     row[f"{name}_gbps"] = nbytes / med / 1e9
                     row[f"{name}_ms"] = med * 1e3

@@ -290,17 +290,15 @@ class CudaIpcTransport(Transport):
         table = self._peer_tables.get(peer)
         if table is None:
             raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} is not mapped")
+        # Only copies (bounded) are queued ahead of this one when it does not wait for the model's stream
+        # or that stream is idle now.
+        bounded = settled or bool(self._default_stream.query())
         try:
             event = enqueue(table)
         except TransferFailed as exc:
             failed = TransferHandle(transfer_id, peer, nbytes, op, abort=lambda h: False)
             failed._finish(TransferStatus.FAILED, str(exc), TransferFailed)
             return failed
-        # Only copies (bounded) are queued ahead of this one when it does not wait for the model's stream, or
-        # that stream is idle now: then the model's work it waits for (recorded before its launch) is done.
-        # Asked after the launch, so that the GPU starts one CUDA call sooner (run 37: the calls before the
-        # launch cost 20-90 us of a 0.4 ms copy in bench_gpu's loop).
-        bounded = settled or bool(self._default_stream.query())
         return _CopyHandle(transfer_id, peer, nbytes, op, event, bounded,
                            lambda h: self._complete(h, peer, notify), self._completions.put)
 
