@@ -8,11 +8,12 @@ around each launch) the kernels' time from the first launch to the last one's en
 the case's bytes is timed the same way in the same loop (host clock and events on its stream). Then the
 kernel's constants are swept on the 4k identical push (bytes per program, warps, words in flight), each
 variant prepared anew, timed back to back by events and by host clock, its bytes verified by position.
-Medians. Prints a table; JSON to argv[1].
+Medians. Prints a table; JSON to argv[1]. ``SWEEP_ONLY=1``: only the sweep, at 4k and 32k (run 42, H200).
 
   python3 scripts/device_prep_stages.py $OUT/prep_stages.json
 """
 import json
+import os
 import statistics
 import sys
 import time
@@ -175,6 +176,8 @@ def main() -> None:
         blk = {name: rng.choice(nblocks + 8, nblocks, replace=False).astype(np.int32) for name in bench.mgrs}
         for case, dst_names in (("identical", ["decode"]), ("tp1->2", ["rank0", "rank1"])):
             for mode in ("push", "pull"):
+                if os.environ.get("SWEEP_ONLY"):
+                    continue
                 bench.set_source(mode, blk["prefill"])
                 row = {"tokens": tokens, "case": case, "mode": mode, **measure(bench, mode, dst_names, blk, 9)}
                 res["cases"].append(row)
@@ -184,9 +187,9 @@ def main() -> None:
                           f"{p['launch_out']:10.1f} {p['posted']:7.1f} {p['done']:7.1f} {p.get('gpu_us', 0):7.1f} | "
                           f"{c['posted']:12.1f} {c['done']:7.1f} {c['gpu_us']:7.1f}  wrong {row['wrong_elements']}",
                           flush=True)
-        if tokens == 4096:
+        if tokens == 4096 or os.environ.get("SWEEP_ONLY"):
             bench.set_source("push", blk["prefill"])
-            res["sweep"] = sweep(bench, blk, 15)
+            res[f"sweep_{tokens}"] = sweep(bench, blk, 15)
         bench.close()
         del bench
         torch.cuda.empty_cache()
