@@ -148,3 +148,26 @@ def test_a_read_is_prepared_the_same_way(agents: Agents) -> None:
         assert all(np.array_equal(got, w) for got, w in zip(agents.a_bufs, want, strict=True))
         assert notifications(agents.b, 1) == [b"r%d" % round_no]
     assert agents.made == 1
+
+
+def test_a_failed_post_releases_the_requests_and_later_posts_make_their_own(agents: Agents) -> None:
+    """NIXL refusing a post fails that post's handle naming NIXL, releases the prepared requests (they are
+    not lent again), and the next post makes requests of its own and lands its bytes and notification.
+    Mutation: giving the requests back on failure makes the next post repost released requests (NIXL then
+    crashes the process: seen)."""
+    plan = agents.plan(5)
+    prepared = agents.a.prepare("write", agents.b.name, plan)
+    agent: Any = agents.a._agent  # type: ignore[attr-defined]
+    real_transfer = agent.transfer
+    agent.transfer = lambda *args, **kw: "ERR"
+    refused = prepared.post(notify=b"lost")
+    assert refused.status is TransferStatus.FAILED and "NIXL refused" in refused.reason
+    agent.transfer = real_transfer
+    assert notifications(agents.b, 1, timeout=0.2) == []
+    agents.rewrite_source(9)
+    want = agents.expected(plan)
+    handle = prepared.post(notify=b"after")
+    handle.wait(10.0)
+    assert handle.status is TransferStatus.DONE and agents.made == 2
+    assert all(np.array_equal(got, w) for got, w in zip(agents.b_bufs, want, strict=True))
+    assert notifications(agents.b, 1) == [b"after"]
