@@ -79,3 +79,35 @@ def test_a_failed_launch_raises_with_the_driver_result() -> None:
     launch = cuda_copy._DriverLaunch(compiled(), FakeDriver([*EXPECTED, 8, 8], launch_result=701))
     with pytest.raises(TransferFailed, match="CUresult 701"):
         launch(2, 3, 0, ARGS)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 129, 4096])
+def test_a_run_table_packs_every_column_at_its_16_byte_aligned_offset(n: int) -> None:
+    """The run table the kernel reads: each column starts 16-byte aligned where ``layout`` says, holds the
+    plan's values there, and the sections do not overlap (read back from the packed bytes). Per-run and
+    shared (one value) columns both; the device table's room for a whole plan is this same layout."""
+    import numpy as np
+
+    rng = np.random.default_rng(n)
+    src = rng.integers(0, 1 << 40, n, dtype=np.uint64)
+    dst = rng.integers(0, 1 << 40, n, dtype=np.uint64)
+    for shared in (False, True):
+        lengths = np.full(1, 4096, dtype=np.uint64) if shared else rng.integers(1, 1 << 20, n, dtype=np.uint64)
+        region = rng.integers(0, 5, 1 if shared else n, dtype=np.uint32)
+        local = rng.integers(0, 3, 1 if shared else n, dtype=np.uint32)
+        table = cuda_copy._RunTable(dst, src, lengths, region, local, n)
+        at = (table.at_dst, table.at_len, table.at_reg, table.at_loc)
+        assert all(x % 16 == 0 for x in at)
+        assert table.at_dst >= 8 * n and table.at_len - table.at_dst >= 8 * n
+        assert table.at_reg - table.at_len >= 4 * lengths.size and table.at_loc - table.at_reg >= 4 * region.size
+        assert table.size == table.at_loc + 4 * local.size
+        out = np.full(table.size + 32, 0xAB, dtype=np.uint8)
+        table.write(out)
+        assert np.array_equal(out[: 8 * n].view(np.uint64), src)
+        assert np.array_equal(out[table.at_dst: table.at_dst + 8 * n].view(np.uint64), dst)
+        assert np.array_equal(out[table.at_len: table.at_len + 4 * lengths.size].view(np.uint32), lengths)
+        assert np.array_equal(out[table.at_reg: table.at_reg + 4 * region.size].view(np.uint32), region)
+        assert np.array_equal(out[table.at_loc: table.size].view(np.uint32), local)
+        assert np.all(out[table.size:] == 0xAB)
+        whole = cuda_copy._RunTable.layout(n, n, n, n)[4]
+        assert whole >= table.size

@@ -452,10 +452,17 @@ class _RunTable:
 
     def __init__(self, dst: U64, src: U64, nbytes: U64, region: U32, local_region: U32, n: int) -> None:
         self.dst, self.src, self.nbytes, self.region, self.local_region, self.n = dst, src, nbytes, region, local_region, n
-        self.at_dst, self.at_len = 8 * (n + (n & 1)), 16 * (n + (n & 1))
-        self.at_reg = self.at_len + 16 * (-(-nbytes.size // 4))
-        self.at_loc = self.at_reg + 16 * (-(-region.size // 4))
-        self.size = self.at_loc + 4 * local_region.size
+        self.at_dst, self.at_len, self.at_reg, self.at_loc, self.size = self.layout(
+            n, nbytes.size, region.size, local_region.size)
+
+    @staticmethod
+    def layout(n: int, k_len: int, k_reg: int, k_loc: int) -> tuple[int, int, int, int, int]:
+        """Byte offsets of the destinations, lengths, peer regions and local regions, and the table's size,
+        for ``n`` runs whose three 4-byte columns hold ``k_len``, ``k_reg`` and ``k_loc`` values."""
+        at_dst, at_len = 8 * (n + (n & 1)), 16 * (n + (n & 1))
+        at_reg = at_len + 16 * (-(-k_len // 4))
+        at_loc = at_reg + 16 * (-(-k_reg // 4))
+        return at_dst, at_len, at_reg, at_loc, at_loc + 4 * k_loc
 
     @classmethod
     def of(cls, dst: U64, src: U64, nbytes: U64, region: U32, local_region: U32, peer_count: int,
@@ -881,7 +888,7 @@ class BatchedCopier:
         # section of the device table, so no upload waits behind the kernel before it.
         start, size, table_at = 0, min(n, FIRST_PART_RUNS) if n > PIPELINE_RUNS else n, 0
         # Each part's sections are padded to 16 bytes: 64 bytes per part beyond one table of n runs.
-        table_base = self._table.address(self._table_bytes(n, n, n, n) + 64 * _MAX_PARTS)
+        table_base = self._table.address(-(-_RunTable.layout(n, n, n, n)[4] // 16) * 16 + 64 * _MAX_PARTS)
         if size < n:
             self._prior.record(self.stream)   # earlier kernels, which read the table, are done
             self._upload_stream.wait_event(self._prior)  # type: ignore[no-untyped-call]
@@ -893,12 +900,6 @@ class BatchedCopier:
                                      table_base + table_at, on_upload_stream=start > 0)
             table_at += used
             start, size = stop, min(n - stop, size * PART_GROWTH)
-
-    @staticmethod
-    def _table_bytes(n: int, k_len: int, k_reg: int, k_loc: int) -> int:
-        """Bytes of one packed table (each section 16-byte aligned) of ``n`` runs."""
-        at_len = 16 * (n + (n & 1))
-        return at_len + 16 * (-(-k_len // 4)) + 16 * (-(-k_reg // 4)) + 16 * (-(-k_loc // 4))
 
     def _launch_part(self, dst: U64, src: U64, nbytes: U64, region: U32, peer: RegionTable, remote_src: bool,
                      local_region: U32, local: RegionTable, pieces: int, table: int, *,
