@@ -335,7 +335,7 @@ class NixlTransport(Transport):
         handle = _NixlHandle(transfer_id, peer, nbytes, op, poll=poll, abort=abort)
         for req in requests:
             try:
-                state = self._agent.transfer(req, post_notify) if post_notify else self._agent.transfer(req)
+                state = self._agent.transfer(req, post_notify)   # b"": the request's own notification, if any
             except Exception as exc:
                 with lock:
                     fail(handle, "NIXL refused to post the transfer", exc)
