@@ -19,8 +19,9 @@ One run measures, with the same statistic (the median) in every column:
 
 The columns of a case are interleaved (iteration i times each once, starting at column i), so that drift
 of the machine reaches them alike; every iteration's time is kept in the JSON. Every timed iteration is
-checked: the destination pages are poisoned before it and verified after it against a pattern that encodes each element's logical position (layer, role, token, head, dim),
-computed independently in the process that owns the destination.
+checked: the destination pages are poisoned before it and verified after it against a pattern that
+encodes each element's logical position (layer, role, token, head, dim), computed independently in the
+process that owns the destination.
 
   python benchmarks/bench_gpu.py --backends cuda_ipc nixl --raw-nixl --tokens 4096 32768 --json out.json
 """
