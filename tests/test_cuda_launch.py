@@ -15,7 +15,7 @@ cuda_copy = pytest.importorskip("kvxfer.transport.cuda_copy", reason="needs cuda
 
 from kvxfer.errors import TransferFailed  # noqa: E402
 
-EXPECTED = [8] * 7 + [4, 4] + [8, 8, 8]
+EXPECTED = [8] * 7 + [4, 4, 4] + [8, 8, 8]
 _CUDA_ERROR_INVALID_VALUE = 1
 
 
@@ -48,7 +48,7 @@ def compiled(**meta: Any) -> SimpleNamespace:
     return SimpleNamespace(metadata=SimpleNamespace(**fields), function=0x7F00)
 
 
-ARGS = (0x1000, 0x2010, 0x3020, 0x4030, 0x4040, 0x5050, 0x6060, 3, 70_000, 0x7070, 0x7070, (1 << 47) + 16)
+ARGS = (0x1000, 0x2010, 0x3020, 0x4030, 0x4040, 0x5050, 0x6060, 3, 70_000, 128, 0x7070, 0x7070, (1 << 47) + 16)
 
 
 def test_a_launch_puts_every_argument_in_its_own_parameter() -> None:
@@ -64,8 +64,8 @@ def test_a_launch_puts_every_argument_in_its_own_parameter() -> None:
 
 
 @pytest.mark.parametrize(("sizes", "meta"), [
-    ([*EXPECTED[:7], 4, *EXPECTED[9:], 8, 8], {}),     # a count compiled in (specialised away)
-    ([*EXPECTED[:7], 8, 8, *EXPECTED[9:], 8, 8], {}),  # counts passed as 64-bit
+    ([*EXPECTED[:7], 4, 4, *EXPECTED[10:], 8, 8], {}),     # a count compiled in (specialised away)
+    ([*EXPECTED[:7], 8, 8, 8, *EXPECTED[10:], 8, 8], {}),  # counts passed as 64-bit
     ([*EXPECTED, 8, 4], {}),                              # a hidden parameter that is not a pointer
     ([*EXPECTED, 8, 8], {"global_scratch_size": 256}),    # scratch memory Triton would allocate
     ([*EXPECTED, 8, 8], {"num_ctas": 2}),

@@ -9,8 +9,8 @@ per-descriptor work in Python: it copies the plan's arrays into the staging buff
 same tables hold each region's bounds (the local regions' too): the kernel copies no run outside its
 regions, which lets the transport check a large plan while the GPU copies it.
 
-The kernel (Triton) gives every program one ``CHUNK``-byte piece of one run (2-D grid: run x
-piece), so a 4 MiB run is spread over 128 programs like 128 runs of 32 KiB; runs much longer than
+The kernel (Triton, ``copy_kernels``) gives every program one ``CHUNK``-byte piece of one run, the programs
+of one run consecutive (``RUN_MAJOR``), so a 4 MiB run is spread over 128 programs like 128 runs of 32 KiB; runs much longer than
 the rest are cut on the host first (``TransferPlan.split``), so no program gets a long run while
 others idle. 16-byte aligned runs move as 16-byte vectors with ``BLOCK`` words per program in
 flight; any other run moves byte by byte (correct, slower; KV runs are 16-byte multiples).
@@ -60,6 +60,10 @@ CHUNK_BYTES = 32 << 10
 BLOCK_WORDS = 4096
 #: Warps per program.
 NUM_WARPS = 4
+#: Programs of one run are consecutive (1-D grid of runs x pieces) rather than one per (run, piece) of a
+#: 2-D grid, so the programs running at once copy a few runs' contiguous bytes (``copy_kernels``). False
+#: is kept for the A/B of ``scripts/device_prep_stages.py``.
+RUN_MAJOR = True
 #: Plans of at most this many runs are one ``cuMemcpyAsync`` per run: a few microseconds each, where
 #: the kernel path (pack, upload, Triton launch) costs ~50 us before the GPU starts (one KV block).
 DIRECT_RUNS = 8
@@ -201,10 +205,22 @@ class _Pointer:
 
 
 #: Struct codes of the copy kernels' non-constexpr parameters, each in an 8-byte slot. ``copy_runs``:
-#: seven table pointers, the two region counts (int32), two anchor pointers and the anchor address
-#: (int64); ``copy_block_runs``: eleven table pointers, the runs per block and the two region counts.
-_KERNEL_PARAMS = ("Q",) * 7 + ("i4x", "i4x") + ("Q", "Q", "q")
-_BLOCK_KERNEL_PARAMS = ("Q",) * 11 + ("i4x", "i4x", "i4x") + ("Q", "Q", "q")
+#: seven table pointers, the two region counts and the pieces per run (int32), two anchor pointers and the
+#: anchor address (int64); ``copy_block_runs``: eleven table pointers, the runs per block, the two region
+#: counts and the pieces per run.
+_KERNEL_PARAMS = ("Q",) * 7 + ("i4x",) * 3 + ("Q", "Q", "q")
+_BLOCK_KERNEL_PARAMS = ("Q",) * 11 + ("i4x",) * 4 + ("Q", "Q", "q")
+#: Most programs of one launch (a 1-D grid's x dimension).
+_MAX_GRID_X = (1 << 31) - 1
+
+
+def _grid(runs: int, pieces: int, run_major: bool) -> tuple[int, int]:
+    """The launch grid of ``runs`` runs of ``pieces`` pieces (``RUN_MAJOR``: one dimension)."""
+    if not run_major:
+        return runs, pieces
+    if runs * pieces > _MAX_GRID_X:
+        raise TransferFailed(f"a copy of {runs} runs x {pieces} pieces is more than {_MAX_GRID_X} programs")
+    return runs * pieces, 1
 
 
 class _DriverLaunch:
@@ -263,77 +279,13 @@ class _TritonLaunch:
 
 
 def _triton_kernel() -> Any:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    # Triton resolves annotations as kernel globals: only constexpr parameters may be annotated. The
-    # counts must not be specialised (a count of 1 would be compiled in, and the launcher reuses the
-    # compiled kernel for every count).
-    @triton.jit(do_not_specialize=["remote_count", "local_count"])  # type: ignore[misc,untyped-decorator,unused-ignore]
-    def copy_runs(src_addr, dst_addr, lengths, regions, local_regions, remote_table, local_table,  # type: ignore[no-untyped-def]
-                  remote_count, local_count, anchor8, anchor32, anchor_addr,
-                  REMOTE_SRC: tl.constexpr, PER_RUN_LENGTH: tl.constexpr, PER_RUN_REGION: tl.constexpr,
-                  PER_RUN_LOCAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        # Program (run, piece) copies bytes [piece * CHUNK, (piece + 1) * CHUNK) of run ``run``. Addresses
-        # become int64 offsets from ``anchor`` (any device buffer) so loads use typed pointers whose
-        # 16-byte alignment the compiler is told about: it then emits 16-byte vector loads and stores.
-        # A run not inside its registered regions on both sides (tables of (delta, start, end) per
-        # region) is not copied: the host may check the plan while this kernel runs (RegionTable).
-        run = tl.program_id(0)
-        start = tl.program_id(1).to(tl.int64) * CHUNK
-        n = tl.load(lengths + run * PER_RUN_LENGTH).to(tl.int64)   # one shared length when uniform
-        if start < n:
-            s = tl.load(src_addr + run)
-            d = tl.load(dst_addr + run)
-            r = tl.load(regions + run * PER_RUN_REGION)
-            q = tl.load(local_regions + run * PER_RUN_LOCAL)
-            r_ok = (r >= 0) & (r < remote_count)
-            q_ok = (q >= 0) & (q < local_count)
-            r = tl.where(r_ok, r, 0).to(tl.int64) * 3
-            q = tl.where(q_ok, q, 0).to(tl.int64) * 3
-            delta = tl.load(remote_table + r)
-            if REMOTE_SRC:
-                ra = s
-                la = d
-            else:
-                ra = d
-                la = s
-            inside = r_ok & q_ok & (ra >= tl.load(remote_table + r + 1)) & (ra <= tl.load(remote_table + r + 2) - n) \
-                & (la >= tl.load(local_table + q + 1)) & (la <= tl.load(local_table + q + 2) - n)
-            if REMOTE_SRC:
-                s = s + delta
-            else:
-                d = d + delta
-            n = tl.where(inside, n, start)     # outside: every mask below is empty
-            so = s - anchor_addr
-            do = d - anchor_addr
-            if ((s | d) & 15) == 0:
-                sw = tl.multiple_of(so >> 2, 4)
-                dw = tl.multiple_of(do >> 2, 4)
-                body = tl.multiple_of((n >> 4) << 2, 4)          # words of the 16-byte multiple part
-                w0 = tl.multiple_of(start >> 2, 4)
-                for off in tl.static_range(0, CHUNK // 4, BLOCK):
-                    idx = w0 + off + tl.arange(0, BLOCK)
-                    mask = idx < body
-                    tl.store(anchor32 + dw + idx, tl.load(anchor32 + sw + idx, mask=mask), mask=mask)
-                if start + CHUNK >= n:                          # the last piece also copies the tail
-                    t = ((n >> 4) << 4) + tl.arange(0, 16)
-                    tmask = t < n
-                    tl.store(anchor8 + do + t, tl.load(anchor8 + so + t, mask=tmask), mask=tmask)
-            else:
-                for off in tl.static_range(0, CHUNK, BLOCK):
-                    b = start + off + tl.arange(0, BLOCK)
-                    bmask = b < n
-                    tl.store(anchor8 + do + b, tl.load(anchor8 + so + b, mask=bmask), mask=bmask)
-
-    return copy_runs
+    """The run-list kernel (``copy_kernels.copy_runs``), or None without Triton."""
+    module = _block_kernels()
+    return None if module is None else module.copy_runs
 
 
 def _block_kernels() -> Any:
-    """The block-plan kernel's module (``copy_kernels``), or None without Triton."""
+    """The kernels' module (``copy_kernels``), or None without Triton."""
     try:
         from kvxfer.transport import copy_kernels
     except ImportError:
@@ -499,9 +451,9 @@ class _BlockTable:
     __slots__ = ("at", "blocks", "columns", "pieces", "runs", "size")
 
     def __init__(self, columns: list[npt.NDArray[Any]], blocks: int, runs: int, pieces: int) -> None:
-        if blocks * runs > (1 << 31) - 1:
-            raise TransferFailed(f"a block plan of {blocks} blocks x {runs} runs exceeds the kernel's grid "
-                                 f"(2**31 - 1 runs)")
+        if blocks * runs * pieces > _MAX_GRID_X:
+            raise TransferFailed(f"a block plan of {blocks} blocks x {runs} runs x {pieces} pieces exceeds the "
+                                 f"kernel's grid ({_MAX_GRID_X} programs)")
         blk, run8, run4 = 16 * (-(-8 * blocks // 16)), 16 * (-(-8 * runs // 16)), 16 * (-(-4 * runs // 16))
         at = [0]
         for width in (blk, blk, run8, run8, run8, run8, run4, run4, run4):
@@ -824,23 +776,25 @@ class BatchedCopier:
         """Launch ``copy_block_runs`` over a block table already at device address ``table`` (the caller
         holds the lock; the table's upload is ordered before the launch on the copier's stream)."""
         args = (*(table + a for a in packed.at[:9]), int(peer.device.data_ptr()), int(local.device.data_ptr()),
-                packed.runs, peer.count, local.count, self._anchor_addr, self._anchor_addr, self._anchor_addr)
-        key = ("blocks", bool(remote_src), CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS)
+                packed.runs, peer.count, local.count, packed.pieces, self._anchor_addr, self._anchor_addr,
+                self._anchor_addr)
+        key = ("blocks", bool(remote_src), CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile_blocks(key)
-        grid = packed.blocks * packed.runs
+        grid = _grid(packed.blocks * packed.runs, packed.pieces, key[4])
         if self.launcher != "jit":
             try:
-                launch(grid, packed.pieces, self._stream_handle, args)
+                launch(*grid, self._stream_handle, args)
                 return
             except (TypeError, ValueError, AttributeError):
                 self.launcher = "jit"
         ptrs = [_Pointer(a, torch.int64 if k < 6 else torch.int32) for k, a in enumerate(args[:9])]
         with torch.cuda.stream(self.stream):
-            self._kernels.copy_block_runs[(grid, packed.pieces)](  # type: ignore[union-attr]
-                *ptrs, peer.device, local.device, packed.runs, peer.count, local.count, self._anchor8,
-                self._anchor32, self._anchor_addr, REMOTE_SRC=key[1], CHUNK=key[2], BLOCK=key[3], num_warps=key[4])
+            self._kernels.copy_block_runs[grid](  # type: ignore[union-attr]
+                *ptrs, peer.device, local.device, packed.runs, peer.count, local.count, packed.pieces, self._anchor8,
+                self._anchor32, self._anchor_addr, REMOTE_SRC=key[1], CHUNK=key[2], BLOCK=key[3], RUN_MAJOR=key[4],
+                num_warps=key[5])
 
     def _upload(self, table: int, stage_addr: int, size: int, stream_handle: int) -> None:
         """Copy ``size`` staged bytes to the device table on the given stream."""
@@ -854,16 +808,17 @@ class BatchedCopier:
     def _compile_blocks(self, key: tuple[Any, ...]) -> Any:
         """Compile ``copy_block_runs`` for one direction once (a 1-program launch that copies nothing, as
         ``_compile``) and keep a launcher for it."""
-        _, remote_src, chunk, block, warps = key
+        _, remote_src, chunk, block, run_major, warps = key
         zero = torch.zeros(4, dtype=torch.int64, device=f"cuda:{self.device_id}")
         z64, z32 = _Pointer(int(zero.data_ptr()), torch.int64), _Pointer(int(zero.data_ptr()), torch.int32)
         assert self._kernels is not None
         with torch.cuda.stream(self.stream):
             compiled = self._kernels.copy_block_runs[(1, 1)](
-                z64, z64, z64, z64, z64, z64, z32, z32, z32, z64, z64, 2, 2, 2, self._anchor8, self._anchor32,
-                self._anchor_addr, REMOTE_SRC=remote_src, CHUNK=chunk, BLOCK=block, num_warps=warps)
+                z64, z64, z64, z64, z64, z64, z32, z32, z32, z64, z64, 2, 2, 2, 2, self._anchor8, self._anchor32,
+                self._anchor_addr, REMOTE_SRC=remote_src, CHUNK=chunk, BLOCK=block, RUN_MAJOR=run_major,
+                num_warps=warps)
         self.stream.synchronize()
-        launch: Any = _TritonLaunch(compiled, key[1:4])
+        launch: Any = _TritonLaunch(compiled, key[1:5])
         if self.launcher == "driver":
             assert self._lib is not None
             try:
@@ -921,42 +876,43 @@ class BatchedCopier:
         """Launch the run-list kernel over a run table already at device address ``table`` (the caller holds
         the lock; the table's upload is ordered before the launch on the copier's stream)."""
         args = (table, table + packed.at_dst, table + packed.at_len, table + packed.at_reg, table + packed.at_loc,
-                int(peer.device.data_ptr()), int(local.device.data_ptr()), peer.count, local.count,
+                int(peer.device.data_ptr()), int(local.device.data_ptr()), peer.count, local.count, pieces,
                 self._anchor_addr, self._anchor_addr, self._anchor_addr)
-        key = (bool(remote_src), *packed.per_run, CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS)
+        key = (bool(remote_src), *packed.per_run, CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile(key)
+        grid = _grid(packed.n, pieces, key[6])
         if self.launcher != "jit":
             try:
-                launch(packed.n, pieces, self._stream_handle, args)
+                launch(*grid, self._stream_handle, args)
                 return
             except (TypeError, ValueError, AttributeError):
                 self.launcher = "jit"   # this Triton's compiled-kernel launcher differs: use the JIT's
         with torch.cuda.stream(self.stream):
-            self._kernel[(packed.n, pieces)](  # type: ignore[index]
+            self._kernel[grid](  # type: ignore[index]
                 _Pointer(args[0], torch.int64), _Pointer(args[1], torch.int64), _Pointer(args[2], torch.int32),
                 _Pointer(args[3], torch.int32), _Pointer(args[4], torch.int32), peer.device, local.device,
-                peer.count, local.count, self._anchor8, self._anchor32, self._anchor_addr,
+                peer.count, local.count, pieces, self._anchor8, self._anchor32, self._anchor_addr,
                 REMOTE_SRC=key[0], PER_RUN_LENGTH=key[1], PER_RUN_REGION=key[2], PER_RUN_LOCAL=key[3],
-                CHUNK=key[4], BLOCK=key[5], num_warps=key[6])
+                CHUNK=key[4], BLOCK=key[5], RUN_MAJOR=key[6], num_warps=key[7])
 
     def _compile(self, key: tuple[Any, ...]) -> Any:
         """Compile one kernel variant through Triton's JIT once (on the copier's stream, a 1-program
         launch that copies nothing) and keep a launcher for it: ``cuLaunchKernel`` with packed
         arguments where the driver's parameter list is the expected one, else the compiled kernel's
         own launcher; neither pays the JIT's per-launch argument binding."""
-        remote_src, per_len, per_reg, per_loc, chunk, block, warps = key
+        remote_src, per_len, per_reg, per_loc, chunk, block, run_major, warps = key
         zero = torch.zeros(4, dtype=torch.int64, device=f"cuda:{self.device_id}")
         z64, z32 = _Pointer(int(zero.data_ptr()), torch.int64), _Pointer(int(zero.data_ptr()), torch.int32)
         assert self._kernel is not None
         with torch.cuda.stream(self.stream):
             compiled = self._kernel[(1, 1)](
-                z64, z64, z32, z32, z32, z64, z64, 2, 2, self._anchor8, self._anchor32, self._anchor_addr,
+                z64, z64, z32, z32, z32, z64, z64, 2, 2, 2, self._anchor8, self._anchor32, self._anchor_addr,
                 REMOTE_SRC=remote_src, PER_RUN_LENGTH=per_len, PER_RUN_REGION=per_reg, PER_RUN_LOCAL=per_loc,
-                CHUNK=chunk, BLOCK=block, num_warps=warps)
+                CHUNK=chunk, BLOCK=block, RUN_MAJOR=run_major, num_warps=warps)
         self.stream.synchronize()
-        launch: Any = _TritonLaunch(compiled, key[:6])
+        launch: Any = _TritonLaunch(compiled, key[:7])
         if self.launcher == "driver":
             assert self._lib is not None
             try:
