@@ -33,22 +33,28 @@ HOST: dict[str, list[int]] = {"launch_in": [], "launch_out": []}
 GPU: list[tuple[Any, Any]] = []
 
 
+#: The copier's stream, for the events around a bound launch (which does not know its stream's torch object).
+STREAM: list[Any] = []
+
+
 def instrument() -> None:
     """Stamp every kernel launch (host clock in and out) and bracket it with timing events on its stream."""
-    for name in ("_launch_runs", "_launch_blocks"):
-        real = getattr(cuda_copy.BatchedCopier, name)
+    for cls, name in ((cuda_copy.BatchedCopier, "_launch_runs"), (cuda_copy.BatchedCopier, "_launch_blocks"),
+                      (cuda_copy._BoundLaunch, "__call__")):
+        real = getattr(cls, name)
 
         def wrapper(self: Any, *args: Any, _real: Any = real, **kw: Any) -> Any:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            stream = getattr(self, "stream", None) or STREAM[-1]
             HOST["launch_in"].append(time.perf_counter_ns())
-            before.record(self.stream)
+            before.record(stream)
             try:
                 return _real(self, *args, **kw)
             finally:
-                after.record(self.stream)
+                after.record(stream)
                 HOST["launch_out"].append(time.perf_counter_ns())
                 GPU.append((before, after))
-        setattr(cuda_copy.BatchedCopier, name, wrapper)
+        setattr(cls, name, wrapper)
     for cls, name, stamp in ((base.Transport, "_post_prepared", "post_in"),
                              (cuda_ipc.CudaIpcTransport, "_enqueue", "enqueue_in"),
                              (cuda_copy.BatchedCopier, "_ordered", "ordered_in")):
@@ -225,6 +231,7 @@ def main() -> None:
     for tokens in (4096, 32768):
         nblocks = tokens // bench_gpu.TPB
         bench = bench_gpu.Bench(["cuda_ipc"], False, nblocks, "cuda:0")
+        STREAM.append(bench.ts["cuda_ipc"]._copier.stream)
         rng = np.random.default_rng(tokens)
         blk = {name: rng.choice(nblocks + 8, nblocks, replace=False).astype(np.int32) for name in bench.mgrs}
         for case, dst_names in (("identical", ["decode"]), ("tp1->2", ["rank0", "rank1"])):

@@ -75,6 +75,30 @@ def test_other_parameter_lists_are_refused(sizes: list[int], meta: dict[str, Any
         cuda_copy._DriverLaunch(compiled(**meta), FakeDriver(sizes))
 
 
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, ctypes._SimpleCData) else value
+
+
+def test_a_bound_launch_keeps_its_own_arguments() -> None:
+    """A prepared copy's launch (``bind``): its arguments packed once into a buffer of its own, so launches of
+    the same variant with other arguments in between do not change what it launches."""
+    driver = FakeDriver([*EXPECTED, 8, 8])
+    launch = cuda_copy._DriverLaunch(compiled(), driver)
+    bound = launch.bind(16384, 1, 0xABC, ARGS)
+    launch(1, 1, 0xDEF, tuple(a + 16 for a in ARGS))
+    bound()
+    (_, other), (shape, values) = driver.launches
+    assert tuple(_plain(v) for v in shape) == (0x7F00, 16384, 1, 1, 128, 1, 1, 0, 0xABC, None)
+    assert [struct.unpack("<i" if len(v) == 4 else "<Q", v)[0] for v in values] == [*ARGS, 0, 0]
+    assert [struct.unpack("<Q", v)[0] for v in other[:7]] == [a + 16 for a in ARGS[:7]]
+
+
+def test_a_failed_bound_launch_raises_with_the_driver_result() -> None:
+    bound = cuda_copy._DriverLaunch(compiled(), FakeDriver([*EXPECTED, 8, 8], launch_result=719)).bind(2, 1, 0, ARGS)
+    with pytest.raises(TransferFailed, match=r"prepared copy \(2 x 1 programs\).*CUresult 719"):
+        bound()
+
+
 def test_a_failed_launch_raises_with_the_driver_result() -> None:
     launch = cuda_copy._DriverLaunch(compiled(), FakeDriver([*EXPECTED, 8, 8], launch_result=701))
     with pytest.raises(TransferFailed, match="CUresult 701"):

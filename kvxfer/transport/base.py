@@ -206,8 +206,10 @@ class Transport(ABC):
         return self._backend_post(op, peer, plan, notify, transfer_id, settled=settled)
 
     def _post_prepared(self, prepared: PreparedTransfer, notify: bytes | None, settled: bool) -> TransferHandle:
-        """``PreparedTransfer.post``: the plan was checked by ``prepare`` against the connection it names."""
-        self._check_open()
+        """``PreparedTransfer.post``: the plan was checked by ``prepare`` against the connection it names (the
+        checks here are inline: this path runs before every prepared copy starts)."""
+        if self._closed:
+            raise TransportError(f"transport {self.name!r} is closed")
         op, peer = prepared.op, prepared.peer
         if prepared.transport is not self:
             raise TransportError(f"transport {self.name!r}: prepared {op} to peer {peer!r} belongs to another transport")
@@ -216,7 +218,8 @@ class Transport(ABC):
             state = "is not connected" if md is None else "reconnected (its regions may differ)"
             raise PeerUnreachable(f"transport {self.name!r}: peer {peer!r} {state} since this {op} was prepared; "
                                   f"prepare the plan again")
-        self._check_notify(op, peer, notify)
+        if notify is not None:
+            self._check_notify(op, peer, notify)
         if settled and op != "write":
             raise TransportError(f"prepared read from peer {peer!r}: settled applies to writes only")
         transfer_id = next(self._ids)

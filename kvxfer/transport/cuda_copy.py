@@ -264,6 +264,35 @@ class _DriverLaunch:
         if rc != 0:
             raise TransferFailed(f"cuLaunchKernel of the copy kernel ({grid_x} x {grid_y} programs) failed: CUresult {rc}")
 
+    def bind(self, grid_x: int, grid_y: int, stream: int, args: tuple[int, ...]) -> _BoundLaunch:
+        """This launch with ``args`` packed now into a parameter buffer of its own (a prepared copy's)."""
+        buf = ctypes.create_string_buffer(len(self._buf))
+        self._pack(buf, 0, *args)
+        base = ctypes.addressof(buf)
+        params = (ctypes.c_void_p * len(self._params))(*[base + 8 * i for i in range(len(self._params))])
+        u = ctypes.c_uint
+        call = functools.partial(self._launch, self._fn, u(grid_x), u(grid_y), u(1), u(self._threads), u(1), u(1),
+                                 u(self._shared), ctypes.c_void_p(stream), params, None)
+        return _BoundLaunch(call, buf, f"{grid_x} x {grid_y} programs")
+
+
+class _BoundLaunch:
+    """A driver launch whose arguments were converted and packed once: each call is one ``cuLaunchKernel``
+    (ctypes through ``functools.partial``), no Python work per argument on a prepared copy's post, where
+    every Python call counts twice over when the host's caches are cold (stage probe, run 44)."""
+
+    __slots__ = ("_buf", "_call", "_what")
+
+    def __init__(self, call: Any, buf: Any, what: str) -> None:
+        self._call = call
+        self._buf = buf     # the parameters' memory: the pointer array holds its addresses
+        self._what = what
+
+    def __call__(self) -> None:
+        rc = self._call()
+        if rc != 0:
+            raise TransferFailed(f"cuLaunchKernel of a prepared copy ({self._what}) failed: CUresult {rc}")
+
 
 class _TritonLaunch:
     """One compiled kernel variant launched through Triton's own launcher (the compiled kernel's)."""
@@ -726,8 +755,10 @@ class BatchedCopier:
         packed = _RunTable.of(dst, src, nbytes, remote_region, local_region, peer.count, local.count)
         table = self._upload_owned(packed)
         addr, local_table = int(table.data_ptr()), local
-        return PreparedCopy("kernel", total, n,
-                            lambda: self._launch_runs(packed, addr, peer, local_table, remote_src, pieces), table)
+        with self._lock:   # compiles the variant on first use, on the copier's stream
+            launch, grid, args, _ = self._runs_launch(packed, addr, peer, local_table, remote_src, pieces)
+        return PreparedCopy("kernel", total, n, self._bound(
+            launch, grid, args, lambda: self._launch_runs(packed, addr, peer, local_table, remote_src, pieces)), table)
 
     def prepare_blocks(self, plan: BlockPlan, peer: RegionTable, remote_src: bool,
                        local: RegionTable | None = None) -> PreparedCopy:
@@ -741,8 +772,17 @@ class BatchedCopier:
             return PreparedCopy("blocks", 0, 0, lambda: None)
         table = self._upload_owned(packed)
         addr, local_table = int(table.data_ptr()), local if local is not None else self._local
-        return PreparedCopy("blocks", plan.total_bytes, len(plan),
-                            lambda: self._launch_blocks(packed, addr, peer, local_table, remote_src), table)
+        with self._lock:
+            launch, grid, args, _ = self._blocks_launch(packed, addr, peer, local_table, remote_src)
+        return PreparedCopy("blocks", plan.total_bytes, len(plan), self._bound(
+            launch, grid, args, lambda: self._launch_blocks(packed, addr, peer, local_table, remote_src)), table)
+
+    def _bound(self, launch: Any, grid: tuple[int, int], args: tuple[int, ...], fallback: Any) -> Any:
+        """A prepared copy's launch: the driver launch with its arguments bound now (``_BoundLaunch``), or
+        ``fallback`` (the launch of every post) where the variant takes Triton's launcher."""
+        if isinstance(launch, _DriverLaunch) and self.launcher == "driver":
+            return launch.bind(*grid, self._stream_handle, args)
+        return fallback
 
     def launch_prepared(self, prepared: PreparedCopy, *, after_model: bool = True) -> torch.cuda.Event:
         """Enqueue a prepared plan's copies (one launch, or its direct copies); the event recorded after
@@ -771,10 +811,9 @@ class BatchedCopier:
         uploaded.record(self.stream)
         self._launch_blocks(packed, table, peer, local, remote_src)
 
-    def _launch_blocks(self, packed: _BlockTable, table: int, peer: RegionTable, local: RegionTable,
-                       remote_src: bool) -> None:
-        """Launch ``copy_block_runs`` over a block table already at device address ``table`` (the caller
-        holds the lock; the table's upload is ordered before the launch on the copier's stream)."""
+    def _blocks_launch(self, packed: _BlockTable, table: int, peer: RegionTable, local: RegionTable,
+                       remote_src: bool) -> tuple[Any, tuple[int, int], tuple[int, ...], tuple[Any, ...]]:
+        """``_runs_launch`` for ``copy_block_runs`` over a block table at device address ``table``."""
         args = (*(table + a for a in packed.at[:9]), int(peer.device.data_ptr()), int(local.device.data_ptr()),
                 packed.runs, peer.count, local.count, packed.pieces, self._anchor_addr, self._anchor_addr,
                 self._anchor_addr)
@@ -782,7 +821,13 @@ class BatchedCopier:
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile_blocks(key)
-        grid = _grid(packed.blocks * packed.runs, packed.pieces, key[4])
+        return launch, _grid(packed.blocks * packed.runs, packed.pieces, key[4]), args, key
+
+    def _launch_blocks(self, packed: _BlockTable, table: int, peer: RegionTable, local: RegionTable,
+                       remote_src: bool) -> None:
+        """Launch ``copy_block_runs`` over a block table already at device address ``table`` (the caller
+        holds the lock; the table's upload is ordered before the launch on the copier's stream)."""
+        launch, grid, args, key = self._blocks_launch(packed, table, peer, local, remote_src)
         if self.launcher != "jit":
             try:
                 launch(*grid, self._stream_handle, args)
@@ -871,10 +916,10 @@ class BatchedCopier:
         self._launch_runs(packed, table, peer, local, remote_src, pieces)
         return -(-packed.size // 16) * 16
 
-    def _launch_runs(self, packed: _RunTable, table: int, peer: RegionTable, local: RegionTable, remote_src: bool,
-                     pieces: int) -> None:
-        """Launch the run-list kernel over a run table already at device address ``table`` (the caller holds
-        the lock; the table's upload is ordered before the launch on the copier's stream)."""
+    def _runs_launch(self, packed: _RunTable, table: int, peer: RegionTable, local: RegionTable, remote_src: bool,
+                     pieces: int) -> tuple[Any, tuple[int, int], tuple[int, ...], tuple[Any, ...]]:
+        """The run-list kernel's launcher (compiled on first use), grid, arguments and variant key for a run table
+        at device address ``table``."""
         args = (table, table + packed.at_dst, table + packed.at_len, table + packed.at_reg, table + packed.at_loc,
                 int(peer.device.data_ptr()), int(local.device.data_ptr()), peer.count, local.count, pieces,
                 self._anchor_addr, self._anchor_addr, self._anchor_addr)
@@ -882,7 +927,13 @@ class BatchedCopier:
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile(key)
-        grid = _grid(packed.n, pieces, key[6])
+        return launch, _grid(packed.n, pieces, key[6]), args, key
+
+    def _launch_runs(self, packed: _RunTable, table: int, peer: RegionTable, local: RegionTable, remote_src: bool,
+                     pieces: int) -> None:
+        """Launch the run-list kernel over a run table already at device address ``table`` (the caller holds
+        the lock; the table's upload is ordered before the launch on the copier's stream)."""
+        launch, grid, args, key = self._runs_launch(packed, table, peer, local, remote_src, pieces)
         if self.launcher != "jit":
             try:
                 launch(*grid, self._stream_handle, args)
