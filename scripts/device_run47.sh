@@ -5,9 +5,7 @@
 # Usage: OUT=$OUT bash scripts/device_run47.sh
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
-echo "=== bench_gpu cuda_ipc (+ cuda_ipc_blocks, cuda_ipc_prep)"
-PYTHONPATH=$BOTH timeout 120 python3 benchmarks/bench_gpu.py --backends cuda_ipc --iters 9 --latency-iters 200 \
-  --json "$OUT/bench_gpu.json" 2>&1 | filter > "$OUT/bench_gpu.txt"; tail -16 "$OUT/bench_gpu.txt"
+bench_cuda_ipc 120
 echo "=== bench e2e 1B"
 PYTHONPATH=$BOTH timeout 100 python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc --model llama-3.2-1b \
   --lengths 1024,4096,16384 --iters 5 --out "$OUT/e2e_1b.json" 2>&1 | filter | tail -5

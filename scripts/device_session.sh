@@ -34,3 +34,20 @@ demo_cuda() {  # demo_cuda NAME [demo options]
   echo "demo exit $?"
   demo_summary "$OUT/$name.json" "$OUT/$name.err"
 }
+
+# bench_gpu over cuda_ipc (with its blocks and prepared columns), 9 interleaved iterations and 200 latency
+# iterations: its table in $OUT/bench_gpu.txt (last lines printed), its JSON in $OUT/bench_gpu.json.
+bench_cuda_ipc() {  # bench_cuda_ipc [timeout_s]
+  echo "=== bench_gpu cuda_ipc (+ cuda_ipc_blocks, cuda_ipc_prep)"
+  PYTHONPATH=$BOTH timeout "${1:-130}" python3 benchmarks/bench_gpu.py --backends cuda_ipc --iters 9 \
+    --latency-iters 200 --json "$OUT/bench_gpu.json" 2>&1 | filter > "$OUT/bench_gpu.txt"
+  tail -16 "$OUT/bench_gpu.txt"
+}
+
+# The prepared post's stage probe, host-call costs and kernel sweep (scripts/device_prep_stages.py).
+prep_stages() {  # prep_stages [timeout_s]
+  echo "=== prepared post stages, host calls, kernel sweep"
+  PYTHONPATH=$BOTH timeout "${1:-150}" python3 scripts/device_prep_stages.py "$OUT/prep_stages.json" 2>&1 | filter \
+    > "$OUT/prep_stages.txt"
+  tail -40 "$OUT/prep_stages.txt"
+}
