@@ -309,11 +309,11 @@ class _TritonLaunch:
 
 def _triton_kernel() -> Any:
     """The run-list kernel (``copy_kernels.copy_runs``), or None without Triton."""
-    module = _block_kernels()
+    module = _kernels_module()
     return None if module is None else module.copy_runs
 
 
-def _block_kernels() -> Any:
+def _kernels_module() -> Any:
     """The kernels' module (``copy_kernels``), or None without Triton."""
     try:
         from kvxfer.transport import copy_kernels
@@ -671,7 +671,7 @@ class BatchedCopier:
                 self._kernels = False
                 return False
             try:
-                self._kernels = _block_kernels() or False
+                self._kernels = _kernels_module() or False
                 if self._kernels:
                     self._check_block_kernel()
             except Exception as exc:
