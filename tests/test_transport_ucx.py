@@ -120,7 +120,8 @@ def test_many_small_runs_in_one_scatter_message(op: str) -> None:
 
 def test_cancelled_scatter_read_writes_nothing_even_when_the_data_comes_later() -> None:
     """A cancelled read withdraws its scatter-gather receive: data the peer sends afterwards (here: its
-    service thread is held busy until after the cancel) never lands in the pages."""
+    service thread is held busy until after the cancel) never lands in the pages, and the peer keeps its
+    unreceived send until UCX is done with it."""
     a, b, a_bufs, _ = _pair(True, True, [256 * 1024], seed=31)
     try:
         rng = np.random.default_rng(2)
@@ -134,7 +135,43 @@ def test_cancelled_scatter_read_writes_nothing_even_when_the_data_comes_later() 
         time.sleep(1.0)  # b answers the read and sends, into a withdrawn receive
         np.testing.assert_array_equal(a_bufs[0], before)
         assert a._draining == []  # type: ignore[attr-defined]
+        # b's send of the aborted read is never received: b keeps it (and its iov array) until UCX is done.
+        assert b._call(lambda: [len(x.requests) for x in b._draining], "draining") == [1]  # type: ignore[attr-defined]
         assert _drain(b, 0, timeout=0.1) == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_write_cancelled_while_its_sends_are_in_flight_keeps_them_until_ucx_is_done() -> None:
+    """A peer answers a write but never receives its data (its receives are not posted), so the write's
+    scatter-gather send stays in flight inside UCX. Cancelling the write cannot withdraw a send: the send
+    and its iov array (which UCX reads) are kept until UCX is done, never dropped with the transfer (that
+    crashed the service thread in ``progress``). A later write between the two lands exactly."""
+    from kvxfer.transport.ucx import _Batch
+    a, b, a_bufs, b_bufs = _pair(True, True, [1 << 20, 1 << 20], seed=41)
+    post_receives = b._post_receives  # type: ignore[attr-defined]
+    try:
+        rng = np.random.default_rng(4)
+        plan = pair(random_pages(rng, list(a.regions), 40, 8 * PAGE, coalesced=False),
+                    random_pages(rng, list(b.regions), 40, 8 * PAGE, coalesced=False))
+        b._post_receives = lambda table, tag_base, iov: _Batch()  # type: ignore[attr-defined]
+        handle = a.write(b.name, plan, notify=b"dropped")
+        deadline = time.monotonic() + 5.0
+        while a._call(lambda: a._outgoing[handle.id].stage, "stage") != "sending":  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "the write never started sending"
+            time.sleep(0.001)
+        assert handle.cancel() is True
+        kept = a._call(lambda: [len(batch.requests) for batch in a._draining], "draining")  # type: ignore[attr-defined]
+        assert kept == [1], f"the cancelled write's in-flight send was not kept: {kept}"
+        b._post_receives = post_receives  # type: ignore[attr-defined]
+        again = pair(random_pages(rng, list(a.regions), 40, PAGE, coalesced=False),
+                     random_pages(rng, list(b.regions), 40, PAGE, coalesced=False))
+        want = expected_after(again, list(a.regions), [x.copy() for x in a_bufs], list(b.regions),
+                              [x.copy() for x in b_bufs])
+        a.write(b.name, again, notify=b"again").wait(10.0)
+        assert _drain(b, 1) == [b"again"]
+        assert all(np.array_equal(x, y) for x, y in zip(b_bufs, want, strict=True))
     finally:
         a.close()
         b.close()

@@ -438,8 +438,9 @@ class UcxTransport(Transport):
             return False
         del self._outgoing[transfer_id]
         out.cancelled = True
-        if out.stage == "receiving":
-            self._retire(out.batch, True)
+        # Its receives are withdrawn; its sends cannot be, so they (and the scatter-gather iov arrays UCX
+        # reads) are kept until UCX is done with them.
+        self._retire(out.batch, out.stage == "receiving")
         self._send_control(out.peer, {"k": "abort", "id": transfer_id, "from": self.name})
         return True
 
@@ -493,6 +494,7 @@ class UcxTransport(Transport):
             out = self._outgoing.pop(tid, None)
             if out is not None:
                 out.handle._finish(TransferStatus.FAILED, f"peer refused: {msg.get('why')}", TransferFailed)
+                self._retire(out.batch, out.stage == "receiving")   # a read's posted receives
 
     def _on_request(self, kind: str, tid: int, sender: str, msg: dict[str, Any]) -> None:
         ep = self._endpoint_for(sender, bytes(msg["addr"]))
@@ -541,8 +543,7 @@ class UcxTransport(Transport):
             if inc.aborted:
                 del self._incoming[key]
                 busy = True
-                if inc.receiving:
-                    self._retire(inc.batch, True)
+                self._retire(inc.batch, inc.receiving)   # a read's sends are kept until UCX is done
             elif inc.committed and inc.batch.done():
                 del self._incoming[key]
                 busy = True
