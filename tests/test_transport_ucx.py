@@ -10,7 +10,7 @@ import numpy.typing as npt
 import pytest
 from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
 
-from kvxfer.errors import DecodeError
+from kvxfer.errors import DecodeError, TransferTimeout
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
@@ -173,5 +173,37 @@ def test_a_write_cancelled_while_its_sends_are_in_flight_keeps_them_until_ucx_is
         assert _drain(b, 1) == [b"again"]
         assert all(np.array_equal(x, y) for x, y in zip(b_bufs, want, strict=True))
     finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_requests_from_a_peer_this_transport_did_not_connect_are_dropped(op: str) -> None:
+    """c knows b's metadata but b never connected c: b neither lets c write its pages nor sends c its
+    pages, and delivers no notification; c's transfer times out (nothing hangs)."""
+    a, b, _, b_bufs = _pair(True, True, [256 * 1024], seed=51)
+    c_bufs = make_buffers([256 * 1024], 52)
+    c = create("ucx", f"uc{next(_names)}")
+    c.register(regions_of(c_bufs))
+    c.connect(b.name, b.metadata())
+    try:
+        rng = np.random.default_rng(6)
+        mine = random_pages(rng, list(c.regions), 40, PAGE, coalesced=False)
+        theirs = random_pages(rng, list(b.regions), 40, PAGE, coalesced=False)
+        b_before, c_before = b_bufs[0].copy(), c_bufs[0].copy()
+        handle = c.write(b.name, pair(mine, theirs), notify=b"x") if op == "write" else \
+            c.read(b.name, pair(theirs, mine), notify=b"x")
+        with pytest.raises(TransferTimeout):
+            handle.wait(1.0)
+        np.testing.assert_array_equal(b_bufs[0], b_before)
+        np.testing.assert_array_equal(c_bufs[0], c_before)
+        assert _drain(b, 0, timeout=0.1) == []
+        # b's own connected peer is served as before.
+        plan = pair(random_pages(rng, list(a.regions), 40, PAGE, coalesced=False), theirs)
+        a.write(b.name, plan, notify=b"ok").wait(10.0)
+        assert _drain(b, 1) == [b"ok"]
+    finally:
+        handle.cancel()
+        c.close()
         a.close()
         b.close()

@@ -474,6 +474,8 @@ class UcxTransport(Transport):
 
     def _on_control(self, msg: dict[str, Any]) -> None:
         kind, tid, sender = msg["k"], int(msg["id"]), str(msg["from"])
+        if sender not in self._peers:
+            return   # only connected peers (their metadata came through the workers' authenticated handshake)
         if kind in ("wreq", "rreq"):
             self._on_request(kind, tid, sender, msg)
         elif kind in ("commit", "abort"):
