@@ -207,3 +207,30 @@ def test_requests_from_a_peer_this_transport_did_not_connect_are_dropped(op: str
         c.close()
         a.close()
         b.close()
+
+
+def test_disconnecting_a_peer_ends_its_transfers_into_this_side() -> None:
+    """b starts a write into a but never sends its data; a disconnects b: a's receive for it is withdrawn
+    and nothing of b's transfer stays behind (b's later messages would be dropped, so it could never
+    commit); a's pages are untouched."""
+    from kvxfer.transport.ucx import _Batch
+    a, b, a_bufs, _ = _pair(True, True, [256 * 1024], seed=61)
+    try:
+        rng = np.random.default_rng(7)
+        plan = pair(random_pages(rng, list(b.regions), 40, PAGE, coalesced=False),
+                    random_pages(rng, list(a.regions), 40, PAGE, coalesced=False))
+        b._post_sends = lambda ep, table, tag_base, iov: _Batch()  # type: ignore[attr-defined]
+        before = a_bufs[0].copy()
+        handle = b.write(a.name, plan, notify=b"never")
+        deadline = time.monotonic() + 5.0
+        while not a._call(lambda: len(a._incoming), "incoming"):  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "a never saw the write request"
+            time.sleep(0.001)
+        a.disconnect(b.name)
+        assert a._call(lambda: (len(a._incoming), len(a._draining)), "state") == (0, 0)  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(a_bufs[0], before)
+        assert _drain(a, 0, timeout=0.1) == []
+        handle.cancel()
+    finally:
+        a.close()
+        b.close()

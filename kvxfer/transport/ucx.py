@@ -308,6 +308,11 @@ class UcxTransport(Transport):
                 out.handle._finish(TransferStatus.FAILED, "peer disconnected", PeerUnreachable)
                 self._outgoing.pop(out.handle.id, None)
                 self._retire(out.batch, out.stage == "receiving")
+            # Its transfers into or out of this side end too (its later messages are dropped, so they
+            # would never commit): receives withdrawn, sends kept until UCX is done.
+            for key in [k for k in self._incoming if k[0] == peer]:
+                inc = self._incoming.pop(key)
+                self._retire(inc.batch, inc.receiving)
 
         self._call(drop, f"disconnect {peer!r}")
 
