@@ -139,6 +139,33 @@ def test_heterogeneous_tp_block_size_and_head_order(mode: str) -> None:
         assert_idle(prefill, decode)
 
 
+def test_prefill_ranks_holding_different_prefixes_reuse_the_one_they_share() -> None:
+    """Rank 0 of a two-rank prefill loses its cached prefix (another cache takes every slot, evicting it)
+    while rank 1 keeps it: the next request with that prefix reuses what both ranks hold (nothing), not
+    each rank's own longest match (which failed the request: "ranks reused different prefixes")."""
+    model = preset("tiny-swa")
+    with PrefillWorker(WorkerConfig(name("prefill"), model=model, tp_size=2, chunk_size=32), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode"), model=model, tokens_per_block=8), SECRET,
+                         prefill=prefill.address) as decode:
+        first, second = prompts(4, prefix=70, count=2)
+        assert_matches_reference(decode.generate(first, NEW, timeout=60, return_kv=KV), first, NEW, model)
+        rank0, rank1 = prefill.managers
+        hog = rank0.create_kv_cache(id="hog")
+        assert hog.resume()
+        tpb, tokens = rank0.layout.tokens_per_block, 0
+        while hog.resize(tokens + tpb):
+            tokens += tpb
+        hog.close()
+        held = [m.create_kv_cache(second, id=f"probe{i}") for i, m in enumerate((rank0, rank1))]
+        assert [c.num_reused_tokens for c in held] == [0, 70]
+        for c in held:
+            c.close()
+        res = decode.generate(second, NEW, timeout=60, return_kv=KV)
+        assert_matches_reference(res, second, NEW, model)
+        assert res.reused_tokens_prefill == 0
+        assert_idle(prefill, decode)
+
+
 def test_two_prefill_ranks_feed_one_decode_rank_with_sliding_windows() -> None:
     model = preset("tiny-swa")
     with PrefillWorker(WorkerConfig(name("prefill"), model=model, tp_size=2, chunk_size=32), SECRET) as prefill, \

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.cache import BufferId, CacheConfig, CacheState, KVCacheManager, RoleSpec
+from kvxfer.cache import BufferId, CacheConfig, CacheState, KVCache, KVCacheManager, RoleSpec
 from kvxfer.cache.allocator import SlotAllocator
 from kvxfer.errors import (
     BlockIdError,
@@ -202,3 +202,65 @@ def test_memory_regions_match_layout() -> None:
     pools = [p for pg in m.layout.pool_groups for p in pg.pools]
     assert [(r.base_address, r.nbytes) for r in regions] == [(p.base_address, p.nbytes) for p in pools]
     assert m.layout.locate(BufferId(3, "value"))[1].memory_kind == "cpu"
+
+
+def _two_pool_groups() -> KVCacheManager:
+    """Full attention and a sliding window (8 tokens) of another head size: two pool groups, 4 tokens a block."""
+    from kvxfer.cache import LayerSpec, PrimaryTier
+    layers = (LayerSpec(0, 2, 8), LayerSpec(1, 2, 16, window=8))
+    mgr = KVCacheManager(CacheConfig(layers=layers, tokens_per_block=4, dtype="float16", tiers=(PrimaryTier(1 << 20),)))
+    assert len(mgr.layout.pool_groups) == 2
+    return mgr
+
+
+def test_a_pin_is_all_or_nothing_across_pool_groups() -> None:
+    """A pin naming a free slot in its second pool group pins nothing: the first group's pages are let go
+    again, so closing their request frees every page."""
+    mgr = _two_pool_groups()
+    free = [mgr.allocator(pg).num_free for pg in (0, 1)]
+    cache = mgr.create_kv_cache(id="r")
+    assert cache.resume() and cache.resize(16)
+    ids = cache.block_id_map()
+    free_slot = int(np.setdiff1d(np.arange(mgr.layout.pool_groups[1].num_slots), ids[1])[0])
+    with pytest.raises(BlockIdError, match="incref of free slot"):
+        mgr.pin_pages({0: ids[0], 1: [free_slot]})
+    cache.close()
+    assert [mgr.allocator(pg).num_free for pg in (0, 1)] == free
+    mgr.shutdown()
+
+
+def test_pin_cache_pages_names_no_page_its_request_frees_meanwhile() -> None:
+    """The request's own thread slides its window (freeing pages) while another pins the request's pages
+    (the prefill engine's early plan): ids and pin are taken together, so no pin names a freed page, and
+    each pin holds exactly the ids it returned until released (8 requests, threads switched every us)."""
+    import sys
+    import threading
+    mgr = _two_pool_groups()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for round_no in range(8):
+            cache = mgr.create_kv_cache(id=f"r{round_no}")
+            assert cache.resume() and cache.resize(400)
+            stop = threading.Event()
+
+            def slide(cache: KVCache = cache, stop: threading.Event = stop) -> None:
+                for n in range(4, 401, 4):
+                    cache.history_length = n
+                stop.set()
+            thread = threading.Thread(target=slide)
+            thread.start()
+            pins = 0
+            try:
+                while not stop.is_set() or not pins:
+                    ids, pin = mgr.pin_cache_pages(cache)
+                    assert pin.num_pages == int((ids[0] >= 0).sum() + (ids[1] >= 0).sum())
+                    pin.release()
+                    pins += 1
+            finally:
+                thread.join()
+            assert (cache.block_ids(1)[:-2] == -1).all()     # the window slid past all but its last blocks
+            cache.close()
+    finally:
+        sys.setswitchinterval(interval)
+    mgr.shutdown()

@@ -144,9 +144,24 @@ class KVCacheManager(PrefixReuse):
                 arr = np.asarray(ids).astype(np.int32).ravel()
                 parts.setdefault(self._lg_pool_group[lg], []).append(arr[arr >= 0])
             slots = {pg: np.concatenate(p) for pg, p in parts.items()}
-            for pg, arr in slots.items():
-                self._allocators[pg].incref(arr)
+            done: list[int] = []
+            try:
+                for pg, arr in slots.items():
+                    self._allocators[pg].incref(arr)
+                    done.append(pg)
+            except BaseException:   # all or nothing: the pool groups already pinned are let go again
+                for pg in done:
+                    self._allocators[pg].decref(slots[pg])
+                raise
             return PinnedPages(slots, self._unpin_pages)
+
+    def pin_cache_pages(self, cache: KVCache) -> tuple[dict[int, IntArray], PinnedPages]:
+        """``cache``'s block ids now (layer group -> slot ids) and a pin on those pages, taken together:
+        another thread may free the request's pages meanwhile (its compute sliding a window, its commit),
+        so ids read first and pinned later could name a page already freed."""
+        with self._lock:
+            ids = cache.block_id_map()
+            return ids, self.pin_pages(ids)
 
     def _unpin_pages(self, slots: Mapping[int, IntArray]) -> None:
         with self._lock:

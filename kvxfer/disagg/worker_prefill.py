@@ -380,9 +380,17 @@ class PrefillWorker(WorkerCounts):
             self._send_kv(job)
 
     def _allocate(self, job: _Job, tokens: np.ndarray) -> None:
-        """The request's source caches on every rank (prefix match first)."""
+        """The request's source caches on every rank, reusing the prefix every rank holds: the ranks' prefix
+        trees can differ (a rank evicted, or freed its pinned pages at another moment), so a rank that
+        matched more than another is matched again against the common part only."""
         for i, m in enumerate(self.managers):
             job.caches.append(m.create_kv_cache(tokens, id=f"{job.peer}/{job.request_id}/{i}"))
+        common = min(c.num_reused_tokens for c in job.caches)
+        for i, (m, c) in enumerate(zip(self.managers, job.caches, strict=True)):
+            if c.num_reused_tokens > common:   # the last token given is never reused: at most ``common`` are
+                c.close()
+                job.caches[i] = m.create_kv_cache(tokens[:common + 1], id=f"{job.peer}/{job.request_id}/{i}",
+                                                  expected_prompt_length=len(tokens))
         for cache in job.caches:
             if not cache.resume():
                 raise OutOfSlotsError(f"prefill cache {cache.id}: no free slot for copy-on-write of a reused block")
@@ -569,20 +577,23 @@ class PrefillWorker(WorkerCounts):
 
     def _plan_early(self, job: _Job) -> None:
         """Build the push's plan now, while the compute thread runs, from the block ids the request holds
-        now, and pin those pages (the planning, ~0.3-0.5 ms, and the pin, ~0.1 ms, then leave the path
+        now, pinned as they are read (the planning, ~0.3-0.5 ms, and the pin, ~0.1 ms, then leave the path
         from the compute's end to the post). The compute may still change the ids (its commit at the
         prompt's end may swap the last block for the prefix tree's copy): the post checks them first
         (``reusable_plan``), and plans and pins again if they changed (the early pin is released with
         the request's others)."""
         assert job.dst_ids is not None
+        ids: BlockIdMaps = []
+        for m, c in zip(self.managers, job.caches, strict=True):   # ids and pin together: the compute frees
+            rank_ids, pin = m.pin_cache_pages(c)                   # pages meanwhile (sliding windows)
+            job.pins.append(pin)
+            ids.append({g: np.asarray(x, dtype=np.int64) for g, x in rank_ids.items()})
         try:
-            ids = [{g: np.asarray(x, dtype=np.int64) for g, x in c.block_id_map().items()} for c in job.caches]
             plan = plan_between(self.layouts, ids, self._peer_layouts[job.peer], job.dst_ids, token_range=job.span,
                                 request_id=job.request_id)
-        except KvxferError as exc:   # the post plans again, and reports what is wrong
+        except KvxferError as exc:   # the post plans (and pins) again, and reports what is wrong
             log.debug("%s: request %s: no early plan: %s", self.config.name, job.request_id, exc)
             return
-        job.pins.extend(m.pin_pages(i) for m, i in zip(self.managers, ids, strict=True))
         job.early_plan = ids, plan
         if not self.config.prepare_writes:
             return
