@@ -4,13 +4,14 @@ capability byte of the metadata, and large run counts."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
 
-from kvxfer.errors import DecodeError, TransferTimeout
+from kvxfer.errors import DecodeError, KvxferError, TransferFailed, TransferTimeout
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
@@ -231,6 +232,60 @@ def test_disconnecting_a_peer_ends_its_transfers_into_this_side() -> None:
         np.testing.assert_array_equal(a_bufs[0], before)
         assert _drain(a, 0, timeout=0.1) == []
         handle.cancel()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peers_transfers_in_flight_here_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """b holds at most ``MAX_INCOMING_PER_PEER`` of a's transfers in flight (here 2, whose data a never
+    sends): a's next request is refused with the reason; closing a ends the two it holds."""
+    from kvxfer.transport import ucx as ucx_module
+    from kvxfer.transport.ucx import _Batch
+    monkeypatch.setattr(ucx_module, "MAX_INCOMING_PER_PEER", 2)
+    a, b, _, b_bufs = _pair(True, True, [256 * 1024], seed=71)
+    try:
+        rng = np.random.default_rng(8)
+        a._post_sends = lambda ep, table, tag_base, iov: _Batch()  # type: ignore[attr-defined]
+        before = b_bufs[0].copy()
+
+        def write() -> Any:
+            return a.write(b.name, pair(random_pages(rng, list(a.regions), 40, PAGE, coalesced=False),
+                                        random_pages(rng, list(b.regions), 40, PAGE, coalesced=False)))
+        held = [write(), write()]
+        deadline = time.monotonic() + 5.0
+        while b._call(lambda: len(b._incoming), "incoming") < 2:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "b never took the first two writes"
+            time.sleep(0.001)
+        with pytest.raises(TransferFailed, match="2 transfers in flight here already"):
+            write().wait(5.0)
+        np.testing.assert_array_equal(b_bufs[0], before)
+        a.close()
+        for h in held:   # failed at once (their peer disconnected by the close), not left pending
+            with pytest.raises(KvxferError, match=r"disconnected|closed"):
+                h.wait(1.0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_request_reusing_a_transfer_id_in_flight_is_refused() -> None:
+    """A second request under the id of a's transfer still in flight at b is refused; the first keeps its
+    posted receive (replacing it would drop a request UCX still works on)."""
+    a, b, _, _ = _pair(True, True, [256 * 1024], seed=81)
+    try:
+        rng = np.random.default_rng(9)
+        runs = random_pages(rng, list(b.regions), 40, PAGE, coalesced=False)
+        msg = {"k": "wreq", "id": 7, "from": a.name, "addr": a._address, "notify": None, "iov": True,  # type: ignore[attr-defined]
+               "runs": [runs.addr.tobytes(), runs.nbytes.tobytes(), runs.region.tobytes()]}
+
+        def twice() -> tuple[Any, Any]:
+            b._on_control(dict(msg))  # type: ignore[attr-defined]
+            first = b._incoming[(a.name, 7)].batch  # type: ignore[attr-defined]
+            b._on_control(dict(msg))  # type: ignore[attr-defined]
+            return first, b._incoming[(a.name, 7)].batch  # type: ignore[attr-defined]
+        first, kept = b._call(twice, "requests")  # type: ignore[attr-defined]
+        assert kept is first and len(first.requests) == 1
     finally:
         a.close()
         b.close()

@@ -73,6 +73,9 @@ SCATTER_GATHER_MIN_RUNS = 32
 #: before it blocks: a scattered plan completes thousands of requests, and one arm + select per
 #: completion costs more than the data movement of a small page.
 _SPIN_AFTER_EVENT_S = 0.002
+#: Transfers one peer may have in flight into or out of this side; its requests beyond are refused
+#: (the table of them is keyed by peer input, so it is bounded).
+MAX_INCOMING_PER_PEER = 4096
 
 
 def ucx_unavailable_reason() -> str | None:
@@ -509,12 +512,17 @@ class UcxTransport(Transport):
         inc = _Incoming((sender, tid), bytes(notify) if notify is not None else None)
         iov = msg.get("iov", False) is True
         try:
+            if inc.key in self._incoming:   # replacing it would drop requests UCX still works on
+                raise TransportError(f"transfer {tid} of {sender!r} is already in flight")
+            if len(self._incoming) >= MAX_INCOMING_PER_PEER and \
+                    sum(key[0] == sender for key in self._incoming) >= MAX_INCOMING_PER_PEER:
+                raise TransportError(f"{sender!r} has {MAX_INCOMING_PER_PEER} transfers in flight here already")
             runs = _unpack_runs(msg["runs"])
             runs.validate(self._regions)
             if iov and (self._iov is None or not self._host_only(runs, self._regions)):
                 why = self.iov_unavailable_reason or "the runs touch CUDA memory"
                 raise PageTableError(f"scatter-gather message asked for, but {why}")
-        except (PageTableError, ValueError) as exc:
+        except (PageTableError, TransportError, ValueError) as exc:
             self._send_control(sender, {"k": "err", "id": tid, "from": self.name, "why": str(exc)[:500]})
             return
         if kind == "wreq":
