@@ -171,3 +171,22 @@ def test_a_failed_post_releases_the_requests_and_later_posts_make_their_own(agen
     assert handle.status is TransferStatus.DONE and agents.made == 2
     assert all(np.array_equal(got, w) for got, w in zip(agents.b_bufs, want, strict=True))
     assert notifications(agents.b, 1) == [b"after"]
+
+
+def test_notifications_from_an_agent_this_transport_did_not_connect_are_dropped(agents: Agents) -> None:
+    """c loads b's metadata but b never connected c: NIXL's one-sided write lands (that is NIXL's model: the
+    metadata is the capability), but b's inbox, keyed by peer input, takes no notification from c; a's
+    notifications still arrive."""
+    c_bufs = make_buffers([64 << 10], 7)
+    c = create("nixl", f"nc{next(_names)}")
+    try:
+        c.register(regions_of(c_bufs))
+        c.connect(agents.b.name, agents.b.metadata())
+        rng = np.random.default_rng(12)
+        plan = pair(random_pages(rng, list(c.regions), 8, PAGE, False),
+                    random_pages(rng, list(agents.b.regions), 8, PAGE, False))
+        c.write(agents.b.name, plan, notify=b"from-c").wait(10.0)
+        agents.a.write(agents.b.name, agents.plan(13), notify=b"from-a").wait(10.0)
+        assert notifications(agents.b, 1, settle=0.3) == [b"from-a"]
+    finally:
+        c.close()

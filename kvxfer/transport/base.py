@@ -177,8 +177,11 @@ class Transport(ABC):
         return type(self)._backend_poll_notifications is not Transport._backend_poll_notifications
 
     def _deliver(self, peer: str, message: bytes) -> None:
-        """Queue a notification from ``peer`` for ``notifications()`` and wake whoever waits for one."""
+        """Queue a notification from ``peer`` for ``notifications()`` and wake whoever waits for one; one
+        from a peer this transport is not connected to is dropped (the inbox is keyed by peer input)."""
         with self._lock:
+            if peer not in self._peers:
+                return
             self._inbox.setdefault(peer, []).append(bytes(message))
         wake = self._on_notification
         if wake is not None:
