@@ -5,9 +5,7 @@
 # Usage: OUT=$OUT bash scripts/device_run39.sh
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
-echo "=== bench_gpu cuda_ipc (+ cuda_ipc_blocks, cuda_ipc_prep)"
-PYTHONPATH=$BOTH timeout 120 python3 benchmarks/bench_gpu.py --backends cuda_ipc --iters 9 --latency-iters 200 \
-  --json "$OUT/bench_gpu.json" 2>&1 | filter > "$OUT/bench_gpu.txt"; tail -16 "$OUT/bench_gpu.txt"
+bench_cuda_ipc 120
 echo "=== bench_gpu nixl (+ nixl_prep) vs raw NIXL"
 KVXFER_NIXL_THREADS=8 PYTHONPATH=$BOTH timeout 240 python3 benchmarks/bench_gpu.py --backends nixl --raw-nixl \
   --iters 11 --latency-iters 100 --json "$OUT/bench_gpu_nixl.json" 2>&1 | filter > "$OUT/bench_gpu_nixl.txt"

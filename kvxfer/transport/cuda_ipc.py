@@ -97,7 +97,7 @@ class CudaIpcTransport(Transport):
         self._push: dict[str, NotifyOutbox] = {}
         self._push_lock = threading.Lock()
         self._completions: queue.Queue[_CopyHandle | None] = queue.Queue()
-        self._notify_inbox = NotifyInbox(name, self._on_frame)
+        self._notify_inbox = NotifyInbox(name, self._deliver)   # frames of unconnected senders are dropped there
         try:
             self._completer = threading.Thread(target=self._complete_loop, name=f"cuda-ipc-{name}", daemon=True)
             self._completer.start()
@@ -342,11 +342,6 @@ class CudaIpcTransport(Transport):
                 handle.complete(handle)
             except Exception as exc:   # a callback or the notification failed: the handle is still finished
                 log.error("cuda_ipc %r: completing transfer %d failed: %s", self.name, handle.id, exc, exc_info=exc)
-
-    def _on_frame(self, sender: str, frame: bytes) -> None:
-        """The inbox's thread: a connected peer's notification (frames claiming another sender are dropped)."""
-        if sender in self._peers:
-            self._deliver(sender, frame)
 
 
 class _Prepared:
