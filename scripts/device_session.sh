@@ -51,3 +51,24 @@ prep_stages() {  # prep_stages [timeout_s]
     > "$OUT/prep_stages.txt"
   tail -40 "$OUT/prep_stages.txt"
 }
+
+# Each GPU process's memory (nvidia-smi, every 0.5 s) while a command runs: the samples in $OUT/NAME.csv,
+# then each process's largest sample printed. Usage: with_gpu_memory NAME command...
+with_gpu_memory() {
+  local name=$1; shift
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader,nounits -lms 500 \
+    > "$OUT/$name.csv" 2>/dev/null &
+  local sampler=$!
+  "$@"; local rc=$?
+  kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+  python3 - "$OUT/$name.csv" <<'PY'
+import collections, sys
+peak = collections.defaultdict(int)
+for line in open(sys.argv[1]):
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) == 3 and parts[2].isdigit():
+        peak[(parts[0], parts[1])] = max(peak[(parts[0], parts[1])], int(parts[2]))
+print("peak GPU memory MiB per process:", {f"{pid} {name[-40:]}": mib for (pid, name), mib in peak.items()})
+PY
+  return $rc
+}
