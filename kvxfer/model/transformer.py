@@ -53,12 +53,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     group = heads // k.shape[1]
     kf = k.float().transpose(0, 1).repeat_interleave(group, 0)      # [heads, keys, dim]
     vf = v.float().transpose(0, 1).repeat_interleave(group, 0)
-    scores = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) / math.sqrt(dim)   # [heads, t, keys]
+    # In place on the fresh product: a 32k-token chunk's scores are 4 GiB at the 8B shape, and the
+    # out-of-place forms held two or three of them at once.
+    scores = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2))                     # [heads, t, keys]
+    scores.div_(math.sqrt(dim))
     qp, kp = q_pos.to(q.device)[:, None], k_pos.to(q.device)[None, :]
     allowed = kp <= qp
     if window is not None:
         allowed &= (qp - kp < window) | (kp < sink_tokens)
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    scores.masked_fill_(~allowed[None], float("-inf"))
     out = torch.matmul(torch.softmax(scores, -1), vf)                                       # [heads, t, dim]
     return out.transpose(0, 1).reshape(t, heads * dim).to(q.dtype)
 
