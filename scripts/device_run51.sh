@@ -5,10 +5,7 @@
 # Usage: OUT=$OUT bash scripts/device_run51.sh
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"; command -v nvidia-cuda-mps-control || echo "no nvidia-cuda-mps-control"
-echo "=== pytest -m gpu (whole tree, verbose)"
-PYTHONPATH=$BOTH timeout 300 python3 -m pytest -m gpu -v -ra --timeout 90 --durations 10 -p no:cacheprovider tests/ \
-  2>&1 | filter > "$OUT/pytest_gpu.txt"; grep -E "FAILED|ERROR|Timeout" "$OUT/pytest_gpu.txt" | head -20
-tail -3 "$OUT/pytest_gpu.txt"
+pytest_gpu 300
 echo "=== demo cuda (${SECONDS}s used)"
 demo_cuda demo_cuda --checksum full
 echo "=== bench e2e 8B (${SECONDS}s used)"

@@ -7,19 +7,10 @@
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-  echo "=== pytest -m gpu (whole tree, verbose)"
-  PYTHONPATH=$BOTH timeout 300 python3 -m pytest -m gpu -v -ra --timeout 90 --durations 10 -p no:cacheprovider \
-    tests/ 2>&1 | filter > "$OUT/pytest_gpu.txt"; grep -E "FAILED|ERROR|Timeout" "$OUT/pytest_gpu.txt" | head -20
-  tail -3 "$OUT/pytest_gpu.txt"
-  bench_cuda_ipc 110
-  echo "=== bench e2e 1B (${SECONDS}s used)"
-  PYTHONPATH=$BOTH timeout $(( 585 - SECONDS )) python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc \
-    --model llama-3.2-1b --lengths 1024,4096,16384 --iters 3 --out "$OUT/e2e_1b.json" 2>&1 | filter | tail -5
+  h200_checks
 else
   bench_cuda_ipc 120
-  echo "=== bench e2e 1B (${SECONDS}s used)"
-  PYTHONPATH=$BOTH timeout 200 python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc \
-    --model llama-3.2-1b --lengths 1024,4096,16384,32768 --iters 5 --out "$OUT/e2e_1b.json" 2>&1 | filter | tail -6
+  e2e_1b 1024,4096,16384,32768 5 200
   echo "=== bench_gpu nixl (+ nixl_prep) vs raw NIXL (${SECONDS}s used)"
   KVXFER_NIXL_THREADS=8 PYTHONPATH=$BOTH timeout $(( 585 - SECONDS )) python3 benchmarks/bench_gpu.py --backends nixl \
     --raw-nixl --iters 7 --latency-iters 100 --json "$OUT/bench_gpu_nixl.json" 2>&1 | filter > "$OUT/bench_gpu_nixl.txt"

@@ -6,14 +6,7 @@
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-  echo "=== pytest -m gpu (whole tree, verbose)"
-  PYTHONPATH=$BOTH timeout 300 python3 -m pytest -m gpu -v -ra --timeout 90 --durations 10 -p no:cacheprovider \
-    tests/ 2>&1 | filter > "$OUT/pytest_gpu.txt"; grep -E "FAILED|ERROR|Timeout" "$OUT/pytest_gpu.txt" | head -20
-  tail -3 "$OUT/pytest_gpu.txt"
-  bench_cuda_ipc 110
-  echo "=== bench e2e 1B (${SECONDS}s used)"
-  PYTHONPATH=$BOTH timeout $(( 585 - SECONDS )) python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc \
-    --model llama-3.2-1b --lengths 1024,4096,16384 --iters 3 --out "$OUT/e2e_1b.json" 2>&1 | filter | tail -5
+  h200_checks
 else
   mps_bench() {  # mps_bench NAME
     PYTHONPATH=$BOTH timeout 100 python3 benchmarks/bench_gpu.py --backends cuda_ipc --tokens 4096 --iters 9 \

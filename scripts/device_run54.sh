@@ -6,10 +6,7 @@
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: stopping"; exit 0; }
-echo "=== pytest -m gpu (whole tree, verbose)"
-PYTHONPATH=$BOTH timeout 300 python3 -m pytest -m gpu -v -ra --timeout 90 --durations 10 -p no:cacheprovider \
-  tests/ 2>&1 | filter > "$OUT/pytest_gpu.txt"; grep -E "FAILED|ERROR|Timeout" "$OUT/pytest_gpu.txt" | head -20
-tail -3 "$OUT/pytest_gpu.txt"
+pytest_gpu 300
 bench_cuda_ipc 110
 echo "=== demo cuda (${SECONDS}s used)"
 demo_cuda demo_cuda --checksum full

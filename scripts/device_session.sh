@@ -72,3 +72,27 @@ print("peak GPU memory MiB per process:", {f"{pid} {name[-40:]}": mib for (pid, 
 PY
   return $rc
 }
+
+# Every `pytest -m gpu` test of the tree, verbose, each bounded at 90 s: output in $OUT/pytest_gpu.txt, its
+# failures and summary printed.
+pytest_gpu() {  # pytest_gpu [timeout_s]
+  echo "=== pytest -m gpu (whole tree, verbose)"
+  PYTHONPATH=$BOTH timeout "${1:-300}" python3 -m pytest -m gpu -v -ra --timeout 90 --durations 10 \
+    -p no:cacheprovider tests/ 2>&1 | filter > "$OUT/pytest_gpu.txt"
+  grep -E "FAILED|ERROR|Timeout" "$OUT/pytest_gpu.txt" | head -20
+  tail -3 "$OUT/pytest_gpu.txt"
+}
+
+# bench e2e at the Llama-3.2-1B shape on cuda:0 over cuda_ipc: JSON in $OUT/e2e_1b.json, the table's tail printed.
+e2e_1b() {  # e2e_1b LENGTHS ITERS TIMEOUT_S
+  echo "=== bench e2e 1B (${SECONDS}s used)"
+  PYTHONPATH=$BOTH timeout "$3" python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc \
+    --model llama-3.2-1b --lengths "$1" --iters "$2" --out "$OUT/e2e_1b.json" 2>&1 | filter | tail -6
+}
+
+# What a call that finds an H200 runs first: the GPU tests, bench_gpu cuda_ipc, bench e2e 1B (1k-16k).
+h200_checks() {
+  pytest_gpu 300
+  bench_cuda_ipc 110
+  e2e_1b 1024,4096,16384 3 $(( 585 - SECONDS ))
+}
