@@ -37,8 +37,9 @@ def test_baseline_computes_only_the_last_logits_and_gets_the_full_prefills_token
     other = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, 32, "cpu"))
     cache = other.create_kv_cache(tokens)
     cache.resume()
+    reference = ReferenceModel(cfg)
     with torch.inference_mode():
-        full = ReferenceModel(cfg).prefill(ReferenceModel(cfg).bind([(other, cache)]), tokens, 32)
+        full = reference.prefill(reference.bind([(other, cache)]), tokens, 32)
     cache.close()
     assert full.shape[0] == tokens.size and first == greedy(full[-1])
 
