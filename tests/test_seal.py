@@ -201,7 +201,8 @@ def test_flood_of_half_open_hellos_does_not_lock_out_a_correct_client(ctx: zmq.C
         client = connect(srv.address, ident("client", "second"), SECRET, timeout=1.0)
         srv.accept(1.0)
         client.close()
-        assert srv.peers == []
+        # The server's thread sees the goodbye after close() returns; a peer it never drops still fails.
+        wait_until(lambda: srv.peers == [], timeout=5.0)
     finally:
         for sock in socks:
             sock.close()
