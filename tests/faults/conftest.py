@@ -5,6 +5,7 @@ accounting of every rank balances."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -35,6 +36,16 @@ def slot_accounting(managers: list[KVCacheManager]) -> list[tuple[int, SlotAccou
 def _busy(w: PrefillWorker | DecodeWorker) -> bool:
     s = w.status()
     return bool(s["held_slots"] or s["open_caches"] or s["jobs"] or s.get("zombies", 0))
+
+
+def wait_until(cond: Callable[[], bool], limit: float, what: str) -> float:
+    """Poll ``cond`` until true; the seconds it took (AssertionError after ``limit`` s)."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > limit:
+            raise AssertionError(f"{what}: not within {limit:.1f} s")
+        time.sleep(0.05)
+    return time.monotonic() - t0
 
 
 def assert_settled(*workers: PrefillWorker | DecodeWorker, timeout: float = 5.0) -> None:

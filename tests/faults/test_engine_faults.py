@@ -27,7 +27,7 @@ from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError, PeerUnreachable, RequestCancelled, TransferFailed, WorkerUnhealthy
 from kvxfer.transport import create
 from kvxfer.transport.integrity import ChecksumPolicy
-from tests.faults.conftest import assert_settled
+from tests.faults.conftest import assert_settled, wait_until
 from tests.test_e2e import SECRET, name, prompts, reference
 
 NEW = 8
@@ -185,10 +185,8 @@ def test_thousands_of_status_connections_leave_nothing_behind(caplog: pytest.Log
             if i % 500 == 499:
                 rss.append(rss_kib())
         # The last client's close reaches the server after its reply: give it time (a leak stays past it).
-        deadline = time.monotonic() + 5.0
-        while (prefill.server.peers or prefill.engine.num_connections_waiting or kvxfer_threads() != threads) \
-                and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: not prefill.server.peers and not prefill.engine.num_connections_waiting
+                   and kvxfer_threads() == threads, 5.0, "the server lets go of the last status connection")
         assert kvxfer_threads() == threads
         assert prefill.server.peers == [] and prefill.engine.num_connections_waiting == 0
         print("RSS (KiB) after 500, 1,000, 1,500, 2,000 connections:", rss)

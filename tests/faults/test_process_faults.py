@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import numpy as np
@@ -32,6 +32,7 @@ from kvxfer.disagg.worker_protocol import decode_notice
 from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed, TransferTimeout
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import PreparedTransfer, TransferHandle, available_backends
+from tests.faults.conftest import wait_until
 from tests.test_e2e import (
     KV,
     NEW,
@@ -121,16 +122,6 @@ def reap(*procs: WorkerProcess | None) -> None:
             with contextlib.suppress(ProcessLookupError):
                 p.proc.send_signal(signal.SIGCONT)
         p.stop()
-
-
-def wait_until(cond: Callable[[], bool], limit: float, what: str) -> float:
-    """Poll ``cond`` until true; the seconds it took (AssertionError after ``limit`` s)."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > limit:
-            raise AssertionError(f"{what}: not within {limit:.1f} s")
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def assert_holds_nothing(worker: PrefillWorker | DecodeWorker) -> None:

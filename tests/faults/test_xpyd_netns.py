@@ -25,6 +25,7 @@ import pytest
 
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient, query_status
+from tests.faults.conftest import wait_until
 from tests.faults.test_process_faults import (  # noqa: F401 (autouse child check)
     HEARTBEAT_LIMIT,
     LEASE_S,
@@ -34,7 +35,6 @@ from tests.faults.test_process_faults import (  # noqa: F401 (autouse child chec
     _started,
     name,
     reap,
-    wait_until,
 )
 from tests.test_e2e import KV, NEW, assert_matches_reference, prompts
 

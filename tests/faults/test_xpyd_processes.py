@@ -15,7 +15,7 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.errors import KvxferError, PeerUnreachable
-from tests.faults.conftest import assert_settled
+from tests.faults.conftest import assert_settled, wait_until
 from tests.faults.test_process_faults import (  # noqa: F401 (fixtures: backend, autouse child check)
     HEARTBEAT_LIMIT,
     LEASE_S,
@@ -27,7 +27,6 @@ from tests.faults.test_process_faults import (  # noqa: F401 (fixtures: backend,
     name,
     reap,
     spawn,
-    wait_until,
 )
 from tests.test_e2e import KV, NEW, assert_matches_reference, prompts
 
