@@ -172,8 +172,10 @@ def sweep(bench: Any, blk: dict[str, np.ndarray], iters: int) -> list[dict[str, 
     saved = (cuda_copy.CHUNK_BYTES, cuda_copy.NUM_WARPS, cuda_copy.BLOCK_WORDS, cuda_copy.RUN_MAJOR)
     rows = []
     variants = [(case, 32, 4, 4096, order) for case in ("identical", "tp1->2") for order in (True, False)]
+    # Whole 32 KiB pieces in one load step (the TP runs are 32 KiB: bigger pieces change nothing there).
+    variants += [(case, *v, True) for case in ("identical", "tp1->2") for v in ((32, 4, 8192), (32, 8, 8192))]
     variants += [("identical", *v, True) for v in ((64, 4, 4096), (128, 4, 4096), (64, 8, 8192), (128, 8, 8192),
-                                                   (256, 8, 8192), (32, 8, 4096))]
+                                                   (256, 8, 8192), (32, 8, 4096), (128, 8, 16384))]
     for case, chunk_kib, warps, words, run_major in variants:
         dst_names = ["decode"] if case == "identical" else ["rank0", "rank1"]
         cuda_copy.CHUNK_BYTES, cuda_copy.NUM_WARPS, cuda_copy.BLOCK_WORDS = chunk_kib << 10, warps, words

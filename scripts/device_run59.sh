@@ -7,9 +7,9 @@
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: stopping"; exit 0; }
-echo "=== pytest -m gpu tests/test_hf.py"
-PYTHONPATH=$BOTH timeout 200 python3 -m pytest -m gpu -v -ra -p no:cacheprovider tests/test_hf.py 2>&1 | filter \
+SWEEP_ONLY=1 prep_stages 300
+echo "=== pytest -m gpu tests/test_hf.py (${SECONDS}s used)"
+PYTHONPATH=$BOTH timeout 150 python3 -m pytest -m gpu -v -ra -p no:cacheprovider tests/test_hf.py 2>&1 | filter \
   > "$OUT/pytest_hf.txt"; tail -3 "$OUT/pytest_hf.txt"
-SWEEP_ONLY=1 prep_stages 200
 e2e_1b 4096 7 $(( 585 - SECONDS ))
 echo "done at ${SECONDS}s"
