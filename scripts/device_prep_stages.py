@@ -40,7 +40,7 @@ STREAM: list[Any] = []
 def instrument() -> None:
     """Stamp every kernel launch (host clock in and out) and bracket it with timing events on its stream."""
     for cls, name in ((cuda_copy.BatchedCopier, "_launch_runs"), (cuda_copy.BatchedCopier, "_launch_blocks"),
-                      (cuda_copy._BoundLaunch, "__call__")):
+                      (cuda_copy.BatchedCopier, "_run_batch"), (cuda_copy._BoundLaunch, "__call__")):
         real = getattr(cls, name)
 
         def wrapper(self: Any, *args: Any, _real: Any = real, **kw: Any) -> Any:
@@ -176,15 +176,29 @@ def sweep(bench: Any, blk: dict[str, np.ndarray], iters: int) -> list[dict[str, 
     variants += [(case, *v, True) for case in ("identical", "tp1->2") for v in ((32, 4, 8192), (32, 8, 8192))]
     variants += [("identical", *v, True) for v in ((64, 4, 4096), (128, 4, 4096), (64, 8, 8192), (128, 8, 8192),
                                                    (256, 8, 8192), (32, 8, 4096), (128, 8, 16384))]
+    # cuMemcpyBatchAsync (the copier's "batch" method: the driver's own copies, one per run) in place of the kernel.
+    variants += [(case, 0, 0, 0, True) for case in ("identical", "tp1->2")]
+    t = bench.ts["cuda_ipc"]
+    method = t._copier.method
     for case, chunk_kib, warps, words, run_major in variants:
         dst_names = ["decode"] if case == "identical" else ["rank0", "rank1"]
-        cuda_copy.CHUNK_BYTES, cuda_copy.NUM_WARPS, cuda_copy.BLOCK_WORDS = chunk_kib << 10, warps, words
-        cuda_copy.RUN_MAJOR = run_major
-        head = {"case": case, "chunk_kib": chunk_kib, "warps": warps, "words": words, "run_major": run_major}
+        batch = chunk_kib == 0
+        if not batch:
+            cuda_copy.CHUNK_BYTES, cuda_copy.NUM_WARPS, cuda_copy.BLOCK_WORDS = chunk_kib << 10, warps, words
+            cuda_copy.RUN_MAJOR = run_major
+        head = {"case": case, "chunk_kib": chunk_kib, "warps": warps, "words": words, "run_major": run_major,
+                "method": "batch" if batch else "kernel"}
         try:
             plans, _ = bench.plans("push", dst_names, blk)
-            t = bench.ts["cuda_ipc"]
-            prepared = [t.prepare("write", f"{bench_gpu.PEER}-cuda_ipc", p) for p in plans]
+            if batch:
+                if t._copier._batch is None:
+                    raise RuntimeError("no cuMemcpyBatchAsync on this driver")
+                t._copier.method = "batch"
+            try:
+                prepared = [t.prepare("write", f"{bench_gpu.PEER}-cuda_ipc", p) for p in plans]
+            finally:
+                t._copier.method = method
+            head["prepared_kinds"] = sorted({x.backend_state.copy.kind for x in prepared})
             bench.poison("push", dst_names, blk)
             bench_gpu.sync(bench.device)
             gpu, wall = [], []

@@ -7,7 +7,7 @@
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: stopping"; exit 0; }
-SWEEP_ONLY=1 prep_stages 300
+SWEEP_ONLY=1 prep_stages 320
 echo "=== pytest -m gpu tests/test_hf.py (${SECONDS}s used)"
 PYTHONPATH=$BOTH timeout 150 python3 -m pytest -m gpu -v -ra -p no:cacheprovider tests/test_hf.py 2>&1 | filter \
   > "$OUT/pytest_hf.txt"; tail -3 "$OUT/pytest_hf.txt"
