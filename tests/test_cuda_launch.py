@@ -135,3 +135,35 @@ def test_a_run_table_packs_every_column_at_its_16_byte_aligned_offset(n: int) ->
         assert np.all(out[table.size:] == 0xAB)
         whole = cuda_copy._RunTable.layout(n, n, n, n)[4]
         assert whole >= table.size
+
+
+class ProcAddressDriver:
+    """``cuGetProcAddress`` as cuda.bindings has it: the symbol must be bytes (a str raises TypeError)."""
+
+    CUdriverProcAddress_flags = SimpleNamespace(CU_GET_PROC_ADDRESS_DEFAULT=0)
+
+    def __init__(self, pointer: int) -> None:
+        self.pointer = pointer
+        self.asked: list[tuple[bytes, int]] = []
+
+    def cuGetProcAddress(self, symbol: bytes, version: int, flags: int) -> tuple[int, int, int]:
+        if not isinstance(symbol, bytes):
+            raise TypeError(f"expected bytes, {type(symbol).__name__} found")
+        self.asked.append((symbol, version))
+        return 0, self.pointer if symbol == b"cuMemcpyBatchAsync" else 0, 0
+
+
+def test_the_batch_copy_function_is_found_through_a_bytes_symbol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver offers cuMemcpyBatchAsync: the copier's batch method gets it (CUDA 13 ABI), not None."""
+    driver = ProcAddressDriver(0x1234)
+    monkeypatch.setattr(cuda_copy, "cu", driver)
+    assert cuda_copy._batch_fn() is not None
+    assert driver.asked == [(b"cuMemcpyBatchAsync", 13000)]
+
+
+def test_no_batch_copy_function_is_none_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(cuda_copy, "cu", ProcAddressDriver(0))
+    with caplog.at_level("INFO", logger=cuda_copy.__name__):
+        assert cuda_copy._batch_fn() is None
+    assert "no cuMemcpyBatchAsync" in caplog.text and "pointer 0x0" in caplog.text

@@ -373,6 +373,23 @@ def test_kernel_runs_longer_than_one_grid_row(kernel_copier: Any, monkeypatch: p
     _check_kernel(kernel_copier, sizes, 16, 0, 0, True, 5)
 
 
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_the_batch_method_copies_every_run_exactly(remote_src: bool) -> None:
+    """``method="batch"`` (one cuMemcpyBatchAsync per plan, the remote side translated on the host) is
+    there on a CUDA >= 13 driver and lands every byte of odd, unaligned runs, nothing else."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cuda_copy = pytest.importorskip("kvxfer.transport.cuda_copy")
+    err, version = cuda_copy.cu.cuDriverGetVersion()
+    assert int(err) == 0
+    if version < 13000:
+        pytest.skip(f"the batch method takes cuMemcpyBatchAsync's CUDA 13 ABI; this driver is {version}")
+    copier = cuda_copy.BatchedCopier(0, "batch")
+    assert copier.method == "batch" and not copier.bounds_on_device(100)
+    sizes = np.array([1, 3, 15, 16, 17, 4097, 32768 + 5, 65537, 3 << 20] * 3, np.int64)
+    _check_kernel((cuda_copy, copier), sizes, 16, 5, 9, remote_src, 6)
+
+
 def _count_parts(copier: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
     """Record (runs, on the upload stream) of every part the copier launches."""
     parts: list[tuple[int, bool]] = []

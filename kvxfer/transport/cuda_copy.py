@@ -542,13 +542,17 @@ class _Attrs(ctypes.Structure):
 
 
 def _batch_fn() -> Any:
-    """``cuMemcpyBatchAsync`` (CUDA 13 ABI, no failIdx) as a ctypes function, or None."""
+    """``cuMemcpyBatchAsync`` (CUDA 13 ABI, no failIdx) as a ctypes function, or None (the reason logged).
+    The symbol is bytes: given a str, cuda.bindings raises TypeError, which once hid the function here."""
     try:
-        result = cu.cuGetProcAddress("cuMemcpyBatchAsync", 13000, cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
+        result = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", 13000,
+                                     cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
         err, ptr = result[0], result[1]
-        if int(err) != 0 or not int(ptr):
-            return None
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError) as exc:
+        log.info("cuda copy: no cuMemcpyBatchAsync (cuGetProcAddress: %s)", exc)
+        return None
+    if int(err) != 0 or not int(ptr):
+        log.info("cuda copy: no cuMemcpyBatchAsync (cuGetProcAddress: CUresult %s, pointer %#x)", int(err), int(ptr))
         return None
     proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                              ctypes.POINTER(_Attrs), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
