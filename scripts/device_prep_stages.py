@@ -173,9 +173,11 @@ def sweep(bench: Any, blk: dict[str, np.ndarray], iters: int) -> list[dict[str, 
     rows = []
     variants = [(case, 32, 4, 4096, order) for case in ("identical", "tp1->2") for order in (True, False)]
     # Whole 32 KiB pieces in one load step (the TP runs are 32 KiB: bigger pieces change nothing there).
-    variants += [(case, *v, True) for case in ("identical", "tp1->2") for v in ((32, 4, 8192), (32, 8, 8192))]
+    variants += [(case, *v, True) for case in ("identical", "tp1->2")
+                 for v in ((32, 4, 8192), (32, 8, 8192), (32, 2, 8192), (16, 4, 4096))]
     variants += [("identical", *v, True) for v in ((64, 4, 4096), (128, 4, 4096), (64, 8, 8192), (128, 8, 8192),
-                                                   (256, 8, 8192), (32, 8, 4096), (128, 8, 16384))]
+                                                   (256, 8, 8192), (32, 8, 4096), (128, 8, 16384),
+                                                   (64, 8, 16384), (64, 4, 8192), (128, 4, 8192))]
     # cuMemcpyBatchAsync (the copier's "batch" method: the driver's own copies, one per run) in place of the kernel.
     variants += [(case, 0, 0, 0, True) for case in ("identical", "tp1->2")]
     t = bench.ts["cuda_ipc"]
