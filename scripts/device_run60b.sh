@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue 17, device run 60b (H200 only, right after run 60 on the warm machine): bench_gpu cuda_ipc with the
-# new kernel steps, then bench e2e 1B at 4k x7 with and without prepared writes (does prefill's engine thread
+# new kernel steps, the 1B 4k prefill on the main thread and on a compute thread (scripts/device_prefill_probe.py), then bench e2e 1B at 4k x7 with and without prepared writes (does prefill's engine thread
 # preparing the write during the compute cost the host-bound 1B compute at 4k?).
 # Usage: OUT=$OUT bash scripts/device_run60b.sh
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: stopping"; exit 0; }
 bench_cuda_ipc 110
+echo "=== 1B 4k prefill, main thread against a compute thread (${SECONDS}s used)"
+PYTHONPATH=$BOTH timeout 90 python3 scripts/device_prefill_probe.py "$OUT/prefill_probe.json" 4096 9 2>&1 | filter | tail -3
 e2e_1b 4096 7 $(( (585 - SECONDS) / 2 ))
 echo "=== bench e2e 1B 4k --no-prepare-writes (${SECONDS}s used)"
 PYTHONPATH=$BOTH timeout $(( 585 - SECONDS )) python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc \
