@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 17, device run 60b (H200 only, right after run 60 on the warm machine): bench_gpu cuda_ipc with the
-# new kernel steps, the 1B 4k prefill on the main thread and on a compute thread (scripts/device_prefill_probe.py), then bench e2e 1B at 4k x7 with and without prepared writes (does prefill's engine thread
-# preparing the write during the compute cost the host-bound 1B compute at 4k?).
+# new kernel steps; the 1B 4k prefill on the main thread and on a compute thread (scripts/device_prefill_probe.py);
+# bench e2e 1B at 4k x7 with and without prepared writes (does prefill's engine thread preparing the write during
+# the compute cost the host-bound 1B compute at 4k?).
 # Usage: OUT=$OUT bash scripts/device_run60b.sh
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
