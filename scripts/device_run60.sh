@@ -2,7 +2,7 @@
 # Issue 17, device run 60 (any card; ask for nvidia-h200): the tree with whole 32 KiB load steps in the copy
 # kernel (BLOCK_WORDS 8192, from the H100 sweep of run 59h) and the batch method found again. The kernel's
 # constants swept back to back at 4k and 32k (old and new steps, cuMemcpyBatchAsync beside them), then every
-# `pytest -m gpu` test. On an H200, follow with scripts/device_run60b.sh on the warm machine.
+# `pytest -m gpu` test, then bench_gpu cuda_ipc if the time allows. On an H200, follow with scripts/device_run60b.sh on the warm machine.
 # Usage: OUT=$OUT bash scripts/device_run60.sh
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
@@ -17,4 +17,5 @@ for line in open(sys.argv[1]):
 PY
 pytest_gpu $(( 585 - SECONDS ))
 tail -3 "$OUT/pytest_gpu.txt"
+if [ "$SECONDS" -lt 470 ]; then bench_cuda_ipc $(( 585 - SECONDS )); fi
 echo "done at ${SECONDS}s"
