@@ -11,7 +11,5 @@ bench_cuda_ipc 110
 echo "=== 1B 4k prefill, main thread against a compute thread (${SECONDS}s used)"
 PYTHONPATH=$BOTH timeout 90 python3 scripts/device_prefill_probe.py "$OUT/prefill_probe.json" 4096 9 2>&1 | filter | tail -3
 e2e_1b 4096 7 $(( (585 - SECONDS) / 2 ))
-echo "=== bench e2e 1B 4k --no-prepare-writes (${SECONDS}s used)"
-PYTHONPATH=$BOTH timeout $(( 585 - SECONDS )) python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc \
-  --model llama-3.2-1b --lengths 4096 --iters 7 --no-prepare-writes --out "$OUT/e2e_1b_noprep.json" 2>&1 | filter | tail -4
+e2e_1b 4096 7 $(( 585 - SECONDS )) e2e_1b_noprep --no-prepare-writes
 echo "done at ${SECONDS}s"

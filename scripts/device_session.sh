@@ -84,10 +84,11 @@ pytest_gpu() {  # pytest_gpu [timeout_s]
 }
 
 # bench e2e at the Llama-3.2-1B shape on cuda:0 over cuda_ipc: JSON in $OUT/e2e_1b.json, the table's tail printed.
-e2e_1b() {  # e2e_1b LENGTHS ITERS TIMEOUT_S
-  echo "=== bench e2e 1B (${SECONDS}s used)"
-  PYTHONPATH=$BOTH timeout "$3" python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc \
-    --model llama-3.2-1b --lengths "$1" --iters "$2" --out "$OUT/e2e_1b.json" 2>&1 | filter | tail -6
+e2e_1b() {  # e2e_1b LENGTHS ITERS TIMEOUT_S [NAME [more bench e2e arguments...]]
+  local lengths=$1 iters=$2 limit=$3 name=${4:-e2e_1b}; shift 3; shift $(( $# > 0 ? 1 : 0 ))
+  echo "=== bench e2e 1B $* (${SECONDS}s used)"
+  PYTHONPATH=$BOTH timeout "$limit" python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc \
+    --model llama-3.2-1b --lengths "$lengths" --iters "$iters" --out "$OUT/$name.json" "$@" 2>&1 | filter | tail -6
 }
 
 # What a call that finds an H200 runs first: the GPU tests, bench_gpu cuda_ipc, bench e2e 1B (1k-16k).
