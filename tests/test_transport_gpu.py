@@ -634,3 +634,44 @@ def test_kernel_copies_no_run_outside_its_regions(kernel_copier: Any, remote_src
             want[do:do + page] = src_h[so:so + page]
     wrong = np.flatnonzero(got != want)
     assert wrong.size == 0, f"{wrong.size} wrong bytes, first at {wrong[:5]}"
+
+
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_a_new_copier_compiles_every_variant_before_its_first_transfer(remote_src: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh copier has compiled every run-list variant a plan can need, so a first plan over two regions
+    on each side with a length per run (the variant the warm-up's own checked copies do not use) compiles
+    nothing while it is posted, and lands exactly. (Mutation: the warm-up compiling only the checked variants
+    fails both checks; run 61's demo paid about 88 ms once for such a compile inside a request's TTFT.)"""
+    cuda_copy, copier = _copier()
+    monkeypatch.setattr(cuda_copy, "DIRECT_RUNS", 0)
+    assert set(cuda_copy.run_variant_keys()) <= set(copier._compiled), "variants left for a transfer to compile"
+
+    def no_compile(key: Any) -> Any:
+        raise AssertionError(f"kernel variant {key} compiled during a transfer")
+    monkeypatch.setattr(copier, "_compile", no_compile)
+    rng = np.random.default_rng(61)
+    space, page = 1 << 20, 4096
+    half = space // 2
+    src = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8)).cuda()
+    dst = torch.full((space,), 0xA5, dtype=torch.uint8, device="cuda")
+    remote, local = (src, dst) if remote_src else (dst, src)
+    r_base = np.array([remote.data_ptr(), remote.data_ptr() + half], np.uint64)
+    l_base = np.array([local.data_ptr(), local.data_ptr() + half], np.uint64)
+    sizes = np.full(2, half, np.uint64)
+    remote_table = cuda_copy.RegionTable(r_base, r_base, 0, sizes)
+    local_table = cuda_copy.RegionTable(l_base, l_base, 0, sizes)
+    count, slots = 24, space // page
+    r_slot, l_slot = rng.permutation(slots)[:count], rng.permutation(slots)[:count]
+    lengths = rng.integers(1, page + 1, count).astype(np.uint64)     # one length per run
+    r_reg, l_reg = (r_slot >= slots // 2).astype(np.uint32), (l_slot >= slots // 2).astype(np.uint32)
+    r_off, l_off = r_slot * page, l_slot * page
+    remote_addr, local_addr = r_base[0] + r_off.astype(np.uint64), l_base[0] + l_off.astype(np.uint64)
+    s_addr, d_addr = (remote_addr, local_addr) if remote_src else (local_addr, remote_addr)
+    s_off, d_off = (r_off, l_off) if remote_src else (l_off, r_off)
+    copier.copy(d_addr, s_addr, lengths, r_reg, remote_table, remote_src, l_reg, local_table).synchronize()
+    got, want, src_h = dst.cpu().numpy(), np.full(space, 0xA5, np.uint8), src.cpu().numpy()
+    for so, do, n in zip(s_off.tolist(), d_off.tolist(), lengths.tolist(), strict=True):
+        want[do:do + n] = src_h[so:so + n]
+    wrong = np.flatnonzero(got != want)
+    assert wrong.size == 0, f"{wrong.size} wrong bytes, first at {wrong[:5]}"

@@ -536,6 +536,18 @@ class PreparedCopy:
         self.table = table          # the device table the kernel reads (kept alive with this object)
 
 
+def run_variant_key(remote_src: bool, packed: _RunTable) -> tuple[Any, ...]:
+    """The run-list kernel variant a table needs: direction, which columns are per run, and the constants."""
+    return (bool(remote_src), *packed.per_run, CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
+
+
+def run_variant_keys() -> list[tuple[Any, ...]]:
+    """Every run-list kernel variant a plan can need (2 directions x per-run lengths, peer regions and local
+    regions, each shared or per run): what a copier compiles before its first transfer."""
+    return [(remote_src, per_len, per_reg, per_loc, CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
+            for remote_src in (False, True) for per_len in (0, 1) for per_reg in (0, 1) for per_loc in (0, 1)]
+
+
 # --- batched copies --------------------------------------------------------------------------------
 class _Attrs(ctypes.Structure):
     _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocType", ctypes.c_int), ("srcLocId", ctypes.c_int),
@@ -616,6 +628,9 @@ class BatchedCopier:
             self._warm_up_variants()
 
     def _warm_up_variants(self) -> None:
+        """Check four variants' copies (the direction, one length or one per run), then compile the rest of
+        ``run_variant_keys()``: plans over several regions on either side use variants of their own, and
+        Triton's first compile of one (tens of ms or more with a cold cache) would land in a request's TTFT."""
         buf = torch.arange(64, dtype=torch.int32, device=f"cuda:{self.device_id}")
         addr = int(buf.data_ptr())
         for remote_src in (False, True):
@@ -633,6 +648,10 @@ class BatchedCopier:
                 want[32:44] = want[:12].clone()   # words 0-11 copied to 32-43, nothing else changed
                 if not torch.equal(buf, want):
                     raise TransferFailed("the copy kernel's warm-up copy came back wrong")
+        with self._lock:
+            for key in run_variant_keys():
+                if key not in self._compiled:
+                    self._compile(key)
 
     def copy(self, dst: U64, src: U64, nbytes: U64, remote_region: U32, peer: RegionTable,
              remote_src: bool, local_region: U32 | None = None, local: RegionTable | None = None, *,
@@ -923,12 +942,12 @@ class BatchedCopier:
 
     def _runs_launch(self, packed: _RunTable, table: int, peer: RegionTable, local: RegionTable, remote_src: bool,
                      pieces: int) -> tuple[Any, tuple[int, int], tuple[int, ...], tuple[Any, ...]]:
-        """The run-list kernel's launcher (compiled on first use), grid, arguments and variant key for a run table
-        at device address ``table``."""
+        """The run-list kernel's launcher (compiled at warm-up, or on first use), grid, arguments and variant key
+        for a run table at device address ``table``."""
         args = (table, table + packed.at_dst, table + packed.at_len, table + packed.at_reg, table + packed.at_loc,
                 int(peer.device.data_ptr()), int(local.device.data_ptr()), peer.count, local.count, pieces,
                 self._anchor_addr, self._anchor_addr, self._anchor_addr)
-        key = (bool(remote_src), *packed.per_run, CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
+        key = run_variant_key(remote_src, packed)
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile(key)
