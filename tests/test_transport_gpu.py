@@ -582,6 +582,19 @@ def test_few_runs_take_cuda_memcpy_and_land_exactly(remote_src: bool, monkeypatc
     _check_kernel((cuda_copy, copier), sizes, 16, 3, 5, remote_src, 6)
 
 
+def _two_regions_each_side(rng: np.random.Generator, space: int, remote_src: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
+    """Random source bytes and a 0xA5 destination of ``space`` bytes each, each side's buffer split into two
+    regions of half its size: (src, dst, remote region bases, local region bases, region sizes)."""
+    half = space // 2
+    src = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8)).cuda()
+    dst = torch.full((space,), 0xA5, dtype=torch.uint8, device="cuda")
+    remote, local = (src, dst) if remote_src else (dst, src)
+    r_base = np.array([remote.data_ptr(), remote.data_ptr() + half], np.uint64)
+    l_base = np.array([local.data_ptr(), local.data_ptr() + half], np.uint64)
+    return src, dst, r_base, l_base, np.full(2, half, np.uint64)
+
+
 @pytest.mark.parametrize("in_parts", [False, True], ids=["one-launch", "in-parts"])
 @pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
 def test_kernel_copies_no_run_outside_its_regions(kernel_copier: Any, remote_src: bool, in_parts: bool,
@@ -597,14 +610,8 @@ def test_kernel_copies_no_run_outside_its_regions(kernel_copier: Any, remote_src
         parts = _count_parts(copier, monkeypatch)
     rng = np.random.default_rng(8)
     space, page = 1 << 20, 4096
-    half = space // 2
-    src = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8)).cuda()
-    dst = torch.full((space,), 0xA5, dtype=torch.uint8, device="cuda")
-    remote, local = (src, dst) if remote_src else (dst, src)
+    src, dst, r_base, l_base, sizes = _two_regions_each_side(rng, space, remote_src)
     shift = (1 << 20) + 16       # the remote side is advertised elsewhere and translated on the GPU
-    r_base = np.array([remote.data_ptr(), remote.data_ptr() + half], np.uint64)
-    l_base = np.array([local.data_ptr(), local.data_ptr() + half], np.uint64)
-    sizes = np.full(2, half, np.uint64)
     remote_table = cuda_copy.RegionTable(r_base + np.uint64(shift), r_base, 0, sizes)
     local_table = cuda_copy.RegionTable(l_base, l_base, 0, sizes)
     slots = space // page
@@ -652,13 +659,7 @@ def test_a_new_copier_compiles_every_variant_before_its_first_transfer(remote_sr
     monkeypatch.setattr(copier, "_compile", no_compile)
     rng = np.random.default_rng(61)
     space, page = 1 << 20, 4096
-    half = space // 2
-    src = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8)).cuda()
-    dst = torch.full((space,), 0xA5, dtype=torch.uint8, device="cuda")
-    remote, local = (src, dst) if remote_src else (dst, src)
-    r_base = np.array([remote.data_ptr(), remote.data_ptr() + half], np.uint64)
-    l_base = np.array([local.data_ptr(), local.data_ptr() + half], np.uint64)
-    sizes = np.full(2, half, np.uint64)
+    src, dst, r_base, l_base, sizes = _two_regions_each_side(rng, space, remote_src)
     remote_table = cuda_copy.RegionTable(r_base, r_base, 0, sizes)
     local_table = cuda_copy.RegionTable(l_base, l_base, 0, sizes)
     count, slots = 24, space // page
