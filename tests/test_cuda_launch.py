@@ -155,7 +155,7 @@ def test_the_warm_up_covers_every_variant_a_run_table_can_ask_for() -> None:
                 table = cuda_copy._RunTable.of(addr, addr, lengths, region, local, 2, 3)
                 assert table.per_run == (int(per_len), int(per_reg), int(per_loc))
                 for remote_src in (False, True):
-                    formed.add(cuda_copy.run_variant_key(remote_src, table))
+                    formed.add(cuda_copy.run_variant_key(remote_src, table.per_run))
     keys = cuda_copy.run_variant_keys()
     assert len(keys) == len(set(keys)) == 16
     assert formed == set(keys)

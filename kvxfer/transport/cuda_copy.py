@@ -536,15 +536,16 @@ class PreparedCopy:
         self.table = table          # the device table the kernel reads (kept alive with this object)
 
 
-def run_variant_key(remote_src: bool, packed: _RunTable) -> tuple[Any, ...]:
-    """The run-list kernel variant a table needs: direction, which columns are per run, and the constants."""
-    return (bool(remote_src), *packed.per_run, CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
+def run_variant_key(remote_src: bool, per_run: tuple[int, int, int]) -> tuple[Any, ...]:
+    """The run-list kernel variant a table needs: direction, which columns are per run (``_RunTable.per_run``),
+    and the constants."""
+    return (bool(remote_src), *per_run, CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
 
 
 def run_variant_keys() -> list[tuple[Any, ...]]:
     """Every run-list kernel variant a plan can need (2 directions x per-run lengths, peer regions and local
     regions, each shared or per run): what a copier compiles before its first transfer."""
-    return [(remote_src, per_len, per_reg, per_loc, CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
+    return [run_variant_key(remote_src, (per_len, per_reg, per_loc))
             for remote_src in (False, True) for per_len in (0, 1) for per_reg in (0, 1) for per_loc in (0, 1)]
 
 
@@ -947,7 +948,7 @@ class BatchedCopier:
         args = (table, table + packed.at_dst, table + packed.at_len, table + packed.at_reg, table + packed.at_loc,
                 int(peer.device.data_ptr()), int(local.device.data_ptr()), peer.count, local.count, pieces,
                 self._anchor_addr, self._anchor_addr, self._anchor_addr)
-        key = run_variant_key(remote_src, packed)
+        key = run_variant_key(remote_src, packed.per_run)
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile(key)
