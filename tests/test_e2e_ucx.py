@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvxfer.cli.demo import WorkerProcess
+from kvxfer.cli.demo import TTFT_STAGES, WorkerProcess
 from kvxfer.cli.serve import best_backend
 from kvxfer.disagg.mutation import MUTATION_ENV
 from kvxfer.disagg.worker import WorkerConfig
@@ -148,6 +148,10 @@ def test_demo_json_runs_two_processes_and_matches(backend: str) -> None:
     assert out["kv_max_error"] <= out["kv_tolerance"]
     assert out["bytes_moved"] > 0 and out["reused_blocks_decode"] > 0
     assert out["checksum"] == "full" and all(row["verify_ms"] > 0 for row in out["rows"])   # every request checked
+    for row in out["rows"]:   # the TTFT split names decode's stages; they add up to the KV's arrival <= TTFT
+        split = row["ttft_split_ms"]
+        assert tuple(split) == TTFT_STAGES and split["prefill"] > 0 and split["transfer"] > 0, split
+        assert sum(split.values()) <= row["ttft_ms"] + 1.0, (split, row["ttft_ms"])
 
 
 @pytest.mark.slow

@@ -39,6 +39,9 @@ from kvxfer.transport import backend_names, best_backend, check_backend
 
 MODEL = "tiny"
 TOKENS_PER_BLOCK = 16
+#: Where a request's time to first token went, as decode's result names the stages (``GenerationResult``):
+#: decode's queue, prefill's queue, compute and post, the transfer, control messages, the digest check.
+TTFT_STAGES = ("request", "queued", "prefill", "post", "transfer", "messages", "verify")
 
 
 def transfer_s(stats: dict[str, Any]) -> float:
@@ -209,7 +212,8 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
                      "reused_blocks_decode": int(s.get("reused_tokens_decode", 0)) // TOKENS_PER_BLOCK,
                      "reused_blocks_prefill": int(s.get("reused_tokens_prefill", 0)) // TOKENS_PER_BLOCK,
                      "bytes_moved": int(s.get("bytes_moved", 0)), "transfer_ms": ms(transfer_s(s)),
-                     "ttft_ms": ms(float(s.get("ttft_s", 0.0))), "verify_ms": ms(float(s.get("verify_s", 0.0)))})
+                     "ttft_ms": ms(float(s.get("ttft_s", 0.0))), "verify_ms": ms(float(s.get("verify_s", 0.0))),
+                     "ttft_split_ms": {stage: ms(float(s.get(f"{stage}_s", 0.0))) for stage in TTFT_STAGES}})
     ok = [row for row in rows if row["ok"]]
     moved = sum(row["bytes_moved"] for row in ok)
     xfer_s = sum(row["transfer_ms"] for row in ok) / 1e3
