@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 17, device run 63: where the demo's first wave (one request per family, nothing cached) spends its
+# 350-900 ms of TTFT on the GPU (run 62: 762/840/909 ms on a cold machine, 347/414/475 ms warm; the second
+# wave 27-151 ms). Each demo row now carries its TTFT split by stage. Three demos: a cold Triton cache, warm,
+# and warm with CUDA_MODULE_LOADING=EAGER (are lazily loaded kernels the first request's cost?).
+# Usage: OUT=$OUT bash scripts/device_run63.sh
+source scripts/device_setup.sh >/dev/null 2>&1
+record_env; cat "$OUT/env.txt"
+split() {
+  python3 -c "
+import json
+d = json.load(open('$OUT/$1.json'))
+print('$1', 'elapsed ms', round(d['elapsed_ms']), 'transfers ms', [round(r['transfer_ms'], 2) for r in d['rows']])
+for r in d['rows']:
+    print(r['request'], r['family'], r['prompt_tokens'], 'ttft', round(r['ttft_ms'], 1),
+          {k: round(v, 1) for k, v in r['ttft_split_ms'].items()})
+"
+}
+demo_cuda demo_cold --checksum full; split demo_cold
+demo_cuda demo_warm --checksum full; split demo_warm
+CUDA_MODULE_LOADING=EAGER demo_cuda demo_eager --checksum full; split demo_eager
+echo "done at ${SECONDS}s"
