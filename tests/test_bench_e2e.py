@@ -1,6 +1,7 @@
 """`kvxfer bench e2e`: its one-process baseline does the prefill worker's work, and its rows are verified."""
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import numpy as np
@@ -55,3 +56,9 @@ def test_a_short_bench_run_verifies_every_request() -> None:
         n = row["prompt_tokens"]   # whole blocks move: the prompt's tokens rounded up to a block
         assert n * per_token <= row["kv_bytes"] < (n + TOKENS_PER_BLOCK) * per_token
         assert 0 < row["prefill_compute_ms"] < row["disagg_ttft_ms"] and row["single_ttft_ms"] > 0
+        each = row["per_iteration_ms"]   # the medians are of the iterations recorded, 2 per row here
+        assert all(len(v) == 2 for v in each.values())
+        assert row["disagg_ttft_ms"] == statistics.median(each["disagg_ttft"])
+        assert row["single_ttft_ms"] == statistics.median(each["single_ttft"])
+        assert row["ttft_ratio_paired"] == statistics.median(d / s for d, s in zip(each["disagg_ttft"],
+                                                                                   each["single_ttft"], strict=True))

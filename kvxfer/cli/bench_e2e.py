@@ -213,6 +213,12 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
                              **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in stages.items()},
                              "after_prefill_goal_ms": goal_ms,
                              "ttft_ratio": statistics.median(d_ttft) / statistics.median(s_ttft),
+                             # Each iteration ran both sides back to back: the median of their ratios, and every
+                             # iteration's figures (prefill's compute alone spreads by tens of percent on a GPU).
+                             "ttft_ratio_paired": statistics.median(d / s for d, s in zip(d_ttft, s_ttft, strict=True)),
+                             "per_iteration_ms": {"single_ttft": [t * 1e3 for t in s_ttft],
+                                                  "disagg_ttft": [t * 1e3 for t in d_ttft],
+                                                  "prefill_compute": [t * 1e3 for t in d_prefill]},
                              "verified": failed == 0, "kv_max_error": worst})
                 if on_row is not None:
                     on_row(rows[-1])
