@@ -240,7 +240,8 @@ def serve(a: argparse.Namespace) -> int:
             publisher = KVEventPublisher(a.kv_events, context=ctx, topic=a.kv_events_topic,
                                          replay_endpoint=a.kv_events_replay)
             pump = EventPump(publisher, manager, worker.engine)
-        print(f"kvxfer {a.role} {cfg.name}: listening on {worker.address} (transport {cfg.backend})", flush=True)
+        print(f"kvxfer {a.role} {cfg.name}: listening on {worker.address} (transport {cfg.backend}, model warmed up "
+              f"in {worker.warm_up_s * 1e3:.0f} ms)", flush=True)
         if ops is not None:
             print(f"kvxfer {a.role} {cfg.name}: metrics on http://{ops.host}:{ops.port}/metrics", flush=True)
         if pump is not None:

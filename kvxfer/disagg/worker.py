@@ -15,9 +15,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
@@ -65,6 +67,10 @@ class WorkerConfig:
     prepare_writes: bool = True
     """Prefill, push: prepare the write's early plan while the model computes (``Transport.prepare``), so the
     post at the compute's end is one launch; False writes the plan then (the A/B of ``bench e2e``)."""
+    warm_up: bool = True
+    """Run one short generation on the compute thread before serving (``warm_up_model``, on scratch caches):
+    a GPU process's first forward sets up cuBLAS and loads kernels, 0.57-0.65 s on an H100 (device run 63),
+    which no request should wait for."""
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "num_blocks", "tp_size"):
@@ -83,13 +89,17 @@ class WorkerConfig:
                               f"got {type(self.model).__name__}")
         if self.checksum is not None and not isinstance(self.checksum, ChecksumPolicy):
             raise ConfigError(f"WorkerConfig.checksum must be None or a ChecksumPolicy, got {self.checksum!r}")
+        if not isinstance(self.warm_up, bool):
+            raise ConfigError(f"WorkerConfig.warm_up must be a bool, got {self.warm_up!r}")
         mutation_setting()   # test hook: an unknown $KVXFER_TEST_MUTATION is refused when a worker is configured
 
-    def managers(self) -> list[KVCacheManager]:
-        """One cache manager per tensor-parallel rank held by this worker."""
+    def managers(self, num_blocks: int | None = None, **options: Any) -> list[KVCacheManager]:
+        """One cache manager per tensor-parallel rank held by this worker (``num_blocks`` and ``options``
+        of ``CacheConfig`` other than the worker's: the warm-up's scratch caches)."""
         spec = self.model.kv_spec
-        return [KVCacheManager(spec.cache_config(self.tokens_per_block, self.num_blocks, self.device,
-                                                 head_order=self.head_order, tp_rank=r, tp_size=self.tp_size))
+        blocks = self.num_blocks if num_blocks is None else num_blocks
+        return [KVCacheManager(spec.cache_config(self.tokens_per_block, blocks, self.device, head_order=self.head_order,
+                                                 tp_rank=r, tp_size=self.tp_size, **options))
                 for r in range(self.tp_size)]
 
     def load_model(self, model: Model | None = None) -> Model:
@@ -419,32 +429,75 @@ class ComputeThread:
     def __init__(self, name: str, engine: Engine) -> None:
         self.name = name
         self._engine = engine
-        self._jobs: queue.Queue[tuple[Any, Callable[[], Any]] | None] = queue.Queue()
+        # (key, fn, reply): the result goes to the engine, or to ``reply`` for ``call``
+        self._jobs: queue.Queue[tuple[Any, Callable[[], Any], Future[Any] | None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-compute-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, key: Any, fn: Callable[[], Any]) -> None:
         """Run ``fn()``; the engine then gets ``("computed", key, (value, None))`` or ``("computed", key,
         (None, exception))``."""
-        self._jobs.put((key, fn))
+        self._jobs.put((key, fn, None))
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run ``fn()`` on this thread and return its value or raise its exception, the engine not told:
+        work before serving that must run where requests will (CUDA library handles are per thread).
+        ControlTimeout when it takes longer than ``timeout`` seconds."""
+        reply: Future[Any] = Future()
+        self._jobs.put((None, fn, reply))
+        try:
+            return reply.result(timeout)
+        except TimeoutError:
+            raise ControlTimeout(f"compute thread of {self.name!r}: work before serving took more than "
+                                 f"{timeout:.1f} s") from None
 
     def _run(self) -> None:
         while True:
             item = self._jobs.get()
             if item is None:
                 return
-            key, fn = item
+            key, fn, reply = item
             try:
                 result: tuple[Any, BaseException | None] = (fn(), None)
-            except BaseException as exc:   # handed to the engine, which fails the job with the cause
+            except BaseException as exc:   # handed to the engine (or the caller), which fails the job with the cause
                 result = (None, exc)
-            self._engine._post_internal(("computed", key, result))
+            if reply is None:
+                self._engine._post_internal(("computed", key, result))
+            elif result[1] is None:
+                reply.set_result(result[0])
+            else:
+                reply.set_exception(result[1])
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish the job in progress (the engine no longer waits for it), then end the thread."""
         self._jobs.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+#: The warm-up's prompt: two blocks and a token (a full block and a partly filled one), then 2 new tokens.
+WARM_UP_BLOCKS = 2
+
+
+def warm_up_model(model: Model, config: WorkerConfig, compute: ComputeThread) -> float:
+    """Run one greedy generation on ``compute`` over scratch caches of the worker's layout (same device,
+    block size, head order and ranks; 4 blocks, prefix reuse off), then free them: the worker's own caches,
+    prefix tree, events and statistics see nothing of it. Seconds taken; a model that cannot run it fails
+    the worker's start with the cause."""
+    n = WARM_UP_BLOCKS * config.tokens_per_block + 1
+    tokens = np.arange(n, dtype=np.int64) % model.vocab_size
+    started = now()
+    scratch = config.managers(num_blocks=WARM_UP_BLOCKS + 2, enable_prefix_reuse=False)
+    try:
+        compute.call(lambda: model.generate(scratch, tokens, 2, config.chunk_size), config.deadline_s)
+    except Exception as exc:   # any failure here is the model's or the device's: this worker cannot serve
+        raise ConfigError(f"{config.name}: the model's warm-up ({n}-token prompt, 2 new tokens) failed: {exc}") \
+            from exc
+    finally:
+        for m in scratch:
+            with contextlib.suppress(KvxferError):   # a generation still running (timed out) holds its cache
+                m.shutdown()
+    return now() - started
 
 
 def now() -> float:

@@ -59,6 +59,7 @@ from kvxfer.disagg.worker import (
     make_transport,
     now,
     plan_between,
+    warm_up_model,
 )
 from kvxfer.disagg.worker_protocol import (
     MODES,
@@ -302,6 +303,8 @@ class DecodeWorker(WorkerCounts):
         try:
             self.engine.start()
             self.compute = ComputeThread(config.name, self.engine)
+            #: Seconds the model's warm-up took before this worker served (0.0 without one).
+            self.warm_up_s = warm_up_model(self.model, config, self.compute) if config.warm_up else 0.0
             if bind is not None:
                 identity = LocalIdentity("decode", config.name, self.layouts[0], config.backend, b"",
                                          config.heartbeat_interval)

@@ -52,6 +52,7 @@ from kvxfer.disagg.worker import (
     make_transport,
     now,
     plan_between,
+    warm_up_model,
 )
 from kvxfer.disagg.worker_protocol import (
     BlockIdMaps,
@@ -179,6 +180,9 @@ class PrefillWorker(WorkerCounts):
         self.compute: ComputeThread | None = None
         self._accepting: threading.Thread | None = None
         try:   # a worker that cannot start releases what it took (engine, transport, socket, caches)
+            self.compute = ComputeThread(config.name, self.engine)
+            #: Seconds the model's warm-up took before this worker served (0.0 without one).
+            self.warm_up_s = warm_up_model(self.model, config, self.compute) if config.warm_up else 0.0
             self.transport.register(all_regions(self.layouts))
             self.transport.on_notification(self.engine.wake)
             identity = LocalIdentity("prefill", config.name, self.layouts[0], config.backend,
@@ -192,7 +196,6 @@ class PrefillWorker(WorkerCounts):
             self.stall_watch.start()
             self.address = self.server.address
             self.engine.start()
-            self.compute = ComputeThread(config.name, self.engine)
             self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}",
                                                daemon=True)
             self._accepting.start()

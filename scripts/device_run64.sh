@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 17, device run 64: the workers now warm their model up on the compute thread before serving. Run 63
+# showed the demo's first wave waiting on prefill's first forward (651 ms cold, 567 ms warm, 3,200 ms with
+# eager module loading: cuBLAS set-up and kernel loading), the other first-wave requests queued behind it.
+# 1. The demo on a cold Triton cache, then again: each row's TTFT split (is the first wave ~20-70 ms now?).
+# 2. `pytest -m gpu` on the final tree, in the time left.
+# Usage: OUT=$OUT [LIMIT=seconds, default 400] bash scripts/device_run64.sh
+source scripts/device_setup.sh >/dev/null 2>&1
+record_env; cat "$OUT/env.txt"
+LIMIT=${LIMIT:-400}
+split() {
+  python3 -c "
+import json
+d = json.load(open('$OUT/$1.json'))
+print('$1', 'elapsed ms', round(d['elapsed_ms']), 'transfers ms', [round(r['transfer_ms'], 2) for r in d['rows']])
+for r in d['rows']:
+    print(r['request'], r['family'], r['prompt_tokens'], 'ttft', round(r['ttft_ms'], 1),
+          {k: round(v, 1) for k, v in r['ttft_split_ms'].items()})
+"
+}
+demo_cuda demo_cold --checksum full; split demo_cold
+demo_cuda demo_warm --checksum full; split demo_warm
+pytest_gpu $(( LIMIT - SECONDS ))
+echo "done at ${SECONDS}s"
