@@ -75,10 +75,10 @@ PY
 
 # Every `pytest -m gpu` test of the tree, verbose, each bounded at 90 s: output in $OUT/pytest_gpu.txt, its
 # failures and summary printed.
-pytest_gpu() {  # pytest_gpu [timeout_s]
-  echo "=== pytest -m gpu (whole tree, verbose)"
+pytest_gpu() {  # pytest_gpu [timeout_s [test paths, default tests/]]
+  echo "=== pytest -m gpu (${2:-whole tree}, verbose)"
   PYTHONPATH=$BOTH timeout "${1:-300}" python3 -m pytest -m gpu -v -ra --timeout 90 --durations 10 \
-    -p no:cacheprovider tests/ 2>&1 | filter > "$OUT/pytest_gpu.txt"
+    -p no:cacheprovider ${2:-tests/} 2>&1 | filter > "$OUT/pytest_gpu.txt"
   grep -E "FAILED|ERROR|Timeout" "$OUT/pytest_gpu.txt" | head -20
   tail -3 "$OUT/pytest_gpu.txt"
 }
