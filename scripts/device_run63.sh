@@ -9,19 +9,9 @@
 # Usage: OUT=$OUT bash scripts/device_run63.sh
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
-split() {
-  python3 -c "
-import json
-d = json.load(open('$OUT/$1.json'))
-print('$1', 'elapsed ms', round(d['elapsed_ms']), 'transfers ms', [round(r['transfer_ms'], 2) for r in d['rows']])
-for r in d['rows']:
-    print(r['request'], r['family'], r['prompt_tokens'], 'ttft', round(r['ttft_ms'], 1),
-          {k: round(v, 1) for k, v in r['ttft_split_ms'].items()})
-"
-}
-demo_cuda demo_cold --checksum full; split demo_cold
-demo_cuda demo_warm --checksum full; split demo_warm
-CUDA_MODULE_LOADING=EAGER demo_cuda demo_eager --checksum full; split demo_eager
+demo_cuda demo_cold --checksum full; demo_split demo_cold
+demo_cuda demo_warm --checksum full; demo_split demo_warm
+CUDA_MODULE_LOADING=EAGER demo_cuda demo_eager --checksum full; demo_split demo_eager
 e2e_1b 4096 31 150
 python3 -c "
 import json

@@ -9,17 +9,7 @@
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
 LIMIT=${LIMIT:-400}
-split() {
-  python3 -c "
-import json
-d = json.load(open('$OUT/$1.json'))
-print('$1', 'elapsed ms', round(d['elapsed_ms']), 'transfers ms', [round(r['transfer_ms'], 2) for r in d['rows']])
-for r in d['rows']:
-    print(r['request'], r['family'], r['prompt_tokens'], 'ttft', round(r['ttft_ms'], 1),
-          {k: round(v, 1) for k, v in r['ttft_split_ms'].items()})
-"
-}
-demo_cuda demo_cold --checksum full; split demo_cold
-demo_cuda demo_warm --checksum full; split demo_warm
+demo_cuda demo_cold --checksum full; demo_split demo_cold
+demo_cuda demo_warm --checksum full; demo_split demo_warm
 pytest_gpu $(( LIMIT - SECONDS )) "${GPU_TESTS:-tests/}"
 echo "done at ${SECONDS}s"

@@ -35,6 +35,18 @@ demo_cuda() {  # demo_cuda NAME [demo options]
   demo_summary "$OUT/$name.json" "$OUT/$name.err"
 }
 
+# A demo's rows from $OUT/NAME.json: each request's TTFT and its split by stage (the demo's ttft_split_ms).
+demo_split() {  # demo_split NAME
+  python3 -c "
+import json
+d = json.load(open('$OUT/$1.json'))
+print('$1', 'elapsed ms', round(d['elapsed_ms']), 'transfers ms', [round(r['transfer_ms'], 2) for r in d['rows']])
+for r in d['rows']:
+    print(r['request'], r['family'], r['prompt_tokens'], 'ttft', round(r['ttft_ms'], 1),
+          {k: round(v, 1) for k, v in r['ttft_split_ms'].items()})
+"
+}
+
 # bench_gpu over cuda_ipc (with its blocks and prepared columns), 9 interleaved iterations and 200 latency
 # iterations: its table in $OUT/bench_gpu.txt (last lines printed), its JSON in $OUT/bench_gpu.json.
 bench_cuda_ipc() {  # bench_cuda_ipc [timeout_s]
