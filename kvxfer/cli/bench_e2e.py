@@ -236,7 +236,8 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'ratio':>6} {'prefill ms':>11} "
+HEADER = (f"{'prompt':>7} {'KV MiB':>7} {'1-proc TTFT ms':>15} {'disagg TTFT ms':>15} {'ratio':>6} {'paired':>6} "
+          f"{'prefill ms':>11} "
           f"{'arrival ms':>11} {'after prefill ms':>17} {'post':>7} {'transfer ms':>12} {'GB/s':>7} {'verify ms':>10} "
           f"{'goal ms':>8} {'overhead ms':>12} {'request':>8} {'queued':>7} {'messages':>9} {'commit ms':>10} "
           f"{'alloc ms':>9} KV check")
@@ -247,6 +248,7 @@ def format_row(r: dict[str, Any]) -> str:
     goal = r.get("after_prefill_goal_ms")
     return (f"{r['prompt_tokens']:>7} {r['kv_bytes'] / 2**20:>7.2f} {r['single_ttft_ms']:>15.1f} "
             f"{r['disagg_ttft_ms']:>15.1f} {r['disagg_ttft_ms'] / r['single_ttft_ms']:>6.3f} "
+            f"{r.get('ttft_ratio_paired', float('nan')):>6.3f} "
             f"{r['prefill_compute_ms']:>11.1f} {r['arrival_ms']:>11.1f} "
             f"{r.get('after_prefill_ms', 0.0):>16.2f}{'' if r.get('after_prefill_from') == 'clocks' else '*'} "
             f"{r.get('post_ms', 0.0):>7.2f} {r['transfer_ms']:>12.2f} {r['transfer_gbps']:>7.1f} "
@@ -263,7 +265,8 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"kvxfer bench e2e: model {result['model']} on {result.get('device', 'cpu')}{d2d}, "
           f"{result['backend']} {result['mode']}"
           f"{' layer-wise' if result['layerwise'] else ''}, chunk {result['chunk_size']}, median of {result['iters']}, "
-          f"checksum {result.get('checksum', 'off')}; * after prefill = overhead (prefill reported no clock)")
+          f"checksum {result.get('checksum', 'off')}; ratio = of the medians, paired = median of each iteration's; "
+          f"* after prefill = overhead (prefill reported no clock)")
     print(HEADER)
     for r in result["rows"]:
         print(format_row(r))
@@ -278,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="reference model preset")
     ap.add_argument("--mode", choices=("push", "pull"), default="push")
     ap.add_argument("--layerwise", action="store_true")
-    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=2,
+                    help="timed requests per length, each beside a one-process run; on a GPU prefill's compute "
+                         "alone spreads about +-15%% (1B at 4k tokens), so a 5%% ratio needs ~31 (device run 63)")
     ap.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (bounds attention memory)")
     ap.add_argument("--checksum", type=parse_checksum, default=None, metavar="off|full|every:K|sample:F",
                     help="decode verifies each request's pages against prefill's blake3 digest")
