@@ -9,6 +9,7 @@ import struct
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 cuda_copy = pytest.importorskip("kvxfer.transport.cuda_copy", reason="needs cuda-python (the ucx or cuda extra)")
@@ -141,8 +142,6 @@ def test_the_warm_up_covers_every_variant_a_run_table_can_ask_for() -> None:
     """The variants a copier compiles before its first transfer are exactly those ``_RunTable.of`` can form:
     each column (lengths, peer regions, local regions) shared or per run, in both directions. A variant
     missing from the list would be compiled inside some request's transfer (about 88 ms once, run 61)."""
-    import numpy as np
-
     n = 6
     addr = np.arange(n, dtype=np.uint64) * np.uint64(4096)
     formed = set()

@@ -483,7 +483,9 @@ def warm_up_model(model: Model, config: WorkerConfig, compute: ComputeThread) ->
     """Run one greedy generation on ``compute`` over scratch caches of the worker's layout (same device,
     block size, head order and ranks; 4 blocks, prefix reuse off), then free them: the worker's own caches,
     prefix tree, events and statistics see nothing of it. Seconds taken; a model that cannot run it fails
-    the worker's start with the cause."""
+    the worker's start with the cause. 0.0 and nothing run when ``config.warm_up`` is off."""
+    if not config.warm_up:
+        return 0.0
     n = WARM_UP_BLOCKS * config.tokens_per_block + 1
     tokens = np.arange(n, dtype=np.int64) % model.vocab_size
     started = now()

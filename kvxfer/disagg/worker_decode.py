@@ -304,7 +304,7 @@ class DecodeWorker(WorkerCounts):
             self.engine.start()
             self.compute = ComputeThread(config.name, self.engine)
             #: Seconds the model's warm-up took before this worker served (0.0 without one).
-            self.warm_up_s = warm_up_model(self.model, config, self.compute) if config.warm_up else 0.0
+            self.warm_up_s = warm_up_model(self.model, config, self.compute)
             if bind is not None:
                 identity = LocalIdentity("decode", config.name, self.layouts[0], config.backend, b"",
                                          config.heartbeat_interval)

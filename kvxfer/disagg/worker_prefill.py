@@ -182,7 +182,7 @@ class PrefillWorker(WorkerCounts):
         try:   # a worker that cannot start releases what it took (engine, transport, socket, caches)
             self.compute = ComputeThread(config.name, self.engine)
             #: Seconds the model's warm-up took before this worker served (0.0 without one).
-            self.warm_up_s = warm_up_model(self.model, config, self.compute) if config.warm_up else 0.0
+            self.warm_up_s = warm_up_model(self.model, config, self.compute)
             self.transport.register(all_regions(self.layouts))
             self.transport.on_notification(self.engine.wake)
             identity = LocalIdentity("prefill", config.name, self.layouts[0], config.backend,
