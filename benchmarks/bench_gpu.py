@@ -44,6 +44,7 @@ from kvxfer.cache import BufferId, CacheConfig, CacheLayoutDesc, KVCacheManager
 from kvxfer.extractor import plan_blocks, plan_transfer
 from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport import create
+from kvxfer.transport import nixl as nixl_backend
 
 LAYERS, KV_HEADS, HEAD_DIM, TPB = 32, 8, 128, 32
 ROLES = ("key", "value")
@@ -610,7 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-context-last", action="store_true",
                    help="time each iteration right after the peer's poisoning, GPU context switch included")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--nixl-sleep-every-us", type=float, default=None,
+                   help="the nixl handle's wait: sleep once per this many us of asking (kvxfer's default 500; "
+                        "0: between every two asks, the policy before run 66), for an A/B in one run")
     a = p.parse_args(argv)
+    if a.nixl_sleep_every_us is not None:
+        nixl_backend.WAIT_SLEEP_EVERY_S = a.nixl_sleep_every_us / 1e6
     res = run(a.backends, a.raw_nixl, a.tokens, a.iters, a.latency_iters, a.device, not a.peer_context_last)
     print_tables(res)
     if a.json:

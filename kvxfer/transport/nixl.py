@@ -18,6 +18,7 @@ import contextlib
 import importlib.util
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -377,17 +378,42 @@ class _PreparedRequests:
 
 
 class _NixlHandle(TransferHandle):
-    """NIXL reports completion only when asked (``check_xfer_state``): ``wait`` asks back to back,
-    yielding the GIL in between, as NIXL's own examples do, instead of sleeping between asks (a sleep
-    that backs off to a millisecond adds up to that to every transfer)."""
+    """NIXL reports completion only when asked (``check_xfer_state``): ``wait`` asks back to back, as
+    NIXL's own examples do, instead of sleeping between asks (a sleep that backs off to a millisecond adds
+    up to that to every transfer). Between asks it yields the CPU with the GIL released
+    (``os.sched_yield``, ~1 us); every ``WAIT_SLEEP_EVERY_S`` it sleeps once (``time.sleep(0)``, 55-75 us of
+    Linux timer slack) so that the process's other threads get the GIL. Sleeping between every two asks
+    made each ask wait out that slack (run 65: 0.63-0.72x raw NIXL at 4k, docs/gpu.md)."""
 
     def wait(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        now = time.monotonic()
+        deadline = None if timeout is None else now + max(0.0, timeout)
+        slept = now
         while not self._poll_once().terminal:
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 break
-            time.sleep(0)
+            if now - slept >= WAIT_SLEEP_EVERY_S:
+                time.sleep(0)
+                slept = now
+            else:
+                _yield_cpu()
         self._raise_unless_done(timeout)
+
+
+#: How long ``_NixlHandle.wait`` yields between asks before it sleeps once (0: sleep between every two).
+WAIT_SLEEP_EVERY_S = 0.0005
+
+
+def _yield_cpu() -> None:
+    """Give the CPU and the GIL up for a moment, without timer slack where the OS allows."""
+    if _SCHED_YIELD is not None:
+        _SCHED_YIELD()
+    else:
+        time.sleep(0)
+
+
+_SCHED_YIELD: Callable[[], None] | None = getattr(os, "sched_yield", None)
 
 
 def _error_type(exc: Exception | None) -> type[TransportError]:

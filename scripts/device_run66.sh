@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Issue 17, device run 66: run 65 (H200) put nixl_prep at 0.63-0.72x raw NIXL at 4k identical, where run 52 (H100)
+# had 1.22-1.31x. The nixl handle's wait slept (time.sleep(0): 55-75 us of timer slack) between every two
+# asks of check_xfer_state, where raw NIXL asks back to back; it now yields (os.sched_yield) and sleeps once
+# per 0.5 ms. The 4k cases with 25 iterations, 8 UCX threads (as runs 52 and 65), the new wait and then the
+# old (--nixl-sleep-every-us 0), each against raw NIXL in the same process.
+# Usage: OUT=$OUT bash scripts/device_run66.sh
+source scripts/device_setup.sh >/dev/null 2>&1
+record_env; cat "$OUT/env.txt"
+for policy in new old; do
+  extra=""; [ "$policy" = old ] && extra="--nixl-sleep-every-us 0"
+  echo "=== bench_gpu nixl 4k, wait policy $policy (${SECONDS}s used)"
+  KVXFER_NIXL_THREADS=8 PYTHONPATH=$BOTH timeout 150 python3 benchmarks/bench_gpu.py --backends nixl \
+    --raw-nixl --tokens 4096 --iters 25 --latency-iters 100 $extra --json "$OUT/bench_gpu_nixl_$policy.json" 2>&1 \
+    | filter > "$OUT/bench_gpu_nixl_$policy.txt"
+  tail -9 "$OUT/bench_gpu_nixl_$policy.txt"
+done
+echo "done at ${SECONDS}s"
