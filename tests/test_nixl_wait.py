@@ -37,7 +37,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
     monkeypatch.setattr(nixl_backend.time, "monotonic", fake.monotonic)
     monkeypatch.setattr(nixl_backend.time, "sleep", fake.sleep)
-    monkeypatch.setattr(nixl_backend, "_SCHED_YIELD", fake.sched_yield)
+    monkeypatch.setattr(nixl_backend, "_yield_cpu", fake.sched_yield)
     return fake
 
 
@@ -65,7 +65,7 @@ def test_wait_yields_between_asks_and_sleeps_once_per_interval(clock: FakeClock)
 
 def test_wait_times_out_with_the_transfer_named(clock: FakeClock) -> None:
     handle, asks = handle_done_after(10**9)
-    with pytest.raises(TransferTimeout, match="transfer 1 .*peer 'peer'"):
+    with pytest.raises(TransferTimeout, match=r"transfer 1 .*peer 'peer'"):
         handle.wait(0.002)
     assert 190 <= asks[0] <= 202   # 2 ms of 10 us readings: it kept asking until the deadline, no longer
     assert handle.status is TransferStatus.PENDING

@@ -405,15 +405,8 @@ class _NixlHandle(TransferHandle):
 WAIT_SLEEP_EVERY_S = 0.0005
 
 
-def _yield_cpu() -> None:
-    """Give the CPU and the GIL up for a moment, without timer slack where the OS allows."""
-    if _SCHED_YIELD is not None:
-        _SCHED_YIELD()
-    else:
-        time.sleep(0)
-
-
-_SCHED_YIELD: Callable[[], None] | None = getattr(os, "sched_yield", None)
+#: Gives the CPU and the GIL up for a moment: ``os.sched_yield`` (no timer slack) where the OS has it.
+_yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def _error_type(exc: Exception | None) -> type[TransportError]:
