@@ -7,10 +7,7 @@
 source scripts/device_setup.sh >/dev/null 2>&1
 record_env; cat "$OUT/env.txt"
 LIMIT=${LIMIT:-420}
-echo "=== bench_gpu nixl (+ nixl_prep) vs raw NIXL (${SECONDS}s used)"
-KVXFER_NIXL_THREADS=8 PYTHONPATH=$BOTH timeout 200 python3 benchmarks/bench_gpu.py --backends nixl \
-  --raw-nixl --iters 7 --latency-iters 100 --json "$OUT/bench_gpu_nixl.json" 2>&1 | filter > "$OUT/bench_gpu_nixl.txt"
-tail -14 "$OUT/bench_gpu_nixl.txt"
+bench_nixl bench_gpu_nixl 200 --iters 7 --latency-iters 100
 echo "=== bench e2e 8B (${SECONDS}s used)"
 PYTHONPATH=$BOTH timeout $(( LIMIT - SECONDS )) python3 -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc \
   --model llama-3-8b --lengths 4096,16384 --iters 5 --out "$OUT/e2e_8b.json" 2>&1 | filter | tail -6

@@ -12,11 +12,9 @@ record_env; cat "$OUT/env.txt"
 for policy in new old maxpoll; do
   extra=""; [ "$policy" = old ] && extra="--nixl-sleep-every-us 0"
   poll=16; [ "$policy" = maxpoll ] && poll=1024
-  echo "=== bench_gpu nixl 4k, wait policy $policy, UCX_CUDA_IPC_MAX_POLL=$poll (${SECONDS}s used)"
-  UCX_CUDA_IPC_MAX_POLL=$poll KVXFER_NIXL_THREADS=8 PYTHONPATH=$BOTH timeout ${BENCH_LIMIT:-150} python3 benchmarks/bench_gpu.py --backends nixl \
-    --raw-nixl --tokens 4096 --iters ${ITERS:-25} --latency-iters ${LAT_ITERS:-100} $extra --json "$OUT/bench_gpu_nixl_$policy.json" 2>&1 \
-    | filter > "$OUT/bench_gpu_nixl_$policy.txt"
-  tail -9 "$OUT/bench_gpu_nixl_$policy.txt"
+  echo "--- wait policy $policy, UCX_CUDA_IPC_MAX_POLL=$poll"
+  UCX_CUDA_IPC_MAX_POLL=$poll bench_nixl "bench_gpu_nixl_$policy" "${BENCH_LIMIT:-150}" --tokens 4096 \
+    --iters "${ITERS:-25}" --latency-iters "${LAT_ITERS:-100}" $extra
 done
 # The GPU tests of the nixl backend on this tree (the wait changed after run 64's full `pytest -m gpu`).
 pytest_gpu ${PYTEST_LIMIT:-90} "tests/test_transport_gpu.py -k nixl"

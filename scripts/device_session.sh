@@ -56,6 +56,16 @@ bench_cuda_ipc() {  # bench_cuda_ipc [timeout_s]
   tail -16 "$OUT/bench_gpu.txt"
 }
 
+# bench_gpu nixl (+ nixl_prep) against raw NIXL through its own agent, 8 UCX threads: its table in $OUT/NAME.txt
+# (last lines printed), its JSON in $OUT/NAME.json. Extra arguments go to bench_gpu (--tokens, --iters, ...).
+bench_nixl() {  # bench_nixl NAME TIMEOUT_S [bench_gpu arguments...]
+  local name=$1 limit=$2; shift 2
+  echo "=== bench_gpu nixl (+ nixl_prep) vs raw NIXL $* (${SECONDS}s used)"
+  KVXFER_NIXL_THREADS=8 PYTHONPATH=$BOTH timeout "$limit" python3 benchmarks/bench_gpu.py --backends nixl \
+    --raw-nixl --json "$OUT/$name.json" "$@" 2>&1 | filter > "$OUT/$name.txt"
+  tail -14 "$OUT/$name.txt"
+}
+
 # The prepared post's stage probe, host-call costs and kernel sweep (scripts/device_prep_stages.py).
 prep_stages() {  # prep_stages [timeout_s]
   echo "=== prepared post stages, host calls, kernel sweep"
