@@ -382,8 +382,8 @@ class _NixlHandle(TransferHandle):
     NIXL's own examples do, instead of sleeping between asks (a sleep that backs off to a millisecond adds
     up to that to every transfer). Between asks it yields the CPU with the GIL released
     (``os.sched_yield``, ~1 us); every ``WAIT_SLEEP_EVERY_S`` it sleeps once (``time.sleep(0)``, 55-75 us of
-    Linux timer slack) so that the process's other threads get the GIL. Sleeping between every two asks
-    made each ask wait out that slack (run 65: 0.63-0.72x raw NIXL at 4k, docs/gpu.md)."""
+    Linux timer slack) so that the process's other threads get the GIL. Against sleeping between every two
+    asks it measured alike on an H100 (run 66, docs/gpu.md "NIXL"); it stays, being the loop NIXL's examples use."""
 
     def wait(self, timeout: float | None = None) -> None:
         now = time.monotonic()
