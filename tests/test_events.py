@@ -4,17 +4,15 @@ queue, sliding-window drops, and vLLM's wire format decoded by a subscriber buil
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import zmq
+from module_loader import load_module
 from reuse_support import TPB, make_manager, prefill, write_kv
 
 from kvxfer.cache import (
@@ -37,18 +35,7 @@ from kvxfer.cache.events import EventQueue, stored_extra_keys
 from kvxfer.cache.hashing import HASH_ALGOS
 from kvxfer.errors import ConfigError
 
-
-def _load_schema() -> ModuleType:
-    path = Path(__file__).parent / "data" / "vllm_kv_events_schema.py"
-    spec = importlib.util.spec_from_file_location("vllm_kv_events_schema", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-VLLM = _load_schema()
+VLLM = load_module("vllm_kv_events_schema", Path(__file__).parent / "data" / "vllm_kv_events_schema.py")
 
 
 def drained(mgr: KVCacheManager) -> KVCacheManager:

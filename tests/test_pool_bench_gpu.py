@@ -3,27 +3,14 @@ by the ratio of pooled medians and the median of paired (same run, same iteratio
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from module_loader import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def load_pool() -> ModuleType:
-    """benchmarks/pool_bench_gpu.py as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("kvxfer_pool_bench_gpu", ROOT / "benchmarks" / "pool_bench_gpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pool_bench_gpu = load_pool()
+pool_bench_gpu = load_module("kvxfer_pool_bench_gpu", ROOT / "benchmarks" / "pool_bench_gpu.py")
 
 
 def result(col: list[float], base: list[float], case: str = "identical") -> dict:

@@ -5,12 +5,10 @@ stalling on serial reconnect attempts while its prefill does not answer)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import json
 import pathlib
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from types import ModuleType
@@ -18,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from module_loader import load_module
 
 from kvxfer.cli.serve import best_backend
 from kvxfer.disagg.worker import WorkerConfig
@@ -49,12 +48,7 @@ EXPECTED_REASONS = {
 
 def load_soak() -> ModuleType:
     """benchmarks/soak.py as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("kvxfer_soak", ROOT / "benchmarks" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_module("kvxfer_soak", ROOT / "benchmarks" / "soak.py")
 
 
 @pytest.fixture(scope="module")
