@@ -123,8 +123,8 @@ def raw_nixl_agent(name: str, mgrs: dict[str, KVCacheManager]) -> Any:
     site = os.environ.get("KVXFER_SITE_NIXL")
     if site and site not in sys.path:
         sys.path.insert(0, site)
-    from kvxfer.transport.nixl import nixl_module
-    api = __import__(f"{nixl_module()}._api", fromlist=["nixl_agent"])
+    from kvxfer.transport.ucx_env import load_nixl_api
+    api = load_nixl_api()
     threads = int(os.environ.get("KVXFER_NIXL_THREADS", "0"))
     agent = api.nixl_agent(name, api.nixl_agent_config(num_threads=threads))
     regions = [r for m in mgrs.values() for r in m.memory_regions()]

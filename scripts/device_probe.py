@@ -23,7 +23,9 @@ print("cuda manager ok", m.layout.pool_groups[0].pools[0].memory_kind, float(v[3
 which = sys.argv[1] if len(sys.argv) > 1 else "nixl"
 if which == "nixl":
     sys.path.insert(0, os.environ["KVXFER_SITE_NIXL"])
-    from nixl_cu13._api import nixl_agent, nixl_agent_config
+    from kvxfer.transport.ucx_env import load_nixl_api
+    nixl_api = load_nixl_api()
+    nixl_agent, nixl_agent_config = nixl_api.nixl_agent, nixl_api.nixl_agent_config
     cfg = nixl_agent_config(backends=["UCX"])
     a, b = nixl_agent("A", cfg), nixl_agent("B", cfg)
     src = torch.arange(1 << 24, dtype=torch.uint8, device="cuda")

@@ -15,7 +15,6 @@ detection to the control plane.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import math
 import os
@@ -36,7 +35,7 @@ from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
 from kvxfer.transport.prepared import PreparedTransfer
-from kvxfer.transport.ucx_env import apply_ucx_defaults
+from kvxfer.transport.ucx_env import NIXL_MODULES, load_nixl_api, nixl_module
 
 #: Largest descriptor grid prepared for one (side, memory type, unit); beyond it the plan's own
 #: descriptors are prepared for that post alone.
@@ -46,16 +45,7 @@ MAX_CACHED_GRIDS = 32
 _LOCAL = ""
 
 
-#: Import names of the NIXL wheels, in order of preference (nixl-cu13, nixl-cu12, the meta package).
-NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
-
-
-def nixl_module() -> str | None:
-    """The import name of the installed NIXL binding (found without importing it), or None."""
-    for name in NIXL_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            return name
-    return None
+__all__ = ["NIXL_MODULES", "NixlTransport", "nixl_logs_to_stderr", "nixl_module", "nixl_unavailable_reason"]
 
 
 def nixl_logs_to_stderr() -> None:
@@ -112,10 +102,9 @@ class NixlTransport(Transport):
         reason = nixl_unavailable_reason()
         if reason is not None:
             raise BackendUnavailable(reason)
-        apply_ucx_defaults()
         module = nixl_module()
         try:
-            api = importlib.import_module(f"{module}._api")
+            api = load_nixl_api()
             nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         except Exception as exc:
             raise BackendUnavailable(f"{module} is not importable: {exc}") from exc
