@@ -124,3 +124,9 @@ class SessionError(KvxferError):
 class WorkerUnhealthy(KvxferError):
     """A worker hit an error it cannot vouch for recovering from (a bug, CUDA out of memory): its requests
     were failed with the cause and it should be restarted; the message names the cause."""
+
+
+class WorkerShuttingDown(KvxferError):
+    """The worker is stopping (SIGTERM/SIGINT to ``kvxfer serve``, or ``drain``/``close``): it takes no new
+    request, and a request it could not finish within its drain deadline fails with this; the message names
+    the worker and what stopped it."""

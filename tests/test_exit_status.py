@@ -77,7 +77,7 @@ def _stop(worker: WorkerProcess, sig: signal.Signals) -> int:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_workers_exit_zero_on_signal_after_serving(sig: signal.Signals) -> None:
     """``kvxfer serve prefill`` and ``serve decode`` over NIXL serve exact requests, then each exits 0 on
-    ``sig`` (decode first, then prefill)."""
+    ``sig`` (decode first, then prefill), after saying it drains and that it stopped."""
     prefill = WorkerProcess(["prefill", "--backend", "nixl", "--name", f"exit-prefill-{sig.name}"], _env(), 120.0)
     decode: WorkerProcess | None = None
     try:
@@ -92,6 +92,8 @@ def test_serve_workers_exit_zero_on_signal_after_serving(sig: signal.Signals) ->
         for worker in (decode, prefill):
             status = _stop(worker, sig)
             assert status == 0, f"{worker.proc.args[4:6]} exited {status}: {''.join(worker.stderr[-20:])}"
+            assert any(f"{sig.name}: draining" in line for line in worker.stderr), worker.stderr[-5:]
+            assert any(line.rstrip().endswith(": stopped") for line in worker.stderr), worker.stderr[-5:]
     finally:
         for w in (decode, prefill):
             if w is not None:

@@ -105,6 +105,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "a decode worker also follows the prefills registered there")
     p.add_argument("--cluster", default="default", help="etcd discovery: the cluster name (key prefix)")
     p.add_argument("--etcd-ttl", type=int, default=3, help="etcd discovery: lease TTL in seconds (>= 2)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT: how long requests in flight may take to finish before they fail with "
+                        "the shutdown error (a second signal cuts it short; docs/operations.md)")
 
 
 def worker_config(a: argparse.Namespace, role: str) -> WorkerConfig:
@@ -177,17 +180,53 @@ def parse_checksum(text: str) -> ChecksumPolicy | None:
 
 #: Exit status of ``serve`` when its worker became unhealthy (a supervisor restarts it).
 EXIT_UNHEALTHY = 3
+#: Default ``--drain-timeout``: below the 30 s a Kubernetes pod (``terminationGracePeriodSeconds``) gets
+#: between SIGTERM and SIGKILL, leaving 10 s to release transfers, registrations and the etcd lease, and
+#: above what a request of the default 30 s deadline still needs once its KV is moving.
+DRAIN_TIMEOUT_S = 20.0
 
 
-def _wait_for_signal(worker: Any) -> str | None:
+class StopSignals:
+    """SIGTERM/SIGINT handlers of ``serve``: the first signal asks for a drain (``first``), any later one
+    cuts it short (``again``). The handlers only set events: the main thread does the work."""
+
+    def __init__(self) -> None:
+        self.first = threading.Event()
+        self.again = threading.Event()
+        self.name = ""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.first.is_set():
+            self.again.set()
+        else:
+            self.name = signal.Signals(signum).name
+            self.first.set()
+
+
+def _wait_for_signal(worker: Any, signals: StopSignals) -> str | None:
     """Wait for SIGTERM/SIGINT (None) or for the worker to turn unhealthy (the reason)."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.2):
+    while not signals.first.wait(0.2):
         if not worker.health.ok:
             return str(worker.health.reason)
     return None
+
+
+def _drain(worker: Any, who: str, signals: StopSignals, timeout: float) -> None:
+    """Stop taking requests and let those in flight finish within ``timeout`` s (a second signal cuts it
+    short); the worker's ``close`` then fails what is left with the shutdown error."""
+    print(f"{who}: {signals.name}: draining (up to {timeout:g} s; a second signal stops at once)", file=sys.stderr,
+          flush=True)
+    started = time.monotonic()
+    done = worker.drain(timeout, cancel=signals.again)
+    took = time.monotonic() - started
+    if done:
+        print(f"{who}: drained in {took:.1f} s", file=sys.stderr, flush=True)
+    else:
+        why = "a second signal" if signals.again.is_set() else f"the {timeout:g} s drain timeout"
+        print(f"{who}: {why} ended the drain after {took:.1f} s: requests still in flight fail with the shutdown "
+              f"error", file=sys.stderr, flush=True)
 
 
 def kv_router(a: argparse.Namespace, cfg: WorkerConfig) -> KVRouter | None:
@@ -211,6 +250,9 @@ def serve(a: argparse.Namespace) -> int:
     if not 0 < a.switch_interval_ms <= 100:
         raise ConfigError(f"--switch-interval-ms must be in (0, 100], got {a.switch_interval_ms}")
     sys.setswitchinterval(a.switch_interval_ms / 1e3)
+    if not a.drain_timeout >= 0:
+        raise ConfigError(f"--drain-timeout must be >= 0 s, got {a.drain_timeout}")
+    signals = StopSignals()   # from here on a signal stops the worker in order (after it has started)
     from kvxfer.disagg.worker_decode import DecodeWorker
     from kvxfer.disagg.worker_prefill import PrefillWorker
     key = load_key(a.secret_file)
@@ -256,9 +298,14 @@ def serve(a: argparse.Namespace) -> int:
                                            events=pump.publisher.endpoint if pump is not None else "",
                                            replay=(pump.publisher.replay_endpoint or "") if pump is not None else "")
             print(f"kvxfer {a.role} {cfg.name}: registered in etcd {a.etcd} as {registration.key}", flush=True)
-        unhealthy = _wait_for_signal(worker)
-    finally:
+        unhealthy = _wait_for_signal(worker, signals)
         if registration is not None:   # first: nobody should pick a worker that is going away
+            registration.close()
+            registration = None
+        if unhealthy is None:
+            _drain(worker, f"kvxfer {a.role} {cfg.name}", signals, a.drain_timeout)
+    finally:
+        if registration is not None:
             registration.close()
         if watcher is not None:
             watcher.close()
@@ -270,6 +317,7 @@ def serve(a: argparse.Namespace) -> int:
     if unhealthy is not None:   # its requests already failed with the cause; a restart gives a sound worker
         print(f"kvxfer {a.role} {cfg.name}: unhealthy, exiting for a restart: {unhealthy}", file=sys.stderr, flush=True)
         return EXIT_UNHEALTHY
+    print(f"kvxfer {a.role} {cfg.name}: stopped", file=sys.stderr, flush=True)
     return 0
 
 

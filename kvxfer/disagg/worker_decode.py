@@ -29,6 +29,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
@@ -72,6 +73,7 @@ from kvxfer.disagg.worker_protocol import (
     encode_layouts,
     encode_stats,
     encode_tokens,
+    is_prefill_shutdown,
 )
 from kvxfer.errors import (
     CacheStateError,
@@ -89,6 +91,7 @@ from kvxfer.errors import (
     RequestCancelled,
     TransferFailed,
     TransferTimeout,
+    WorkerShuttingDown,
     WorkerUnhealthy,
 )
 from kvxfer.extractor import check_writable, writable_block_ids
@@ -189,6 +192,8 @@ class _Prefill:
     reconnect_error: str = ""
     """Why the last automatic reconnect attempt failed ("" before any, or while the first one runs)."""
     stop: threading.Event = field(default_factory=threading.Event)
+    draining: bool = False
+    """The prefill said it is stopping (a ``PREFILL_SHUTDOWN`` refusal): new requests go elsewhere."""
 
     @property
     def alive(self) -> bool:
@@ -242,6 +247,11 @@ class _Job:
     """Prompt positions whose committed KV the result carries (0: none; see ``kvxfer.disagg.oracle``)."""
     result: GenerationResult | None = None
     """Set once the KV is in place; its tokens follow from the compute thread."""
+    tried: set[str] = field(default_factory=set)
+    """Prefill addresses this request was sent to (failover sends it to each at most once)."""
+    attempt: int = 1
+    failover_cause: KvxferError | None = None
+    """Why the previous attempt's prefill was left (set on a failover's attempt)."""
 
 
 class DecodeWorker(WorkerCounts):
@@ -270,6 +280,7 @@ class DecodeWorker(WorkerCounts):
         self._reconnect_stop = threading.Event()
         self._connect_lock = threading.Lock()
         self._waiting: list[_Job] = []   # requests waiting for a reconnect attempt (engine thread only)
+        self._draining = False   # set by drain: new requests fail with WorkerShuttingDown
         self._secret = secret
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
@@ -295,7 +306,7 @@ class DecodeWorker(WorkerCounts):
         self._generating: dict[str, _Job] = {}   # KV in place, tokens being generated on the compute thread
         self.compute: ComputeThread | None = None
         self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0,
-                       "peer_losses": 0, "bad_notices": 0}
+                       "peer_losses": 0, "bad_notices": 0, "failovers": 0}
         #: Called on the engine thread with each completed request's result (metrics); must not raise.
         self.result_observers: list[Callable[[GenerationResult], None]] = []
         self._ids = itertools.count(1)
@@ -472,7 +483,7 @@ class DecodeWorker(WorkerCounts):
                 "jobs": len(self._jobs) + len(self._waiting) + len(self._generating),
                 "zombies": len(self._zombies), "connected": int(self.connected),
                 "prefills": len(self._prefills), "prefills_connected": sum(p.alive for p in self._prefills.values()),
-                **self.counts}
+                "draining": int(self._draining), **self.counts}
 
     def _cancel(self, request_id: str, reason: str) -> bool:
         job = self._jobs.get(request_id)
@@ -485,13 +496,37 @@ class DecodeWorker(WorkerCounts):
         self._fail(job, RequestCancelled(f"request {request_id}: {reason}"))
         return True
 
+    def drain(self, timeout: float, cancel: threading.Event | None = None) -> bool:
+        """Stop taking requests (new ones fail with WorkerShuttingDown) and wait up to ``timeout`` s (less
+        once ``cancel`` is set) for those in flight to finish, generation included; True when none is
+        left. ``close`` fails the rest."""
+        if self.engine.stopping:
+            return True
+        with contextlib.suppress(KvxferError):
+            self.engine.call(lambda: setattr(self, "_draining", True), 10.0)
+        deadline = now() + max(0.0, timeout)
+        while True:
+            try:
+                left = int(self.engine.call(lambda: len(self._jobs) + len(self._waiting) + len(self._generating),
+                                            10.0))
+            except KvxferError:
+                return False
+            if not left:
+                return True
+            if now() >= deadline or (cancel is not None and cancel.is_set()):
+                log.warning("%s: %d request(s) still in flight after the %.1f s drain", self.config.name, left,
+                            timeout)
+                return False
+            time.sleep(0.02)
+
     def close(self) -> None:
         """Fail open requests, stop the threads, close connections and the transport."""
         if self.engine.stopping:
             return
         self._reconnect_stop.set()
+        stopping = WorkerShuttingDown(f"decode worker {self.config.name} shutting down")
         with contextlib.suppress(KvxferError):
-            self.engine.call(lambda: self._fail_all(PeerUnreachable("decode worker shutting down")), 10.0)
+            self.engine.call(lambda: self._fail_all(stopping), 10.0)
         peers = list(self._prefills.values())
         for peer in peers:
             peer.stop.set()
@@ -510,7 +545,7 @@ class DecodeWorker(WorkerCounts):
         for job in list(self._generating.values()):
             self._close_caches(job)
             if not job.future.done():
-                job.future.set_exception(PeerUnreachable("decode worker shutting down"))
+                job.future.set_exception(stopping)
         self._generating.clear()
         if self._accepting is not None:
             self._accepting.join(5.0)
@@ -554,6 +589,7 @@ class DecodeWorker(WorkerCounts):
         if peer is None:
             peer = self._prefills[address] = _Prefill(address)
         peer.stop.clear()
+        peer.draining = False
         old = peer.conn
         if old is not None:
             self._on_prefill_lost(old, "replaced by a new prefill connection", reconnect=False)
@@ -626,6 +662,10 @@ class DecodeWorker(WorkerCounts):
 
     def _start(self, job: _Job) -> None:
         self.counts["requests"] += 1
+        if self._draining:
+            self._fail(job, WorkerShuttingDown(f"decode worker {self.config.name} shutting down: draining, not "
+                                               f"taking new requests"))
+            return
         if job.request_id in self._jobs or job.request_id in self._zombies or job.request_id in self._generating \
                 or any(w.request_id == job.request_id for w in self._waiting):
             self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
@@ -709,8 +749,10 @@ class DecodeWorker(WorkerCounts):
 
     def _pick(self, job: _Job) -> _Prefill | None:
         """The prefill for a request: the caller's choice when connected, else the least loaded (rotating
-        among equals); None when none is connected."""
-        live = [p for p in self._prefills.values() if p.alive]
+        among equals); never one the request was sent to before, nor a stopping one while another is
+        connected; None when none is connected."""
+        live = [p for p in self._prefills.values() if p.alive and p.address not in job.tried]
+        live = [p for p in live if not p.draining] or live
         if not live:
             return None
         prefer = job.prefer
@@ -719,7 +761,7 @@ class DecodeWorker(WorkerCounts):
             prefer = job.route.address
         if prefer is not None:
             chosen = self._prefills.get(prefer)
-            if chosen is not None and chosen.alive:
+            if chosen is not None and chosen in live:
                 return chosen
         self._rotation += 1
         n = len(live)
@@ -745,6 +787,7 @@ class DecodeWorker(WorkerCounts):
             self._fail(job, PeerUnreachable(f"no prefill worker connected{self._no_prefill_reason()}"))
             return
         job.peer, job.prefill, job.conn, job.src_layouts = conn.peer.name, peer, conn, peer.layouts
+        job.tried.add(peer.address)
         self._jobs[job.request_id] = job
         try:
             # The prompt goes first: prefill computes while decode allocates (and evicts for) the destination
@@ -752,14 +795,20 @@ class DecodeWorker(WorkerCounts):
             conn.send_urgent("kv_request", request_id=job.request_id, tokens=encode_tokens(job.tokens), mode=job.mode,
                              layerwise=job.layerwise, layers_per_send=self.layers_per_send,
                              lease_s=self.config.lease_s, checksum=encode_checksum_policy(self.config.checksum))
+        except PeerUnreachable as exc:   # the prefill went away before it got the prompt: try another
+            if not self._retry(job, exc):
+                self._fail(job, exc)
+            return
         except KvxferError as exc:
             self._fail(job, exc)
             return
         job.last_renew = job.requested = now()
         job.lease_until = job.last_renew + self.config.lease_s
         try:
+            # A failover's pages may still be held by its earlier attempt (quarantined): each attempt has its own.
+            base = job.request_id if job.attempt == 1 else f"{job.request_id}~{job.attempt}"
             for i, m in enumerate(self.managers):
-                job.caches.append(m.create_kv_cache(job.tokens, id=f"{job.request_id}/{i}"))
+                job.caches.append(m.create_kv_cache(job.tokens, id=f"{base}/{i}"))
             for cache in job.caches:
                 if not cache.resume():
                     raise OutOfSlotsError(f"decode cache {cache.id}: no free slot for copy-on-write")
@@ -780,6 +829,9 @@ class DecodeWorker(WorkerCounts):
             if not job.session.terminal and job.session.state is not SessionState.TRANSFERRING:
                 # Prefill has the prompt but no destination: it must stop computing (nothing of ours to write).
                 self._send(job, "kv_cancel", request_id=job.request_id, reason=f"decode could not allocate: {exc}"[:1000])
+            cause = job.failover_cause
+            if cause is not None:   # the caller learns why its prefill was left, then why no other took it
+                exc = type(cause)(f"{cause}; sending it to another prefill failed: {type(exc).__name__}: {exc}")
             self._fail(job, exc)
 
     def _on_prefill(self, conn: PeerConnection, msg: Message) -> None:
@@ -827,7 +879,13 @@ class DecodeWorker(WorkerCounts):
                 self._send(job, "kv_release", request_id=rid)
                 self._fail(job, exc)
         elif msg.type == "kv_failed":
-            self._fail(job, TransferFailed(f"prefill failed request {rid}: {msg['reason']}"), remote_done=True)
+            error = TransferFailed(f"prefill failed request {rid}: {msg['reason']}")
+            if is_prefill_shutdown(msg["reason"]):   # it is stopping: nothing of this request will come from it
+                if job.prefill is not None:
+                    job.prefill.draining = True
+                if self._retry(job, error):
+                    return
+            self._fail(job, error, remote_done=True)
         else:
             raise ProtocolError(f"unexpected message {msg.type!r} from the prefill worker")
 
@@ -1130,13 +1188,47 @@ class DecodeWorker(WorkerCounts):
             if job.read is not None and not job.read.done():
                 job.read.cancel()
             pushing = job.mode == "push" and job.session.state is SessionState.TRANSFERRING and job.lease_until > 0
-            self._fail(job, PeerUnreachable(what), remote_done=True,
-                       quarantine_until=job.lease_until + self.config.lease_s if pushing else 0.0)
+            quarantine = job.lease_until + self.config.lease_s if pushing else 0.0
+            if not self._retry(job, PeerUnreachable(what), quarantine_until=quarantine):
+                self._fail(job, PeerUnreachable(what), remote_done=True, quarantine_until=quarantine)
         for zombie in [z for z in self._zombies.values() if z.conn is conn and z.read is None]:
             # No kv_failed will confirm these any more: hold them as long as the prefill's lease could last.
             zombie.zombie_until = min(zombie.zombie_until, zombie.lease_until + self.config.lease_s)
         if not any(p.alive and p.conn is not None and p.conn.peer.name == name for p in self._prefills.values()):
             self.transport.disconnect(name)
+
+    def _retry(self, job: _Job, error: KvxferError, *, quarantine_until: float = 0.0) -> bool:
+        """Failover: send a request whose KV has not reached decode, and never will from its prefill (lost,
+        removed, stopping), to another connected prefill it was not sent to yet, as a fresh attempt with
+        the same id, future and deadline; the client sees nothing of it. The attempt's destination pages
+        hold nothing committed: they are freed, or held until ``quarantine_until`` (or until decode's own
+        read ended) while the old prefill might still write there. False, changing nothing, when no other
+        prefill can take it, the worker drains, or the deadline has passed."""
+        if self._draining or job.result is not None or now() >= job.deadline or self._reconnect_stop.is_set() \
+                or not any(p.alive and p.address not in job.tried for p in self._prefills.values()):
+            return False
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
+        self._route_done(job)
+        if not job.session.terminal:
+            job.session.fail(f"{type(error).__name__}: {error}; sent to another prefill")
+        self.counts["failovers"] += 1
+        log.info("%s: request %s goes to another prefill (attempt %d): %s", self.config.name, job.request_id,
+                 job.attempt + 1, error)
+        stale = replace(job, request_id=f"{job.request_id}~{job.attempt}", future=Future(), reply=None)
+        if job.read is not None and not job.read.done() and not job.read.cancel():
+            stale.zombie_until = now() + self.config.lease_s + self.config.deadline_s   # our read still runs
+        elif quarantine_until > now():
+            stale.zombie_until = quarantine_until
+        if stale.zombie_until:
+            self._zombies[stale.request_id] = stale
+        else:
+            self._close_caches(stale)
+        self._begin(_Job(job.request_id, job.tokens, job.max_new_tokens, job.mode, job.layerwise, job.future,
+                         Session(job.request_id), job.submitted, job.deadline, reply=job.reply,
+                         client_request_id=job.client_request_id, return_kv=job.return_kv, tried=job.tried,
+                         attempt=job.attempt + 1, failover_cause=job.failover_cause or error))
+        return True
 
     def _fail_all(self, error: KvxferError) -> None:
         waiting, self._waiting = self._waiting, []

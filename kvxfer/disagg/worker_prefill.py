@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,7 @@ from kvxfer.disagg.worker import (
     warm_up_model,
 )
 from kvxfer.disagg.worker_protocol import (
+    PREFILL_SHUTDOWN,
     BlockIdMaps,
     decode_block_ids,
     decode_checksum_policy,
@@ -164,6 +166,7 @@ class PrefillWorker(WorkerCounts):
         self.leases = LeaseTable()
         self.stats = PrefillStats()
         self._jobs: dict[tuple[str, str], _Job] = {}
+        self._draining = False   # set by drain: new requests are refused (engine thread reads it)
         self._peer_layouts: dict[str, list[CacheLayoutDesc]] = {}
         self._peers: dict[str, PeerConnection] = {}
         self.engine = Engine(config.name, self._on_event, self._tick, on_receive=self._on_receive,
@@ -224,14 +227,38 @@ class PrefillWorker(WorkerCounts):
                 "open_caches": sum(len(m.open_caches) for m in self.managers), "jobs": len(self._jobs),
                 "peers": len(self._peers), "requests": self.stats.requests, "completed": self.stats.completed,
                 "failed": self.stats.failed, "bytes_sent": self.stats.bytes_sent,
-                "reused_tokens": self.stats.reused_tokens, "peer_losses": self.stats.peer_losses}
+                "reused_tokens": self.stats.reused_tokens, "peer_losses": self.stats.peer_losses,
+                "draining": int(self._draining)}
+
+    def drain(self, timeout: float, cancel: threading.Event | None = None) -> bool:
+        """Stop taking requests (each new ``kv_request`` fails with a ``PREFILL_SHUTDOWN`` reason, which
+        sends it to another prefill of its decode) and wait up to ``timeout`` s (less once ``cancel`` is
+        set) for the requests in flight to finish; True when none is left. ``close`` fails those still
+        open."""
+        if self.engine.stopping:
+            return True
+        with contextlib.suppress(KvxferError):
+            self.engine.call(lambda: setattr(self, "_draining", True), 10.0)
+        deadline = now() + max(0.0, timeout)
+        while True:
+            try:
+                left = int(self.engine.call(lambda: len(self._jobs), 10.0))
+            except KvxferError:
+                return False
+            if not left:
+                return True
+            if now() >= deadline or (cancel is not None and cancel.is_set()):
+                log.warning("%s: %d request(s) still in flight after the %.1f s drain", self.config.name, left,
+                            timeout)
+                return False
+            time.sleep(0.02)
 
     def close(self) -> None:
         """Fail every open request, stop the threads, close the server and transport."""
         if self.engine.stopping:
             return
         with contextlib.suppress(KvxferError):
-            self.engine.call(lambda: self._fail_all("prefill worker shutting down"), 10.0)
+            self.engine.call(lambda: self._fail_all(f"{PREFILL_SHUTDOWN} ({self.config.name})"), 10.0)
         self._release()
 
     def _release(self) -> None:
@@ -344,6 +371,10 @@ class PrefillWorker(WorkerCounts):
         self.stats.requests += 1
         if (peer, rid) in self._jobs:
             self._send(conn, "kv_failed", request_id=rid, reason="duplicate request id")
+            return
+        if self._draining:
+            self._send(conn, "kv_failed", request_id=rid,
+                       reason=f"{PREFILL_SHUTDOWN} ({self.config.name}): draining, not taking new requests")
             return
         try:
             tokens = decode_tokens(msg["tokens"], "kv_request.tokens")

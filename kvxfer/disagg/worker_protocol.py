@@ -17,6 +17,10 @@ answers with a position-keyed KVDigest of the source pages over the tokens decod
 ``kv_pushed.digest`` or ``kv_pull.digest``; decode digests its own destination pages the same way and
 compares before it commits them (no plan is involved, so a mispaired plan cannot agree with itself).
 ``kv_blocks.blocks`` names decode's read-only blocks (committed, shared with its prefix tree) as -1.
+
+Shutdown: a prefill that stops (drains, or closes) answers ``kv_failed`` with a reason beginning with
+``PREFILL_SHUTDOWN``; such a request's KV did not reach decode and never will from there, so decode sends
+it to another prefill (``is_prefill_shutdown``).
 """
 
 from __future__ import annotations
@@ -93,6 +97,15 @@ KV_RELEASE = register(MessageSpec("kv_release", (_RID,)))
 LEASE_RENEW = register(MessageSpec("lease_renew", (_RID,)))
 KV_CANCEL = register(MessageSpec("kv_cancel", (_RID, _REASON)))
 KV_FAILED = register(MessageSpec("kv_failed", (_RID, _REASON)))
+#: How ``kv_failed.reason`` begins when prefill fails a request because it is stopping (draining or closing).
+PREFILL_SHUTDOWN = "prefill worker shutting down"
+
+
+def is_prefill_shutdown(reason: str) -> bool:
+    """Whether a ``kv_failed.reason`` says the prefill is stopping (so the request may go to another one)."""
+    return reason.startswith(PREFILL_SHUTDOWN)
+
+
 GENERATE = register(MessageSpec("generate", (
     _RID, Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=MAX_PROMPT_TOKENS),
     Field("max_new_tokens", "int", hi=1 << 20), Field("mode", "str", max_len=8, choices=("", *MODES)),
