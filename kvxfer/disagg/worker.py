@@ -69,7 +69,7 @@ class WorkerConfig:
     post at the compute's end is one launch; False writes the plan then (the A/B of ``bench e2e``)."""
     warm_up: bool = True
     """Run one short generation on the compute thread before serving (``warm_up_model``, on scratch caches):
-    a GPU process's first forward sets up cuBLAS and loads kernels, 0.57-0.65 s on an H100 (device run 63),
+    a GPU process's first forward sets up cuBLAS and loads kernels (over half a second on an H100),
     which no request should wait for."""
 
     def __post_init__(self) -> None:

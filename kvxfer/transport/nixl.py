@@ -349,7 +349,7 @@ class NixlTransport(Transport):
 
 
 class _PreparedRequests:
-    """nixl's state of a prepared transfer: its NIXL requests, lent to one post at a time. NIXL refuses to
+    """nixl's state of a prepared transfer: its NIXL requests, held by one post at a time. NIXL refuses to
     repost a request in flight, and a request keeps the last notification a post gave it; ``take`` returns
     None then (the post makes requests of its own). A post that fails releases the requests: later posts
     make their own."""
@@ -383,7 +383,7 @@ class _NixlHandle(TransferHandle):
     up to that to every transfer). Between asks it yields the CPU with the GIL released
     (``os.sched_yield``, ~1 us); every ``WAIT_SLEEP_EVERY_S`` it sleeps once (``time.sleep(0)``, 55-75 us of
     Linux timer slack) so that the process's other threads get the GIL. Against sleeping between every two
-    asks it measured alike on an H100 (run 66, docs/gpu.md "NIXL"); it stays, being the loop NIXL's examples use."""
+    asks it measures alike (docs/gpu.md "NIXL"); it stays, being the loop NIXL's examples use."""
 
     def wait(self, timeout: float | None = None) -> None:
         now = time.monotonic()
