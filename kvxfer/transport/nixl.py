@@ -8,8 +8,8 @@ descriptors. The notification travels with the transfer. A prepared transfer (``
 makes its NIXL requests once and each post reposts them with its own notification (``transfer(req,
 notif)``), as NIXL intends prepared requests to be used. NIXL's UCX endpoints are created with
 error handling off (so UCX may use shared memory and CMA on one host, not only tcp): a dead peer is
-therefore detected by the caller's deadline (TransferTimeout), as DESIGN.md assigns failure
-detection to the control plane.
+therefore detected by the caller's deadline (TransferTimeout), as the control plane owns failure
+detection (docs/architecture.md, "Decisions": failures bounded in time).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """UCX environment defaults, applied before a UCX binding (NIXL or ucxx) is first imported.
 
-Both bindings read UCX variables once, at import. kvxfer sets defaults that the measurements behind
-DESIGN.md call for, and never overrides a variable the user already set.
+Both bindings read UCX variables once, at import. kvxfer sets defaults that the measurements in
+docs/transport.md call for, and never overrides a variable the user already set.
 """
 
 from __future__ import annotations
