@@ -1,9 +1,8 @@
-"""TEST HOOK ONLY: deliberate pairing bugs injected into the workers' transfer plans, so that tests can
+"""A faulty transfer planner for tests: deliberate pairing bugs in the workers' plans, so that tests can
 prove each check (the KV oracle, the demo's check, ``--checksum full``) catches every class of bug.
 
-``$KVXFER_TEST_MUTATION`` (read once per process, on the first worker configuration or plan; unknown
-values are refused with ConfigError) selects the bug, applied by ``plan_between`` to every plan it
-builds (data plans and the digest's plans alike, as a real pairing bug would be) in that process:
+``FaultyPlanner(NAME)`` is a ``kvxfer.disagg.worker.Planner``: give it to workers as
+``WorkerConfig(planner=...)``. It applies its bug to every plan the worker builds:
 
 - ``block_swap``: the destination slots of the first two destination blocks of the token range swap.
 - ``token_shift``: source token t lands at destination position t + 1 (position ``start`` keeps old bytes).
@@ -15,71 +14,85 @@ builds (data plans and the digest's plans alike, as a real pairing bug would be)
 - ``per_request``: no bug, except for requests whose id contains ``mutate=NAME`` (NAME one of the
   above): one worker pair then serves healthy and mutated requests side by side.
 
-Unset (the default) costs one attribute read per plan. Never set it outside tests.
+Worker processes a test starts (``kvxfer serve``, ``kvxfer demo``) get it through the test plugin
+``tests/plugins/faulty_planner`` (``install``).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.disagg import worker
 from kvxfer.errors import ConfigError, PageTableError
-from kvxfer.extractor import layout_regions, plan_transfer
+from kvxfer.extractor import layout_regions, multirank, plan_transfer
 from kvxfer.pagetable import PageTable, TransferPlan
 
-MUTATION_ENV = "KVXFER_TEST_MUTATION"
+#: The environment variable the test plugin reads in a worker process: a mutation or ``per_request``.
+PLUGIN_ENV = "TEST_FAULTY_PLANNER"
 MUTATIONS = ("block_swap", "token_shift", "head_swap", "foreign_block", "zero_layer")
 PER_REQUEST = "per_request"
 _TAG = re.compile(r"mutate=([a-z_]+)")
-_UNSET = object()
-_setting: object = _UNSET
 
 BlockIds = Sequence[Mapping[int, npt.ArrayLike]]
 
 
-def check_setting(value: str | None) -> str | None:
-    """``value`` when it names a mutation (or ``per_request``), None when empty; ConfigError otherwise."""
-    if not value:
-        return None
+def check_setting(value: str) -> str:
+    """``value`` when it names a mutation or ``per_request``; ConfigError otherwise."""
     if value not in (*MUTATIONS, PER_REQUEST):
-        raise ConfigError(f"${MUTATION_ENV}={value!r} is not a test mutation; expected one of "
-                          f"{[*MUTATIONS, PER_REQUEST]} (or unset)")
+        raise ConfigError(f"faulty planner {value!r} is not a test mutation; expected one of "
+                          f"{[*MUTATIONS, PER_REQUEST]}")
     return value
 
 
-def mutation_setting() -> str | None:
-    """This process's setting, read from the environment on first use."""
-    global _setting
-    if _setting is _UNSET:
-        _setting = check_setting(os.environ.get(MUTATION_ENV, ""))
-    return _setting if isinstance(_setting, str) else None
+class FaultyPlanner:
+    """A ``Planner`` that corrupts plans with one mutation (or per request, ``per_request``)."""
+
+    def __init__(self, setting: str) -> None:
+        self.setting = check_setting(setting)
+
+    def mutation_for(self, request_id: str) -> str | None:
+        """The mutation applied to the plans of ``request_id``, or None."""
+        if self.setting != PER_REQUEST:
+            return self.setting
+        m = _TAG.search(request_id)
+        return check_setting(m.group(1)) if m else None
+
+    def __call__(self, src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Any],
+                 dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Any], *, token_range: tuple[int, int],
+                 layers: Sequence[int] | None = None, dst_committed: Sequence[int | None] | None = None,
+                 request_id: str = "") -> TransferPlan:
+        mutation = self.mutation_for(request_id)
+        if mutation is None:
+            return multirank.plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range,
+                                          layers=layers, dst_committed=dst_committed)
+        return mutated_plan(mutation, src_layouts, [_id_map(x) for x in src_ids], dst_layouts,
+                            [_id_map(x) for x in dst_ids], token_range=token_range, layers=layers)
 
 
-def set_test_mutation(value: str | None) -> None:
-    """Replace this process's setting (tests switch mutations without restarting workers)."""
-    global _setting
-    _setting = check_setting(value)
+def install(setting: str) -> None:
+    """Make every ``WorkerConfig`` of this process without a planner of its own use ``FaultyPlanner(setting)``
+    (the test plugin calls this in worker processes, where the test cannot pass a config)."""
+    planner = FaultyPlanner(setting)
+    original = worker.WorkerConfig.__post_init__
+
+    def post_init(self: worker.WorkerConfig) -> None:
+        original(self)
+        if self.planner is None:
+            object.__setattr__(self, "planner", planner)
+
+    worker.WorkerConfig.__post_init__ = post_init  # type: ignore[method-assign]
 
 
-def reset_test_mutation() -> None:
-    """Forget this process's setting: the next use reads the environment again."""
-    global _setting
-    _setting = _UNSET
-
-
-def mutation_for(request_id: str) -> str | None:
-    """The mutation applied to the plans of ``request_id`` in this process, or None."""
-    setting = mutation_setting()
-    if setting != PER_REQUEST:
-        return setting
-    m = _TAG.search(request_id)
-    return check_setting(m.group(1)) if m else None
+def _id_map(ids: Any) -> Any:
+    """A block-id map from a KVCache or a map."""
+    return ids.block_id_map() if hasattr(ids, "block_id_map") else ids
 
 
 def _region_offsets(layouts: Sequence[CacheLayoutDesc]) -> list[int]:
@@ -140,7 +153,7 @@ def _retarget(table: PageTable, from_layout: CacheLayoutDesc, to_layout: CacheLa
 def mutated_plan(mutation: str, src_layouts: Sequence[CacheLayoutDesc], src_ids: BlockIds,
                  dst_layouts: Sequence[CacheLayoutDesc], dst_ids: BlockIds, *, token_range: tuple[int, int],
                  layers: Sequence[int] | None = None) -> TransferPlan:
-    """What ``plan_between`` returns under ``mutation`` (same arguments)."""
+    """The plan of ``plan_between``'s arguments with ``mutation`` applied."""
     start, end = token_range
     sids: list[Mapping[int, npt.ArrayLike]] = list(src_ids)
     dids: list[Mapping[int, npt.ArrayLike]] = list(dst_ids)
