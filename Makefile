@@ -9,7 +9,7 @@ NIXL_SPEC  ?= nixl-cu12==1.5.1
 UCXX_SPEC  ?= ucxx-cu12==0.52.0
 STAMP  := $(VENV)/.kvxfer-installed
 
-.PHONY: venv demo test lint typecheck bench fuzz clean
+.PHONY: venv demo test lint typecheck bench bench-gpu fuzz clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,11 @@ bench: venv
 	$(PY) benchmarks/bench_extractor.py
 	$(PY) benchmarks/bench_transport.py
 	$(PY) benchmarks/bench_integrity.py
+
+# On a machine with an NVIDIA GPU: pytest -m gpu, the demo on cuda:0 and the GPU benchmarks, tables
+# printed, outputs in bench-gpu-<date>/ (parameters: scripts/bench_gpu.sh; SETUP=1 builds a CUDA venv).
+bench-gpu:
+	VENV=$(VENV) bash scripts/bench_gpu.sh
 
 # Bounded atheris (libFuzzer) runs of every peer-bytes decoder; atheris is installed only here.
 FUZZ_SECONDS  ?= 60

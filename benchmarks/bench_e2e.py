@@ -1,4 +1,4 @@
-"""End-to-end benchmark (issue 7): TTFT and decode-side KV arrival, disaggregated vs one process, push and
+"""End-to-end benchmark: TTFT and decode-side KV arrival, disaggregated vs one process, push and
 push layer-wise; writes benchmarks/results/e2e-<date>.json. Pass prompt lengths as the first argument
 (default 1024,4096; the full matrix is 1024,2048,4096,8192,16384,32768)."""
 

@@ -1,4 +1,4 @@
-"""GPU transfer benchmark (issue 13): two processes sharing one GPU, Llama-3-8B-shaped requests.
+"""GPU transfer benchmark: two processes sharing one GPU, Llama-3-8B-shaped requests.
 
 One run measures, with the same statistic (the median) in every column:
 - D2D: the device-to-device copy limit (1 GiB ``copy_``, bytes copied / time, CUDA events),
@@ -282,10 +282,10 @@ class Bench:
 
     def call(self, *cmd: Any) -> Any:
         """Send a command to the peer and spin until it answers: a thread asleep in ``recv`` wakes on
-        a slow core, and the post timed right after a poisoning call ran ~4x slower (H200 run 9:
+        a slow core, and the post timed right after a poisoning call ran ~4x slower (on an H200, a
         128-run post 0.57 ms after ``recv``, 0.12 ms back to back), which the back-to-back baselines
         never pay. Spinning keeps the timing thread as warm as theirs (a sleep before timing instead
-        idles the GPU, which then starts every column's copy late: run 10)."""
+        idles the GPU, which then starts every column's copy late)."""
         self.conn.send(cmd)
         while not self.conn.poll(0):
             pass
@@ -371,8 +371,8 @@ class Bench:
 
     def touch_own_context(self) -> None:
         """One tiny kernel of this process, waited for: after the peer process poisoned the pages, the GPU
-        switches from its context to ours on our next kernel, which cost 130-190 us of the timed copy (H200
-        runs 13-15, "D2D in place" 0.54x D2D for push against 0.92x for pull). A serving process posts
+        switches from its context to ours on our next kernel, which cost 130-190 us of the timed copy on an
+        H200 ("D2D in place" 0.54x D2D for push against 0.92x for pull). A serving process posts
         right after its own model's kernels (the push's prefill, the pull's decode), and two workers
         sharing one GPU is this harness's set-up, not a deployment's: the switch is kept out of every
         column alike (``--peer-context-last`` times it in again)."""
@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--nixl-sleep-every-us", type=float, default=None,
                    help="the nixl handle's wait: sleep once per this many us of asking (kvxfer's default 500; "
-                        "0: between every two asks, the policy before run 66), for an A/B in one run")
+                        "0: between every two asks), for an A/B in one run")
     a = p.parse_args(argv)
     if a.nixl_sleep_every_us is not None:
         nixl_backend.WAIT_SLEEP_EVERY_S = a.nixl_sleep_every_us / 1e6

@@ -1,4 +1,4 @@
-"""Figures of RELIABILITY.md "Second pass (issue 20)": handshake flood, memory over many connections,
+"""Figures of RELIABILITY.md "Control plane and engine under stress": handshake flood, memory over many connections,
 reconnect lag, sealing cost, and the engine's responsiveness during a long prefill.
 
     python benchmarks/bench_reliability.py [--connections 10000] [--flood 1000] [--json]

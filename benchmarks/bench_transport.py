@@ -1,4 +1,4 @@
-"""Transport benchmark matrix (issue 6): 64 MiB coalesced and 4096 x 16 KiB scattered pages, read and
+"""Transport benchmark matrix: 64 MiB coalesced and 4096 x 16 KiB scattered pages, read and
 write, every available backend, each next to memcpy and the raw backend measured in the same run.
 
 Every case runs ``--repeats`` times (fresh processes each time) and the table shows the median of

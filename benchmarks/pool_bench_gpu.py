@@ -2,7 +2,7 @@
 
 A bench_gpu run interleaves its columns, so within one run both columns see the same drift; between runs
 they do not share a process pair, and on the GPU machines a column's own rate moves more between runs
-than the two columns differ (run 66, H100: raw NIXL at 4k identical 144-351 GB/s from run to run). So
+than the two columns differ (on an H100, raw NIXL at 4k identical moved 144-351 GB/s from run to run). So
 one run's ratio of medians is not the figure; this prints, per case:
 - each run's ratio (median time of ``baseline`` / median time of ``column``: > 1 means ``column`` is faster),
 - the ratio of the medians of all runs' iterations pooled,

@@ -1,4 +1,4 @@
-"""Soak (issue 8): many requests through a prefill process and a decode worker over UCX on 127.0.0.1, with
+"""Soak: many requests through a prefill process and a decode worker over UCX on 127.0.0.1, with
 random prompt lengths and modes, random cancellations and injected prefill faults (SIGKILL + restart,
 SIGSTOP past the deadline + SIGCONT). Every completed request is checked token for token against
 single-process greedy generation (each generates at least 8 tokens), and decode's committed prompt KV at

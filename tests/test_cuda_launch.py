@@ -141,7 +141,7 @@ def test_a_run_table_packs_every_column_at_its_16_byte_aligned_offset(n: int) ->
 def test_the_warm_up_covers_every_variant_a_run_table_can_ask_for() -> None:
     """The variants a copier compiles before its first transfer are exactly those ``_RunTable.of`` can form:
     each column (lengths, peer regions, local regions) shared or per run, in both directions. A variant
-    missing from the list would be compiled inside some request's transfer (about 88 ms once, run 61)."""
+    missing from the list would be compiled inside some request's transfer (tens of milliseconds, once)."""
     n = 6
     addr = np.arange(n, dtype=np.uint64) * np.uint64(4096)
     formed = set()

@@ -14,16 +14,17 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvxfer.cli.demo import TTFT_STAGES, WorkerProcess
 from kvxfer.cli.serve import best_backend
-from kvxfer.disagg.mutation import MUTATION_ENV
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import BackendUnavailable, PeerUnreachable
+from tests.faulty_planner import PLUGIN_ENV
 from tests.test_e2e import (
     KV,
     NEW,
@@ -44,6 +45,14 @@ def backend() -> str:
     except BackendUnavailable as exc:
         pytest.skip(f"needs a UCX transport: {exc}")
 
+
+
+def faulty_planner_env(setting: str) -> dict[str, str]:
+    """The environment of a process whose workers plan with ``tests/faulty_planner.py``'s ``setting``
+    (through the test plugin ``tests/plugins/faulty_planner``, which Python imports at start-up)."""
+    plugin = str(Path(__file__).resolve().parent / "plugins" / "faulty_planner")
+    return {PLUGIN_ENV: setting,
+            "PYTHONPATH": os.pathsep.join([plugin, os.getcwd(), os.environ.get("PYTHONPATH", "")])}
 
 
 def spawn_prefill(backend: str, *extra: str, env_extra: dict[str, str] | None = None) -> WorkerProcess:
@@ -156,8 +165,7 @@ def test_demo_json_runs_two_processes_and_matches(backend: str) -> None:
 
 @pytest.mark.slow
 def test_demo_exits_non_zero_on_a_block_swap_tokens_cannot_see(backend: str) -> None:
-    env = {**os.environ, MUTATION_ENV: "block_swap",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **faulty_planner_env("block_swap")}
     proc = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--json", "--families", "1", "--per-family",
                            "2"], capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 1, proc.stderr[-2000:]

@@ -1,5 +1,6 @@
-"""Every pairing mutation (``kvxfer.disagg.mutation``) through real workers over UCX (NIXL, else ucxx, on
-127.0.0.1): one prefill process that mutates the requests whose id names a mutation, and a TP 1 -> 2
+"""Every pairing mutation (``tests/faulty_planner.py``) through real workers over UCX (NIXL, else ucxx, on
+127.0.0.1): one prefill process that mutates the requests whose id names a mutation (the test plugin
+``tests/plugins/faulty_planner``), and a TP 1 -> 2
 decode (8 tokens/block, NHD) in this process per checksum setting, in push, pull and layer-wise. The KV
 oracle must catch each, ``--checksum full`` must refuse each, the unmutated requests pass both. The
 workers live for the whole module (no per-test leak check here: tests/test_e2e_ucx.py has those)."""
@@ -15,18 +16,12 @@ import torch
 
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.cli.serve import best_backend
-from kvxfer.disagg.mutation import (
-    MUTATION_ENV,
-    MUTATIONS,
-    PER_REQUEST,
-    reset_test_mutation,
-    set_test_mutation,
-)
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import BackendUnavailable
 from kvxfer.transport.integrity import ChecksumPolicy
-from tests.test_e2e_ucx import SECRET, spawn_prefill
+from tests.faulty_planner import MUTATIONS, PER_REQUEST, FaultyPlanner
+from tests.test_e2e_ucx import SECRET, faulty_planner_env, spawn_prefill
 from tests.test_mutations import run_mutation_case
 
 pytestmark = pytest.mark.ucx
@@ -45,13 +40,11 @@ def backend() -> str:
 def mutating_prefill(backend: str) -> Iterator[WorkerProcess]:
     """A prefill process that applies the mutation a request's id names (``mutate=NAME``)."""
     torch.set_num_threads(1)
-    proc = spawn_prefill(backend, env_extra={MUTATION_ENV: PER_REQUEST})
-    set_test_mutation(PER_REQUEST)    # this process's decode workers too (pull plans are built there)
+    proc = spawn_prefill(backend, env_extra=faulty_planner_env(PER_REQUEST))
     try:
         yield proc
     finally:
         proc.stop()
-        reset_test_mutation()
 
 
 _ucx_decodes: dict[str, DecodeWorker] = {}
@@ -85,7 +78,8 @@ def test_every_mutation_is_caught_over_ucx(backend: str, mutating_prefill: Worke
     if checksum not in decodes:
         cfg = WorkerConfig(f"ucx-mut-decode-{checksum}-{os.getpid()}-{next(_names)}", backend=backend,
                            tokens_per_block=8, head_order="NHD", tp_size=2,
-                           checksum=ChecksumPolicy() if checksum == "full" else None)
+                           checksum=ChecksumPolicy() if checksum == "full" else None,
+                           planner=FaultyPlanner(PER_REQUEST))   # pull plans are built here
         decodes[checksum] = DecodeWorker(cfg, SECRET, prefill=mutating_prefill.address)
     decode = decodes[checksum]
     run_mutation_case(decode, f"u{next(_names)}", f"ucx-{checksum}-{mode}-{mutation}", checksum, mode, mutation)

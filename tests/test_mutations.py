@@ -1,6 +1,6 @@
-"""Mutation tests of the checks themselves: each class of pairing bug (``kvxfer.disagg.mutation``: block
+"""Mutation tests of the checks themselves: each class of pairing bug (``tests/faulty_planner.py``: block
 swap, token shift by one, head ranges swapped between TP ranks, a block from another request, one layer
-left unwritten) is injected into the real workers' plans over loopback, in push, pull and layer-wise, on
+left unwritten) is injected into the real workers' plans (their ``WorkerConfig.planner``) over loopback, in push, pull and layer-wise, on
 identical layouts and on a TP 1 -> 2 pair with other block size and head order. The KV oracle must see
 every one (tokens alone cannot: K is stored after RoPE and attention is order-blind), ``--checksum full``
 must refuse every one with IntegrityError, and the unmutated request must pass both."""
@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.disagg.mutation import MUTATION_ENV, MUTATIONS, reset_test_mutation, set_test_mutation
-from kvxfer.disagg.worker import WorkerConfig
+from kvxfer.disagg.worker import WorkerConfig, plan_between
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError, IntegrityError
+from kvxfer.extractor import multirank
 from kvxfer.transport.integrity import ChecksumPolicy
+from tests.faulty_planner import MUTATIONS, PER_REQUEST, FaultyPlanner
 from tests.test_e2e import KV, NEW, SECRET, kv_oracle, name
 
 LAYOUTS: dict[str, dict[str, Any]] = {"same": {}, "tp1to2": {"tokens_per_block": 8, "head_order": "NHD", "tp_size": 2}}
@@ -43,7 +44,6 @@ def _cases() -> list[Any]:
 def pairs() -> Iterator[dict[tuple[str, str], tuple[PrefillWorker, DecodeWorker]]]:
     """Worker pairs by (layout, checksum), started on first use; the mutation is chosen per request."""
     torch.set_num_threads(1)
-    set_test_mutation("per_request")
     made: dict[tuple[str, str], tuple[PrefillWorker, DecodeWorker]] = {}
     try:
         yield made
@@ -51,16 +51,16 @@ def pairs() -> Iterator[dict[tuple[str, str], tuple[PrefillWorker, DecodeWorker]
         for prefill, decode in made.values():
             decode.close()
             prefill.close()
-        reset_test_mutation()
 
 
 def pair(pairs: dict[tuple[str, str], tuple[PrefillWorker, DecodeWorker]], layout: str,
          checksum: str) -> DecodeWorker:
     if (layout, checksum) not in pairs:
-        prefill = PrefillWorker(WorkerConfig(name("prefill"), num_blocks=256), SECRET)
+        planner = FaultyPlanner(PER_REQUEST)   # both sides plan: prefill for push, decode for pull
+        prefill = PrefillWorker(WorkerConfig(name("prefill"), num_blocks=256, planner=planner), SECRET)
         policy = ChecksumPolicy() if checksum == "full" else None
-        decode = DecodeWorker(WorkerConfig(name("decode"), num_blocks=256, checksum=policy, **LAYOUTS[layout]),
-                              SECRET, prefill=prefill.address)
+        decode = DecodeWorker(WorkerConfig(name("decode"), num_blocks=256, checksum=policy, planner=planner,
+                                           **LAYOUTS[layout]), SECRET, prefill=prefill.address)
         pairs[(layout, checksum)] = (prefill, decode)
     return pairs[(layout, checksum)][1]
 
@@ -86,8 +86,8 @@ def test_every_mutation_is_caught_over_loopback(pairs: dict[tuple[str, str], tup
 
 def run_mutation_case(decode: DecodeWorker, rid: str, case: str, checksum: str, mode: str,
                       mutation: str | None) -> None:
-    """One request through ``decode`` with ``mutation`` applied by the worker hook (``-mutate=NAME`` in its
-    id): with a full checksum a mutated request must fail IntegrityError; otherwise the KV oracle must pass
+    """One request through ``decode`` with ``mutation`` applied by the workers' faulty planner
+    (``-mutate=NAME`` in its id): with a full checksum a mutated request must fail IntegrityError; otherwise the KV oracle must pass
     a healthy request and name a mutated one far outside its tolerance."""
     tokens = fresh_prompt(case)
     rid += f"-mutate={mutation}" if mutation else ""
@@ -108,15 +108,40 @@ def run_mutation_case(decode: DecodeWorker, rid: str, case: str, checksum: str, 
         assert check.kv.worst[0] == 1, check.describe()   # the report names the layer left unwritten
 
 
-def test_unknown_mutation_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match="not a test mutation"):
-        set_test_mutation("swap_everything")
-    monkeypatch.setenv(MUTATION_ENV, "block-swap")
-    reset_test_mutation()
-    try:
-        with pytest.raises(ConfigError, match=r"KVXFER_TEST_MUTATION='block-swap' is not a test mutation"):
-            WorkerConfig("refused")
-    finally:
-        monkeypatch.delenv(MUTATION_ENV)
-        reset_test_mutation()
-    WorkerConfig("accepted")
+def test_unknown_mutation_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"faulty planner 'swap_everything' is not a test mutation"):
+        FaultyPlanner("swap_everything")
+    with pytest.raises(ConfigError, match=r"faulty planner 'block_swapped' is not a test mutation"):
+        FaultyPlanner(PER_REQUEST).mutation_for("r1-mutate=block_swapped")
+
+
+def test_a_worker_config_takes_a_callable_planner_only() -> None:
+    with pytest.raises(ConfigError, match=r"WorkerConfig.planner must be None or a callable Planner, got 'x'"):
+        WorkerConfig("refused", planner="x")  # type: ignore[arg-type]
+    assert WorkerConfig("default").planner is None
+    assert WorkerConfig("faulty", planner=FaultyPlanner("block_swap")).planner is not None
+
+
+def test_the_workers_plan_is_the_planners_and_by_default_the_extractors() -> None:
+    """The seam itself: without a planner the workers' plan is ``multirank.plan_between``'s; with one, the
+    planner's, given the request id (so a per-request planner sees it)."""
+    prefill = WorkerConfig("p", num_blocks=16).managers()
+    decode = WorkerConfig("d", num_blocks=16).managers()
+    tokens = np.arange(48)
+    src, dst = [m.create_kv_cache(tokens) for m in prefill], [m.create_kv_cache() for m in decode]
+    for c in (*src, *dst):
+        c.resume()
+        c.resize(len(tokens))
+    src_layouts, dst_layouts = [m.layout for m in prefill], [m.layout for m in decode]
+    want = multirank.plan_between(src_layouts, src, dst_layouts, dst, token_range=(0, 48))
+    got = plan_between(src_layouts, src, dst_layouts, dst, token_range=(0, 48), request_id="r")
+    assert np.array_equal(got.src.addr, want.src.addr) and np.array_equal(got.dst.addr, want.dst.addr)
+    per_request = FaultyPlanner(PER_REQUEST)
+    healthy = plan_between(src_layouts, src, dst_layouts, dst, token_range=(0, 48), request_id="r",
+                           planner=per_request)
+    assert np.array_equal(healthy.dst.addr, want.dst.addr)
+    swapped = plan_between(src_layouts, src, dst_layouts, dst, token_range=(0, 48), request_id="r-mutate=block_swap",
+                           planner=per_request)
+    assert swapped.total_bytes == want.total_bytes and not np.array_equal(swapped.dst.addr, want.dst.addr)
+    for c in (*src, *dst):
+        c.close()

@@ -3,6 +3,7 @@ by the ratio of pooled medians and the median of paired (same run, same iteratio
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,12 +41,29 @@ def test_a_case_missing_from_a_run_or_uneven_iterations_is_refused() -> None:
         pool_bench_gpu.pool([result([1.0], [1.0])], "other", "raw")
 
 
-def test_run_66_figures_come_from_its_raw_output(capsys: pytest.CaptureFixture[str]) -> None:
-    """BENCHMARKS.md's run 66 pooled figures (nixl_prep against raw NIXL, the final wait, 3 runs on an H100)."""
-    runs = [ROOT / "docs/bench/device-run-66/bench_gpu_nixl_new.json",
-            ROOT / "docs/bench/device-run-66b/r2_new.json", ROOT / "docs/bench/device-run-66b/r4_new.json"]
-    assert pool_bench_gpu.main([str(p) for p in runs]) == 0
-    lines = {tuple(line.split()[:3]): line.split()[3:6] for line in capsys.readouterr().out.splitlines()[2:]}
-    assert lines[("4096", "identical", "push")] == ["75", "0.98", "1.00"]
-    assert lines[("4096", "identical", "pull")] == ["75", "0.91", "0.95"]
-    assert lines[("4096", "tp1->2", "push")] == ["75", "1.01", "1.01"]
+def test_main_prints_and_writes_the_pooled_cases_of_result_files(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command line over bench_gpu JSON files: one line per case, in first-seen order, and the JSON."""
+    def write(name: str, prep: list[float], raw: list[float], tp_prep: list[float], tp_raw: list[float]) -> str:
+        cases = [{"tokens": 4096, "case": "identical", "mode": "push", "nixl_prep_times_ms": prep,
+                  "raw_nixl_times_ms": raw},
+                 {"tokens": 4096, "case": "tp1->2", "mode": "pull", "nixl_prep_times_ms": tp_prep,
+                  "raw_nixl_times_ms": tp_raw}]
+        path = tmp_path / name
+        path.write_text(json.dumps({"cases": cases}))
+        return str(path)
+
+    # identical: pass 1 the column is 2x faster, pass 2 2x slower; tp: equal, then the column 1.25x faster
+    files = [write("a.json", [1.0, 1.0], [2.0, 2.0], [4.0, 4.0], [4.0, 4.0]),
+             write("b.json", [4.0, 4.0], [2.0, 2.0], [4.0, 4.0], [5.0, 5.0])]
+    out = tmp_path / "pooled.json"
+    assert pool_bench_gpu.main([*files, "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "nixl_prep against raw_nixl over 2 runs (> 1: nixl_prep faster)"
+    rows = [line.split() for line in lines[2:]]
+    assert rows == [["4096", "identical", "push", "4", "0.80", "1.25", "2.00", "0.50"],
+                    ["4096", "tp1->2", "pull", "4", "1.12", "1.12", "1.00", "1.25"]]
+    saved = json.loads(out.read_text())
+    assert (saved["column"], saved["baseline"], saved["results"]) == ("nixl_prep", "raw_nixl", files)
+    assert [c["case"] for c in saved["cases"]] == ["identical", "tp1->2"]
+    assert saved["cases"][0]["runs"] == [2.0, 0.5]

@@ -1,6 +1,6 @@
 """A destination never writes the pages it shares with its prefix tree.
 
-The scenario of issue 11: decode (two tensor-parallel ranks) holds 105 of a 140-token prompt from its
+The scenario: decode (two tensor-parallel ranks) holds 105 of a 140-token prompt from its
 prefix tree (6 full blocks per rank shared with the tree, refcount 2, plus a copied partial block).
 Planning without a token range used to move 294,912 bytes and rewrite all 12 shared slots instead of
 the 71,680 bytes decode lacks. Now the default range is what the destination lacks, a range reaching

@@ -649,7 +649,7 @@ def test_a_new_copier_compiles_every_variant_before_its_first_transfer(remote_sr
     """A fresh copier has compiled every run-list variant a plan can need, so a first plan over two regions
     on each side with a length per run (the variant the warm-up's own checked copies do not use) compiles
     nothing while it is posted, and lands exactly. A warm-up that compiles only the variants it checks fails
-    both the set check and the post (run 61's demo paid about 88 ms once for such a compile in a request)."""
+    both the set check and the post (such a compile inside a request costs tens of milliseconds once)."""
     cuda_copy, copier = _copier()
     monkeypatch.setattr(cuda_copy, "DIRECT_RUNS", 0)
     assert set(cuda_copy.run_variant_keys()) <= set(copier._compiled), "variants left for a transfer to compile"

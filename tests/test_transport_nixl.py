@@ -121,7 +121,7 @@ def test_a_post_while_the_requests_are_lent_makes_its_own(agents: Agents) -> Non
     plan = agents.plan(3)
     prepared = agents.a.prepare("write", agents.b.name, plan)
     want = agents.expected(plan)
-    first = prepared.post(notify=b"one")      # not waited for: its requests stay lent until it is seen done
+    first = prepared.post(notify=b"one")      # not waited for: its requests stay held until it is seen done
     second = prepared.post(notify=b"two")
     assert agents.made == 2
     for h in (first, second):
@@ -152,7 +152,7 @@ def test_a_read_is_prepared_the_same_way(agents: Agents) -> None:
 
 def test_a_failed_post_releases_the_requests_and_later_posts_make_their_own(agents: Agents) -> None:
     """NIXL refusing a post fails that post's handle naming NIXL, releases the prepared requests (they are
-    not lent again), and the next post makes requests of its own and lands its bytes and notification.
+    not handed out again), and the next post makes requests of its own and lands its bytes and notification.
     Mutation: giving the requests back on failure makes the next post repost released requests (NIXL then
     crashes the process: seen)."""
     plan = agents.plan(5)

@@ -1,5 +1,5 @@
 """Workers run one short generation on their compute thread before they serve (``WorkerConfig.warm_up``):
-on a GPU a process's first forward sets up cuBLAS and loads kernels (0.57-0.65 s on an H100, device run 63),
+on a GPU a process's first forward sets up cuBLAS and loads kernels (over half a second on an H100),
 which the first request would otherwise wait for. The warm-up leaves nothing behind in the caches."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Published layout descriptors: frozen, hashable, versioned, with a msgpack/JSON codec.
 
-These are the only view other stages get of the cache manager's memory (DESIGN.md, "Published
-descriptors"). Every decoder checks types and invariants, because descriptors arrive from peers.
+These are the only view other stages get of the cache manager's memory (docs/architecture.md,
+"Decisions"). Every decoder checks types and invariants, because descriptors arrive from peers.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Layout construction: layers -> layer groups -> coalesced slots -> pool groups -> CacheLayoutDesc.
 
-Rules (DESIGN.md "Vocabulary"):
+Rules (docs/architecture.md, "Vocabulary"):
 - layers with the same window and sink blocks (sink tokens rounded up to whole blocks) form a layer
   group, ordered by their first layer id (its sink_tokens: the largest of its layers');
 - inside a layer group, buffers of equal size are coalesced into one slot (one pool per size), or

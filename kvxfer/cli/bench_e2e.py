@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layerwise", action="store_true")
     ap.add_argument("--iters", type=int, default=2,
                     help="timed requests per length, each beside a one-process run; on a GPU prefill's compute "
-                         "alone spreads about +-15%% (1B at 4k tokens), so a 5%% ratio needs ~31 (device run 63)")
+                         "alone spreads about +-15%% (1B at 4k tokens), so a 5%% ratio needs ~31")
     ap.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (bounds attention memory)")
     ap.add_argument("--checksum", type=parse_checksum, default=None, metavar="off|full|every:K|sample:F",
                     help="decode verifies each request's pages against prefill's blake3 digest")

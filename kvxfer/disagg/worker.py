@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -27,7 +27,6 @@ from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.disagg.health import HealthState
 from kvxfer.disagg.messages import Message
-from kvxfer.disagg.mutation import mutated_plan, mutation_for, mutation_setting
 from kvxfer.errors import CapacityError, ConfigError, ControlTimeout, KvxferError, WorkerUnhealthy
 from kvxfer.extractor import multirank
 from kvxfer.extractor.multirank import all_regions as all_regions  # the workers' planning helpers
@@ -38,6 +37,16 @@ from kvxfer.transport import Transport, create
 from kvxfer.transport.integrity import ChecksumPolicy
 
 log = logging.getLogger("kvxfer.disagg.worker")
+
+
+class Planner(Protocol):
+    """What builds a worker's transfer plans (``WorkerConfig.planner``): ``plan_between``'s arguments, plus the
+    request the plan is for."""
+
+    def __call__(self, src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Any],
+                 dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Any], *, token_range: tuple[int, int],
+                 layers: Sequence[int] | None = None, dst_committed: Sequence[int | None] | None = None,
+                 request_id: str = "") -> TransferPlan: ...
 
 
 @dataclass(frozen=True)
@@ -69,8 +78,11 @@ class WorkerConfig:
     post at the compute's end is one launch; False writes the plan then (the A/B of ``bench e2e``)."""
     warm_up: bool = True
     """Run one short generation on the compute thread before serving (``warm_up_model``, on scratch caches):
-    a GPU process's first forward sets up cuBLAS and loads kernels, 0.57-0.65 s on an H100 (device run 63),
+    a GPU process's first forward sets up cuBLAS and loads kernels (over half a second on an H100),
     which no request should wait for."""
+    planner: Planner | None = None
+    """Builds the worker's transfer plans; None: ``kvxfer.extractor.multirank.plan_between``. Tests pass a
+    planner that injects pairing bugs, to prove that the checks (KV oracle, ``--checksum full``) catch them."""
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "num_blocks", "tp_size"):
@@ -91,7 +103,8 @@ class WorkerConfig:
             raise ConfigError(f"WorkerConfig.checksum must be None or a ChecksumPolicy, got {self.checksum!r}")
         if not isinstance(self.warm_up, bool):
             raise ConfigError(f"WorkerConfig.warm_up must be a bool, got {self.warm_up!r}")
-        mutation_setting()   # test hook: an unknown $KVXFER_TEST_MUTATION is refused when a worker is configured
+        if self.planner is not None and not callable(self.planner):
+            raise ConfigError(f"WorkerConfig.planner must be None or a callable Planner, got {self.planner!r}")
 
     def managers(self, num_blocks: int | None = None, **options: Any) -> list[KVCacheManager]:
         """One cache manager per tensor-parallel rank held by this worker (``num_blocks`` and ``options``
@@ -140,21 +153,15 @@ def held_slots(managers: Sequence[KVCacheManager]) -> int:
 def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Any],
                  dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Any], *,
                  token_range: tuple[int, int], layers: Sequence[int] | None = None,
-                 dst_committed: Sequence[int | None] | None = None, request_id: str = "") -> TransferPlan:
-    """``kvxfer.extractor.multirank.plan_between`` for the workers: the same plan, except that the test
-    hook ``kvxfer.disagg.mutation`` may corrupt it (``request_id`` selects the hook's per-request
-    mutation; none unless ``$KVXFER_TEST_MUTATION`` is set)."""
-    mutation = mutation_for(request_id)
-    if mutation is not None:
-        return mutated_plan(mutation, src_layouts, [_id_map(x) for x in src_ids], dst_layouts,
-                            [_id_map(x) for x in dst_ids], token_range=token_range, layers=layers)
+                 dst_committed: Sequence[int | None] | None = None, request_id: str = "",
+                 planner: Planner | None = None) -> TransferPlan:
+    """The plan of one transfer of request ``request_id``: ``planner``'s (the worker's
+    ``WorkerConfig.planner``) when given, else ``kvxfer.extractor.multirank.plan_between``'s."""
+    if planner is not None:
+        return planner(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range, layers=layers,
+                       dst_committed=dst_committed, request_id=request_id)
     return multirank.plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range,
                                   layers=layers, dst_committed=dst_committed)
-
-
-def _id_map(ids: Any) -> Any:
-    """A block-id map from a KVCache or a map."""
-    return ids.block_id_map() if hasattr(ids, "block_id_map") else ids
 
 
 class LayerwiseKV(PagedKV):

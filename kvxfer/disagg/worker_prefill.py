@@ -480,7 +480,8 @@ class PrefillWorker(WorkerCounts):
                 job.session.start_transfer("layer-wise writes posted")
                 job.posted_at = now()
             plan = plan_between(self.layouts, job.src_ids, self._peer_layouts[job.peer], job.dst_ids,
-                                token_range=job.span, layers=job.groups[layer], request_id=job.request_id)
+                                token_range=job.span, layers=job.groups[layer], request_id=job.request_id,
+                                planner=self.config.planner)
             job.parts += 1
             self._check_may_write(job)
             job.last_posted = now()
@@ -539,7 +540,8 @@ class PrefillWorker(WorkerCounts):
                         prepared.release()
                         prepared = None
                     plan = plan_between(self.layouts, src_ids, self._peer_layouts[job.peer], job.dst_ids,
-                                        token_range=job.span, request_id=job.request_id)
+                                        token_range=job.span, request_id=job.request_id,
+                                        planner=self.config.planner)
                 self._check_may_write(job)
                 job.session.start_transfer("write posted")
                 job.posted_at = now()
@@ -624,7 +626,7 @@ class PrefillWorker(WorkerCounts):
             ids.append({g: np.asarray(x, dtype=np.int64) for g, x in rank_ids.items()})
         try:
             plan = plan_between(self.layouts, ids, self._peer_layouts[job.peer], job.dst_ids, token_range=job.span,
-                                request_id=job.request_id)
+                                request_id=job.request_id, planner=self.config.planner)
         except KvxferError as exc:   # the post plans (and pins) again, and reports what is wrong
             log.debug("%s: request %s: no early plan: %s", self.config.name, job.request_id, exc)
             return

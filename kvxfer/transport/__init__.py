@@ -1,4 +1,4 @@
-"""Transports: move the bytes of a TransferPlan between registered memory regions (DESIGN.md).
+"""Transports: move the bytes of a TransferPlan between registered regions (docs/architecture.md).
 
 ``create(backend, name, **options)`` builds one; ``available_backends()`` says which can run here;
 both read the one backend list, ``kvxfer.transport.registry``.

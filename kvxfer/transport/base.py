@@ -1,4 +1,4 @@
-"""The Transport interface (DESIGN.md "Transport") and the checks every backend shares.
+"""The Transport interface and the checks every backend shares (docs/architecture.md, "Decisions").
 
 A backend implements the ``_backend_*`` hooks; this class owns naming, registration, metadata,
 peer bookkeeping, plan validation against local and advertised regions, and the notification inbox,

@@ -56,14 +56,14 @@ _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
 #: Bytes one kernel program copies (one piece of one run).
 CHUNK_BYTES = 32 << 10
-#: 4-byte words one program loads before it stores them: a whole 32 KiB piece in flight per program (H100
-#: run 59h, kernel alone back to back: 2-3% faster at 32k tokens than 16 KiB steps, identical and TP).
+#: 4-byte words one program loads before it stores them: a whole 32 KiB piece in flight per program (faster
+#: than 16 KiB steps for identical and TP plans alike; BENCHMARKS.md, "the copy kernel's constants").
 BLOCK_WORDS = 8192
 #: Warps per program.
 NUM_WARPS = 4
 #: Programs of one run are consecutive (1-D grid of runs x pieces) rather than one per (run, piece) of a
 #: 2-D grid, so the programs running at once copy a few runs' contiguous bytes (``copy_kernels``). False
-#: is kept for the A/B of ``scripts/device_prep_stages.py``.
+#: is kept to compare the two orders.
 RUN_MAJOR = True
 #: Plans of at most this many runs are one ``cuMemcpyAsync`` per run: a few microseconds each, where
 #: the kernel path (pack, upload, Triton launch) costs ~50 us before the GPU starts (one KV block).
@@ -226,9 +226,8 @@ def _grid(runs: int, pieces: int, run_major: bool) -> tuple[int, int]:
 
 class _DriverLaunch:
     """One compiled kernel variant launched straight through ``cuLaunchKernel``: its arguments are
-    packed into one preallocated buffer (``struct``), so a launch is two C calls (H200, run 13: 5.6 us
-    back to back where Triton's launcher takes 7.7 us, and 35-57 us inside bench_gpu's loop, where
-    caches are cold and every Python call counts).
+    packed into one preallocated buffer (``struct``), so a launch is two C calls, fewer than Triton's
+    launcher makes: every Python call counts where the host's caches are cold between transfers.
     The parameter list is the driver's (``cuFuncGetParamInfo``): ours, then Triton's hidden scratch
     pointers, passed as NULL; any other shape raises ValueError and Triton's launcher is used."""
 
@@ -280,7 +279,7 @@ class _DriverLaunch:
 class _BoundLaunch:
     """A driver launch whose arguments were converted and packed once: each call is one ``cuLaunchKernel``
     (ctypes through ``functools.partial``), no Python work per argument on a prepared copy's post, where
-    every Python call counts twice over when the host's caches are cold (stage probe, run 44)."""
+    every Python call counts twice over when the host's caches are cold."""
 
     __slots__ = ("_buf", "_call", "_what")
 

@@ -264,7 +264,7 @@ class CudaIpcTransport(Transport):
         only through it; a settled one by the posting thread, which waits on its event (the GIL released)
         and sends the notification itself. Nothing but copies is queued ahead of a settled copy, so the
         wait is its own duration (0.07 ms for 128 MiB, 2 ms for 4 GiB on the H200), against ~0.2 ms of
-        hand-off to the completion thread on the time to first token (stage probe, run 23)."""
+        hand-off to the completion thread on the time to first token."""
         if notify is None or not isinstance(handle, _CopyHandle):
             return handle
         if settled:

@@ -8,8 +8,8 @@ descriptors. The notification travels with the transfer. A prepared transfer (``
 makes its NIXL requests once and each post reposts them with its own notification (``transfer(req,
 notif)``), as NIXL intends prepared requests to be used. NIXL's UCX endpoints are created with
 error handling off (so UCX may use shared memory and CMA on one host, not only tcp): a dead peer is
-therefore detected by the caller's deadline (TransferTimeout), as DESIGN.md assigns failure
-detection to the control plane.
+therefore detected by the caller's deadline (TransferTimeout), as the control plane owns failure
+detection (docs/architecture.md, "Decisions": failures bounded in time).
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ class NixlTransport(Transport):
 
 
 class _PreparedRequests:
-    """nixl's state of a prepared transfer: its NIXL requests, lent to one post at a time. NIXL refuses to
+    """nixl's state of a prepared transfer: its NIXL requests, held by one post at a time. NIXL refuses to
     repost a request in flight, and a request keeps the last notification a post gave it; ``take`` returns
     None then (the post makes requests of its own). A post that fails releases the requests: later posts
     make their own."""
@@ -372,7 +372,7 @@ class _NixlHandle(TransferHandle):
     up to that to every transfer). Between asks it yields the CPU with the GIL released
     (``os.sched_yield``, ~1 us); every ``WAIT_SLEEP_EVERY_S`` it sleeps once (``time.sleep(0)``, 55-75 us of
     Linux timer slack) so that the process's other threads get the GIL. Against sleeping between every two
-    asks it measured alike on an H100 (run 66, docs/gpu.md "NIXL"); it stays, being the loop NIXL's examples use."""
+    asks it measures alike (docs/gpu.md "NIXL"); it stays, being the loop NIXL's examples use."""
 
     def wait(self, timeout: float | None = None) -> None:
         now = time.monotonic()

@@ -3,7 +3,7 @@ sending thread straight into its socket and read by one receiver thread.
 
 cuda_ipc's notifications (a request's KV landed) are on the time to first token. Over ZeroMQ each
 one passed two I/O threads besides the sender and the receiver: 0.35 ms from prefill's send to
-decode's receiver on the H200 host (stage probe, run 18), 176 us one way against 12 us for a plain
+decode's receiver on an H200 host, 176 us one way against 12 us for a plain
 TCP socket on a 2-core VM. Here the sending thread's ``sendall`` is the whole send, and the receiver
 thread wakes from ``select`` with the frame in its socket.
 

@@ -1,7 +1,7 @@
 """UCX environment defaults, applied before a UCX binding (NIXL or ucxx) is first imported.
 
 Both bindings read UCX variables once, when their UCX library loads. kvxfer sets defaults that the
-measurements behind DESIGN.md call for, and never overrides a variable the user already set.
+measurements in docs/transport.md call for, and never overrides a variable the user already set.
 ``load_nixl_api`` is the one way kvxfer loads NIXL, so no process can load it before the defaults.
 """
 
