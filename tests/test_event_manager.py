@@ -205,8 +205,8 @@ def test_window_sizes_per_layer_group() -> None:
 
 
 def test_bad_arguments_are_refused() -> None:
-    with pytest.raises(ValueError, match="Unsupported V2 KV cache event hash algorithm: 'v2_blake3'"):
-        KVCacheEventManager(4, hash_algo="v2_blake3")
+    with pytest.raises(ValueError, match="Unsupported V2 KV cache event hash algorithm: 'v2_md5'"):
+        KVCacheEventManager(4, hash_algo="v2_md5")
     with pytest.raises(ConfigError, match="max_kv_event_entries"):
         KVCacheEventManager(-1)
     with pytest.raises(ConfigError, match="window size of layer group 0"):
@@ -222,6 +222,8 @@ def test_block_hashes_under_each_algorithm(by_ref: bool) -> None:
     expected = {
         "v2_sha256": [b0.key.hex(), b1.key.hex()],
         "v2_sha256_64": [int.from_bytes(b0.key[:8], "big"), int.from_bytes(b1.key[:8], "big")],
+        "v2_blake3": [b0.key.hex(), b1.key.hex()],
+        "v2_blake3_64": [int.from_bytes(b0.key[:8], "big"), int.from_bytes(b1.key[:8], "big")],
         "v1_block_key": [v1_oracle([1, 2, 3], 0, None, None),
                          v1_oracle([4, 5, 6], v1_oracle([1, 2, 3], 0, None, None), None, None)],
     }

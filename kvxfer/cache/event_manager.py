@@ -21,7 +21,8 @@ flush hands this rank's events (at most ``max_kv_event_entries``) to the gather 
 publishes what every rank sent, into a queue that many times larger, and other ranks publish nothing.
 
 Block hashes in events follow ``hash_algo``: ``v2_sha256`` the block key as hex, ``v2_sha256_64`` its
-first 8 bytes as an unsigned big-endian int, ``v1_block_key`` TensorRT-LLM's v1 ``BlockKeyHasher`` chain
+first 8 bytes as an unsigned big-endian int (kvxfer's ``v2_blake3`` / ``v2_blake3_64`` label a BLAKE3-keyed
+tree the same two ways), ``v1_block_key`` TensorRT-LLM's v1 ``BlockKeyHasher`` chain
 recomputed from the block's tokens and its chain's reuse scope (a chain holding a multimodal digest
 falls back to the ``v2_sha256_64`` value from that block on); ``auto`` means ``v1_block_key``.
 
@@ -62,6 +63,8 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 import numpy as np
 
 from kvxfer.cache.hashing import (
+    HASH_V2_BLAKE3,
+    HASH_V2_BLAKE3_64,
     KV_CACHE_HASH_ALGO_AUTO,
     KV_CACHE_HASH_ALGO_DEFAULT,
     KV_CACHE_HASH_ALGO_V1,
@@ -85,9 +88,12 @@ EventTokenId: TypeAlias = int | str
 #: producer-defined flag after it.
 MmKey: TypeAlias = (tuple[bytes, int] | tuple[bytes, int, str | None]
                     | tuple[bytes, int, str | None, bool])
-#: Event hash algorithms the manager accepts.
+#: Event hash algorithms the manager accepts: TensorRT-LLM's four, and kvxfer's BLAKE3 names for a tree keyed
+#: with BLAKE3 (published like their SHA-256 counterparts: hex, or the first 8 bytes).
 EVENT_HASH_ALGOS: tuple[str, ...] = (KV_CACHE_HASH_ALGO_AUTO, KV_CACHE_HASH_ALGO_V1, KV_CACHE_HASH_ALGO_V2,
-                                     KV_CACHE_HASH_ALGO_V2_SHA256_64)
+                                     KV_CACHE_HASH_ALGO_V2_SHA256_64, HASH_V2_BLAKE3, HASH_V2_BLAKE3_64)
+_HEX_ALGOS = (KV_CACHE_HASH_ALGO_V2, HASH_V2_BLAKE3)
+_TRUNCATED_ALGOS = (KV_CACHE_HASH_ALGO_V2_SHA256_64, HASH_V2_BLAKE3_64)
 
 
 @dataclass(slots=True, frozen=True)
@@ -503,9 +509,9 @@ class KVCacheEventManager:
         stored = self._stored.get(key)
         if stored is not None:
             return _StoredState(stored.block_hash, set(), stored.v1_compatible, stored.root_attrs)
-        if self._hash_algo == KV_CACHE_HASH_ALGO_V2:
+        if self._hash_algo in _HEX_ALGOS:
             return _StoredState(key.hex(), set())
-        if self._hash_algo == KV_CACHE_HASH_ALGO_V2_SHA256_64:
+        if self._hash_algo in _TRUNCATED_ALGOS:
             return _StoredState(truncate_sha256_hash_to_int64(key), set())
         chain: list[EventSourceBlock] = []
         node: Any = block
