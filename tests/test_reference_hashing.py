@@ -27,6 +27,7 @@ from kvxfer.cache.hashing import (
     NonTextTokenHashError,
     ReuseScope,
     block_keys,
+    cache_salt_id,
     get_cache_salt_id,
     get_effective_kv_cache_event_hash_algo,
     hash_v1_block_key,
@@ -164,6 +165,8 @@ def test_v1_block_key_hash_refuses_digests_and_bad_fields() -> None:
 
 def test_cache_salt_id_is_8_blake3_bytes_little_endian() -> None:
     assert get_cache_salt_id("tenant-a") == int.from_bytes(blake3.blake3(b"tenant-a").digest()[:8], "little")
+    assert get_cache_salt_id is cache_salt_id
+    assert ReuseScope.for_tenant("tenant-a", lora_id=2) == ReuseScope(2, get_cache_salt_id("tenant-a"))
     assert get_cache_salt_id("tenant-a") != get_cache_salt_id("tenant-b")
     with pytest.raises(ConfigError, match="str"):
         get_cache_salt_id(b"tenant-a")  # type: ignore[arg-type]

@@ -98,11 +98,11 @@ def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
 
 
 def cache_salt_id(cache_salt: str) -> int:
-    """The integer salt of a tenant string: the first 8 bytes of SHA-256(UTF-8) read little-endian
-    (the reference's derivation, so routers compute the same root keys)."""
+    """The integer salt of a tenant string: an 8-byte BLAKE3 digest of its UTF-8 bytes read little-endian
+    (TensorRT-LLM's ``get_cache_salt_id``, so routers compute the same root keys)."""
     if not isinstance(cache_salt, str):
         raise ConfigError(f"cache_salt_id: the cache salt must be a str, got {type(cache_salt).__name__}")
-    return int.from_bytes(hashlib.sha256(cache_salt.encode("utf-8")).digest()[:8], "little")
+    return int.from_bytes(blake3.blake3(cache_salt.encode("utf-8")).digest(length=8), "little")
 
 
 def as_token_ids(tokens: Sequence[int] | npt.ArrayLike, what: str) -> TokenArray:
@@ -345,12 +345,8 @@ def truncate_sha256_hash_to_int64(block_hash: bytes) -> int:
     return int.from_bytes(data[:8], "big", signed=False)
 
 
-def get_cache_salt_id(cache_salt: str) -> int:
-    """TensorRT-LLM's integer salt of a tenant string: an 8-byte BLAKE3 digest of the UTF-8 text read
-    little-endian. (``cache_salt_id`` above is kvxfer's own derivation from SHA-256; the two differ.)"""
-    if not isinstance(cache_salt, str):
-        raise ConfigError(f"get_cache_salt_id: the cache salt must be a str, got {type(cache_salt).__name__}")
-    return int.from_bytes(blake3.blake3(cache_salt.encode("utf-8")).digest(length=8), "little", signed=False)
+#: TensorRT-LLM's name of ``cache_salt_id`` (the same function).
+get_cache_salt_id = cache_salt_id
 
 
 def hash_v1_block_key(tokens: Sequence[int], parent_hash: int = 0, lora_task_id: int | None = None,
