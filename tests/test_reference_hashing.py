@@ -19,6 +19,7 @@ from test_hashing import v1_oracle
 
 from kvxfer.cache import MmItemContext, gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
 from kvxfer.cache.hashing import (
+    HASH_ALGOS,
     KV_CACHE_HASH_ALGO_AUTO,
     KV_CACHE_HASH_ALGO_DEFAULT,
     KV_CACHE_HASH_ALGO_V1,
@@ -26,14 +27,17 @@ from kvxfer.cache.hashing import (
     KV_CACHE_HASH_ALGO_V2_SHA256_64,
     NonTextTokenHashError,
     ReuseScope,
+    block_hash_for_event,
     block_keys,
     cache_salt_id,
     get_cache_salt_id,
     get_effective_kv_cache_event_hash_algo,
     hash_v1_block_key,
     pack_key_tokens,
+    resolve_hash_algo,
     reuse_scope_to_bytes,
     truncate_sha256_hash_to_int64,
+    v1_block_hash,
 )
 from kvxfer.errors import ConfigError
 
@@ -178,3 +182,29 @@ def test_auto_event_hash_algo_is_v1() -> None:
     assert get_effective_kv_cache_event_hash_algo(KV_CACHE_HASH_ALGO_AUTO, False) == "v1_block_key"
     for name in (KV_CACHE_HASH_ALGO_V2, KV_CACHE_HASH_ALGO_V2_SHA256_64):
         assert get_effective_kv_cache_event_hash_algo(name, True) == name
+
+
+# --- parity of kvxfer's algorithm options with the kv_cache_hash names ----------------------------------
+def test_reference_algorithm_names_are_kvxfer_options_with_the_same_auto() -> None:
+    names = (KV_CACHE_HASH_ALGO_AUTO, KV_CACHE_HASH_ALGO_V1, KV_CACHE_HASH_ALGO_V2, KV_CACHE_HASH_ALGO_V2_SHA256_64)
+    assert set(names) <= set(HASH_ALGOS)
+    assert resolve_hash_algo("auto") == get_effective_kv_cache_event_hash_algo("auto") == KV_CACHE_HASH_ALGO_DEFAULT
+
+
+@pytest.mark.parametrize("algo", ["v2_sha256_64", "v2_blake3_64"])
+def test_64_bit_event_hashes_are_the_truncation(algo: str) -> None:
+    for key in (bytes(range(32)), b"\xff" * 32, sha(b"k")):
+        assert block_hash_for_event(key, algo) == truncate_sha256_hash_to_int64(key)
+    assert block_hash_for_event(sha(b"k"), "v2_sha256") == sha(b"k").hex()
+
+
+def test_v1_event_hashes_of_kvxfer_keys_are_the_reference_v1_chain() -> None:
+    scope = ReuseScope(lora_id=3, salt=cache_salt_id("t"))
+    tokens = list(range(40, 52))
+    keys = block_keys(tokens, 4, scope.root_key_for("v1_block_key"), algo="v1_block_key", scope=scope)
+    chain, parent = [], 0
+    for b in range(3):
+        parent = hash_v1_block_key(tokens[4 * b:4 * b + 4], parent, 3, scope.salt)
+        chain.append(parent)
+    assert [block_hash_for_event(k, "v1_block_key") for k in keys] == chain
+    assert chain[0] == v1_block_hash(tokens[:4], lora_id=3, salt=scope.salt)
