@@ -252,6 +252,25 @@ def test_v1_hashes_take_lora_and_salt_from_the_chain_root() -> None:
                                                                                                   (None, h0)]
 
 
+def test_a_root_carrying_a_key_and_no_tokens_is_still_the_root() -> None:
+    @dataclass
+    class KeyedRoot:
+        reuse_scope: ReuseScope
+        key: bytes = b"\x05" * 32
+        tokens: tuple[int, ...] = ()
+
+    b0 = block([1, 2], KeyedRoot(ReuseScope(salt=4)))
+    b1 = block([3], None)
+    b1.prev = None                                             # no root object at all: empty scope
+    em = KVCacheEventManager(8, hash_algo="v1_block_key")
+    em.add_stored_block_event_from_block(b0)
+    em.add_stored_block_event_from_block(b1)
+    events = drain(em)
+    assert [e["data"]["parent_hash"] for e in events] == [None, None]
+    assert [e["data"]["blocks"][0]["block_hash"] for e in events] == [v1_oracle([1, 2], 0, None, 4),
+                                                                      v1_oracle([3], 0, None, None)]
+
+
 def test_v1_chain_with_a_multimodal_digest_falls_back_to_truncated_keys() -> None:
     b0 = block([1, 2])
     b1 = block([3, IMG], b0)

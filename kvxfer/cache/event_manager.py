@@ -40,8 +40,8 @@ Manager hook (what a cache manager calls; every call is cheap and never raises f
 - the engine ends an iteration: ``flush_iteration_events()``.
 
 ``EventSourceBlock``: ``key`` (the block's 32-byte key), ``tokens`` (its key tokens: ids, 32-byte digests,
-``MmItemContext``), ``prev`` (the parent block, or the chain's root: any object without ``key`` and
-``tokens``, whose ``reuse_scope`` has ``lora_id`` and ``salt``) and ``storage`` (per life cycle id: None,
+``MmItemContext``), ``prev`` (the parent block, or the chain's root: an object with a ``reuse_scope``
+(``lora_id`` and ``salt``), or any object without ``key`` and ``tokens``, e.g. None) and ``storage`` (per life cycle id: None,
 a page, or a zero-argument callable returning the page or None). A page (``EventSourcePage``) has
 ``cache_level`` and ``priority``, and may have ``num_tokens``, how many of the block's tokens it holds
 (absent or None: all). A life cycle is stored, and published, only when its page holds every token of
@@ -216,7 +216,9 @@ class _StoredState:
 
 
 def _is_block(value: object) -> bool:
-    return hasattr(value, "key") and hasattr(value, "tokens")
+    """Whether a node of a ``prev`` chain is a block (not the root: a root has a ``reuse_scope`` or lacks
+    ``key``/``tokens``)."""
+    return hasattr(value, "key") and hasattr(value, "tokens") and not hasattr(value, "reuse_scope")
 
 
 def _token_id(token: object) -> int | None:
