@@ -229,9 +229,9 @@ def _token_id(token: object) -> int | None:
 
 
 def _check_count(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise ConfigError(f"KVCacheEventManager: {name} must be an int >= 0, got {value!r}")
-    return value
+    return int(value)
 
 
 class KVCacheEventManager:
