@@ -94,3 +94,38 @@ __all__ = [
     "read_kv",
     "write_kv",
 ]
+
+# --- TensorRT-LLM v2 event manager and key helpers (kvxfer.cache.event_manager, kvxfer.cache.hashing) ---
+from kvxfer.cache.event_manager import (
+    KVCacheCreatedData,
+    KVCacheEvent,
+    KVCacheEventDiff,
+    KVCacheEventManager,
+    KVCacheEventSerializer,
+    KVCacheRemovedData,
+    KVCacheStoredBlockData,
+    KVCacheStoredData,
+    KVCacheUpdatedData,
+    UniqueToken,
+)
+from kvxfer.cache.hashing import (
+    MmItemContext,
+    gen_multimodal_cache_key_tokens,
+    sequence_to_blockchain_keys,
+)
+
+__all__ += [
+    "KVCacheCreatedData",
+    "KVCacheEvent",
+    "KVCacheEventDiff",
+    "KVCacheEventManager",
+    "KVCacheEventSerializer",
+    "KVCacheRemovedData",
+    "KVCacheStoredBlockData",
+    "KVCacheStoredData",
+    "KVCacheUpdatedData",
+    "MmItemContext",
+    "UniqueToken",
+    "gen_multimodal_cache_key_tokens",
+    "sequence_to_blockchain_keys",
+]

@@ -20,14 +20,21 @@ little-endian words with the 32-bit mix, zero-padded, then its start offset 0 wi
 A 64-bit hash is not collision resistant, and the prefix tree decides reuse by key equality, so a
 v1 key is *composite*: the 8-byte v1 hash (big-endian) followed by the 32-byte SHA-256 v2 digest of
 the same chain. The tree matches all 40 bytes; events publish the v1 hash (the first 8 bytes).
+
+The last section holds TensorRT-LLM's names for the same ideas (its ``kv_cache_hash`` module and the key
+helpers of ``kv_cache_manager_v2``), with their byte layout: ``sequence_to_blockchain_keys`` packs each
+token id as 4 little-endian bytes (ids below 2**31, the C++ backend's ``TokenIdExt``), where
+``block_keys`` above packs 8. Both chains start from the same root bytes; their block keys differ.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+import itertools
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import blake3
 import numpy as np
@@ -91,11 +98,11 @@ def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
 
 
 def cache_salt_id(cache_salt: str) -> int:
-    """The integer salt of a tenant string: the first 8 bytes of SHA-256(UTF-8) read little-endian
-    (the reference's derivation, so routers compute the same root keys)."""
+    """The integer salt of a tenant string: an 8-byte BLAKE3 digest of its UTF-8 bytes read little-endian
+    (TensorRT-LLM's ``get_cache_salt_id``, so routers compute the same root keys)."""
     if not isinstance(cache_salt, str):
         raise ConfigError(f"cache_salt_id: the cache salt must be a str, got {type(cache_salt).__name__}")
-    return int.from_bytes(hashlib.sha256(cache_salt.encode("utf-8")).digest()[:8], "little")
+    return int.from_bytes(blake3.blake3(cache_salt.encode("utf-8")).digest(length=8), "little")
 
 
 def as_token_ids(tokens: Sequence[int] | npt.ArrayLike, what: str) -> TokenArray:
@@ -302,3 +309,151 @@ def external_hash(key: bytes, hash_name: str = HASH_V2_BLAKE3_64) -> bytes | int
     if hash_name == HASH_V2_BLAKE3_64:
         return int.from_bytes(key[:8], "big")
     raise ConfigError(f"unknown hash name {hash_name!r} (have {', '.join(HASH_NAMES)})")
+
+
+# --- TensorRT-LLM's names: the kv_cache_hash helpers and the v2 manager's key helpers ---------------
+#: Event hash algorithm names of TensorRT-LLM's ``kv_cache_hash`` (the same strings as ``HASH_*`` above).
+KV_CACHE_HASH_ALGO_AUTO = HASH_AUTO
+KV_CACHE_HASH_ALGO_V1 = HASH_V1_BLOCK_KEY
+KV_CACHE_HASH_ALGO_V2 = HASH_V2_SHA256
+KV_CACHE_HASH_ALGO_V2_SHA256_64 = HASH_V2_SHA256_64
+#: What ``auto`` means for events: the v1 block-key hash, which routers of the v1 manager already know.
+KV_CACHE_HASH_ALGO_DEFAULT = KV_CACHE_HASH_ALGO_V1
+
+_TOKEN_ID_LIMIT = 1 << 31        # 4-byte token ids keep the top bit clear (the C++ TokenIdExt tag bit)
+_DIGEST_BYTES = 32
+
+
+class NonTextTokenHashError(ConfigError):
+    """The v1 block-key hash was asked to hash a token that is not an integer id (a multimodal digest)."""
+
+
+def get_effective_kv_cache_event_hash_algo(hash_algo: str, use_kv_cache_manager_v2: bool = True) -> str:
+    """The event hash algorithm ``hash_algo`` stands for: ``auto`` is KV_CACHE_HASH_ALGO_DEFAULT, any
+    other name is itself (both managers resolve ``auto`` alike, so the flag only keeps the signature)."""
+    return KV_CACHE_HASH_ALGO_DEFAULT if hash_algo == KV_CACHE_HASH_ALGO_AUTO else hash_algo
+
+
+def truncate_sha256_hash_to_int64(block_hash: bytes) -> int:
+    """A 32-byte block key as a 64-bit event hash: its first 8 bytes read as an unsigned big-endian int."""
+    if not isinstance(block_hash, bytes | bytearray | memoryview):
+        raise ConfigError(f"truncate_sha256_hash_to_int64: block_hash must be bytes, got "
+                          f"{type(block_hash).__name__}")
+    data = bytes(block_hash)
+    if len(data) < 8:
+        raise ConfigError(f"truncate_sha256_hash_to_int64: block_hash needs at least 8 bytes, got {data!r}")
+    return int.from_bytes(data[:8], "big", signed=False)
+
+
+#: TensorRT-LLM's name of ``cache_salt_id`` (the same function).
+get_cache_salt_id = cache_salt_id
+
+
+def hash_v1_block_key(tokens: Sequence[int], parent_hash: int = 0, lora_task_id: int | None = None,
+                      cache_salt_id: int | None = None) -> int:
+    """TensorRT-LLM's v1 ``BlockKeyHasher`` hash of one block (token ids taken modulo 2**32, as the C++
+    hasher's 32-bit mix does); NonTextTokenHashError when a token is not an int (a multimodal digest)."""
+    ids: list[int] = []
+    for token in tokens:
+        if isinstance(token, bool) or not isinstance(token, int | np.integer):
+            raise NonTextTokenHashError(f"hash_v1_block_key: v1 hashing takes integer token ids only, got "
+                                        f"{type(token).__name__} {token!r:.80}")
+        ids.append(int(token) & _MASK32)
+    for name, value in (("parent_hash", parent_hash), ("lora_task_id", lora_task_id),
+                        ("cache_salt_id", cache_salt_id)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0
+                                  or value > _MASK64):
+            raise ConfigError(f"hash_v1_block_key: {name} must be an int in [0, 2**64), got {value!r}")
+    return _v1_hash(_premix32(np.asarray(ids, dtype=np.uint64)), len(ids), parent_hash, lora_task_id,
+                    cache_salt_id, b"")
+
+
+@dataclass(frozen=True, slots=True)
+class MmItemContext:
+    """The first key token of a multimodal item: its 32-byte content digest, and the ``uuid`` a frontend
+    routes the item by (None: the digest alone names it). Only the digest enters block keys; events carry
+    the uuid in the item's ``mm_keys`` entries."""
+
+    digest: bytes
+    uuid: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.digest, bytes) or len(self.digest) != _DIGEST_BYTES:
+            raise ConfigError(f"MmItemContext.digest must be {_DIGEST_BYTES} bytes, got {self.digest!r:.80}")
+        if self.uuid is not None and not isinstance(self.uuid, str):
+            raise ConfigError(f"MmItemContext.uuid must be a str or None, got {type(self.uuid).__name__}")
+
+
+#: A key token: a token id, a multimodal item's 32-byte digest, or a digest with its routing uuid.
+TokenIdExt: TypeAlias = int | bytes | MmItemContext
+
+
+def _token_bytes(token: object) -> bytes:
+    if isinstance(token, bytes):
+        return token
+    if isinstance(token, MmItemContext):
+        return token.digest
+    if isinstance(token, int | np.integer) and not isinstance(token, bool) and 0 <= token < _TOKEN_ID_LIMIT:
+        return int(token).to_bytes(4, "little")
+    raise ConfigError(f"key token must be an int in [0, 2**31), bytes or MmItemContext, got {token!r:.80}")
+
+
+def pack_key_tokens(tokens: Sequence[TokenIdExt]) -> bytes:
+    """The bytes a block of key tokens contributes to its key: each id as 4 little-endian bytes, each
+    multimodal digest as itself (ConfigError for anything else or an id outside [0, 2**31))."""
+    ids = [t for t in tokens if type(t) is int]
+    if len(ids) == len(tokens):
+        if ids and (min(ids) < 0 or max(ids) >= _TOKEN_ID_LIMIT):
+            bad = next(t for t in ids if not 0 <= t < _TOKEN_ID_LIMIT)
+            raise ConfigError(f"key token ids must be in [0, 2**31), got {bad!r}")
+        return struct.pack(f"<{len(ids)}I", *ids)
+    return b"".join(_token_bytes(t) for t in tokens)
+
+
+def reuse_scope_to_bytes(reuse_scope: ReuseScope | Iterable[int | None]) -> bytes:
+    """A reuse scope's namespace bytes: a mask byte (bit i: field i present) then each present field as a
+    little-endian uint64; takes kvxfer's ``ReuseScope`` or any iterable of optional ints ``(lora_id, salt)``."""
+    values: list[int | None] = ([reuse_scope.lora_id, reuse_scope.salt] if isinstance(reuse_scope, ReuseScope)
+                                else list(reuse_scope))
+    mask = 0
+    out = b""
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MASK64:
+            raise ConfigError(f"reuse scope field {i} must be None or an int in [0, 2**64), got {value!r}")
+        mask |= 1 << i
+        out += value.to_bytes(8, "little")
+    return mask.to_bytes((len(values) + 7) // 8, "little") + out
+
+
+def gen_multimodal_cache_key_tokens(id_offset: int, multi_modal_data_digest: bytes, num_tokens: int,
+                                    token_offset: int = 0) -> list[TokenIdExt]:
+    """Key tokens of ``num_tokens`` positions of a multimodal item from item-local ``token_offset`` on:
+    offset 0 is the item's 32-byte digest, offset k > 0 the synthetic id ``id_offset + k`` (``id_offset``
+    is usually the vocabulary size, so synthetic ids never equal text ids)."""
+    if not isinstance(multi_modal_data_digest, bytes) or len(multi_modal_data_digest) != _DIGEST_BYTES:
+        raise ConfigError(f"gen_multimodal_cache_key_tokens: the digest must be {_DIGEST_BYTES} bytes, got "
+                          f"{multi_modal_data_digest!r:.80}")
+    for name, value, low in (("id_offset", id_offset, 0), ("num_tokens", num_tokens, 1),
+                             ("token_offset", token_offset, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"gen_multimodal_cache_key_tokens: {name} must be an int >= {low}, got {value!r}")
+    return [multi_modal_data_digest if token_offset + i == 0 else id_offset + token_offset + i
+            for i in range(num_tokens)]
+
+
+def sequence_to_blockchain_keys(tokens_per_block: int, reuse_scope: ReuseScope | Iterable[int | None],
+                                tokens: Iterable[TokenIdExt]) -> Iterator[tuple[list[TokenIdExt], bytes]]:
+    """TensorRT-LLM's key chain: first ``([], root)`` with ``root = SHA-256(reuse_scope_to_bytes(scope))``,
+    then for each chunk of ``tokens_per_block`` tokens (the last may be shorter) ``(chunk, key)`` with
+    ``key = SHA-256(previous key || pack_key_tokens(chunk))``."""
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block <= 0:
+        raise ConfigError(f"sequence_to_blockchain_keys: tokens_per_block must be an int > 0, got "
+                          f"{tokens_per_block!r}")
+    key = hashlib.sha256(reuse_scope_to_bytes(reuse_scope)).digest()
+    yield [], key
+    it = iter(tokens)
+    while chunk := list(itertools.islice(it, tokens_per_block)):
+        key = hashlib.sha256(key + pack_key_tokens(chunk)).digest()
+        yield chunk, key
