@@ -12,6 +12,8 @@
 #   PARTS          what to run, in order: tests demo cuda_ipc nixl e2e tiers (default: all)
 #   OUT            output folder (default: bench-gpu-<UTC date and time>)
 #   VENV           the virtual environment (default .venv); PYTHON the interpreter that creates it
+#   PY             the interpreter that runs everything (default $VENV/bin/python; e.g. PY=python3 for an
+#                  environment that already has torch with CUDA, kvxfer's dependencies and the bindings)
 #   SETUP=1        create/update $VENV: TORCH_SPEC (default torch) from TORCH_INDEX (default the
 #                  PyTorch cu128 wheels), then kvxfer with the dev, hf and $FLAVOUR (cu12|cu13) extras
 #   TOKENS         bench_gpu prompt lengths (default "4096 32768"); ITERS, LATENCY_ITERS its iterations
@@ -42,10 +44,10 @@ if [ "${SETUP:-0}" = 1 ]; then
     --index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cu128}" || exit 1
   "$VENV/bin/python" -m pip install -q -e ".[dev,hf,$FLAVOUR]" || exit 1
 fi
-PY=$VENV/bin/python
-test -x "$PY" || { echo "no $PY: run with SETUP=1 or point VENV at an environment with kvxfer" >&2; exit 1; }
+PY=${PY:-$VENV/bin/python}
+command -v "$PY" >/dev/null || { echo "no $PY: run with SETUP=1, or set VENV or PY" >&2; exit 1; }
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
-  echo "torch in $VENV sees no CUDA device: install a CUDA build (SETUP=1, TORCH_INDEX)" >&2; exit 1; }
+  echo "torch of $PY sees no CUDA device: install a CUDA build (SETUP=1, TORCH_INDEX)" >&2; exit 1; }
 
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 UCX_LOG_LEVEL=error
@@ -70,7 +72,7 @@ for part in $PARTS; do
     tests)
       run pytest_gpu "$PY" -m pytest -m gpu -q -ra -p no:cacheprovider --timeout "$TEST_TIMEOUT" tests/ ;;
     demo)
-      run demo "$VENV/bin/kvxfer" demo --device cuda:0 --backend cuda_ipc --checksum full ;;
+      run demo "$PY" -m kvxfer demo --device cuda:0 --backend cuda_ipc --checksum full ;;
     cuda_ipc)
       # shellcheck disable=SC2086
       run bench_gpu_cuda_ipc "$PY" benchmarks/bench_gpu.py --backends cuda_ipc --tokens $TOKENS \
@@ -88,7 +90,7 @@ for part in $PARTS; do
         --json "$OUT/nixl_pooled.json" "${passes[@]}" ;;
     e2e)
       for model in $E2E_MODELS; do
-        run "e2e_$model" "$VENV/bin/kvxfer" bench e2e --device cuda:0 --backend cuda_ipc --model "$model" \
+        run "e2e_$model" "$PY" -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc --model "$model" \
           --lengths "$E2E_LENGTHS" --iters "$E2E_ITERS" --out "$OUT/e2e_$model.json"
       done ;;
     tiers)
