@@ -102,7 +102,7 @@ class _Run:
                             "state": snapshot(self.mgr, self.caches)})
 
     def open(self, cid: str, tokens: np.ndarray | None, **kw: Any) -> KVCache:
-        cache = self.mgr.create_kv_cache(tokens, cid, **kw)
+        cache = self.mgr.create_kv_cache_for_prompt(tokens, cid, **kw)
         self.caches[cid] = cache
         return cache
 

@@ -195,7 +195,7 @@ def _drive(mgr: Any, chunk: int) -> list[Any]:
     out: list[Any] = []
     base = np.arange(160) * 7 % 1000
     for i, prompt in enumerate([base, np.concatenate([base[:40], base[40:] + 1]), base + 5000]):
-        kv = mgr.create_kv_cache(prompt)
+        kv = mgr.create_kv_cache_for_prompt(prompt)
         kv.resume()
         assert kv.resize(prompt.size)
         step = prompt.size if i == 0 else chunk
@@ -223,7 +223,7 @@ def test_commit_refuses_a_page_that_is_already_a_tree_page_before_entering_anyth
     """Mutation of the tree-page check: a new block whose page the tree already holds is an error,
     raised before any block of the chain enters the tree."""
     mgr = make_manager(16)
-    kv = mgr.create_kv_cache(np.arange(12))
+    kv = mgr.create_kv_cache_for_prompt(np.arange(12))
     kv.resume()
     assert kv.resize(12)
     mgr._in_tree_t[0][0][kv.block_ids(0)[1]] = True

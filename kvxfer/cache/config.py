@@ -11,6 +11,7 @@ import torch
 
 from kvxfer.cache.dtypes import dtype_name, itemsize
 from kvxfer.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
+from kvxfer.cache.manager_config import KVCacheManagerConfig, manager_config_of
 from kvxfer.errors import ConfigError
 
 HeadOrder = Literal["HND", "NHD"]
@@ -226,6 +227,11 @@ class CacheConfig:
             for role in layer.role_specs:
                 total += heads * (role.head_dim or layer.head_dim) * itemsize(role.dtype or self.dtype)
         return total
+
+    def to_manager_config(self) -> KVCacheManagerConfig:
+        """The reference configuration of this cache: each role of each layer a buffer of its bytes per
+        block on this rank, each tier a cache level (``KVCacheManager`` accepts either form)."""
+        return manager_config_of(self)
 
     @classmethod
     def for_model(

@@ -8,19 +8,38 @@ tokens the caller has declared final (and, with prefix reuse, shareable).
 
 from __future__ import annotations
 
+import array
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.cache.common import (
+    BAD_PAGE_INDEX,
+    DEFAULT_BEAM_INDEX,
+    BeamIndex,
+    CacheLevel,
+    HalfOpenRange,
+    LayerGroupId,
+    PageIndexMode,
+    PlannedDropHandle,
+    ScratchDesc,
+)
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.hashing import DEFAULT_SCOPE, ReuseScope, as_token_ids
 from kvxfer.cache.radix_tree import BlockNode, check_priority
 from kvxfer.cache.stats import KVCacheStatsDelta, PendingStats
-from kvxfer.errors import CacheClosedError, CacheStateError, CapacityError, ConfigError, OutOfSlotsError
+from kvxfer.errors import (
+    CacheClosedError,
+    CacheStateError,
+    CapacityError,
+    ConfigError,
+    LogicError,
+    OutOfPagesError,
+    OutOfSlotsError,
+)
 
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
@@ -55,33 +74,23 @@ class CacheOwner(Protocol):
 
     def _set_scratch_reuse(self, cache: KVCache, enable: bool) -> None: ...
 
+    def _prefetch(self, cache: KVCache, target: int) -> bool: ...
 
-@dataclass(frozen=True)
-class ScratchDesc:
-    """Scratch slots of a sliding-window layer group: block ordinals ``[range_begin, range_end)`` of
-    the request have no page of their own (their ids read -1) because their KV is out of the window
-    once the current step's tokens are written; the step writes them into ``slot_ids`` (one per
-    ordinal, in order) instead. Valid until the next resize or history change."""
-
-    range_begin: int
-    range_end: int
-    slot_ids: tuple[int, ...]
-
-    @property
-    def range(self) -> tuple[int, int]:
-        """``(begin, end)`` block ordinals the scratch slots stand in for."""
-        return self.range_begin, self.range_end
-
-    def __bool__(self) -> bool:
-        return self.range_end > self.range_begin
+    def _plan_drop(self, cache: KVCache) -> PlannedDropHandle | None: ...
 
 
 class CacheState(enum.Enum):
-    """Lifecycle state of a KVCache."""
+    """Lifecycle state of a KVCache (the reference design's ``KvCacheStatus``)."""
 
     SUSPENDED = "suspended"
     ACTIVE = "active"
     CLOSED = "closed"
+
+
+#: The reference design's name of the kv-cache status enum.
+KvCacheStatus = CacheState
+#: ``custom_priority_callback(block_ordinal, life_cycle) -> priority`` of ``create_kv_cache``.
+PriorityCallback = Callable[[int, Any], int]
 
 
 def _as_tokens(tokens: Sequence[int] | npt.ArrayLike, what: str) -> npt.NDArray[np.int64]:
@@ -90,7 +99,10 @@ def _as_tokens(tokens: Sequence[int] | npt.ArrayLike, what: str) -> npt.NDArray[
 
 
 class KVCache:
-    """Per-request paged KV storage handed out by ``KVCacheManager.create_kv_cache``."""
+    """Per-request paged KV storage handed out by ``KVCacheManager.create_kv_cache`` (the reference
+    design's ``_KVCache``)."""
+
+    Status: ClassVar[type[CacheState]] = CacheState
 
     def __init__(self, manager: CacheOwner, cache_id: str, input_tokens: npt.NDArray[np.int64] | None,
                  reuse_scope: ReuseScope = DEFAULT_SCOPE, extra_keys: dict[int, bytes] | None = None, *,
@@ -127,13 +139,15 @@ class KVCache:
         # Scratch slots per layer group (held by this cache) and the block range they stand in for.
         self._scratch: list[IntArray] = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
         self._scratch_range: list[tuple[int, int]] = [(0, 0)] * n_groups
+        self._commit_allowed = True
+        self._text_only = False
+        self.enable_request_stats = False
+        self.priority_callback: PriorityCallback | None = None
+        #: Reused tokens by the cache level their pages were found at (set when the cache is created).
+        self.reused_tokens_by_level: list[int] = []
+        self._index_bufs: dict[int, memoryview] = {}
 
     # --- properties ----------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        """Tokens the allocated blocks can hold."""
-        return self._capacity
-
     @property
     def history_length(self) -> int:
         """Tokens whose KV has been written."""
@@ -147,6 +161,7 @@ class KVCache:
                                 f"{self.num_committed_tokens}, capacity={self._capacity}]")
         self._history = n
         self._manager._release_out_of_window(self)
+        self._sync_index_bufs()
 
     @property
     def num_committed_tokens(self) -> int:
@@ -154,8 +169,13 @@ class KVCache:
         return int(self._tokens.size)
 
     @property
-    def committed_tokens(self) -> npt.NDArray[np.int64]:
-        """The committed token ids (a copy)."""
+    def committed_tokens(self) -> list[int]:
+        """The committed token ids (a new list)."""
+        return [int(t) for t in self._tokens.tolist()]
+
+    @property
+    def committed_token_array(self) -> npt.NDArray[np.int64]:
+        """The committed token ids as an int64 array (a copy)."""
         return self._tokens.copy()
 
     @property
@@ -209,7 +229,7 @@ class KVCache:
         begin, end = self._scratch_range[layer_group_id]
         if end <= begin:
             return None
-        return ScratchDesc(begin, end, tuple(int(s) for s in self._scratch[layer_group_id][:end - begin]))
+        return ScratchDesc(HalfOpenRange(begin, end), tuple(int(s) for s in self._scratch[layer_group_id][:end - begin]))
 
     @property
     def has_scratch_slots(self) -> bool:
@@ -245,6 +265,130 @@ class KVCache:
             raise CacheStateError(f"KVCache {self.id}: no layer group {layer_group_id} "
                                   f"(have 0..{len(self._blocks) - 1})")
 
+    # --- the reference design's view ------------------------------------------------------------
+    @property
+    def manager(self) -> Any:
+        """The manager that created this cache."""
+        return self._manager
+
+    @property
+    def status(self) -> CacheState:
+        """ACTIVE, SUSPENDED or CLOSED."""
+        return self.state
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the cache is resumed (its pages are in the primary tier and may be written)."""
+        return self.state is CacheState.ACTIVE
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per block of the manager's layout."""
+        return self._manager.layout.tokens_per_block
+
+    @property
+    def beam_width(self) -> BeamIndex:
+        """Beams of this request: always 1 (kvxfer keeps one sequence per cache)."""
+        return BeamIndex(1)
+
+    @beam_width.setter
+    def beam_width(self, beam_width: BeamIndex) -> None:
+        if beam_width != 1:
+            raise ConfigError(f"KVCache {self.id}.beam_width: only beam width 1 is supported, got {beam_width!r}")
+
+    def _check_beam(self, beam_id: int, what: str) -> None:
+        if beam_id != DEFAULT_BEAM_INDEX:
+            raise ConfigError(f"KVCache {self.id}.{what}: only beam {DEFAULT_BEAM_INDEX} exists, got {beam_id!r}")
+
+    def get_base_page_indices(self, layer_group_id: LayerGroupId,
+                              beam_id: BeamIndex = DEFAULT_BEAM_INDEX) -> array.array[int]:
+        """Slot ids of this request's blocks in a layer group (``BAD_PAGE_INDEX``: no page)."""
+        self._check_beam(beam_id, "get_base_page_indices")
+        return array.array("i", self.block_ids(layer_group_id).tolist())
+
+    def get_aggregated_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = DEFAULT_BEAM_INDEX,
+                                    valid_only: bool = False) -> Iterator[int]:
+        """Aggregated page indices (one per block; see ``KVCacheManager.get_aggregated_pages``), without
+        the blocks that have no page when ``valid_only``."""
+        for index in self.get_base_page_indices(layer_group_id, beam_id):
+            if not valid_only or index != BAD_PAGE_INDEX:
+                yield index
+
+    def set_base_page_index_buf(self, beam_idx: BeamIndex, layer_group_id: LayerGroupId,
+                                buf: memoryview | None) -> None:
+        """Keep ``buf`` (an int32 buffer of at least ``num_blocks`` entries) equal to the base page
+        indices of a layer group, padded with ``BAD_PAGE_INDEX``, from now on; None stops that."""
+        self._check_open("set_base_page_index_buf")
+        self._check_beam(beam_idx, "set_base_page_index_buf")
+        self._check_layer_group(layer_group_id)
+        if buf is None:
+            self._index_bufs.pop(layer_group_id, None)
+            return
+        view = memoryview(buf).cast("B").cast("i") if memoryview(buf).format != "i" else memoryview(buf)
+        if len(view) < self.num_blocks:
+            raise CapacityError(f"KVCache {self.id}.set_base_page_index_buf: buffer of {len(view)} entries is "
+                                f"shorter than the {self.num_blocks} blocks of layer group {layer_group_id}")
+        self._index_bufs[layer_group_id] = view
+        self._sync_index_bufs()
+
+    def _sync_index_bufs(self) -> None:
+        for layer_group_id, view in self._index_bufs.items():
+            ids = self._blocks[layer_group_id]
+            if len(view) < ids.size:
+                raise CapacityError(f"KVCache {self.id}: the base page index buffer of layer group "
+                                    f"{layer_group_id} ({len(view)} entries) cannot hold {ids.size} blocks")
+            for i, v in enumerate(ids.tolist()):
+                view[i] = int(v)
+            for i in range(ids.size, len(view)):
+                view[i] = BAD_PAGE_INDEX
+
+    @property
+    def cached_tokens_by_level(self) -> list[int]:
+        """Reused tokens by the cache level their pages were found at when the cache was created."""
+        return list(self.reused_tokens_by_level)
+
+    def _get_last_cached_token_level(self) -> int | None:
+        """The cache level of the last reused token's page (None: nothing was reused)."""
+        for level in range(len(self.reused_tokens_by_level) - 1, -1, -1):
+            if self.reused_tokens_by_level[level]:
+                return level
+        return None
+
+    def stop_committing(self) -> None:
+        """No further ``commit``: the request's remaining tokens advance ``history_length`` only."""
+        self._check_open("stop_committing")
+        self._commit_allowed = False
+
+    @property
+    def commit_allowed(self) -> bool:
+        """Whether ``commit`` is still allowed (``stop_committing`` not called)."""
+        return self._commit_allowed
+
+    def plan_committed_block_drop(self) -> PlannedDropHandle | None:
+        """A handle that later drops, from the prefix tree, the pages of this request's committed
+        blocks that nothing else holds then; None when no committed block of it is in the tree."""
+        self._check_open("plan_committed_block_drop")
+        return self._manager._plan_drop(self)
+
+    def prefetch(self, target: CacheLevel) -> bool:
+        """Bring this suspended request's pages held in levels colder than ``target`` up to ``target``;
+        False when that level has no room for them."""
+        self._check_open("prefetch")
+        return self._manager._prefetch(self, int(target))
+
+    @property
+    def text_only(self) -> bool:
+        """Whether the request has no multimodal tokens (a hint; kvxfer keys every token alike)."""
+        return self._text_only
+
+    @text_only.setter
+    def text_only(self, text_only: bool) -> None:
+        self._text_only = bool(text_only)
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool:
+        """Both page index modes are supported."""
+        return mode in (PageIndexMode.SHARED, PageIndexMode.PER_LAYER)
+
     # --- lifecycle -----------------------------------------------------------------------------
     def _check_open(self, op: str) -> None:
         if self.state is CacheState.CLOSED:
@@ -273,6 +417,7 @@ class KVCache:
             return False
         self._stream = stream
         self.state = CacheState.ACTIVE
+        self._sync_index_bufs()
         return True
 
     def suspend(self) -> None:
@@ -284,31 +429,56 @@ class KVCache:
         self._manager._suspend(self)
         self.state = CacheState.SUSPENDED
 
-    def resize(self, capacity: int) -> bool:
-        """Grow or shrink to hold ``capacity`` tokens; False (nothing allocated) when out of slots."""
+    def resize(self, capacity: int | None, history_length: int | None = None) -> bool:
+        """Grow or shrink to hold ``capacity`` tokens (None: keep it) and set ``history_length`` when
+        given; False (nothing changed) when out of slots."""
         self._check_active("resize")
+        if capacity is None:
+            capacity = self._capacity
         if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 0:
             raise CapacityError(f"KVCache {self.id}: capacity must be an int >= 0, got {capacity!r}")
         capacity = int(capacity)
-        if capacity < self._history:
-            raise CapacityError(f"KVCache {self.id}: capacity {capacity} below history_length {self._history}")
+        history = self._history if history_length is None else int(history_length)
+        if capacity < history:
+            raise CapacityError(f"KVCache {self.id}: capacity {capacity} below history_length {history}")
+        if history_length is not None and history < self._history:
+            self.history_length = history
         try:
             self._manager._resize(self, capacity)
         except OutOfSlotsError:
             return False
         self._capacity = capacity
+        if history_length is not None and history != self._history:
+            self.history_length = history
+        self._sync_index_bufs()
         return True
 
-    def commit(self, tokens: Sequence[int] | npt.ArrayLike, *, priority: int | None = None) -> None:
-        """Declare the KV of ``tokens`` (appended after the committed ones) written and final.
+    @property
+    def capacity(self) -> int:
+        """Tokens the allocated blocks can hold; setting it resizes (OutOfPagesError when out of slots)."""
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, capacity: int) -> None:
+        if not self.resize(capacity):
+            raise OutOfPagesError(f"KVCache {self.id}: no pages for capacity {capacity}")
+
+    def commit(self, accepted_input_tokens: Sequence[int] | npt.ArrayLike, beam_search_indices: Sequence[int] | None = None,
+               is_end: bool = False, *, priority: int | None = None) -> None:
+        """Declare the KV of ``accepted_input_tokens`` (appended after the committed ones) written and
+        final; ``is_end`` also stops committing.
 
         With prefix reuse, blocks this fills enter the prefix tree; ``priority`` (0-100, default 35)
         is their eviction priority (lower goes first) and also updates blocks already there.
         """
         self._check_active("commit")
+        if beam_search_indices is not None:
+            raise ConfigError(f"KVCache {self.id}.commit: beam_search_indices are not supported (beam width 1)")
+        if not self._commit_allowed:
+            raise LogicError(f"KVCache {self.id}.commit: committing was stopped (stop_committing or is_end)")
         if priority is not None:
             priority = check_priority(priority, f"KVCache {self.id}.commit")
-        arr = _as_tokens(tokens, f"KVCache {self.id}.commit")
+        arr = _as_tokens(accepted_input_tokens, f"KVCache {self.id}.commit")
         if self.num_committed_tokens + arr.size > self._capacity:
             raise CapacityError(f"KVCache {self.id}: commit of {arr.size} tokens past capacity "
                                 f"({self.num_committed_tokens} committed, capacity {self._capacity})")
@@ -316,6 +486,9 @@ class KVCache:
         self._history = max(self._history, self.num_committed_tokens)
         self._manager._on_commit(self, priority)
         self._manager._release_out_of_window(self)
+        self._sync_index_bufs()
+        if is_end:
+            self._commit_allowed = False
 
     def set_priority(self, priority: int) -> None:
         """Set the eviction priority (0-100, lower goes first) of every committed block of this
@@ -324,9 +497,10 @@ class KVCache:
         self._manager._set_priority(self, check_priority(priority, f"KVCache {self.id}.set_priority"))
 
     def close(self) -> None:
-        """Release every page this cache holds; a second close raises CacheClosedError. Pending
-        statistics are committed first (``discard_pending_stats()`` before closing drops them)."""
-        self._check_open("close")
+        """Release every page this cache holds (a second close does nothing). Pending statistics are
+        committed first (``discard_pending_stats()`` before closing drops them)."""
+        if self.state is CacheState.CLOSED:
+            return
         self._manager._close(self)
         self.state = CacheState.CLOSED
         self._blocks = [np.empty(0, dtype=np.int32) for _ in self._blocks]
@@ -334,6 +508,7 @@ class KVCache:
         self._scratch = [np.empty(0, dtype=np.int32) for _ in self._scratch]
         self._scratch_range = [(0, 0)] * len(self._scratch)
         self._capacity = 0
+        self._sync_index_bufs()
 
     def __enter__(self) -> KVCache:
         return self

@@ -7,7 +7,7 @@ import itertools
 import logging
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,22 +16,52 @@ import torch
 
 from kvxfer.cache import tiers as tier_storage
 from kvxfer.cache.allocator import SlotAllocator
+from kvxfer.cache.common import (
+    GPU_LEVEL,
+    CacheLevel,
+    CacheTier,
+    DataRole,
+    LayerGroupId,
+    LayerId,
+    LifeCycleId,
+    MemAddress,
+    PageIndexConverter,
+    PageIndexMode,
+    PlannedDropHandle,
+    PoolGroupIndex,
+    div_up,
+    exact_div,
+)
 from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.copy_engine import CopyEngine
-from kvxfer.cache.descriptors import AggregatedPageDesc, BufferId, CacheLayoutDesc
+from kvxfer.cache.descriptors import AggregatedPageDesc, BufferId, CacheLayoutDesc, PoolDesc
 from kvxfer.cache.dtypes import torch_dtype
-from kvxfer.cache.events import Created, EventQueue, KVEvent, layer_group_subset
-from kvxfer.cache.hashing import ExtraKeys, ReuseScope, check_extra_keys, resolve_hash_algo
-from kvxfer.cache.kv_cache import CacheState, KVCache, _as_tokens
+from kvxfer.cache.event_forwarding import ReferenceEventForwarder
+from kvxfer.cache.events import AllCleared, Created, EventQueue, KVEvent, layer_group_subset
+from kvxfer.cache.hashing import ExtraKeys, ReuseScope, block_keys, check_extra_keys, resolve_hash_algo
+from kvxfer.cache.kv_cache import CacheState, KVCache, PriorityCallback, _as_tokens
 from kvxfer.cache.layout import place_layout, plan_layout
+from kvxfer.cache.manager_config import (
+    EXTRA_REUSE_MATCH_BACKOFF,
+    KVCacheManagerConfig,
+    cache_config_of,
+    copy_config,
+    manager_config_of,
+)
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.cache.pins import PinnedPages
 from kvxfer.cache.prefix_reuse import PrefixReuse, _check_scope
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree
-from kvxfer.cache.stats import StatsCollector, TierTrafficCounter
+from kvxfer.cache.stats import (
+    ReusedBlocksByLevel,
+    SsmSnapshotIterationStatsDelta,
+    StatsCollector,
+    StorageStatistics,
+    TierTrafficCounter,
+)
 from kvxfer.cache.streams import SlotReadiness, TorchStreamOps
 from kvxfer.cache.tiers import DiskTierStorage, MemoryTierStorage, TierStorage, primary_tier_of
-from kvxfer.errors import CacheStateError, ConfigError, LayoutError, ManagerBusyError
+from kvxfer.errors import CacheStateError, ConfigError, LayoutError, ManagerBusyError, TierError
 
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
@@ -56,9 +86,21 @@ class KVCacheManager(PrefixReuse):
     offloaded, never dropped), droppable when only the prefix tree holds it.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: KVCacheManagerConfig | CacheConfig, event_manager: Any | None = None,
+                 cold_page_codec: Any | None = None) -> None:
+        if cold_page_codec is not None:
+            raise ConfigError("KVCacheManager: cold_page_codec is not supported (kvxfer keeps cold pages as "
+                              "they are in the primary tier)")
+        if isinstance(config, CacheConfig):
+            self._init_config = manager_config_of(config)
+        else:
+            self._init_config = copy_config(config) if isinstance(config, KVCacheManagerConfig) else config
+            config = cache_config_of(config)
         #: The configuration the manager was created with (never changes; see ``current_config``).
         self.config = config
+        #: Tokens trimmed off the tail of every prefix match (``KVCacheManagerConfig.reuse_match_backoff``).
+        self.reuse_match_backoff = int(dict(config.extra).get(EXTRA_REUSE_MATCH_BACKOFF, 0))
+        self._event_manager = event_manager
         self._current = config
         self._hash_algo = resolve_hash_algo(config.hash_algo)
         primary = config.primary
@@ -75,7 +117,8 @@ class KVCacheManager(PrefixReuse):
         self._lg_pool_group = [lg.pool_group_index for lg in self._layout.layer_groups]
         self._tree = PrefixTree(len(self._layout.layer_groups), self._layout.tokens_per_block)
         self._in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in self._layout.pool_groups]
-        self._events = EventQueue(config.event_queue_capacity)
+        self._events = EventQueue(config.event_queue_capacity, sink=None if event_manager is None else
+                                  ReferenceEventForwarder(event_manager, self._hash_algo, lambda: self._media))
         self._medium = "GPU" if device.type == "cuda" else "CPU"
         self._has_windows = any(lg.window is not None for lg in self._layout.layer_groups)
         self._caches: dict[str, KVCache] = {}
@@ -125,6 +168,10 @@ class KVCacheManager(PrefixReuse):
         self._put_created()
         self._page_bytes = [sum(p.slot_bytes for p in pg.pools) for pg in self._layout.pool_groups]
         self._stats = StatsCollector(config.enable_stats, len(self._tiers), len(self._layout.pool_groups))
+        self._suspend_resume = [0, 0]
+        self._disk_prefetch_blocks = 0
+        self._cached_tokens_by_level = [0] * len(self._tiers)
+        self._reused_blocks_by_level: dict[LifeCycleId, ReusedBlocksByLevel] = {}
         self._sample_usage()
 
     # --- published view ---------------------------------------------------------------------
@@ -200,23 +247,48 @@ class KVCacheManager(PrefixReuse):
     # --- tiers: placement, eviction across tiers, onboarding ---------------------------------------
 
     # --- KVCache lifecycle (called by KVCache) ------------------------------------------------
-    def create_kv_cache(self, tokens: Sequence[int] | npt.ArrayLike | None = None, id: str | None = None, *,
-                        reuse_scope: ReuseScope | None = None, extra_keys: ExtraKeys | None = None,
-                        expected_prompt_length: int | None = None) -> KVCache:
+    def create_kv_cache(self, reuse_scope: ReuseScope | None = None,
+                        input_tokens: Sequence[int] | npt.ArrayLike | None = None, id: Any = None,
+                        custom_priority_callback: PriorityCallback | None = None,
+                        expected_prompt_length: int | None = None, text_only: bool | None = None,
+                        enable_request_stats: bool = False, *, extra_keys: ExtraKeys | None = None) -> KVCache:
         """A new, suspended KVCache; call ``resume()`` before ``resize``.
 
-        With ``tokens`` (the prompt) and prefix reuse enabled, the longest reusable prefix within
-        ``reuse_scope`` is matched (never the last prompt token, whose logits must be computed): its
-        pages are locked into the cache's first block ids and ``num_reused_tokens`` (= its committed
-        tokens) says how much. ``extra_keys`` maps a block index to bytes (e.g. multimodal digests)
-        that enter that block's key. ``expected_prompt_length`` (at least ``len(tokens)``; by default
-        ``len(tokens)``) is the prompt's length when the caller knows more than the tokens given:
-        blocks allocated inside it count as missed, past it as generation allocations.
+        With ``input_tokens`` and prefix reuse enabled, the longest reusable prefix of them within
+        ``reuse_scope`` is matched (every token may be reused: a caller that must compute the last
+        prompt token's logits passes the prompt without it), less ``reuse_match_backoff``: its pages
+        are locked into the cache's first blocks and ``num_committed_tokens`` says how many tokens.
+        ``id`` is any hashable (default: a fresh ``"kv-N"``). ``custom_priority_callback(block ordinal,
+        life cycle)`` gives the eviction priority of each block the cache commits. ``extra_keys`` maps
+        a block index to bytes (e.g. multimodal digests) that enter that block's key.
+        ``expected_prompt_length`` (default ``len(input_tokens)``) is the prompt's length: blocks
+        allocated inside it count as missed, past it as generation allocations.
         """
+        return self._open_cache(reuse_scope, input_tokens, id, holdback=0, extra_keys=extra_keys,
+                                expected_prompt_length=expected_prompt_length, priority_callback=custom_priority_callback,
+                                text_only=text_only, enable_request_stats=enable_request_stats)
+
+    def create_kv_cache_for_prompt(self, prompt: Sequence[int] | npt.ArrayLike | None = None, id: Any = None, *,
+                                   reuse_scope: ReuseScope | None = None, extra_keys: ExtraKeys | None = None,
+                                   expected_prompt_length: int | None = None) -> KVCache:
+        """kvxfer's prompt-first form of ``create_kv_cache``: the prompt's prefix is reused except its
+        last token, whose logits must be computed; ``expected_prompt_length`` defaults to the whole
+        prompt (at least ``len(prompt)``)."""
+        return self._open_cache(reuse_scope, prompt, id, holdback=1, extra_keys=extra_keys,
+                                expected_prompt_length=expected_prompt_length)
+
+    def _open_cache(self, reuse_scope: ReuseScope | None, tokens: Sequence[int] | npt.ArrayLike | None, id: Any,
+                    holdback: int, extra_keys: ExtraKeys | None = None, expected_prompt_length: int | None = None,
+                    priority_callback: PriorityCallback | None = None, text_only: bool | None = None,
+                    enable_request_stats: bool = False) -> KVCache:
         with self._lock:
             if self._shut_down:
                 raise ManagerBusyError("create_kv_cache: the manager has been shut down")
             cache_id = id if id is not None else f"kv-{next(self._ids)}"
+            try:
+                hash(cache_id)
+            except TypeError as exc:
+                raise ConfigError(f"create_kv_cache: id must be hashable, got {cache_id!r}") from exc
             if cache_id in self._caches:
                 raise CacheStateError(f"create_kv_cache: a cache with id {cache_id!r} is already open")
             what = f"create_kv_cache({cache_id})"
@@ -226,13 +298,18 @@ class KVCacheManager(PrefixReuse):
             prompt_length = _check_prompt_length(expected_prompt_length, arr, what)
             cache = KVCache(self, cache_id, arr, scope, extras, expected_prompt_length=prompt_length,
                             swa_scratch_reuse=self.config.swa_scratch_reuse)
+            cache.priority_callback = priority_callback
+            cache.text_only = bool(self._init_config.text_only if text_only is None else text_only)
+            cache.enable_request_stats = bool(enable_request_stats)
+            cache.reused_tokens_by_level = [0] * len(self._tiers)
             cache._root_key = scope.root_key_for(self._hash_algo)
             cache._last_used = self._tree.tick()
             if arr is not None and self.config.enable_prefix_reuse:
                 cache._prompt_keys = self._keys(cache, arr, cache._root_key)
-                plan = self._plan_reuse(cache._root_key, cache._prompt_keys, arr, extras)
+                plan = self._plan_matching(cache._root_key, cache._prompt_keys, arr, extras, holdback)
                 self._lock_reuse(cache, arr, plan)
                 self._count_reuse(cache, plan)
+                self._count_reused_levels(cache, plan)
             self._caches[cache_id] = cache
             self._sample_usage()
             return cache
@@ -421,9 +498,9 @@ class KVCacheManager(PrefixReuse):
     def shutdown(self) -> None:
         """Release all memory; refuses while caches are open."""
         with self._lock:
-            open_ids = [c.id for c in self._caches.values() if c.state is not CacheState.CLOSED]
-            if open_ids:
-                raise ManagerBusyError(f"shutdown: {len(open_ids)} KV caches still open: {open_ids[:5]}")
+            if self._shut_down:
+                return
+            self._refuse_open("shutdown()")
             self._clear_tree(list(self._tree.nodes()))
             self._shut_down = True
             if self._copy is not None:
@@ -435,6 +512,324 @@ class KVCacheManager(PrefixReuse):
             self._tiers[0] = MemoryTierStorage("primary", self._layout, [[] for _ in self._pools], self._allocators,
                                                owns_pools=False)
             self._tiers[0].close()
+
+    # --- the reference design's manager API -----------------------------------------------------
+    @property
+    def init_config(self) -> KVCacheManagerConfig:
+        """The reference configuration the manager was created with (built from a CacheConfig when
+        that was given)."""
+        return self._init_config
+
+    @property
+    def event_manager(self) -> Any | None:
+        """The event manager the manager forwards its events to (None: events are only drained)."""
+        return self._event_manager
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per block."""
+        return self._layout.tokens_per_block
+
+    @property
+    def cache_tier_list(self) -> tuple[CacheTier, ...]:
+        """The medium of each cache level in force, primary first."""
+        kinds = {PrimaryTier: CacheTier.GPU_MEM, HostTier: CacheTier.HOST_MEM, DiskTier: CacheTier.DISK}
+        return tuple(kinds[type(t)] for t in self._current.tiers)
+
+    @property
+    def allow_seq_rebasing(self) -> bool:
+        """Whether a request's committed blocks may be swapped for identical tree blocks (kvxfer adopts
+        the tree's copy of a block a request commits when one exists)."""
+        return self.config.enable_prefix_reuse
+
+    @property
+    def enable_partial_match(self) -> bool:
+        """Whether a prefix match may end inside a block."""
+        return self.config.enable_partial_reuse
+
+    @property
+    def commit_min_snapshot(self) -> bool:
+        """``KVCacheManagerConfig.commit_min_snapshot`` (kvxfer keeps only attention pages)."""
+        return self._init_config.commit_min_snapshot
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool:
+        """Both page index modes are supported."""
+        return mode in (PageIndexMode.SHARED, PageIndexMode.PER_LAYER)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers the manager keeps."""
+        return sum(len(lg.layer_ids) for lg in self._layout.layer_groups)
+
+    @property
+    def layer_ids(self) -> Iterator[LayerId]:
+        """Every layer id, ascending."""
+        return iter(sorted(LayerId(i) for lg in self._layout.layer_groups for i in lg.layer_ids))
+
+    def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
+        """The layer group (life cycle) of a layer."""
+        for lg in self._layout.layer_groups:
+            if layer_id in lg.layer_ids:
+                return LayerGroupId(lg.layer_group_id)
+        raise LayoutError(f"get_layer_group_id: no layer {layer_id} in this manager")
+
+    @property
+    def layer_grouping(self) -> tuple[tuple[LayerId, ...], ...]:
+        """The layer ids of each layer group, in layer group order."""
+        return tuple(tuple(LayerId(i) for i in lg.layer_ids) for lg in self._layout.layer_groups)
+
+    @property
+    def all_buffer_ids(self) -> Iterator[BufferId]:
+        """Every (layer, role) buffer, by layer then role order."""
+        return iter(bid for bid, _ in self._layout.formats)
+
+    def _span(self, layer_id: LayerId, data_role: DataRole) -> tuple[PoolDesc, int, int]:
+        pg, pool, span = self._layout.locate(BufferId(int(layer_id), str(data_role)))
+        del pg
+        return pool, span.offset, span.size
+
+    def get_mem_pool_base_address(self, layer_id: LayerId, data_role: DataRole,
+                                  index_mode: PageIndexMode | None = None) -> MemAddress:
+        """Where page 0 of a buffer is: the buffer inside slot 0 (``PER_LAYER``, the default) or the
+        pool's base (``SHARED``, every buffer of the pool indexing from it)."""
+        pool, offset, _ = self._span(layer_id, data_role)
+        if index_mode is PageIndexMode.SHARED:
+            return MemAddress(pool.base_address)
+        return MemAddress(pool.base_address + offset)
+
+    def get_page_stride(self, layer_id: LayerId, data_role: DataRole) -> int:
+        """Bytes of one page of a buffer (its bytes per block)."""
+        return self._span(layer_id, data_role)[2]
+
+    def get_page_index_scale(self, layer_id: LayerId, data_role: DataRole) -> int:
+        """Pages of the buffer's stride in one slot of its pool: page index = slot id * scale."""
+        pool, _, size = self._span(layer_id, data_role)
+        return exact_div(pool.slot_bytes, size)
+
+    def get_page_index_upper_bound(self, layer_id: LayerId, data_role: DataRole) -> int:
+        """One past the largest page index of a buffer."""
+        pool, _, _ = self._span(layer_id, data_role)
+        return pool.num_slots * self.get_page_index_scale(layer_id, data_role)
+
+    def get_page_index_converter(self, layer_id: LayerId, data_role: DataRole) -> PageIndexConverter:
+        """Turns base page indices of the buffer's layer group into page indices of the buffer."""
+        _, offset, size = self._span(layer_id, data_role)
+        return PageIndexConverter(self.get_page_index_scale(layer_id, data_role), 1, exact_div(offset, size))
+
+    def probe_reuse(self, reuse_scope: ReuseScope | None = None,
+                    input_tokens: Sequence[int] | npt.ArrayLike | None = None, *,
+                    extra_keys: ExtraKeys | None = None) -> int:
+        """How many of ``input_tokens`` ``create_kv_cache(reuse_scope, input_tokens)`` would reuse now;
+        takes nothing (no page, no LRU update, no statistics)."""
+        return self._probe(reuse_scope, input_tokens, extra_keys, holdback=0, what="probe_reuse")
+
+    def probe_first_new_block_key(self, reuse_scope: ReuseScope | None = None,
+                                  input_tokens: Sequence[int] | npt.ArrayLike | None = None) -> bytes | None:
+        """The key of the first full block of ``input_tokens`` that the prefix tree lacks (None: every
+        full block is there, or there is none)."""
+        with self._lock:
+            scope = _check_scope(reuse_scope, "probe_first_new_block_key")
+            if input_tokens is None:
+                return None
+            arr = _as_tokens(input_tokens, "probe_first_new_block_key")
+            root = scope.root_key_for(self._hash_algo)
+            keys = block_keys(arr, self._layout.tokens_per_block, root, algo=self._hash_algo, scope=scope)
+            matched = len(self._tree.match(root, keys).nodes)
+            return keys[matched] if matched < len(keys) else None
+
+    def clear_reusable_blocks(self) -> None:
+        """Drop every block of the prefix tree; LogicError while any KV cache is open."""
+        with self._lock:
+            self._refuse_open("clear_reusable_blocks()")
+            self._clear_tree(list(self._tree.nodes()))
+            self._events.put(AllCleared())
+            self._sample_usage()
+
+    def _refuse_open(self, what: str) -> None:
+        open_ids = [c.id for c in self._caches.values() if c.state is not CacheState.CLOSED]
+        if open_ids:
+            raise ManagerBusyError(f"{what}: {len(open_ids)} KV cache(s) still open: {open_ids[:5]}")
+
+    def resize(self, cache_level: CacheLevel, quota: int, best_efforts: bool = False) -> bool:
+        """Give a cache level a new byte quota (see ``resize_quota``); False, changing nothing, when it
+        cannot be done now (an active request, or held pages with no room). ``best_efforts`` is
+        accepted for the reference's signature: kvxfer's resize is all or nothing."""
+        del best_efforts
+        try:
+            self.resize_quota(int(cache_level), quota)
+        except (ManagerBusyError, TierError):
+            return False
+        return True
+
+    def get_quota(self, cache_level: CacheLevel) -> int:
+        """The byte quota of a cache level in force."""
+        self._check_tier_index(int(cache_level))
+        return self._current.tiers[int(cache_level)].quota_bytes
+
+    def get_storage_statistics(self, cache_level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
+        """Slot counts of each pool group at a cache level."""
+        with self._lock:
+            self._check_tier_index(int(cache_level))
+            out = []
+            for pg in range(len(self._layout.pool_groups)):
+                acc = self.slot_accounting(pg, int(cache_level))
+                sizes = list(self._tiers[int(cache_level)].layout.pool_groups[pg].slot_desc.slot_size_list)
+                out.append(StorageStatistics(sizes, acc.total, acc.free, acc.evictable))
+            return out
+
+    def get_life_cycle_pool_group_indices(self, cache_level: CacheLevel = GPU_LEVEL) -> list[PoolGroupIndex]:
+        """The pool group of each layer group (life cycle), in layer group order."""
+        self._check_tier_index(int(cache_level))
+        return [PoolGroupIndex(pg) for pg in self._lg_pool_group]
+
+    def get_and_reset_ssm_snapshot_iteration_stats(self) -> dict[LifeCycleId, SsmSnapshotIterationStatsDelta]:
+        """Per-life-cycle SSM snapshot counters: always empty (no SSM layers in kvxfer)."""
+        return {}
+
+    def record_request_suspended(self) -> None:
+        """Count a request suspension in this iteration's counters."""
+        with self._lock:
+            self._suspend_resume[0] += 1
+
+    def record_request_resumed(self) -> None:
+        """Count a request resumption in this iteration's counters."""
+        with self._lock:
+            self._suspend_resume[1] += 1
+
+    def get_and_reset_iteration_suspend_resume_stats(self) -> tuple[int, int]:
+        """(suspensions, resumptions) recorded since the last call."""
+        with self._lock:
+            out = (self._suspend_resume[0], self._suspend_resume[1])
+            self._suspend_resume = [0, 0]
+            return out
+
+    def get_and_reset_iteration_disk_prefetch_blocks(self) -> int:
+        """Pages prefetched out of the disk level since the last call."""
+        with self._lock:
+            out, self._disk_prefetch_blocks = self._disk_prefetch_blocks, 0
+            return out
+
+    def get_and_reset_iteration_cached_tokens_by_level(self) -> list[int]:
+        """Reused tokens of the caches created since the last call, by the level their pages were at."""
+        with self._lock:
+            out = self._cached_tokens_by_level
+            self._cached_tokens_by_level = [0] * len(self._tiers)
+            return out
+
+    def get_and_reset_iteration_reused_blocks_by_level(self) -> dict[LifeCycleId, ReusedBlocksByLevel]:
+        """Reused blocks (full and partial) per layer group and level since the last call."""
+        with self._lock:
+            out = self._reused_blocks_by_level
+            self._reused_blocks_by_level = {}
+            return out
+
+    def _count_reused_levels(self, cache: KVCache, plan: Any) -> None:
+        """Record where the reused pages of a new cache were: per block, the coldest level among its
+        layer groups' pages (what resuming has to fetch from)."""
+        if plan.num_tokens == 0:
+            return
+        tpb = self._layout.tokens_per_block
+        full = len(plan.nodes)
+        levels = len(self._tiers)
+        for b in range(plan.pages.shape[0]):
+            live = plan.pages[b] >= 0
+            level = int(plan.tiers[b][live].max()) if live.any() else 0
+            tokens = min(tpb, plan.num_tokens - b * tpb)
+            cache.reused_tokens_by_level[level] += tokens
+            self._cached_tokens_by_level[level] += tokens
+            for lg in np.flatnonzero(live).tolist():
+                rec = self._reused_blocks_by_level.setdefault(
+                    LifeCycleId(lg), ReusedBlocksByLevel([0] * levels, [0] * levels))
+                (rec.full if b < full else rec.partial)[int(plan.tiers[b][lg])] += 1
+
+    def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
+        """The longest sequence (at most ``token_num_upper_bound``) of which ``batch_size`` fit in the
+        primary level at once, counting each layer group's window and sink blocks."""
+        if batch_size <= 0:
+            raise ConfigError(f"clamp_max_seq_len_for_mem: batch_size must be > 0, got {batch_size}")
+        tpb = self._layout.tokens_per_block
+
+        def fits(seq_len: int) -> bool:
+            for pg, alloc in enumerate(self._allocators):
+                need = 0
+                for lg in self._pg_layer_groups[pg]:
+                    desc = self._layout.layer_groups[lg]
+                    blocks = div_up(seq_len, tpb)
+                    if desc.window is not None:
+                        blocks = min(blocks, div_up(desc.window, tpb) + 1 + div_up(desc.sink_tokens, tpb))
+                    need += blocks
+                if need * batch_size > alloc.usable:
+                    return False
+            return True
+
+        lo, hi = 0, max(0, int(token_num_upper_bound))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @property
+    def need_adjustment(self) -> bool:
+        """Whether ``adjust()`` would change the pool split: never, kvxfer's split changes only by
+        ``rebalance_slots`` or ``resize``."""
+        return False
+
+    def adjust(self) -> None:
+        """Apply a pending pool re-split; with ``need_adjustment`` always False there is none to apply."""
+        return None
+
+    def _plan_drop(self, cache: KVCache) -> PlannedDropHandle | None:
+        nodes = [n for n in cache._tree_nodes if n is not None]
+        if not nodes:
+            return None
+        return PlannedDropHandle(lambda: self._drop_chain(nodes))
+
+    def _drop_chain(self, nodes: list[BlockNode]) -> None:
+        """Take a chain's blocks out of the tree from its end back, while each is a leaf that only the
+        tree holds (a block another chain continues, or a request shares, stays)."""
+        with self._lock:
+            victims: list[BlockNode] = []
+            flat_pages: list[int] = []
+            flat_tiers: list[int] = []
+            for node in reversed(nodes):
+                if node.removed or not node.is_leaf or not self._tree_only(node):
+                    break
+                self._tree.remove(node)
+                victims.append(node)
+                flat_pages.extend(node.pages.tolist())
+                flat_tiers.extend(int(t) for t in node.tiers.tolist())
+            self._evict_all(victims, flat_pages, flat_tiers)
+            self._sample_usage()
+
+    def _prefetch(self, cache: KVCache, target: int) -> bool:
+        """Move a cache's pages in levels colder than ``target`` up to ``target``; False when that level
+        has no room for them (pages already moved stay)."""
+        with self._lock:
+            self._check_tier_index(target)
+            if target == 0:
+                return cache.state is CacheState.ACTIVE or self._resume(cache, cache._stream)
+            for pg, by_tier in self._offloaded_pages(cache).items():
+                colder = {t: src for t, src in by_tier.items() if t > target}
+                n = sum(src.size for src in colder.values())
+                if not n:
+                    continue
+                alloc = self._alloc_of(target, pg)
+                if alloc.num_free < n:
+                    self._make_room_in(target, pg, n - alloc.num_free)
+                colder = {t: src for t, src in self._offloaded_pages(cache).get(pg, {}).items() if t > target}
+                n = sum(src.size for src in colder.values())
+                if alloc.num_free < n:
+                    return False
+                jobs = [(t, src, target, alloc.alloc(src.size)) for t, src in sorted(colder.items())]
+                self._copy_pages(pg, jobs)
+                for t, src, _, dst in jobs:
+                    self._relocate(pg, t, src, target, dst)
+                    if isinstance(self._tiers[t], DiskTierStorage):
+                        self._disk_prefetch_blocks += int(src.size)
+            return True
 
     def __repr__(self) -> str:
         pgs = ", ".join(f"pg{i}: {a.num_used}/{a.num_slots} used" for i, a in enumerate(self._allocators))

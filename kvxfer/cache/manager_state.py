@@ -58,11 +58,6 @@ class ManagerState:
     _stats: StatsCollector
 
     @property
-    def init_config(self) -> CacheConfig:
-        """The configuration the manager was created with (the reference's name for ``config``)."""
-        return self.config
-
-    @property
     def current_config(self) -> CacheConfig:
         """The configuration in force now: ``config`` with the quotas ``resize_quota`` set and without
         a host tier that could not be set up."""

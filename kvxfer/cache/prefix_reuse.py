@@ -70,31 +70,48 @@ class PrefixReuse(TierQuotas):
             it.iter_partial_reused_blocks += partial_pages
         self._mark_pending(cache)
 
-    def probe_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
-                    extra_keys: ExtraKeys | None = None) -> int:
-        """How many tokens ``create_kv_cache(tokens, reuse_scope=scope)`` would reuse now; takes
-        nothing (no page, no LRU update, no statistics)."""
+    def probe_prompt_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
+                           extra_keys: ExtraKeys | None = None) -> int:
+        """How many tokens ``create_kv_cache_for_prompt(tokens, reuse_scope=scope)`` would reuse now
+        (never the last prompt token); takes nothing (no page, no LRU update, no statistics)."""
+        return self._probe(scope, tokens, extra_keys, holdback=1, what="probe_prompt_reuse")
+
+    def _probe(self, scope: ReuseScope | None, tokens: Sequence[int] | npt.ArrayLike | None,
+               extra_keys: ExtraKeys | None, holdback: int, what: str) -> int:
         with self._lock:
-            scope = _check_scope(scope, "probe_reuse")
-            extras = check_extra_keys(extra_keys, "probe_reuse")
-            arr = _as_tokens(tokens, "probe_reuse")
+            scope = _check_scope(scope, what)
+            extras = check_extra_keys(extra_keys, what)
+            if tokens is None:
+                return 0
+            arr = _as_tokens(tokens, what)
             if not self.config.enable_prefix_reuse:
                 return 0
             root = scope.root_key_for(self._hash_algo)
             keys = block_keys(arr, self._layout.tokens_per_block, root, extra_keys=extras, algo=self._hash_algo,
                               scope=scope)
-            return self._plan_reuse(root, keys, arr, extras).num_tokens
+            return self._plan_matching(root, keys, arr, extras, holdback).num_tokens
+
+    def _plan_matching(self, root_key: bytes, keys: list[bytes], tokens: TokenArray, extras: dict[int, bytes],
+                       holdback: int) -> _ReusePlan:
+        """The reuse plan of the first ``len(tokens) - holdback`` tokens, trimmed by the configured
+        ``reuse_match_backoff`` (the match then ends that many tokens earlier)."""
+        plan = self._plan_reuse(root_key, keys, tokens, extras, tokens.size - holdback)
+        backoff = self.reuse_match_backoff
+        if backoff and plan.num_tokens:
+            plan = self._plan_reuse(root_key, keys, tokens, extras, plan.num_tokens - backoff)
+        return plan
 
     def _plan_reuse(self, root_key: bytes, keys: list[bytes], tokens: TokenArray,
-                    extras: dict[int, bytes]) -> _ReusePlan:
-        """The longest prefix whose pages exist for every layer group that needs them."""
+                    extras: dict[int, bytes], max_tokens: int) -> _ReusePlan:
+        """The longest prefix of at most ``max_tokens`` tokens whose pages exist for every layer group
+        that needs them."""
         tpb = self._layout.tokens_per_block
         n_lg = len(self._layout.layer_groups)
         none = _ReusePlan(0, (), None, np.empty((0, n_lg), dtype=np.int32), np.empty((0, n_lg), dtype=np.int8))
-        if tokens.size <= 1:
+        if max_tokens <= 0:
             return none
         match = self._tree.match(root_key, keys, tokens if self.config.enable_partial_reuse else None,
-                                 max_tokens=tokens.size - 1)
+                                 max_tokens=max_tokens)
         nodes = match.nodes
         partial = match.partial if len(nodes) not in extras else None
         rows = [n.pages for n in nodes] + ([partial.pages] if partial is not None else [])

@@ -95,6 +95,54 @@ class KVCacheIterationStatsDelta(StatsDelta):
         return self.iter_reused_blocks / total if total else 0.0
 
 
+@dataclass(slots=True)
+class SsmSnapshotIterationStatsDelta(StatsDelta):
+    """One recurrent (SSM) life cycle's snapshot lookups since the last reset. kvxfer keeps no SSM
+    state, so its manager never reports one; the record is the reference design's shape."""
+
+    iter_snapshot_lookups: int = 0
+    iter_snapshot_hits: int = 0
+    iter_snapshot_misses: int = 0
+    iter_reused_tokens: int = 0
+    iter_unreused_tokens: int = 0
+    iter_aligned_snapshot_hits: int = 0
+    iter_unaligned_snapshot_hits: int = 0
+
+    @property
+    def iter_snapshot_hit_rate(self) -> float:
+        """hits / lookups; 0.0 without lookups."""
+        return self.iter_snapshot_hits / self.iter_snapshot_lookups if self.iter_snapshot_lookups else 0.0
+
+
+@dataclass(slots=True)
+class ReusedBlocksByLevel:
+    """Reused blocks split by the cache level their pages were on: ``full[i]`` / ``partial[i]`` for
+    level ``i`` (the configured tiers in order)."""
+
+    full: list[int]
+    partial: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class StorageStatistics:
+    """Slot counts of one pool group at one cache level."""
+
+    slot_sizes: list[int]
+    total: int
+    free: int
+    evictable: int
+
+    @property
+    def available(self) -> int:
+        """Slots an allocation can get: free now or after eviction."""
+        return self.free + self.evictable
+
+    @property
+    def unavailable(self) -> int:
+        """Slots held by requests."""
+        return self.total - self.available
+
+
 @dataclass(frozen=True, slots=True)
 class PoolGroupPeakBlockStats:
     """Highest available (free or evictable), unavailable and evictable slot counts of one pool group

@@ -759,7 +759,7 @@ class DecodeWorker(WorkerCounts):
         job.lease_until = job.last_renew + self.config.lease_s
         try:
             for i, m in enumerate(self.managers):
-                job.caches.append(m.create_kv_cache(job.tokens, id=f"{job.request_id}/{i}"))
+                job.caches.append(m.create_kv_cache_for_prompt(job.tokens, id=f"{job.request_id}/{i}"))
             for cache in job.caches:
                 if not cache.resume():
                     raise OutOfSlotsError(f"decode cache {cache.id}: no free slot for copy-on-write")
