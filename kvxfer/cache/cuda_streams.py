@@ -36,7 +36,7 @@ def init_cuda_once() -> None:
     """Make the primary CUDA context current (TierError where the machine has no CUDA device)."""
     if not torch.cuda.is_available():
         raise TierError("init_cuda_once: no CUDA device is available")
-    torch.cuda.init()
+    torch.cuda.init()  # type: ignore[no-untyped-call]
     torch.cuda.synchronize()
 
 

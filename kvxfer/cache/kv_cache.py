@@ -104,11 +104,11 @@ class KVCache:
 
     Status: ClassVar[type[CacheState]] = CacheState
 
-    def __init__(self, manager: CacheOwner, cache_id: str, input_tokens: npt.NDArray[np.int64] | None,
+    def __init__(self, manager: CacheOwner, cache_id: Any, input_tokens: npt.NDArray[np.int64] | None,
                  reuse_scope: ReuseScope = DEFAULT_SCOPE, extra_keys: dict[int, bytes] | None = None, *,
                  expected_prompt_length: int | None = None, swa_scratch_reuse: bool = False) -> None:
         self._manager = manager
-        self.id = cache_id
+        self.id: Any = cache_id
         self.state = CacheState.SUSPENDED
         self.input_tokens = input_tokens
         #: Prompt tokens: allocations inside the prompt count as missed, past it as generation.

@@ -56,6 +56,7 @@ class ManagerState:
     _traffic: TierTrafficCounter
     _page_bytes: list[int]
     _stats: StatsCollector
+    reuse_match_backoff: int
 
     @property
     def current_config(self) -> CacheConfig:

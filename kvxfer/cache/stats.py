@@ -9,6 +9,7 @@ no page still counts where noted in docs/cache.md).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -309,15 +310,15 @@ class StatsCollector:
         self.enabled = enabled
         self.committed = KVCacheStatsDelta()
         self.iteration: dict[int, KVCacheIterationStatsDelta] = {}
-        self.dirty: set[str] = set()
-        self.excluded: set[str] = set()
+        self.dirty: set[Hashable] = set()
+        self.excluded: set[Hashable] = set()
         self._peaks: list[list[list[int] | None]] = [[None] * num_pool_groups for _ in range(num_levels)]
 
-    def records(self, cache_id: str) -> bool:
+    def records(self, cache_id: Hashable) -> bool:
         """Whether counters of request ``cache_id`` are recorded (stats on, the id not excluded)."""
         return self.enabled and cache_id not in self.excluded
 
-    def commit(self, cache_id: str, pending: PendingStats) -> KVCacheStatsDelta:
+    def commit(self, cache_id: Hashable, pending: PendingStats) -> KVCacheStatsDelta:
         """Merge a request's pending counters into the totals and the iteration; returns its delta
         (empty, and nothing merged, for an excluded request)."""
         if cache_id in self.excluded:
@@ -331,7 +332,7 @@ class StatsCollector:
         self.dirty.discard(cache_id)
         return out
 
-    def discard(self, cache_id: str, pending: PendingStats) -> None:
+    def discard(self, cache_id: Hashable, pending: PendingStats) -> None:
         """Drop a request's pending counters."""
         pending.clear()
         self.dirty.discard(cache_id)

@@ -4,6 +4,8 @@ per-request pending counters committed or discarded, dirty and excluded request 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -100,24 +102,24 @@ class UsageStats(EvictionController):
         with self._lock:
             return tuple(self.get_and_reset_iteration_peak_block_stats(t) for t in range(len(self._tiers)))
 
-    def mark_stats_dirty(self, kv_cache_id: str | None) -> None:
+    def mark_stats_dirty(self, kv_cache_id: Hashable | None) -> None:
         """Mark a request as having pending statistics (requests mark themselves when they record)."""
         if kv_cache_id is not None:
             with self._lock:
                 self._stats.dirty.add(kv_cache_id)
 
-    def clear_stats_dirty(self, kv_cache_id: str | None) -> None:
+    def clear_stats_dirty(self, kv_cache_id: Hashable | None) -> None:
         """Unmark a request (committing or discarding its stats does this too)."""
         if kv_cache_id is not None:
             with self._lock:
                 self._stats.dirty.discard(kv_cache_id)
 
-    def get_dirty_stats_kv_cache_ids(self) -> set[str]:
+    def get_dirty_stats_kv_cache_ids(self) -> set[Any]:
         """Ids of the requests with pending statistics: what a scheduler commits at the end of a step."""
         with self._lock:
             return set(self._stats.dirty)
 
-    def mark_stats_excluded(self, kv_cache_id: str | None) -> None:
+    def mark_stats_excluded(self, kv_cache_id: Hashable | None) -> None:
         """Record nothing for request ``kv_cache_id`` from now on (warm-up or dummy requests): it leaves
         the dirty set and what it has pending is never committed. May precede the request's creation."""
         if kv_cache_id is not None:
@@ -125,13 +127,13 @@ class UsageStats(EvictionController):
                 self._stats.excluded.add(kv_cache_id)
                 self._stats.dirty.discard(kv_cache_id)
 
-    def clear_stats_excluded(self, kv_cache_id: str | None) -> None:
+    def clear_stats_excluded(self, kv_cache_id: Hashable | None) -> None:
         """Record request ``kv_cache_id``'s statistics again."""
         if kv_cache_id is not None:
             with self._lock:
                 self._stats.excluded.discard(kv_cache_id)
 
-    def is_stats_excluded(self, kv_cache_id: str | None) -> bool:
+    def is_stats_excluded(self, kv_cache_id: Hashable | None) -> bool:
         """Whether request ``kv_cache_id``'s statistics are not recorded."""
         with self._lock:
             return kv_cache_id is not None and kv_cache_id in self._stats.excluded
