@@ -396,9 +396,9 @@ def test_manager_stamps_released_slots_and_waits_across_streams(monkeypatch: pyt
     """The manager's stream logic on the CPU, with named streams and a StreamOps double."""
     mgr = make_manager(8)
     ops = FakeOps()
-    monkeypatch.setattr(mgr, "_readiness", SlotReadiness([pg.num_slots for pg in mgr.layout.pool_groups], ops))
-    monkeypatch.setattr(mgr, "_check_stream", lambda stream, what: stream)
-    monkeypatch.setattr(mgr, "_stream_of", lambda stream: "default" if stream is None else stream)
+    monkeypatch.setattr(mgr._state, "readiness", SlotReadiness([pg.num_slots for pg in mgr.layout.pool_groups], ops))
+    monkeypatch.setattr(mgr._parts.streams, "check_stream", lambda stream, what: stream)
+    monkeypatch.setattr(mgr._parts.streams, "stream_of", lambda stream: "default" if stream is None else stream)
     a = mgr.create_kv_cache_for_prompt(np.arange(8))
     assert a.resume("A") and a.resize(8)
     assert ops.log == []                                  # fresh slots: nobody to wait for

@@ -45,38 +45,70 @@ IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
 
 
-class CacheOwner(Protocol):
-    """What a KVCache calls on the manager that created it. A protocol, so this module does not
-    import the manager (which imports this module)."""
+class CacheOps(Protocol):
+    """What a KVCache calls on its manager's life-cycle part (``KVCacheManager.lifecycle``). A protocol,
+    so this module does not import the manager (which imports this module)."""
 
     @property
     def layout(self) -> CacheLayoutDesc: ...
 
-    def _check_stream(self, stream: Any, what: str) -> Any: ...
+    def check_stream(self, stream: Any, what: str) -> Any: ...
 
-    def _resume(self, cache: KVCache, stream: Any) -> bool: ...
+    def resume(self, cache: KVCache, stream: Any) -> bool: ...
 
-    def _suspend(self, cache: KVCache) -> None: ...
+    def suspend(self, cache: KVCache) -> None: ...
 
-    def _resize(self, cache: KVCache, capacity: int) -> None: ...
+    def resize(self, cache: KVCache, capacity: int) -> None: ...
 
-    def _on_commit(self, cache: KVCache, priority: int | None = None) -> None: ...
+    def on_commit(self, cache: KVCache, priority: int | None = None) -> None: ...
 
-    def _release_out_of_window(self, cache: KVCache) -> None: ...
+    def release_out_of_window(self, cache: KVCache) -> None: ...
 
-    def _set_priority(self, cache: KVCache, priority: int) -> None: ...
+    def set_priority(self, cache: KVCache, priority: int) -> None: ...
 
-    def _close(self, cache: KVCache) -> None: ...
+    def close(self, cache: KVCache) -> None: ...
 
-    def _commit_stats(self, cache: KVCache) -> KVCacheStatsDelta: ...
+    def commit_stats(self, cache: KVCache) -> KVCacheStatsDelta: ...
 
-    def _discard_stats(self, cache: KVCache) -> None: ...
+    def discard_stats(self, cache: KVCache) -> None: ...
 
-    def _set_scratch_reuse(self, cache: KVCache, enable: bool) -> None: ...
+    def set_scratch_reuse(self, cache: KVCache, enable: bool) -> None: ...
 
-    def _prefetch(self, cache: KVCache, target: int) -> bool: ...
+    def prefetch(self, cache: KVCache, target: int) -> bool: ...
 
-    def _plan_drop(self, cache: KVCache) -> PlannedDropHandle | None: ...
+    def plan_drop(self, cache: KVCache) -> PlannedDropHandle | None: ...
+
+
+class RequestState:
+    """One request's pages and bookkeeping: read by the KVCache, written by the manager's parts (the
+    life cycle, prefix reuse, tiers, statistics), which own the invariants between them.
+
+    ``blocks[lg]`` / ``tiers[lg]``: slot id (-1: none) and tier of each block's page per layer group;
+    ``tokens``: the committed token ids; ``keys`` / ``tree_nodes``: keys of the committed full blocks
+    and the tree node tied to each (None once the chain could not be inserted); ``partial_src``: the
+    tree block a partially reused block was taken from (until it is copied); ``prompt_keys``: the
+    prompt's block keys; ``scratch`` / ``scratch_range``: scratch slots per layer group and the block
+    range they stand in for; ``pending``: statistics not yet committed.
+    """
+
+    blocks: list[IntArray]
+    tiers: list[TierArray]
+    scratch: list[IntArray]
+    scratch_range: list[tuple[int, int]]
+    pending: PendingStats
+    keys: list[bytes]
+    tree_nodes: list[BlockNode | None]
+    partial_src: BlockNode | None
+    prompt_keys: list[bytes]
+    root_key: bytes
+    last_used: int
+    published_blocks: int
+    extra_keys: dict[int, bytes]
+    tokens: npt.NDArray[np.int64]
+    stream: Any
+    history: int
+    capacity: int
+    swa_scratch_reuse: bool
 
 
 class CacheState(enum.Enum):
@@ -93,52 +125,49 @@ KvCacheStatus = CacheState
 PriorityCallback = Callable[[int, Any], int]
 
 
-def _as_tokens(tokens: Sequence[int] | npt.ArrayLike, what: str) -> npt.NDArray[np.int64]:
-    """Token ids as int64 after the uint32 range check (CapacityError otherwise)."""
-    return as_token_ids(tokens, what)
-
-
 class KVCache:
     """Per-request paged KV storage handed out by ``KVCacheManager.create_kv_cache`` (the reference
     design's ``_KVCache``)."""
 
     Status: ClassVar[type[CacheState]] = CacheState
 
-    def __init__(self, manager: CacheOwner, cache_id: Any, input_tokens: npt.NDArray[np.int64] | None,
+    def __init__(self, manager: Any, cache_id: Any, input_tokens: npt.NDArray[np.int64] | None,
                  reuse_scope: ReuseScope = DEFAULT_SCOPE, extra_keys: dict[int, bytes] | None = None, *,
                  expected_prompt_length: int | None = None, swa_scratch_reuse: bool = False) -> None:
         self._manager = manager
+        self._ops: CacheOps = manager.lifecycle
+        self.record = RequestState()
         self.id: Any = cache_id
         self.state = CacheState.SUSPENDED
         self.input_tokens = input_tokens
         #: Prompt tokens: allocations inside the prompt count as missed, past it as generation.
         self.expected_prompt_length = expected_prompt_length
-        self._stream: Any = None
-        self._swa_scratch_reuse = swa_scratch_reuse
+        self.record.stream = None
+        self.record.swa_scratch_reuse = swa_scratch_reuse
         n_groups = len(manager.layout.layer_groups)
-        self._blocks: list[IntArray] = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
+        self.record.blocks = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
         # Tier of each block's page (0 = primary); only a suspended cache has pages in colder tiers.
-        self._tiers: list[TierArray] = [np.empty(0, dtype=np.int8) for _ in range(n_groups)]
-        self._last_used = 0   # LRU stamp of the request's held pages (the prefix tree's clock)
-        self._capacity = 0
-        self._history = 0
-        self._tokens = np.empty(0, dtype=np.int64)   # committed token ids
+        self.record.tiers = [np.empty(0, dtype=np.int8) for _ in range(n_groups)]
+        self.record.last_used = 0   # LRU stamp of the request's held pages (the prefix tree's clock)
+        self.record.capacity = 0
+        self.record.history = 0
+        self.record.tokens = np.empty(0, dtype=np.int64)   # committed token ids
         self.num_reused_tokens = 0
         self.reuse_scope = reuse_scope
         # Prefix-reuse bookkeeping, kept by the manager: keys of the committed full blocks, the tree
         # node tied to each of them (None once the chain could not be inserted), the tree block a
         # partially reused block was taken from (until it is copied), the prompt's keys.
-        self._extra_keys: dict[int, bytes] = dict(extra_keys or {})
-        self._keys: list[bytes] = []
-        self._tree_nodes: list[BlockNode | None] = []
-        self._partial_src: BlockNode | None = None
-        self._prompt_keys: list[bytes] = []
-        self._root_key = b""   # the scope's root under the manager's hash algorithm
-        self._published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
-        self._pending = PendingStats()
+        self.record.extra_keys = dict(extra_keys or {})
+        self.record.keys = []
+        self.record.tree_nodes = []
+        self.record.partial_src = None
+        self.record.prompt_keys = []
+        self.record.root_key = b""   # the scope's root under the manager's hash algorithm
+        self.record.published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
+        self.record.pending = PendingStats()
         # Scratch slots per layer group (held by this cache) and the block range they stand in for.
-        self._scratch: list[IntArray] = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
-        self._scratch_range: list[tuple[int, int]] = [(0, 0)] * n_groups
+        self.record.scratch = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
+        self.record.scratch_range = [(0, 0)] * n_groups
         self._commit_allowed = True
         self._text_only = False
         self.enable_request_stats = False
@@ -151,119 +180,119 @@ class KVCache:
     @property
     def history_length(self) -> int:
         """Tokens whose KV has been written."""
-        return self._history
+        return self.record.history
 
     @history_length.setter
     def history_length(self, n: int) -> None:
         self._check_open("set history_length")
-        if not self.num_committed_tokens <= n <= self._capacity:
+        if not self.num_committed_tokens <= n <= self.record.capacity:
             raise CapacityError(f"KVCache {self.id}: history_length {n} outside [committed="
-                                f"{self.num_committed_tokens}, capacity={self._capacity}]")
-        self._history = n
-        self._manager._release_out_of_window(self)
+                                f"{self.num_committed_tokens}, capacity={self.record.capacity}]")
+        self.record.history = n
+        self._ops.release_out_of_window(self)
         self._sync_index_bufs()
 
     @property
     def num_committed_tokens(self) -> int:
         """Tokens declared final by ``commit``."""
-        return int(self._tokens.size)
+        return int(self.record.tokens.size)
 
     @property
     def committed_tokens(self) -> list[int]:
         """The committed token ids (a new list)."""
-        return [int(t) for t in self._tokens.tolist()]
+        return [int(t) for t in self.record.tokens.tolist()]
 
     @property
     def committed_token_array(self) -> npt.NDArray[np.int64]:
         """The committed token ids as an int64 array (a copy)."""
-        return self._tokens.copy()
+        return self.record.tokens.copy()
 
     @property
     def num_blocks(self) -> int:
         """Blocks (of tokens_per_block tokens) covering the capacity."""
-        return int(self._blocks[0].size) if self._blocks else 0
+        return int(self.record.blocks[0].size) if self.record.blocks else 0
 
     @property
     def pending_stats(self) -> KVCacheStatsDelta:
         """This request's counters not yet committed (a copy)."""
-        return self._pending.request.copy()
+        return self.record.pending.request.copy()
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """Merge this request's pending counters into the manager's committed and iteration stats;
         returns the delta committed (empty with stats disabled or the request excluded)."""
-        return self._manager._commit_stats(self)
+        return self._ops.commit_stats(self)
 
     def discard_pending_stats(self) -> None:
         """Forget this request's pending counters (e.g. a step rolled back)."""
-        self._manager._discard_stats(self)
+        self._ops.discard_stats(self)
 
     # --- streams and scratch --------------------------------------------------------------------
     @property
     def cuda_stream(self) -> Any:
         """The CUDA stream this request's kernels run on (None: the device's current stream; always
         None on a CPU primary tier)."""
-        return self._stream
+        return self.record.stream
 
     @cuda_stream.setter
     def cuda_stream(self, stream: Any) -> None:
         self._check_open("set cuda_stream")
-        self._stream = self._manager._check_stream(stream, f"KVCache {self.id}.cuda_stream")
+        self.record.stream = self._ops.check_stream(stream, f"KVCache {self.id}.cuda_stream")
 
     @property
     def enable_swa_scratch_reuse(self) -> bool:
         """Whether growing a sliding-window group gives blocks already out of the window at the new
         capacity scratch slots instead of pages (``CacheConfig.swa_scratch_reuse`` by default)."""
-        return self._swa_scratch_reuse
+        return self.record.swa_scratch_reuse
 
     @enable_swa_scratch_reuse.setter
     def enable_swa_scratch_reuse(self, enable: bool) -> None:
         self._check_open("set enable_swa_scratch_reuse")
         if not isinstance(enable, bool):
             raise ConfigError(f"KVCache {self.id}.enable_swa_scratch_reuse must be a bool, got {enable!r}")
-        self._manager._set_scratch_reuse(self, enable)
-        self._swa_scratch_reuse = enable
+        self._ops.set_scratch_reuse(self, enable)
+        self.record.swa_scratch_reuse = enable
 
     def get_scratch_desc(self, layer_group_id: int) -> ScratchDesc | None:
         """The scratch slots of a layer group for the current step, or None when it has none."""
         self._check_layer_group(layer_group_id)
-        begin, end = self._scratch_range[layer_group_id]
+        begin, end = self.record.scratch_range[layer_group_id]
         if end <= begin:
             return None
-        return ScratchDesc(HalfOpenRange(begin, end), tuple(int(s) for s in self._scratch[layer_group_id][:end - begin]))
+        return ScratchDesc(HalfOpenRange(begin, end), tuple(int(s) for s in self.record.scratch[layer_group_id][:end - begin]))
 
     @property
     def has_scratch_slots(self) -> bool:
         """Whether this request holds scratch slots now."""
-        return any(s.size for s in self._scratch)
+        return any(s.size for s in self.record.scratch)
 
     def block_ids(self, layer_group_id: int = 0) -> IntArray:
         """Primary-tier slot ids of this request's blocks in layer group ``layer_group_id`` (-1: no
         page); CacheStateError while a suspended request has pages offloaded to a colder tier."""
         self._check_layer_group(layer_group_id)
-        if (self._tiers[layer_group_id] != 0).any():
+        if (self.record.tiers[layer_group_id] != 0).any():
             raise CacheStateError(f"KVCache {self.id}: layer group {layer_group_id} has pages offloaded to a "
                                   f"colder tier; resume() before reading block ids")
-        return self._blocks[layer_group_id].copy()
+        return self.record.blocks[layer_group_id].copy()
 
     def block_id_map(self) -> dict[int, IntArray]:
         """Block ids of every layer group: what the extractor takes."""
-        return {g: self.block_ids(g) for g in range(len(self._blocks))}
+        return {g: self.block_ids(g) for g in range(len(self.record.blocks))}
 
     def page_tiers(self, layer_group_id: int = 0) -> TierArray:
         """Tier index (0 = primary, then the config's colder tiers in order) of each block's page."""
         self._check_layer_group(layer_group_id)
-        return self._tiers[layer_group_id].copy()
+        return self.record.tiers[layer_group_id].copy()
 
     def page_locations(self, layer_group_id: int = 0) -> tuple[IntArray, TierArray]:
         """(slot id, tier index) of each block's page in layer group ``layer_group_id``, in whatever
         tier it lives (slot -1: no page)."""
         self._check_layer_group(layer_group_id)
-        return self._blocks[layer_group_id].copy(), self._tiers[layer_group_id].copy()
+        return self.record.blocks[layer_group_id].copy(), self.record.tiers[layer_group_id].copy()
 
     def _check_layer_group(self, layer_group_id: int) -> None:
-        if not 0 <= layer_group_id < len(self._blocks):
+        if not 0 <= layer_group_id < len(self.record.blocks):
             raise CacheStateError(f"KVCache {self.id}: no layer group {layer_group_id} "
-                                  f"(have 0..{len(self._blocks) - 1})")
+                                  f"(have 0..{len(self.record.blocks) - 1})")
 
     # --- the reference design's view ------------------------------------------------------------
     @property
@@ -284,7 +313,7 @@ class KVCache:
     @property
     def tokens_per_block(self) -> int:
         """Tokens per block of the manager's layout."""
-        return self._manager.layout.tokens_per_block
+        return self._ops.layout.tokens_per_block
 
     @property
     def beam_width(self) -> BeamIndex:
@@ -333,7 +362,7 @@ class KVCache:
 
     def _sync_index_bufs(self) -> None:
         for layer_group_id, view in self._index_bufs.items():
-            ids = self._blocks[layer_group_id]
+            ids = self.record.blocks[layer_group_id]
             if len(view) < ids.size:
                 raise CapacityError(f"KVCache {self.id}: the base page index buffer of layer group "
                                     f"{layer_group_id} ({len(view)} entries) cannot hold {ids.size} blocks")
@@ -368,13 +397,13 @@ class KVCache:
         """A handle that later drops, from the prefix tree, the pages of this request's committed
         blocks that nothing else holds then; None when no committed block of it is in the tree."""
         self._check_open("plan_committed_block_drop")
-        return self._manager._plan_drop(self)
+        return self._ops.plan_drop(self)
 
     def prefetch(self, target: CacheLevel) -> bool:
         """Bring this suspended request's pages held in levels colder than ``target`` up to ``target``;
         False when that level has no room for them."""
         self._check_open("prefetch")
-        return self._manager._prefetch(self, int(target))
+        return self._ops.prefetch(self, int(target))
 
     @property
     def text_only(self) -> bool:
@@ -408,14 +437,14 @@ class KVCache:
         ``cuda_stream``; slots this request takes that another stream used last are waited for on it.
         """
         self._check_open("resume")
-        stream = self._manager._check_stream(cuda_stream, f"KVCache {self.id}.resume") \
-            if cuda_stream is not None else self._stream
+        stream = self._ops.check_stream(cuda_stream, f"KVCache {self.id}.resume") \
+            if cuda_stream is not None else self.record.stream
         if self.state is CacheState.ACTIVE:
-            self._stream = stream
+            self.record.stream = stream
             return True
-        if not self._manager._resume(self, stream):
+        if not self._ops.resume(self, stream):
             return False
-        self._stream = stream
+        self.record.stream = stream
         self.state = CacheState.ACTIVE
         self._sync_index_bufs()
         return True
@@ -426,7 +455,7 @@ class KVCache:
         self._check_open("suspend")
         if self.state is CacheState.SUSPENDED:
             return
-        self._manager._suspend(self)
+        self._ops.suspend(self)
         self.state = CacheState.SUSPENDED
 
     def resize(self, capacity: int | None, history_length: int | None = None) -> bool:
@@ -434,21 +463,21 @@ class KVCache:
         given; False (nothing changed) when out of slots."""
         self._check_active("resize")
         if capacity is None:
-            capacity = self._capacity
+            capacity = self.record.capacity
         if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 0:
             raise CapacityError(f"KVCache {self.id}: capacity must be an int >= 0, got {capacity!r}")
         capacity = int(capacity)
-        history = self._history if history_length is None else int(history_length)
+        history = self.record.history if history_length is None else int(history_length)
         if capacity < history:
             raise CapacityError(f"KVCache {self.id}: capacity {capacity} below history_length {history}")
-        if history_length is not None and history < self._history:
+        if history_length is not None and history < self.record.history:
             self.history_length = history
         try:
-            self._manager._resize(self, capacity)
+            self._ops.resize(self, capacity)
         except OutOfSlotsError:
             return False
-        self._capacity = capacity
-        if history_length is not None and history != self._history:
+        self.record.capacity = capacity
+        if history_length is not None and history != self.record.history:
             self.history_length = history
         self._sync_index_bufs()
         return True
@@ -456,7 +485,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """Tokens the allocated blocks can hold; setting it resizes (OutOfPagesError when out of slots)."""
-        return self._capacity
+        return self.record.capacity
 
     @capacity.setter
     def capacity(self, capacity: int) -> None:
@@ -478,14 +507,14 @@ class KVCache:
             raise LogicError(f"KVCache {self.id}.commit: committing was stopped (stop_committing or is_end)")
         if priority is not None:
             priority = check_priority(priority, f"KVCache {self.id}.commit")
-        arr = _as_tokens(accepted_input_tokens, f"KVCache {self.id}.commit")
-        if self.num_committed_tokens + arr.size > self._capacity:
+        arr = as_token_ids(accepted_input_tokens, f"KVCache {self.id}.commit")
+        if self.num_committed_tokens + arr.size > self.record.capacity:
             raise CapacityError(f"KVCache {self.id}: commit of {arr.size} tokens past capacity "
-                                f"({self.num_committed_tokens} committed, capacity {self._capacity})")
-        self._tokens = np.concatenate([self._tokens, arr])
-        self._history = max(self._history, self.num_committed_tokens)
-        self._manager._on_commit(self, priority)
-        self._manager._release_out_of_window(self)
+                                f"({self.num_committed_tokens} committed, capacity {self.record.capacity})")
+        self.record.tokens = np.concatenate([self.record.tokens, arr])
+        self.record.history = max(self.record.history, self.num_committed_tokens)
+        self._ops.on_commit(self, priority)
+        self._ops.release_out_of_window(self)
         self._sync_index_bufs()
         if is_end:
             self._commit_allowed = False
@@ -494,20 +523,20 @@ class KVCache:
         """Set the eviction priority (0-100, lower goes first) of every committed block of this
         request that is in the prefix tree."""
         self._check_open("set_priority")
-        self._manager._set_priority(self, check_priority(priority, f"KVCache {self.id}.set_priority"))
+        self._ops.set_priority(self, check_priority(priority, f"KVCache {self.id}.set_priority"))
 
     def close(self) -> None:
         """Release every page this cache holds (a second close does nothing). Pending statistics are
         committed first (``discard_pending_stats()`` before closing drops them)."""
         if self.state is CacheState.CLOSED:
             return
-        self._manager._close(self)
+        self._ops.close(self)
         self.state = CacheState.CLOSED
-        self._blocks = [np.empty(0, dtype=np.int32) for _ in self._blocks]
-        self._tiers = [np.empty(0, dtype=np.int8) for _ in self._tiers]
-        self._scratch = [np.empty(0, dtype=np.int32) for _ in self._scratch]
-        self._scratch_range = [(0, 0)] * len(self._scratch)
-        self._capacity = 0
+        self.record.blocks = [np.empty(0, dtype=np.int32) for _ in self.record.blocks]
+        self.record.tiers = [np.empty(0, dtype=np.int8) for _ in self.record.tiers]
+        self.record.scratch = [np.empty(0, dtype=np.int32) for _ in self.record.scratch]
+        self.record.scratch_range = [(0, 0)] * len(self.record.scratch)
+        self.record.capacity = 0
         self._sync_index_bufs()
 
     def __enter__(self) -> KVCache:
@@ -518,5 +547,5 @@ class KVCache:
             self.close()
 
     def __repr__(self) -> str:
-        return (f"KVCache(id={self.id!r}, state={self.state.value}, capacity={self._capacity}, "
-                f"history={self._history}, committed={self.num_committed_tokens})")
+        return (f"KVCache(id={self.id!r}, state={self.state.value}, capacity={self.record.capacity}, "
+                f"history={self.record.history}, committed={self.num_committed_tokens})")
