@@ -36,6 +36,7 @@ from kvxfer.cache.common import (
     SlidingWindowSize,
     SlotId,
     TokenId,
+    TokenIdExt,
     exact_div,
     typed_range,
 )
@@ -192,6 +193,7 @@ __all__ = [
     "TierStats",
     "TierTraffic",
     "TokenId",
+    "TokenIdExt",
     "Updated",
     "WireContext",
     "_KVCache",

@@ -27,6 +27,9 @@ LifeCycleId = NewType("LifeCycleId", int)
 LayerGroupId: TypeAlias = LifeCycleId
 CacheLevel = NewType("CacheLevel", int)
 TokenId = NewType("TokenId", int)
+#: A token of a key sequence in the reference design: an id, or bytes standing for a multimodal item
+#: (``kvxfer.cache.hashing`` keys them; the manager's caches take integer ids).
+TokenIdExt: TypeAlias = TokenId | bytes
 BeamIndex = NewType("BeamIndex", int)
 MemAddress = NewType("MemAddress", int)
 Priority = NewType("Priority", int)
