@@ -216,6 +216,24 @@ def test_any_hashable_id_and_stats_bookkeeping() -> None:
     kv.close()
 
 
+def test_custom_priority_callback_sets_each_committed_blocks_priority() -> None:
+    mgr = KVCacheManager(config(window=8))
+    seen: list[tuple[int, AttnLifeCycle]] = []
+
+    def priority(ordinal: int, life_cycle: AttnLifeCycle) -> int:
+        seen.append((ordinal, life_cycle))
+        return 10 + ordinal if life_cycle.window_size is None else 5
+
+    kv = mgr.create_kv_cache(custom_priority_callback=priority)
+    assert kv.resume() and kv.resize(12)
+    kv.commit(list(range(12)))
+    assert sorted({o for o, _ in seen}) == [0, 1, 2]
+    assert {lc.window_size for _, lc in seen} == {None, 8}
+    nodes = sorted(mgr.prefix_tree.nodes(), key=lambda n: n.depth)
+    assert [n.priority for n in nodes] == [10, 11, 12]
+    kv.close()
+
+
 # --- the kv cache -----------------------------------------------------------------------------------------------
 def test_kv_cache_members() -> None:
     mgr = KVCacheManager(config())

@@ -18,6 +18,7 @@ from kvxfer.cache import tiers as tier_storage
 from kvxfer.cache.allocator import SlotAllocator
 from kvxfer.cache.common import (
     GPU_LEVEL,
+    AttnLifeCycle,
     CacheLevel,
     CacheTier,
     DataRole,
@@ -61,7 +62,7 @@ from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.cache.page_movement import PageMovement
 from kvxfer.cache.pins import PinnedPages
 from kvxfer.cache.prefix_reuse import PrefixReuse, check_scope
-from kvxfer.cache.radix_tree import BlockNode, PrefixTree
+from kvxfer.cache.radix_tree import BlockNode, PrefixTree, check_priority
 from kvxfer.cache.stats import (
     KVCacheIterationStatsDelta,
     KVCacheStatsDelta,
@@ -280,7 +281,28 @@ class CacheLifecycle:
                 cache.record.published_blocks = full
             if self.state.config.enable_prefix_reuse:
                 self.parts.reuse.insert_committed(cache, priority)
+                if priority is None and cache.priority_callback is not None and full > done:
+                    self.apply_priority_callback(cache, done, full)
             self.parts.usage.sample_usage()
+
+    def life_cycles(self) -> list[AttnLifeCycle]:
+        """The attention life cycle of each layer group, in layer group order."""
+        tpb = self.state.layout.tokens_per_block
+        return [AttnLifeCycle.make(lg.window, lg.sink_tokens, tpb) for lg in self.state.layout.layer_groups]
+
+    def apply_priority_callback(self, cache: KVCache, start: int, stop: int) -> None:
+        """Give the tree blocks of the cache's newly committed blocks ``[start, stop)`` the priority its
+        ``custom_priority_callback(ordinal, life cycle)`` returns (the highest over its life cycles)."""
+        callback = cache.priority_callback
+        assert callback is not None
+        cycles = self.life_cycles()
+        for ordinal in range(start, min(stop, len(cache.record.tree_nodes))):
+            node = cache.record.tree_nodes[ordinal]
+            if node is None:
+                continue
+            priority = check_priority(max(int(callback(ordinal, lc)) for lc in cycles),
+                                      f"KVCache {cache.id}.custom_priority_callback")
+            self.parts.reuse.set_node_priority(node, priority)
 
     def release_out_of_window(self, cache: KVCache) -> None:
         """Free sliding-window pages no future token can attend to (their ids become -1)."""

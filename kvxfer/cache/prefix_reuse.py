@@ -417,11 +417,18 @@ class PrefixReuse:
         self.state.tree.touch_all(touched)
 
     def set_priority(self, cache: KVCache, priority: int) -> None:
+        """Set the eviction priority of every tree block of the cache's committed blocks."""
         with self.state.lock:
             for node in cache.record.tree_nodes:
-                old = None if node is None else node.priority
-                if node is not None and self.state.tree.set_priority(node, priority):
-                    self.state.events.put(Updated((node.key,), self.state.node_medium(node), priority, old_priority=old))
+                if node is not None:
+                    self.set_node_priority(node, priority)
+
+    def set_node_priority(self, node: BlockNode, priority: int) -> None:
+        """Set one tree block's eviction priority (an ``Updated`` event when it changes)."""
+        with self.state.lock:
+            old = node.priority
+            if self.state.tree.set_priority(node, priority):
+                self.state.events.put(Updated((node.key,), self.state.node_medium(node), priority, old_priority=old))
 
     def touch_blocks(self, cache: KVCache, start: int, stop: int) -> None:
         """Requeue the tree blocks tied to the cache's blocks [start, stop) for eviction."""
