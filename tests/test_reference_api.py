@@ -338,7 +338,8 @@ def test_a_slot_reused_on_another_stream_waits_for_its_previous_user() -> None:
     stream_a, stream_b = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
     a = mgr.create_kv_cache()
-    assert a.resume(stream_a) and a.cuda_stream is stream_a and a.resize(4 * TPB)
+    assert a.resume(stream_a) and a.torch_stream is stream_a and a.cuda_stream == stream_a.cuda_stream
+    assert a.resize(4 * TPB)
     ids_a = a.block_ids(0)
     view = mgr.buffer_view(0, "key")
     with torch.cuda.stream(stream_a):

@@ -21,6 +21,7 @@ from kvxfer.cache.common import (
     DEFAULT_BEAM_INDEX,
     BeamIndex,
     CacheLevel,
+    CudaStream,
     HalfOpenRange,
     LayerGroupId,
     PageIndexMode,
@@ -228,15 +229,21 @@ class KVCache:
 
     # --- streams and scratch --------------------------------------------------------------------
     @property
-    def cuda_stream(self) -> Any:
-        """The CUDA stream this request's kernels run on (None: the device's current stream; always
-        None on a CPU primary tier)."""
-        return self.record.stream
+    def cuda_stream(self) -> CudaStream | None:
+        """The ``cudaStream_t`` (an int) this request's kernels run on (None: the device's current
+        stream; always None on a CPU primary tier). Set it to a torch.cuda.Stream or a handle."""
+        stream = self.record.stream
+        return None if stream is None else CudaStream(int(stream.cuda_stream))
 
     @cuda_stream.setter
     def cuda_stream(self, stream: Any) -> None:
         self._check_open("set cuda_stream")
         self.record.stream = self._ops.check_stream(stream, f"KVCache {self.id}.cuda_stream")
+
+    @property
+    def torch_stream(self) -> Any:
+        """The request's stream as a torch.cuda.Stream (None: the device's current stream)."""
+        return self.record.stream
 
     @property
     def enable_swa_scratch_reuse(self) -> bool:
