@@ -3,7 +3,7 @@ order (priority, LRU, leaves first), and making room in a tier by offloading one
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -13,9 +13,6 @@ from kvxfer.cache.kv_cache import CacheState
 from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode
 from kvxfer.errors import OutOfSlotsError
-
-if TYPE_CHECKING:
-    from kvxfer.cache.manager import ManagerParts
 
 IntArray = npt.NDArray[np.int32]
 
@@ -28,7 +25,8 @@ _LAST = (1 << _HELD_BIT) - 1
 class EvictionController:
     """Making room in a tier: offload to the tier below, or drop tree-only blocks."""
 
-    def __init__(self, state: ManagerState, parts: ManagerParts) -> None:
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts``, through which this part reaches the others."""
         self.state = state
         self.parts = parts
 

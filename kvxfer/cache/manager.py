@@ -33,7 +33,14 @@ from kvxfer.cache.common import (
     div_up,
     exact_div,
 )
-from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, PrimaryTier
+from kvxfer.cache.config import (
+    CacheConfig,
+    DiskTier,
+    HostTier,
+    PrimaryTier,
+    cache_config_of,
+    manager_config_of,
+)
 from kvxfer.cache.copy_engine import CopyEngine
 from kvxfer.cache.descriptors import AggregatedPageDesc, BufferId, CacheLayoutDesc, PoolDesc, PoolGroupDesc
 from kvxfer.cache.dtypes import torch_dtype
@@ -50,13 +57,7 @@ from kvxfer.cache.hashing import (
 )
 from kvxfer.cache.kv_cache import CacheState, KVCache, PriorityCallback
 from kvxfer.cache.layout import place_layout, plan_layout
-from kvxfer.cache.manager_config import (
-    EXTRA_REUSE_MATCH_BACKOFF,
-    KVCacheManagerConfig,
-    cache_config_of,
-    copy_config,
-    manager_config_of,
-)
+from kvxfer.cache.manager_config import EXTRA_REUSE_MATCH_BACKOFF, KVCacheManagerConfig, copy_config
 from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.cache.page_movement import PageMovement
@@ -101,6 +102,7 @@ class CacheLifecycle:
     prefetch, on the shared state and the other parts (what a KVCache calls)."""
 
     def __init__(self, state: ManagerState, parts: ManagerParts) -> None:
+        """``parts``: the manager's parts, through which this part reaches the others."""
         self.state = state
         self.parts = parts
 

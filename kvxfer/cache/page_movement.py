@@ -4,7 +4,7 @@ owner (tree blocks, requests) after a move, counting the copies."""
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -17,16 +17,14 @@ from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.radix_tree import BlockNode
 from kvxfer.errors import KvxferError
 
-if TYPE_CHECKING:
-    from kvxfer.cache.manager import ManagerParts
-
 IntArray = npt.NDArray[np.int32]
 
 
 class PageMovement:
     """Copies of pages and the bookkeeping that follows them."""
 
-    def __init__(self, state: ManagerState, parts: ManagerParts) -> None:
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts``, through which this part reaches the others."""
         self.state = state
         self.parts = parts
 

@@ -7,7 +7,7 @@ import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,9 +26,6 @@ from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode
 from kvxfer.errors import ConfigError, KVCacheError, OutOfSlotsError
-
-if TYPE_CHECKING:
-    from kvxfer.cache.manager import ManagerParts
 
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
@@ -57,7 +54,8 @@ def check_scope(scope: ReuseScope | None, what: str) -> ReuseScope:
 class PrefixReuse:
     """Prefix matching and the tree's pages."""
 
-    def __init__(self, state: ManagerState, parts: ManagerParts) -> None:
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts``, through which this part reaches the others."""
         self.state = state
         self.parts = parts
 

@@ -3,7 +3,7 @@ slots, making a request's stream wait for their previous users (see kvxfer.cache
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -13,9 +13,6 @@ from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.manager_state import ManagerState
 from kvxfer.errors import ConfigError
 
-if TYPE_CHECKING:
-    from kvxfer.cache.manager import ManagerParts
-
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
 
@@ -23,7 +20,8 @@ TierArray = npt.NDArray[np.int8]
 class StreamOrdering:
     """Streams of requests and the readiness of the slots they release."""
 
-    def __init__(self, state: ManagerState, parts: ManagerParts) -> None:
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts``, through which this part reaches the others."""
         self.state = state
         self.parts = parts
 

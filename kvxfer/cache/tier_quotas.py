@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -22,16 +22,14 @@ from kvxfer.cache.stats import TierTraffic
 from kvxfer.cache.tiers import DiskTierStorage, TierStats, TierStorage
 from kvxfer.errors import ConfigError, TierError
 
-if TYPE_CHECKING:
-    from kvxfer.cache.manager import ManagerParts
-
 IntArray = npt.NDArray[np.int32]
 
 
 class TierQuotas:
     """Onboarding and tier quotas."""
 
-    def __init__(self, state: ManagerState, parts: ManagerParts) -> None:
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts``, through which this part reaches the others."""
         self.state = state
         self.parts = parts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -20,14 +20,12 @@ from kvxfer.cache.stats import (
 )
 from kvxfer.errors import KVCacheError
 
-if TYPE_CHECKING:
-    from kvxfer.cache.manager import ManagerParts
-
 
 class UsageStats:
     """Slot accounting and the statistics API."""
 
-    def __init__(self, state: ManagerState, parts: ManagerParts) -> None:
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts``, through which this part reaches the others."""
         self.state = state
         self.parts = parts
 
