@@ -34,10 +34,13 @@ from kvxfer.cache import (
     LayerGroupId,
     LayerId,
     LifeCycleId,
+    MemAddress,
     OutOfPagesError,
     PageIndexConverter,
     PageIndexMode,
     PlannedDropHandle,
+    PoolDesc,
+    PoolIndex,
     ReuseScope,
     ScratchDesc,
     SsmLayerConfig,
@@ -84,6 +87,11 @@ def test_buffer_id_is_a_tuple() -> None:
     assert {(3, "key"): 1}[bid] == 1 and bid[-1] == "key"
     with pytest.raises(AttributeError):
         bid.role = "value"  # type: ignore[misc]
+
+
+def test_pool_desc_takes_the_reference_fields() -> None:
+    pool = PoolDesc(PoolIndex(1), MemAddress(4096), 512)
+    assert (pool.pool_index, pool.base_address, pool.slot_bytes, pool.num_slots) == (1, 4096, 512, 0)
 
 
 def test_half_open_range_and_integer_helpers() -> None:

@@ -326,8 +326,10 @@ class PoolDesc:
     pool_index: int
     base_address: int
     slot_bytes: int
-    num_slots: int
-    memory_kind: str
+    #: kvxfer's additions (the reference's PoolDesc has the three fields above): the pool's slot count
+    #: (0: not published) and where its memory is (the reference's pools are always device memory).
+    num_slots: int = 0
+    memory_kind: str = "cuda"
     device_id: int = 0
 
     def __post_init__(self) -> None:
