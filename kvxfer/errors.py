@@ -57,6 +57,14 @@ class OutOfSlotsError(OutOfPagesError):
     """No free slot is left in a pool group (after eviction)."""
 
 
+class CuError(KVCacheError):
+    """A CUDA driver call failed; ``error_code`` is the driver's own status (the reference's CuError)."""
+
+    def __init__(self, message: str, error_code: object = None) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+
+
 class LogicError(KVCacheError, RuntimeError):
     """A call the manager's state forbids (e.g. clearing reusable blocks while caches are open)."""
 

@@ -98,7 +98,7 @@ from kvxfer.cache.stats import (
     TierTraffic,
 )
 from kvxfer.cache.tiers import TierStats
-from kvxfer.errors import CorruptedError, OutOfMemoryError, OutOfPagesError
+from kvxfer.errors import CorruptedError, CuError, OutOfMemoryError, OutOfPagesError
 
 #: The reference design's name of the kv cache ``create_kv_cache`` returns.
 _KVCache = KVCache
@@ -134,6 +134,7 @@ __all__ = [
     "CoalescedBuffer",
     "CorruptedError",
     "Created",
+    "CuError",
     "CudaStream",
     "DataRole",
     "DiskCacheTierConfig",

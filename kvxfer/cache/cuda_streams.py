@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvxfer.cache.common import CudaStream
-from kvxfer.errors import TierError
+from kvxfer.errors import CuError, TierError
 
 
 def _driver() -> Any:
@@ -27,7 +27,7 @@ def _check(result: Any, what: str) -> Any:
     drv = _driver()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != int(drv.CUresult.CUDA_SUCCESS):
-        raise TierError(f"{what} failed: {err!r}")
+        raise CuError(f"{what} failed: {err!r}", err)
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
