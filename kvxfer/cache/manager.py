@@ -1,4 +1,6 @@
-"""KVCacheManager: owns the pools and slot allocators, hands out KVCaches, publishes the layout."""
+"""KVCacheManager: a facade over the manager's state and parts (see ``ManagerParts``) that hands out
+KVCaches, publishes the layout and speaks the reference design's API; and ``CacheLifecycle``, the part
+that opens, resumes, resizes, commits and closes kv caches."""
 
 from __future__ import annotations
 
@@ -919,7 +921,7 @@ class KVCacheManager:
         """The kv caches' life-cycle part (what each KVCache calls)."""
         return self._parts.lifecycle
 
-    def allocator(self, pool_group: int, tier: int=0) -> SlotAllocator:
+    def allocator(self, pool_group: int, tier: int = 0) -> SlotAllocator:
         """The slot allocator of a pool group in a tier (0 = primary; read-only use: counts and reference counts)."""
         return self._state.allocator(pool_group, tier)
 
@@ -950,7 +952,7 @@ class KVCacheManager:
         """The primary tier's device."""
         return self._state.device
 
-    def get_and_reset_iteration_peak_block_stats(self, cache_level: int=0) -> tuple[PoolGroupPeakBlockStats, ...]:
+    def get_and_reset_iteration_peak_block_stats(self, cache_level: int = 0) -> tuple[PoolGroupPeakBlockStats, ...]:
         """Per pool group of cache level ``cache_level`` (tier index, 0 = primary): the peak available / unavailable / evictable slots since the last call; they restart from the present state. With stats off, the present state."""
         return self._parts.usage.get_and_reset_iteration_peak_block_stats(cache_level)
 
@@ -1051,11 +1053,11 @@ class KVCacheManager:
         """Tokens trimmed off the tail of every prefix match (``KVCacheManagerConfig.reuse_match_backoff``)."""
         return self._state.reuse_match_backoff
 
-    def slot_accounting(self, pool_group: int=0, tier: int=0) -> SlotAccounting:
+    def slot_accounting(self, pool_group: int=0, tier: int = 0) -> SlotAccounting:
         """Where the usable slots of a pool group of a tier (0 = primary) are (free, request-only, evictable, shared); raises KVCacheError when the reference counts contradict the tree."""
         return self._parts.usage.slot_accounting(pool_group, tier)
 
-    def storage_stats(self, tier: int | type[PrimaryTier | HostTier | DiskTier]=0) -> TierStats:
+    def storage_stats(self, tier: int | type[PrimaryTier | HostTier | DiskTier] = 0) -> TierStats:
         """Capacity and occupancy (slots per pool group) of one tier."""
         return self._parts.quotas.storage_stats(tier)
 
