@@ -999,7 +999,7 @@ class KVCacheManager:
         """Record nothing for request ``kv_cache_id`` from now on (warm-up or dummy requests): it leaves the dirty set and what it has pending is never committed. May precede the request's creation."""
         return self._parts.usage.mark_stats_excluded(kv_cache_id)
 
-    def num_free_slots(self, pool_group: int=0) -> int:
+    def num_free_slots(self, pool_group: int = 0) -> int:
         """Free slots of a pool group."""
         return self._state.num_free_slots(pool_group)
 
@@ -1027,7 +1027,8 @@ class KVCacheManager:
         """The prefix tree (read-only use: inspection, tests, benchmarks)."""
         return self._state.prefix_tree
 
-    def probe_prompt_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None=None, extra_keys: ExtraKeys | None=None) -> int:
+    def probe_prompt_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
+                           extra_keys: ExtraKeys | None = None) -> int:
         """How many tokens ``create_kv_cache_for_prompt(tokens, reuse_scope=scope)`` would reuse now (never the last prompt token); takes nothing (no page, no LRU update, no statistics)."""
         return self._parts.reuse.probe_prompt_reuse(tokens, scope, extra_keys)
 
@@ -1053,7 +1054,7 @@ class KVCacheManager:
         """Tokens trimmed off the tail of every prefix match (``KVCacheManagerConfig.reuse_match_backoff``)."""
         return self._state.reuse_match_backoff
 
-    def slot_accounting(self, pool_group: int=0, tier: int = 0) -> SlotAccounting:
+    def slot_accounting(self, pool_group: int = 0, tier: int = 0) -> SlotAccounting:
         """Where the usable slots of a pool group of a tier (0 = primary) are (free, request-only, evictable, shared); raises KVCacheError when the reference counts contradict the tree."""
         return self._parts.usage.slot_accounting(pool_group, tier)
 
