@@ -109,6 +109,7 @@ class CacheLifecycle:
         self.parts = parts
 
     def unpin_pages(self, slots: Mapping[int, IntArray]) -> None:
+        """Let go of the references ``pin_pages`` took (the release of a PinnedPages)."""
         with self.state.lock:
             for pg, arr in slots.items():
                 self.state.allocators[pg].decref(arr)
@@ -127,6 +128,7 @@ class CacheLifecycle:
                     holdback: int, extra_keys: ExtraKeys | None = None, expected_prompt_length: int | None = None,
                     priority_callback: PriorityCallback | None = None, text_only: bool | None = None,
                     enable_request_stats: bool = False) -> KVCache:
+        """Create a suspended kv cache, locking the pages of its reusable prefix (``create_kv_cache``)."""
         with self.state.lock:
             if self.state.shut_down:
                 raise ManagerBusyError("create_kv_cache: the manager has been shut down")
@@ -194,6 +196,7 @@ class CacheLifecycle:
             return True
 
     def suspend(self, cache: KVCache) -> None:
+        """Stamp the cache's pages with its stream and give back its scratch slots (its pages become held)."""
         with self.state.lock:
             for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
                 self.parts.streams.stamp(g, blocks, tiers, cache.record.stream)
@@ -211,6 +214,7 @@ class CacheLifecycle:
         return (begin, end) if end > begin else (0, 0)
 
     def resize(self, cache: KVCache, capacity: int) -> None:
+        """Grow or shrink the cache's blocks to hold ``capacity`` tokens (OutOfSlotsError when out of slots)."""
         with self.state.lock:
             tpb = self.state.layout.tokens_per_block
             new_n = math.ceil(capacity / tpb)
@@ -269,6 +273,7 @@ class CacheLifecycle:
                 self.set_scratch(cache, g, 0, 0)
 
     def set_scratch_reuse(self, cache: KVCache, enable: bool) -> None:
+        """Turn sliding-window scratch slots on or off for the cache (off gives its scratch slots back)."""
         with self.state.lock:
             if not enable and any(end > begin for begin, end in cache.record.scratch_range):
                 raise CacheStateError(f"KVCache {cache.id}: cannot disable SWA scratch reuse while the current "
@@ -277,6 +282,7 @@ class CacheLifecycle:
                 self.release_scratch(cache)
 
     def on_commit(self, cache: KVCache, priority: int | None = None) -> None:
+        """After a commit: publish the newly full blocks to other streams and enter them into the prefix tree."""
         with self.state.lock:
             done, full = cache.record.published_blocks, cache.num_committed_tokens // self.state.layout.tokens_per_block
             if full > done:   # pages others may now reuse: ready once this request's writes are
@@ -329,6 +335,7 @@ class CacheLifecycle:
                     self.parts.reuse.drop_window_pages(cache, lg.layer_group_id, sink_blocks, released, released_tiers)
 
     def close(self, cache: KVCache) -> None:
+        """Release every page and scratch slot of the cache and commit its pending statistics."""
         with self.state.lock:
             for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
                 self.release(g, blocks, tiers, cache.record.stream)
@@ -361,6 +368,7 @@ class CacheLifecycle:
                 (rec.full if b < full else rec.partial)[int(plan.tiers[b][lg])] += 1
 
     def plan_drop(self, cache: KVCache) -> PlannedDropHandle | None:
+        """A handle dropping the cache's committed chain from the tree later (None: it has none there)."""
         nodes = [n for n in cache.record.tree_nodes if n is not None]
         if not nodes:
             return None

@@ -30,9 +30,13 @@ class CacheTierConfig(Protocol):
     quota: int
 
     @property
-    def tier(self) -> CacheTier: ...
+    def tier(self) -> CacheTier:
+        """The medium of the level."""
+        ...
 
-    def assert_valid(self) -> None: ...
+    def assert_valid(self) -> None:
+        """ConfigError unless the level's settings are valid."""
+        ...
 
 
 def _check_quota(quota: object, where: str) -> None:
@@ -48,6 +52,7 @@ class GpuCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """``CacheTier.GPU_MEM``."""
         return CacheTier.GPU_MEM
 
     def assert_valid(self) -> None:
@@ -63,6 +68,7 @@ class HostCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """``CacheTier.HOST_MEM``."""
         return CacheTier.HOST_MEM
 
     def assert_valid(self) -> None:
@@ -79,6 +85,7 @@ class DiskCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """``CacheTier.DISK``."""
         return CacheTier.DISK
 
     def assert_valid(self) -> None:

@@ -107,6 +107,7 @@ class ManagerState:
         return self.allocators[pool_group].num_free
 
     def alloc_of(self, tier: int, pool_group: int) -> SlotAllocator:
+        """The slot allocator of a pool group in a tier (no index check)."""
         return self.tiers[tier].allocator(pool_group)
 
     def node_medium(self, node: BlockNode) -> str:
@@ -115,6 +116,7 @@ class ManagerState:
         return self.media[int(held.max()) if held.size else 0]
 
     def unmark_tree_page(self, tier: int, pool_group: int, page: int) -> None:
+        """Record that a tier's slot no longer holds a tree page."""
         self.in_tree_t[tier][pool_group][page] = False
         self.tree_owner[tier][pool_group].pop(page, None)
 
@@ -163,16 +165,19 @@ class ManagerState:
         return int(tier)
 
     def check_tier_index(self, tier: int) -> None:
+        """TierError unless ``tier`` is the index of a tier in force."""
         if isinstance(tier, bool) or not isinstance(tier, int | np.integer) or not 0 <= tier < len(self.tiers):
             raise TierError(f"no tier {tier!r} (have 0..{len(self.tiers) - 1})")
 
     def check_no_active(self, what: str) -> None:
+        """ManagerBusyError while any kv cache is active (``what`` names the refused call)."""
         active = [c.id for c in self.caches.values() if c.state is CacheState.ACTIVE]
         if active:
             raise ManagerBusyError(f"{what}: {len(active)} KV caches are active: {active[:5]} "
                                    f"(suspend or close them first)")
 
     def set_tier_config(self, t: int, cfg: PrimaryTier | HostTier | DiskTier) -> None:
+        """Record a tier's new configuration in ``current`` (after a quota resize)."""
         tiers = list(self.current.tiers)
         tiers[t] = cfg
         self.current = dataclasses.replace(self.current, tiers=tuple(tiers))

@@ -90,6 +90,7 @@ class PrefixReuse:
 
     def probe(self, scope: ReuseScope | None, tokens: Sequence[int] | npt.ArrayLike | None,
                extra_keys: ExtraKeys | None, holdback: int, what: str) -> int:
+        """How many tokens a match of ``tokens`` (less ``holdback`` at the end) would reuse now."""
         with self.state.lock:
             scope = check_scope(scope, what)
             extras = check_extra_keys(extra_keys, what)
@@ -443,6 +444,7 @@ class PrefixReuse:
             return True
 
     def clear_tree(self, nodes: list[BlockNode]) -> None:
+        """Take every block out of the tree and let go of the tree's references to their pages."""
         self.state.tree.clear()
         if not nodes:
             return

@@ -71,14 +71,17 @@ class UsageStats:
                 self.state.stats.sample(tier, self.quick_accounting(tier, pg))
 
     def commit_stats(self, cache: KVCache) -> KVCacheStatsDelta:
+        """Merge a request's pending counters into the committed and iteration stats; returns them."""
         with self.state.lock:
             return self.state.stats.commit(cache.id, cache.record.pending)
 
     def discard_stats(self, cache: KVCache) -> None:
+        """Forget a request's pending counters."""
         with self.state.lock:
             self.state.stats.discard(cache.id, cache.record.pending)
 
     def mark_pending(self, cache: KVCache) -> None:
+        """Mark a request dirty when it has pending counters to commit."""
         if not cache.record.pending.empty:
             self.state.stats.dirty.add(cache.id)
 
