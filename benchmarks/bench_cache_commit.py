@@ -43,7 +43,7 @@ def run(num_tokens: int, reuse: bool, reps: int) -> dict[str, float]:
         seed += 1
         return np.random.default_rng(seed).integers(0, cfg.vocab_size, num_tokens)
 
-    first = mgr.create_kv_cache(prompt(), "first")
+    first = mgr.create_kv_cache_for_prompt(prompt(), "first")
     t0 = time.perf_counter()
     first.resume()
     times["first_resume"].append(_ms_since(t0))
@@ -52,7 +52,7 @@ def run(num_tokens: int, reuse: bool, reps: int) -> dict[str, float]:
         for whole in (False, True):
             tokens = prompt()
             t0 = time.perf_counter()
-            cache = mgr.create_kv_cache(tokens, f"r{rep}-{whole}")
+            cache = mgr.create_kv_cache_for_prompt(tokens, f"r{rep}-{whole}")
             cache.resume()
             create = _ms_since(t0)
             t0 = time.perf_counter()

@@ -69,7 +69,7 @@ def bench_matching(tree_blocks: int, prompt_blocks: int, shared_blocks: int, tpb
                for _ in range(n_prompts)]
     t0 = time.perf_counter()
     for p in prompts:
-        kv = mgr.create_kv_cache(p)
+        kv = mgr.create_kv_cache_for_prompt(p)
         kv.resume()
         if not kv.resize(p.size):
             raise RuntimeError("benchmark pool too small")
@@ -96,7 +96,7 @@ def bench_matching(tree_blocks: int, prompt_blocks: int, shared_blocks: int, tpb
 
     def probe_all() -> None:
         for q in queries_tokens:
-            assert mgr.probe_reuse(q) == prompt_blocks * tpb
+            assert mgr.probe_prompt_reuse(q) == prompt_blocks * tpb
 
     t_match = best_of(rounds, match_all)
     t_dict = best_of(rounds, dict_all)

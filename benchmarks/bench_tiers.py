@@ -122,7 +122,7 @@ def _manager_round_trip(cfg: CacheConfig, copy: int, repeat: int, device: torch.
     try:
         tpb = cfg.tokens_per_block
         primary = manager.layout.pool_groups[0].num_slots
-        req = manager.create_kv_cache(None, "request")
+        req = manager.create_kv_cache_for_prompt(None, "request")
         assert req.resume() and req.resize(copy * tpb)
         for pg in manager.layout.pool_groups:
             for p in pg.pools:
@@ -131,7 +131,7 @@ def _manager_round_trip(cfg: CacheConfig, copy: int, repeat: int, device: torch.
         offload, onboard = [], []
         for _ in range(repeat + 1):
             req.suspend()
-            other = manager.create_kv_cache(None, "pressure")
+            other = manager.create_kv_cache_for_prompt(None, "pressure")
             assert other.resume()
             _sync(device)
             t0 = time.perf_counter()

@@ -20,6 +20,10 @@ class LayoutMismatch(LayoutError):
     """Two layouts cannot be paired; the message names the field and both values."""
 
 
+class IndexMathError(KvxferError, ValueError):
+    """An integer helper got operands it cannot combine (``exact_div`` of a non-multiple, ...)."""
+
+
 class DecodeError(KvxferError, ValueError):
     """Bytes from a peer or a file could not be decoded into the expected structure."""
 
@@ -41,11 +45,35 @@ class CapacityError(KVCacheError, ValueError):
     """A token count outside what the cache holds (commit past capacity, negative sizes, ...)."""
 
 
-class OutOfSlotsError(KVCacheError):
+class OutOfMemoryError(KVCacheError):
+    """A cache tier cannot hold what was asked for (the reference design's ``OutOfMemoryError``)."""
+
+
+class OutOfPagesError(OutOfMemoryError):
+    """No page can be found for a request, even after eviction (the reference's ``OutOfPagesError``)."""
+
+
+class OutOfSlotsError(OutOfPagesError):
     """No free slot is left in a pool group (after eviction)."""
 
 
-class ManagerBusyError(KVCacheError):
+class CuError(KVCacheError):
+    """A CUDA driver call failed; ``error_code`` is the driver's own status (the reference's CuError)."""
+
+    def __init__(self, message: str, error_code: object = None) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+
+
+class LogicError(KVCacheError, RuntimeError):
+    """A call the manager's state forbids (e.g. clearing reusable blocks while caches are open)."""
+
+
+class CorruptedError(KVCacheError):
+    """The manager found one of its invariants broken; every later public call raises this."""
+
+
+class ManagerBusyError(LogicError):
     """The manager cannot do this while KV caches are open (shutdown, quota resize, ...)."""
 
 

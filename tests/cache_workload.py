@@ -59,22 +59,22 @@ def _event(event: Any) -> dict[str, Any]:
 def snapshot(mgr: KVCacheManager, caches: dict[str, KVCache]) -> dict[str, Any]:
     """Allocator, tree, request and statistics state of ``mgr`` (after draining its events)."""
     allocs = []
-    for tier in range(len(mgr._tiers)):
-        for pg in range(len(mgr._allocators)):
-            a = mgr._alloc_of(tier, pg)
-            owners = sorted((slot, node.key.hex(), lg) for slot, (node, lg) in mgr._tree_owner[tier][pg].items())
+    for tier in range(len(mgr._state.tiers)):
+        for pg in range(len(mgr._state.allocators)):
+            a = mgr._state.alloc_of(tier, pg)
+            owners = sorted((slot, node.key.hex(), lg) for slot, (node, lg) in mgr._state.tree_owner[tier][pg].items())
             allocs.append({"tier": tier, "pg": pg, "refcount": a.refcount.tolist(),
                            "free": a._free[:a._top].tolist(), "usable": a.usable,
-                           "in_tree": np.flatnonzero(mgr._in_tree_t[tier][pg]).tolist(), "owners": owners})
+                           "in_tree": np.flatnonzero(mgr._state.in_tree_t[tier][pg]).tolist(), "owners": owners})
     nodes = sorted(([n.key.hex(), None if n.parent is None or n.parent.is_root else n.parent.key.hex(), n.depth,
                      n.tokens.tolist(), n.pages.tolist(), n.tiers.tolist(), n.priority, n.last_used,
-                     n.has_extra_key, sorted(k.hex() for k in n.children)] for n in mgr._tree.nodes()),
+                     n.has_extra_key, sorted(k.hex() for k in n.children)] for n in mgr._state.tree.nodes()),
                    key=lambda r: r[0])
-    reqs = {cid: {"blocks": [b.tolist() for b in c._blocks], "tiers": [t.tolist() for t in c._tiers],
-                  "keys": [k.hex() for k in c._keys],
-                  "nodes": [None if n is None else n.key.hex() for n in c._tree_nodes],
+    reqs = {cid: {"blocks": [b.tolist() for b in c.record.blocks], "tiers": [t.tolist() for t in c.record.tiers],
+                  "keys": [k.hex() for k in c.record.keys],
+                  "nodes": [None if n is None else n.key.hex() for n in c.record.tree_nodes],
                   "committed": c.num_committed_tokens, "reused": c.num_reused_tokens,
-                  "state": c.state.value, "scratch": [s.tolist() for s in c._scratch]}
+                  "state": c.state.value, "scratch": [s.tolist() for s in c.record.scratch]}
             for cid, c in sorted(caches.items()) if c.state.value != "closed"}
     return {
         "allocators": allocs, "tree": nodes, "requests": reqs,
@@ -102,7 +102,7 @@ class _Run:
                             "state": snapshot(self.mgr, self.caches)})
 
     def open(self, cid: str, tokens: np.ndarray | None, **kw: Any) -> KVCache:
-        cache = self.mgr.create_kv_cache(tokens, cid, **kw)
+        cache = self.mgr.create_kv_cache_for_prompt(tokens, cid, **kw)
         self.caches[cid] = cache
         return cache
 

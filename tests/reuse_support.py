@@ -108,7 +108,7 @@ def prefill(mgr: KVCacheManager, tokens: npt.ArrayLike, *, close: bool = True, e
     """Run one request's prefill: create (matching the tree), resume, resize, write the KV of the
     tokens not reused, commit them; closed afterwards unless ``close=False``."""
     arr = np.asarray(tokens, dtype=np.int64)
-    kv = mgr.create_kv_cache(arr, **create_kw)
+    kv = mgr.create_kv_cache_for_prompt(arr, **create_kw)
     assert kv.resume()
     assert kv.resize(arr.size + extra_capacity)
     write_kv(mgr, kv, arr, kv.num_committed_tokens, arr.size)

@@ -36,7 +36,7 @@ def test_baseline_computes_only_the_last_logits_and_gets_the_full_prefills_token
     assert took > 0 and kv is not None
     # Independent of the baseline: every row's logits, on a manager of its own.
     other = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, 32, "cpu"))
-    cache = other.create_kv_cache(tokens)
+    cache = other.create_kv_cache_for_prompt(tokens)
     cache.resume()
     reference = ReferenceModel(cfg)
     with torch.inference_mode():

@@ -195,17 +195,17 @@ def _drive(mgr: Any, chunk: int) -> list[Any]:
     out: list[Any] = []
     base = np.arange(160) * 7 % 1000
     for i, prompt in enumerate([base, np.concatenate([base[:40], base[40:] + 1]), base + 5000]):
-        kv = mgr.create_kv_cache(prompt)
+        kv = mgr.create_kv_cache_for_prompt(prompt)
         kv.resume()
         assert kv.resize(prompt.size)
         step = prompt.size if i == 0 else chunk
         for s in range(kv.num_committed_tokens, prompt.size, step):
             kv.commit(prompt[s:s + step], priority=60 if i == 1 else None)
         kv.close()
-        alloc = mgr._allocators[0]
+        alloc = mgr._state.allocators[0]
         out.append([[(type(e).__name__, e.event_id, dataclasses.astuple(e)) for e in mgr.drain_events()],
                     alloc.refcount.tolist(), alloc._free[:alloc._top].tolist(), mgr.tier_traffic(),
-                    sorted((n.key, n.pages.tolist(), n.priority, n.last_used) for n in mgr._tree.nodes())])
+                    sorted((n.key, n.pages.tolist(), n.priority, n.last_used) for n in mgr._state.tree.nodes())])
     return out
 
 
@@ -223,10 +223,10 @@ def test_commit_refuses_a_page_that_is_already_a_tree_page_before_entering_anyth
     """Mutation of the tree-page check: a new block whose page the tree already holds is an error,
     raised before any block of the chain enters the tree."""
     mgr = make_manager(16)
-    kv = mgr.create_kv_cache(np.arange(12))
+    kv = mgr.create_kv_cache_for_prompt(np.arange(12))
     kv.resume()
     assert kv.resize(12)
-    mgr._in_tree_t[0][0][kv.block_ids(0)[1]] = True
+    mgr._state.in_tree_t[0][0][kv.block_ids(0)[1]] = True
     with pytest.raises(KVCacheError, match=f"slot {kv.block_ids(0)[1]} of tier 0 is already a tree page"):
         kv.commit(np.arange(12))
-    assert mgr._tree.num_blocks == 0 and mgr._allocators[0].refcount.max() == 1
+    assert mgr._state.tree.num_blocks == 0 and mgr._state.allocators[0].refcount.max() == 1

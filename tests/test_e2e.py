@@ -156,7 +156,7 @@ def test_prefill_ranks_holding_different_prefixes_reuse_the_one_they_share() -> 
         while hog.resize(tokens + tpb):
             tokens += tpb
         hog.close()
-        held = [m.create_kv_cache(second, id=f"probe{i}") for i, m in enumerate((rank0, rank1))]
+        held = [m.create_kv_cache_for_prompt(second, id=f"probe{i}") for i, m in enumerate((rank0, rank1))]
         assert [c.num_reused_tokens for c in held] == [0, 70]
         for c in held:
             c.close()
@@ -231,7 +231,7 @@ class HandDecode:
                        layers_per_send=1, lease_s=lease_s, checksum=b"")
 
     def blocks(self, rid: str, tokens: np.ndarray, skip: int = 0) -> Any:
-        cache = self.managers[0].create_kv_cache(tokens)
+        cache = self.managers[0].create_kv_cache_for_prompt(tokens)
         assert cache.resume() and cache.resize(int(tokens.size))
         self.conn.send("kv_blocks", request_id=rid, skip=skip, blocks=encode_block_ids([cache.block_id_map()]))
         return cache

@@ -60,7 +60,7 @@ def test_store_reuse_evict_sequence() -> None:
     assert qkeys[:2] == keys[:2]
     assert mgr.drain_events() == [Stored(keys[1], (qkeys[2], qkeys[3]), tuple(range(500, 508)), TPB, 4, "CPU")]
 
-    kv = mgr.create_kv_cache(q, reuse_scope=scope)           # reuse alone stores nothing
+    kv = mgr.create_kv_cache_for_prompt(q, reuse_scope=scope)           # reuse alone stores nothing
     kv.set_priority(90)
     events = mgr.drain_events()
     assert events == [Updated(tuple(qkeys[:4]), "CPU", 90, old_priority=35)]
@@ -132,7 +132,7 @@ def test_sliding_window_drops_are_announced_for_their_layer_group() -> None:
     """A window group letting go of a block's pages says so: the block is not reusable there any more."""
     mgr = drained(make_manager(64, windows=[None, 2 * TPB]))
     p = np.arange(6 * TPB)
-    kv = mgr.create_kv_cache(p)
+    kv = mgr.create_kv_cache_for_prompt(p)
     assert kv.resume() and kv.resize(p.size)
     write_kv(mgr, kv, p, 0, p.size)
     kv.commit(p)

@@ -128,7 +128,7 @@ def test_the_workers_plan_is_the_planners_and_by_default_the_extractors() -> Non
     prefill = WorkerConfig("p", num_blocks=16).managers()
     decode = WorkerConfig("d", num_blocks=16).managers()
     tokens = np.arange(48)
-    src, dst = [m.create_kv_cache(tokens) for m in prefill], [m.create_kv_cache() for m in decode]
+    src, dst = [m.create_kv_cache_for_prompt(tokens) for m in prefill], [m.create_kv_cache() for m in decode]
     for c in (*src, *dst):
         c.resume()
         c.resize(len(tokens))

@@ -73,13 +73,13 @@ def test_prefill_computes_while_decode_allocates(prefill: PrefillWorker, mode: s
     with DecodeWorker(WorkerConfig(name("decode"), num_blocks=256), SECRET, prefill=prefill.address, mode=mode,
                       layerwise=layerwise) as decode:
         manager = decode.managers[0]
-        create_kv_cache = manager.create_kv_cache
+        create_kv_cache = manager.create_kv_cache_for_prompt
 
         def allocate_after_prefill_computes(*args: Any, **kwargs: Any) -> Any:
             seen.append(getattr(watch, until).wait(10.0))
             return create_kv_cache(*args, **kwargs)
 
-        manager.create_kv_cache = allocate_after_prefill_computes   # type: ignore[method-assign]
+        manager.create_kv_cache_for_prompt = allocate_after_prefill_computes   # type: ignore[method-assign]
         for tokens in prompts(11):
             watch.started.clear()
             watch.finished.clear()

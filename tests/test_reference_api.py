@@ -48,7 +48,7 @@ def test_manager_keys_blocks_with_the_configured_algorithm(algo: str) -> None:
     published = [block_hash_for_event(k, mgr.resolved_hash_algo) for k in keys]
     assert all(isinstance(p, str) and len(p) == 64 for p in published) if algo in ("v2_sha256", "v2_blake3") \
         else all(isinstance(p, int) and 0 <= p < 2**64 for p in published)
-    assert mgr.probe_reuse(tokens, scope) == 20 and mgr.probe_reuse(tokens, ReuseScope(lora_id=2)) == 0
+    assert mgr.probe_prompt_reuse(tokens, scope) == 20 and mgr.probe_prompt_reuse(tokens, ReuseScope(lora_id=2)) == 0
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
@@ -66,10 +66,10 @@ def test_reuse_scopes_seed_distinct_chains(algo: str) -> None:
     assert same[0] == same[1] and not set(same[0]) & set(other)
     mgr = make_manager(16, hash_algo=algo)
     prefill(mgr, np.arange(10), reuse_scope=ReuseScope(7, 11))
-    assert mgr.probe_reuse(np.arange(10), ReuseScope(7, 11)) == 8         # full blocks enter the tree
-    assert mgr.probe_reuse(np.arange(10), ReuseScope(7, 12)) == 0
-    assert mgr.probe_reuse(np.arange(3), ReuseScope(7, 12)) == 0        # partial match stays in scope too
-    assert mgr.probe_reuse(np.arange(3), ReuseScope(7, 11)) == 2
+    assert mgr.probe_prompt_reuse(np.arange(10), ReuseScope(7, 11)) == 8         # full blocks enter the tree
+    assert mgr.probe_prompt_reuse(np.arange(10), ReuseScope(7, 12)) == 0
+    assert mgr.probe_prompt_reuse(np.arange(3), ReuseScope(7, 12)) == 0        # partial match stays in scope too
+    assert mgr.probe_prompt_reuse(np.arange(3), ReuseScope(7, 11)) == 2
 
 
 def test_config_refuses_an_unknown_algorithm() -> None:
@@ -122,7 +122,7 @@ def test_slot_readiness_forgets_unreferenced_events() -> None:
 
 def test_cpu_caches_run_without_streams() -> None:
     mgr = make_manager(16)
-    kv = mgr.create_kv_cache(np.arange(8))
+    kv = mgr.create_kv_cache_for_prompt(np.arange(8))
     assert kv.cuda_stream is None
     assert kv.resume(None) and kv.cuda_stream is None
     assert kv.resize(8)
@@ -145,7 +145,7 @@ def test_scratch_slots_stand_in_for_blocks_out_of_the_window() -> None:
     mgr = window_manager(True)
     assert len(mgr.layout.layer_groups) == 2
     tokens = np.arange(1000, 1032)                     # 8 blocks
-    kv = mgr.create_kv_cache(tokens)
+    kv = mgr.create_kv_cache_for_prompt(tokens)
     assert kv.enable_swa_scratch_reuse
     assert kv.resume() and kv.resize(32)
     # at history 32 the window group needs only blocks 6 and 7 (tokens 25..31): 0..5 are scratch
@@ -171,7 +171,7 @@ def test_scratch_slots_stand_in_for_blocks_out_of_the_window() -> None:
 
 def test_without_scratch_the_same_step_allocates_every_block() -> None:
     mgr = window_manager(False)
-    kv = mgr.create_kv_cache(np.arange(1000, 1032))
+    kv = mgr.create_kv_cache_for_prompt(np.arange(1000, 1032))
     assert not kv.enable_swa_scratch_reuse
     assert kv.resume() and kv.resize(32)
     assert (kv.block_ids(1) >= 0).all() and kv.get_scratch_desc(1) is None
@@ -187,7 +187,7 @@ def test_without_scratch_the_same_step_allocates_every_block() -> None:
 
 def test_scratch_slots_of_an_active_request_never_move() -> None:
     mgr = make_manager(8, windows=[None, 8], swa_scratch_reuse=True, host_blocks=8)   # 16 shared slots
-    x = mgr.create_kv_cache(np.arange(32))
+    x = mgr.create_kv_cache_for_prompt(np.arange(32))
     assert x.resume() and x.resize(32)                 # 8 + 2 pages and 6 scratch slots: all 16 slots
     desc = x.get_scratch_desc(1)
     assert desc is not None and mgr.allocator(0).num_free == 0
@@ -201,7 +201,7 @@ def test_scratch_slots_of_an_active_request_never_move() -> None:
 # --- expected_prompt_length -------------------------------------------------------------------------------
 def test_expected_prompt_length_splits_missed_from_generation() -> None:
     mgr = make_manager(16)
-    kv = mgr.create_kv_cache(None, expected_prompt_length=10)        # 3 prompt blocks, tokens unknown
+    kv = mgr.create_kv_cache_for_prompt(None, expected_prompt_length=10)        # 3 prompt blocks, tokens unknown
     assert kv.expected_prompt_length == 10
     assert kv.resume() and kv.resize(16)
     assert kv.pending_stats == KVCacheStatsDelta(alloc_total_blocks=4, alloc_new_blocks=4, missed_blocks=3)
@@ -209,10 +209,10 @@ def test_expected_prompt_length_splits_missed_from_generation() -> None:
     assert mgr.get_and_reset_iteration_stats()[0].iter_gen_alloc_blocks == 1
     kv.close()
     with pytest.raises(ConfigError, match="shorter than the 8 prompt tokens"):
-        mgr.create_kv_cache(np.arange(8), expected_prompt_length=5)
+        mgr.create_kv_cache_for_prompt(np.arange(8), expected_prompt_length=5)
     with pytest.raises(ConfigError, match="expected_prompt_length must be an int >= 0"):
-        mgr.create_kv_cache(None, expected_prompt_length=-1)
-    assert mgr.create_kv_cache(np.arange(8)).expected_prompt_length == 8
+        mgr.create_kv_cache_for_prompt(None, expected_prompt_length=-1)
+    assert mgr.create_kv_cache_for_prompt(np.arange(8)).expected_prompt_length == 8
 
 
 # --- host tier fallback --------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_manager_runs_without_a_host_tier_it_cannot_allocate(tmp_path: Path, mon
     with pytest.raises(TierError, match=r"has no HostTier.*set-up failed: RuntimeError"):
         mgr.tier_index(HostTier)
     tokens = np.arange(100, 120)
-    a = mgr.create_kv_cache(tokens)
+    a = mgr.create_kv_cache_for_prompt(tokens)
     assert a.resume() and a.resize(20)
     write_kv(mgr, a, tokens, 0, 20)
     a.commit(tokens)
@@ -271,8 +271,8 @@ def test_primary_quota_shrinks_and_grows_inside_the_registered_pools() -> None:
     assert [p.base_address for pg in mgr.layout.pool_groups for p in pg.pools] == bases    # nothing moved
     assert mgr.layout.pool_groups[0].num_slots == 16                                      # still registered
     check_references(mgr)
-    assert [mgr.probe_reuse(p) for p in prompts] == [0, 0, 15, 15]   # the most recent prompts survived
-    kv = mgr.create_kv_cache(prompts[3])
+    assert [mgr.probe_prompt_reuse(p) for p in prompts] == [0, 0, 15, 15]   # the most recent prompts survived
+    kv = mgr.create_kv_cache_for_prompt(prompts[3])
     assert kv.num_reused_tokens == 15
     assert kv.resume() and check_kv(mgr, kv, prompts[3], 0, 15) == 15     # bytes intact where they moved
     assert (kv.block_ids(0) < 8).all()
@@ -338,7 +338,8 @@ def test_a_slot_reused_on_another_stream_waits_for_its_previous_user() -> None:
     stream_a, stream_b = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
     a = mgr.create_kv_cache()
-    assert a.resume(stream_a) and a.cuda_stream is stream_a and a.resize(4 * TPB)
+    assert a.resume(stream_a) and a.torch_stream is stream_a and a.cuda_stream == stream_a.cuda_stream
+    assert a.resize(4 * TPB)
     ids_a = a.block_ids(0)
     view = mgr.buffer_view(0, "key")
     with torch.cuda.stream(stream_a):
@@ -372,7 +373,7 @@ def slot_rows(mgr: KVCacheManager, slot: int) -> list[bytes]:
 def test_copy_on_write_runs_on_the_request_stream() -> None:
     mgr = make_manager(16, device="cuda:0")
     tokens = np.arange(300, 318)
-    a = mgr.create_kv_cache(tokens)
+    a = mgr.create_kv_cache_for_prompt(tokens)
     assert a.resume() and a.resize(18)
     gen = torch.Generator().manual_seed(5)
     for p in mgr.layout.pool_groups[0].pools:
@@ -380,7 +381,7 @@ def test_copy_on_write_runs_on_the_request_stream() -> None:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen).to(t.device))
     a.commit(tokens)
     a.close()
-    kv = mgr.create_kv_cache(np.concatenate([tokens[:14], np.arange(900, 906)]))
+    kv = mgr.create_kv_cache_for_prompt(np.concatenate([tokens[:14], np.arange(900, 906)]))
     assert kv.num_reused_tokens == 14                     # 3 full blocks + 2 tokens of the 4th
     shared = int(kv.page_locations(0)[0][3])
     stream = torch.cuda.Stream()
@@ -396,15 +397,15 @@ def test_manager_stamps_released_slots_and_waits_across_streams(monkeypatch: pyt
     """The manager's stream logic on the CPU, with named streams and a StreamOps double."""
     mgr = make_manager(8)
     ops = FakeOps()
-    monkeypatch.setattr(mgr, "_readiness", SlotReadiness([pg.num_slots for pg in mgr.layout.pool_groups], ops))
-    monkeypatch.setattr(mgr, "_check_stream", lambda stream, what: stream)
-    monkeypatch.setattr(mgr, "_stream_of", lambda stream: "default" if stream is None else stream)
-    a = mgr.create_kv_cache(np.arange(8))
+    monkeypatch.setattr(mgr._state, "readiness", SlotReadiness([pg.num_slots for pg in mgr.layout.pool_groups], ops))
+    monkeypatch.setattr(mgr._parts.streams, "check_stream", lambda stream, what: stream)
+    monkeypatch.setattr(mgr._parts.streams, "stream_of", lambda stream: "default" if stream is None else stream)
+    a = mgr.create_kv_cache_for_prompt(np.arange(8))
     assert a.resume("A") and a.resize(8)
     assert ops.log == []                                  # fresh slots: nobody to wait for
     a.commit(np.arange(8))                                # committed pages stamped on A
     a.close()
-    b = mgr.create_kv_cache(np.arange(8))                 # reuses A's committed block 0 (4 of 7 tokens)
+    b = mgr.create_kv_cache_for_prompt(np.arange(8))                 # reuses A's committed block 0 (4 of 7 tokens)
     assert b.resume("B")
     waits = [e for e in ops.log if e[0] == "wait"]
     assert waits and all(stream == "B" and event[0] == "A" for _, stream, event in waits)

@@ -21,13 +21,13 @@ def test_reuse_is_isolated_by_scope() -> None:
     scope = ReuseScope.for_tenant("tenant-a", 1)
     prefill(mgr, p, reuse_scope=scope)
     prefill(mgr, np.concatenate([p[:3], toks(1, 9, 1000, 2000)]), reuse_scope=ReuseScope.for_tenant("tenant-a", 2))
-    assert mgr.probe_reuse(p, scope) == 20          # 5 full blocks; 2 tokens of a 6th never entered
+    assert mgr.probe_prompt_reuse(p, scope) == 20          # 5 full blocks; 2 tokens of a 6th never entered
     # lora 2 has its own block sharing p's first 3 tokens: only that one is partially reusable there
     for other, expected in ((None, 0), (ReuseScope.for_tenant("tenant-a", 2), 3),
                             (ReuseScope.for_tenant("tenant-b", 1), 0), (ReuseScope.for_tenant("tenant-a"), 0),
                             (ReuseScope(lora_id=1), 0)):
-        assert mgr.probe_reuse(p, other) == expected
-        kv = mgr.create_kv_cache(p, reuse_scope=other)
+        assert mgr.probe_prompt_reuse(p, other) == expected
+        kv = mgr.create_kv_cache_for_prompt(p, reuse_scope=other)
         assert kv.num_reused_tokens == expected and kv.num_blocks == (expected > 0)
         kv.close()
     check_references(mgr)
@@ -40,7 +40,7 @@ def test_full_reuse_reads_back_the_written_kv() -> None:
     ids = first.block_ids(0)
     first.close()
     q = np.concatenate([p[:16], toks(3, 9, 1000, 2000)])
-    kv = mgr.create_kv_cache(q)
+    kv = mgr.create_kv_cache_for_prompt(q)
     assert kv.state is CacheState.SUSPENDED
     assert kv.num_reused_tokens == 16 and kv.num_committed_tokens == 16 and kv.history_length == 16
     np.testing.assert_array_equal(kv.block_ids(0), ids[:4])
@@ -66,7 +66,7 @@ def test_partial_reuse_copies_the_block_before_writing() -> None:
     q = np.concatenate([p[:14], toks(5, 6, 1000, 2000)])   # block 3 = p[12:16] shares 2 tokens
     src = int(tree_ids[3])
     before = slot_bytes(mgr, 0, src)
-    kv = mgr.create_kv_cache(q)
+    kv = mgr.create_kv_cache_for_prompt(q)
     assert kv.num_reused_tokens == 14
     np.testing.assert_array_equal(kv.block_ids(0), tree_ids[:4])    # shared until resume
     assert mgr.allocator(0).refcount[src] == 2
@@ -81,7 +81,7 @@ def test_partial_reuse_copies_the_block_before_writing() -> None:
     assert slot_bytes(mgr, 0, src) == before                         # the tree's page never written
     check_kv(mgr, kv, q, 0, q.size)
     kv.close()
-    again = mgr.create_kv_cache(np.concatenate([p, [7]]))
+    again = mgr.create_kv_cache_for_prompt(np.concatenate([p, [7]]))
     assert again.num_reused_tokens == 24
     check_kv(mgr, again, p, 0, 24)
     again.close()
@@ -93,15 +93,15 @@ def test_partial_reuse_can_be_disabled() -> None:
     p = toks(6, 24)
     prefill(mgr, p)
     q = np.concatenate([p[:14], toks(7, 6, 1000, 2000)])
-    assert mgr.probe_reuse(q) == 12
-    assert mgr.probe_reuse(p) == 20                  # the last token is never reused: block 5 is not taken
+    assert mgr.probe_prompt_reuse(q) == 12
+    assert mgr.probe_prompt_reuse(p) == 20                  # the last token is never reused: block 5 is not taken
 
 
 def test_the_last_prompt_token_is_always_computed() -> None:
     mgr = make_manager(32)
     p = toks(8, 16)
     prefill(mgr, p)
-    kv = mgr.create_kv_cache(p)
+    kv = mgr.create_kv_cache_for_prompt(p)
     assert kv.num_reused_tokens == 15                # 3 full blocks + 3 tokens of the 4th, copied
     assert kv.resume()
     write_kv(mgr, kv, p, 15, 16)
@@ -115,7 +115,7 @@ def test_the_last_prompt_token_is_always_computed() -> None:
 def test_duplicate_commit_adopts_the_existing_pages() -> None:
     mgr = make_manager(64)
     p = toks(9, 18)
-    a, b = mgr.create_kv_cache(p), mgr.create_kv_cache(p)   # neither can reuse: nothing committed yet
+    a, b = mgr.create_kv_cache_for_prompt(p), mgr.create_kv_cache_for_prompt(p)   # neither can reuse: nothing committed yet
     for kv in (a, b):
         assert kv.num_reused_tokens == 0 and kv.resume() and kv.resize(p.size)
         write_kv(mgr, kv, p, 0, p.size)
@@ -142,14 +142,14 @@ def test_eviction_order_priority_then_lru_leaves_first(touch_x: bool) -> None:
     mgr = make_manager(16)
     x, y, z = toks(10, 12, 0, 100), toks(11, 12, 100, 200), toks(12, 12, 200, 300)
     prefill(mgr, x)
-    kv = mgr.create_kv_cache(y)
+    kv = mgr.create_kv_cache_for_prompt(y)
     assert kv.resume() and kv.resize(12)
     write_kv(mgr, kv, y, 0, 12)
     kv.commit(y, priority=80)                        # y outlives older, lower-priority blocks
     kv.close()
     prefill(mgr, z)
     if touch_x:                                      # reusing x makes it more recent than z
-        kv = mgr.create_kv_cache(np.concatenate([x, [999]]))
+        kv = mgr.create_kv_cache_for_prompt(np.concatenate([x, [999]]))
         assert kv.num_reused_tokens == 12
         kv.close()
     mgr.drain_events()
@@ -161,9 +161,9 @@ def test_eviction_order_priority_then_lru_leaves_first(touch_x: bool) -> None:
     first, second = (kz, kx) if touch_x else (kx, kz)
     assert mgr.drain_events() == [Removed((first[2], first[1], first[0], second[2]), "CPU")]
     evicted_first, evicted_second = (z, x) if touch_x else (x, z)
-    assert mgr.probe_reuse(np.concatenate([y, [1]])) == 12
-    assert mgr.probe_reuse(np.concatenate([evicted_first, [1]])) == 0
-    assert mgr.probe_reuse(np.concatenate([evicted_second, [1]])) == 8
+    assert mgr.probe_prompt_reuse(np.concatenate([y, [1]])) == 12
+    assert mgr.probe_prompt_reuse(np.concatenate([evicted_first, [1]])) == 0
+    assert mgr.probe_prompt_reuse(np.concatenate([evicted_second, [1]])) == 8
     big.close()
     check_references(mgr)
 
@@ -172,7 +172,7 @@ def test_eviction_never_frees_a_page_a_request_holds() -> None:
     mgr = make_manager(8)
     p = toks(13, 8)
     prefill(mgr, p)
-    holder = mgr.create_kv_cache(np.concatenate([p, [5]]))
+    holder = mgr.create_kv_cache_for_prompt(np.concatenate([p, [5]]))
     assert holder.num_reused_tokens == 8 and holder.resume()
     big = mgr.create_kv_cache()
     assert big.resume()
@@ -194,7 +194,7 @@ def test_resume_waits_for_room_to_copy_a_partial_block() -> None:
     p = toks(15, 8)
     prefill(mgr, p)
     q = np.concatenate([p[:6], [3000, 3001, 3002]])
-    kv = mgr.create_kv_cache(q)
+    kv = mgr.create_kv_cache_for_prompt(q)
     assert kv.num_reused_tokens == 6
     ids = kv.block_ids(0)
     filler = mgr.create_kv_cache()
@@ -224,7 +224,7 @@ def test_sliding_window_reuse_locks_only_window_pages() -> None:
     assert (acc.evictable, acc.request_only, acc.shared) == (6 + 2, 0, 0)
     # a follow-up turn reuses everything: its window pages are there
     q = np.concatenate([p, toks(17, 5, 1000, 2000)])
-    kv = mgr.create_kv_cache(q)
+    kv = mgr.create_kv_cache_for_prompt(q)
     assert kv.num_reused_tokens == 24
     assert (kv.block_ids(0) >= 0).all() and kv.num_blocks == 6
     np.testing.assert_array_equal(kv.block_ids(1) >= 0, [False] * 4 + [True] * 2)
@@ -234,7 +234,7 @@ def test_sliding_window_reuse_locks_only_window_pages() -> None:
     check_references(mgr)
     kv.close()
     # an earlier cut point would need window pages that are gone: nothing is reused there
-    assert mgr.probe_reuse(np.concatenate([p[:20], toks(18, 5, 1000, 2000)])) == 0
+    assert mgr.probe_prompt_reuse(np.concatenate([p[:20], toks(18, 5, 1000, 2000)])) == 0
 
 
 @pytest.mark.parametrize(("sink", "expected"), [(0, 0), (4, 4)])
@@ -243,17 +243,17 @@ def test_reuse_stops_where_window_pages_are_gone(sink: int, expected: int) -> No
     full_only = make_manager(64)
     p = toks(18, 32)
     for m in (mgr, full_only):
-        kv = m.create_kv_cache(p)
+        kv = m.create_kv_cache_for_prompt(p)
         assert kv.resume() and kv.resize(32)
         write_kv(m, kv, p, 0, 32)
         kv.history_length = 32                       # written before committed: old window pages go
         kv.commit(p)
         kv.close()
     q = np.concatenate([p[:20], toks(19, 5, 1000, 2000)])
-    assert full_only.probe_reuse(q) == 20
-    assert mgr.probe_reuse(q) == expected
-    assert mgr.probe_reuse(np.concatenate([p, [1]])) == 32   # the last window is there
-    kv = mgr.create_kv_cache(np.concatenate([p, [1]]))
+    assert full_only.probe_prompt_reuse(q) == 20
+    assert mgr.probe_prompt_reuse(q) == expected
+    assert mgr.probe_prompt_reuse(np.concatenate([p, [1]])) == 32   # the last window is there
+    kv = mgr.create_kv_cache_for_prompt(np.concatenate([p, [1]]))
     np.testing.assert_array_equal(kv.block_ids(1) >= 0, [True] * (sink // TPB) + [False] * (6 - sink // TPB) + [True] * 2)
     check_kv(mgr, kv, p, 0, 32)
     kv.close()
@@ -264,22 +264,22 @@ def test_extra_keys_keep_multimodal_blocks_apart() -> None:
     mgr = make_manager(32)
     p = toks(20, 13)
     prefill(mgr, p, extra_keys={1: b"image-A"})
-    assert mgr.probe_reuse(p, extra_keys={1: b"image-A"}) == 12
-    assert mgr.probe_reuse(p, extra_keys={1: b"image-B"}) == 4   # no partial reuse into a keyed block
-    assert mgr.probe_reuse(p) == 4
+    assert mgr.probe_prompt_reuse(p, extra_keys={1: b"image-A"}) == 12
+    assert mgr.probe_prompt_reuse(p, extra_keys={1: b"image-B"}) == 4   # no partial reuse into a keyed block
+    assert mgr.probe_prompt_reuse(p) == 4
 
 
 def test_reset_prefix_tree_and_shutdown() -> None:
     mgr = make_manager(16)
     p = toks(21, 12)
     prefill(mgr, p)
-    holder = mgr.create_kv_cache(p)
+    holder = mgr.create_kv_cache_for_prompt(p)
     assert not mgr.reset_prefix_tree()
     holder.close()
     mgr.drain_events()
     assert mgr.reset_prefix_tree()
     assert mgr.drain_events() == [AllCleared()]
-    assert mgr.num_free_slots() == 16 and mgr.probe_reuse(p) == 0
+    assert mgr.num_free_slots() == 16 and mgr.probe_prompt_reuse(p) == 0
     prefill(mgr, p)
     mgr.shutdown()
     assert mgr.drain_events()[-1] == AllCleared()
@@ -288,13 +288,13 @@ def test_reset_prefix_tree_and_shutdown() -> None:
 def test_bad_input_is_refused_without_side_effects() -> None:
     mgr = make_manager(16)
     with pytest.raises(ConfigError, match="reuse_scope must be a ReuseScope"):
-        mgr.create_kv_cache([1, 2, 3], reuse_scope="tenant")  # type: ignore[arg-type]
+        mgr.create_kv_cache_for_prompt([1, 2, 3], reuse_scope="tenant")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="extra_keys must map"):
-        mgr.create_kv_cache([1, 2, 3], extra_keys=[b"x"])  # type: ignore[arg-type]
+        mgr.create_kv_cache_for_prompt([1, 2, 3], extra_keys=[b"x"])  # type: ignore[arg-type]
     with pytest.raises(CapacityError, match="token ids must fit uint32"):
-        mgr.create_kv_cache([1, 2**32])
+        mgr.create_kv_cache_for_prompt([1, 2**32])
     with pytest.raises(CapacityError, match="token ids must fit uint32"):
-        mgr.probe_reuse([-5])
+        mgr.probe_prompt_reuse([-5])
     assert mgr.open_caches == []
     kv = mgr.create_kv_cache()
     kv.resume()

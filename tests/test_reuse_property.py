@@ -36,7 +36,7 @@ class ReuseMachine(RuleBasedStateMachine):
         return list(self.caches.values())[i % len(self.caches)]
 
     def _create(self, tokens: np.ndarray, scope: int) -> KVCache:
-        kv = self.mgr.create_kv_cache(tokens, reuse_scope=SCOPES[scope])
+        kv = self.mgr.create_kv_cache_for_prompt(tokens, reuse_scope=SCOPES[scope])
         assert kv.state is CacheState.SUSPENDED
         assert kv.num_committed_tokens == kv.history_length == kv.num_reused_tokens < tokens.size
         check_kv(self.mgr, kv, tokens, 0, kv.num_reused_tokens)

@@ -68,7 +68,7 @@ def test_request_hashes_equal_the_published_ones(algo: str) -> None:
     mgr.drain_events()
     tpb = mgr.layout.tokens_per_block
     tokens = np.arange(3 * tpb + tpb // 2 + 1) % 97
-    cache = mgr.create_kv_cache(tokens)
+    cache = mgr.create_kv_cache_for_prompt(tokens)
     assert cache.resume() and cache.resize(tokens.size)
     cache.commit(tokens)
     cache.close()

@@ -46,17 +46,17 @@ def scenario() -> Iterator[tuple[KVCacheManager, KVCache, list[KVCacheManager], 
         for p in pg.pools:
             t = src.pool_tensor(pg.pool_group_index, p.pool_index)
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
-    src_cache = src.create_kv_cache(prompt, id="src")
+    src_cache = src.create_kv_cache_for_prompt(prompt, id="src")
     src_cache.resume()
     src_cache.resize(140)
     dst = [manager(r, 2) for r in range(2)]
     dst_caches = []
     for m in dst:
-        with m.create_kv_cache(earlier, id="earlier") as first:
+        with m.create_kv_cache_for_prompt(earlier, id="earlier") as first:
             first.resume()
             first.resize(earlier.size)
             first.commit(earlier)
-        c = m.create_kv_cache(prompt, id="prompt")
+        c = m.create_kv_cache_for_prompt(prompt, id="prompt")
         c.resume()
         c.resize(140)
         dst_caches.append(c)

@@ -31,7 +31,7 @@ def run_workload(enable_stats: bool) -> dict[str, Any]:
     out["peaks"].append(mgr.get_and_reset_iteration_peak_block_stats(0))
 
     b_tokens = np.concatenate([p[:18], np.arange(1000, 1006)])
-    b = mgr.create_kv_cache(b_tokens)
+    b = mgr.create_kv_cache_for_prompt(b_tokens)
     out["reused"] = b.num_reused_tokens
     out["after_create"] = b.pending_stats
     assert b.resume() and b.resize(b_tokens.size)
@@ -109,7 +109,7 @@ def test_excluded_requests_record_nothing() -> None:
     mgr.mark_stats_dirty("late")                             # excluding a request also undirties it ...
     mgr.mark_stats_excluded("late")
     assert mgr.get_dirty_stats_kv_cache_ids() == set()
-    kv = mgr.create_kv_cache(None, "late2")
+    kv = mgr.create_kv_cache_for_prompt(None, "late2")
     assert kv.resume() and kv.resize(8)
     mgr.mark_stats_excluded("late2")                         # ... and drops what it had pending
     assert kv.commit_pending_stats() == KVCacheStatsDelta() and mgr.get_and_reset_iteration_stats() != {}
@@ -120,11 +120,11 @@ def test_excluded_requests_record_nothing() -> None:
 def test_an_idle_manager_reports_empty_stats(enable_stats: bool) -> None:
     """The reference's API test: nothing committed, no iteration entry, peaks of the present state."""
     mgr = make_manager(16, enable_stats=enable_stats)
-    assert mgr.init_config is mgr.config and mgr.config.enable_stats is enable_stats
+    assert mgr.init_config.enable_stats is mgr.config.enable_stats is enable_stats
     assert mgr.get_committed_stats() == KVCacheStatsDelta()
     assert mgr.get_and_reset_iteration_stats() == {}
     assert mgr.get_and_reset_iteration_peak_block_stats(0) == (PoolGroupPeakBlockStats(16, 0, 0),)
-    kv = mgr.create_kv_cache(None, "17", expected_prompt_length=8)
+    kv = mgr.create_kv_cache_for_prompt(None, "17", expected_prompt_length=8)
     assert kv.commit_pending_stats() == KVCacheStatsDelta()
     assert kv.resume() and kv.resize(8)
     delta = kv.commit_pending_stats()
@@ -144,7 +144,7 @@ def test_sliding_window_reuse_counts_only_pages_it_takes() -> None:
     mgr = make_manager(16, windows=[8], num_layers=1)
     prefill(mgr, np.arange(16))
     mgr.get_and_reset_iteration_stats()
-    kv = mgr.create_kv_cache(np.arange(16))
+    kv = mgr.create_kv_cache_for_prompt(np.arange(16))
     assert kv.num_reused_tokens == 15
     assert kv.resume() and kv.resize(16)
     assert kv.commit_pending_stats() == KVCacheStatsDelta(alloc_total_blocks=1, alloc_new_blocks=1, reused_blocks=2)
@@ -159,7 +159,7 @@ def test_a_reverted_allocation_reports_nothing() -> None:
     """The reference's reverted generation allocation: blocks allocated and freed again before the
     commit are not counted; committed ones stay counted after a shrink."""
     mgr = make_manager(16, windows=[None, 8], swa_scratch_reuse=True)
-    kv = mgr.create_kv_cache(np.arange(8))
+    kv = mgr.create_kv_cache_for_prompt(np.arange(8))
     assert kv.resume() and kv.resize(8)
     assert kv.commit_pending_stats() == KVCacheStatsDelta(2, 2, 0, 2)
     assert set(mgr.get_and_reset_iteration_stats()) == {0, 1}
@@ -206,7 +206,7 @@ def test_iteration_stats_count_tier_traffic() -> None:
     mgr = make_manager(8, host_blocks=4)
     page = sum(p.slot_bytes for p in mgr.layout.pool_groups[0].pools)
     a_tokens = np.arange(100, 120)
-    a = mgr.create_kv_cache(a_tokens)
+    a = mgr.create_kv_cache_for_prompt(a_tokens)
     assert a.resume() and a.resize(20)
     write_kv(mgr, a, a_tokens, 0, 20)
     a.commit(a_tokens)

@@ -37,7 +37,7 @@ def run_prefill(mgr: KVCacheManager, tokens: npt.ArrayLike, cache_id: str | None
     """create -> resume -> resize -> write -> commit, leaving the cache ACTIVE; None (the cache closed
     again) when the primary tier cannot hold it."""
     arr = np.asarray(tokens, dtype=np.int64)
-    kv = mgr.create_kv_cache(arr, cache_id)
+    kv = mgr.create_kv_cache_for_prompt(arr, cache_id)
     if not kv.resume() or not kv.resize(int(arr.size)):
         kv.close()
         return None
@@ -157,7 +157,7 @@ def test_suspend_resume_round_trips_keep_writing(tmp_path: Path) -> None:
     continues to grow after each resume."""
     mgr = tiered_manager(tmp_path, 6, host=2, disk=8)
     tokens = np.arange(500, 524)                         # 6 blocks, written in 3 steps of 2
-    kv = mgr.create_kv_cache(tokens[:1], "r")
+    kv = mgr.create_kv_cache_for_prompt(tokens[:1], "r")
     for step in range(3):
         assert kv.resume()
         lo, hi = step * 8, step * 8 + 8
@@ -297,8 +297,8 @@ def test_events_for_moves_and_drops_and_reuse_from_disk(tmp_path: Path) -> None:
     assert (traffic.offloaded_pages, traffic.onboarded_pages, traffic.dropped_blocks) == ((0, 6, 4), (0, 0, 0), 2)
     # p2 lives on disk now: a request with that prefix reuses it and onboards it at resume.
     prompt = np.concatenate([p2, [7, 7, 7]])
-    assert mgr.probe_reuse(prompt) == 8
-    kv = mgr.create_kv_cache(prompt, "reuse")
+    assert mgr.probe_prompt_reuse(prompt) == 8
+    kv = mgr.create_kv_cache_for_prompt(prompt, "reuse")
     assert kv.num_reused_tokens == 8
     assert tiers_of(kv) == [DISK, DISK]
     assert kv.resume()
@@ -317,7 +317,7 @@ def test_partial_reuse_of_an_offloaded_block(tmp_path: Path) -> None:
     kv.close()
     filler(mgr, 4).close()                               # p's blocks go to the host
     prompt = np.concatenate([p[:6], [1, 2, 3]])          # block 0 full, block 1 partial (2 tokens)
-    kv = mgr.create_kv_cache(prompt, "partial")
+    kv = mgr.create_kv_cache_for_prompt(prompt, "partial")
     assert kv.num_reused_tokens == 6
     assert tiers_of(kv) == [HOST, HOST]
     assert kv.resume()                                   # onboard both, then copy the partial block
@@ -373,7 +373,7 @@ def test_failed_offload_leaves_pages_in_place(tmp_path: Path) -> None:
         os.unlink(tmp_path / name)
     mgr.drain_events()
     before = snapshot(mgr)
-    f = mgr.create_kv_cache(None, "f")
+    f = mgr.create_kv_cache_for_prompt(None, "f")
     assert f.resume()
     with pytest.raises(TierError, match="was removed"):
         f.resize(4 * TPB)
@@ -382,7 +382,7 @@ def test_failed_offload_leaves_pages_in_place(tmp_path: Path) -> None:
     f.close()
     assert snapshot(mgr) == before                       # the tree's pages still primary, disk slots freed
     check_tier_references(mgr)
-    kv = mgr.create_kv_cache(np.concatenate([p, [1]]), "again")
+    kv = mgr.create_kv_cache_for_prompt(np.concatenate([p, [1]]), "again")
     assert kv.resume()
     assert check_kv(mgr, kv, p, 0, 8) == 8
     kv.close()
@@ -448,7 +448,7 @@ def test_no_page_lost_or_duplicated_across_tiers(tmp_path: Path, ops: list[tuple
     every resumed request reads back exactly the KV it wrote; at the end nothing is left behind."""
     path = Path(tempfile.mkdtemp(dir=tmp_path))          # one directory per example
     mgr = tiered_manager(path, 12, host=5, disk=8)
-    ballast = mgr.create_kv_cache(None, "ballast")
+    ballast = mgr.create_kv_cache_for_prompt(None, "ballast")
     assert ballast.resume()
     tokens: dict[str, npt.NDArray[np.int64]] = {}
     for i, (op, seed) in enumerate(ops):
@@ -520,7 +520,7 @@ def test_every_pool_group_round_trips_exact_bytes(tmp_path: Path, device: str) -
                                            device=device))
     slots = mgr.layout.pool_groups[0].num_slots
     assert [pg.num_slots for pg in mgr.layout.pool_groups] == [slots, slots]
-    a = mgr.create_kv_cache(None, "a")
+    a = mgr.create_kv_cache_for_prompt(None, "a")
     assert a.resume()
     assert a.resize(10 * 16)
     gen = torch.Generator().manual_seed(7)
@@ -530,7 +530,7 @@ def test_every_pool_group_round_trips_exact_bytes(tmp_path: Path, device: str) -
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen).to(t.device))
     expected = _slot_rows(mgr, a)
     a.suspend()
-    b = mgr.create_kv_cache(None, "b")
+    b = mgr.create_kv_cache_for_prompt(None, "b")
     assert b.resume()
     assert b.resize(slots * 16)                          # every primary slot of both groups
     for lg in range(len(mgr.layout.layer_groups)):       # 6 pages fit the host, 4 went on to disk

@@ -58,7 +58,7 @@ def test_a_worker_warms_its_model_on_the_compute_thread_before_serving(role: str
         # Nothing left behind in the worker's caches: no block held, no block stored (no event, no prefix).
         assert held_slots(worker.managers) == 0
         assert not [e for e in worker.managers[0].drain_events() if not isinstance(e, Created)]
-        probe = worker.managers[0].create_kv_cache(np.arange(33) % model.vocab_size)
+        probe = worker.managers[0].create_kv_cache_for_prompt(np.arange(33) % model.vocab_size)
         assert probe.num_reused_tokens == 0
         probe.close()
 

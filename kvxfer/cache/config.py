@@ -9,8 +9,24 @@ from typing import Any, Literal
 
 import torch
 
+from kvxfer.cache.common import CacheTier, DataRole, LayerId
 from kvxfer.cache.dtypes import dtype_name, itemsize
 from kvxfer.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
+from kvxfer.cache.manager_config import (
+    EXTRA_COMMIT_MIN_SNAPSHOT,
+    EXTRA_REUSE_MATCH_BACKOFF,
+    EXTRA_TEXT_ONLY,
+    AttentionLayerConfig,
+    BufferConfig,
+    CacheTierConfig,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManagerConfig,
+    LayerConfig,
+    SsmLayerConfig,
+    SwaScratchReuseConfig,
+)
 from kvxfer.errors import ConfigError
 
 HeadOrder = Literal["HND", "NHD"]
@@ -227,6 +243,11 @@ class CacheConfig:
                 total += heads * (role.head_dim or layer.head_dim) * itemsize(role.dtype or self.dtype)
         return total
 
+    def to_manager_config(self) -> KVCacheManagerConfig:
+        """The reference configuration of this cache: each role of each layer a buffer of its bytes per
+        block on this rank, each tier a cache level (``KVCacheManager`` accepts either form)."""
+        return manager_config_of(self)
+
     @classmethod
     def for_model(
         cls,
@@ -271,3 +292,112 @@ class CacheConfig:
                 raise ConfigError("for_model: disk_blocks needs disk_path")
             tiers.append(DiskTier(block_bytes * disk_blocks, disk_path))
         return cls(layers=layers, tokens_per_block=tokens_per_block, dtype=probe.dtype, tiers=tuple(tiers), **kw)
+
+
+# --- the bridge --------------------------------------------------------------------------------------
+def manager_config_of(config: CacheConfig) -> KVCacheManagerConfig:
+    """The reference configuration ``config`` describes: each role of each layer becomes a buffer of
+    its bytes per block on this tensor-parallel rank, each tier a cache level of its quota."""
+    tiers: list[CacheTierConfig] = []
+    for tier in config.tiers:
+        if isinstance(tier, PrimaryTier):
+            tiers.append(GpuCacheTierConfig(tier.quota_bytes))
+        elif isinstance(tier, HostTier):
+            tiers.append(HostCacheTierConfig(tier.quota_bytes))
+        elif isinstance(tier, DiskTier):
+            tiers.append(DiskCacheTierConfig(tier.quota_bytes, tier.path))
+    layers: list[LayerConfig] = []
+    for layer in config.layers:
+        _, heads = config.local_heads(layer)
+        buffers = [BufferConfig(DataRole(role.name),
+                                heads * (role.head_dim or layer.head_dim) * itemsize(role.dtype or config.dtype)
+                                * config.tokens_per_block)
+                   for role in layer.role_specs]
+        layers.append(AttentionLayerConfig(LayerId(layer.layer_id), buffers, layer.window,
+                                           layer.sink_tokens if layer.window is not None else None))
+    extra = dict(config.extra)
+    return KVCacheManagerConfig(
+        tokens_per_block=config.tokens_per_block, cache_tiers=tiers, layers=layers,
+        max_util_for_resume=float(config.resume_max_utilization),
+        enable_partial_reuse=config.enable_partial_reuse,
+        reuse_match_backoff=int(extra.get(EXTRA_REUSE_MATCH_BACKOFF, 0)),
+        swa_scratch_reuse=SwaScratchReuseConfig() if config.swa_scratch_reuse else None,
+        commit_min_snapshot=bool(extra.get(EXTRA_COMMIT_MIN_SNAPSHOT, False)),
+        enable_stats=config.enable_stats, text_only=bool(extra.get(EXTRA_TEXT_ONLY, False)))
+
+
+def _check_layers(layers: Sequence[object], tokens_per_block: int) -> list[AttentionLayerConfig]:
+    out: list[AttentionLayerConfig] = []
+    for layer in layers:
+        if isinstance(layer, SsmLayerConfig):
+            raise ConfigError(f"KVCacheManagerConfig.layers: layer {layer.layer_id} is an SsmLayerConfig; "
+                              f"kvxfer's manager keeps paged attention KV only (no recurrent state)")
+        if not isinstance(layer, AttentionLayerConfig):
+            raise ConfigError(f"KVCacheManagerConfig.layers must hold AttentionLayerConfig, got {layer!r}")
+        if not layer.buffers:
+            raise ConfigError(f"AttentionLayerConfig({layer.layer_id}).buffers must not be empty")
+        for buf in layer.buffers:
+            if not isinstance(buf, BufferConfig):
+                raise ConfigError(f"AttentionLayerConfig({layer.layer_id}).buffers must hold BufferConfig, "
+                                  f"got {buf!r}")
+            tpb = buf.tokens_per_block_override or tokens_per_block
+            if isinstance(buf.size, bool) or not isinstance(buf.size, int) or buf.size <= 0 or buf.size % tpb:
+                raise ConfigError(f"BufferConfig(layer {layer.layer_id}, {buf.role!r}).size must be a positive "
+                                  f"multiple of its {tpb} tokens per block, got {buf.size!r}")
+        out.append(layer)
+    return out
+
+
+def cache_config_of(config: KVCacheManagerConfig) -> CacheConfig:
+    """The byte-typed ``CacheConfig`` of a reference configuration: each buffer a uint8 role of its
+    bytes per token, one head per layer, the first level the primary tier (CUDA device 0 where there
+    is one, else host memory)."""
+    if not isinstance(config, KVCacheManagerConfig):
+        raise ConfigError(f"KVCacheManager: config must be a KVCacheManagerConfig or CacheConfig, got {config!r}")
+    tpb = config.tokens_per_block
+    if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb <= 0:
+        raise ConfigError(f"KVCacheManagerConfig.tokens_per_block must be an int > 0, got {tpb!r}")
+    if not config.cache_tiers:
+        raise ConfigError("KVCacheManagerConfig.cache_tiers must not be empty")
+    tiers: list[Tier] = []
+    for i, level in enumerate(config.cache_tiers):
+        level.assert_valid()
+        kind = level.tier
+        if i == 0 and kind is not CacheTier.GPU_MEM:
+            raise ConfigError(f"KVCacheManagerConfig.cache_tiers[0] must be a GpuCacheTierConfig, got {level!r}")
+        if kind is CacheTier.GPU_MEM:
+            if i:
+                raise ConfigError(f"KVCacheManagerConfig.cache_tiers[{i}]: only the first level may be GPU memory")
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+            tiers.append(PrimaryTier(level.quota, device))
+        elif kind is CacheTier.HOST_MEM:
+            tiers.append(HostTier(level.quota))
+        else:
+            assert isinstance(level, DiskCacheTierConfig)
+            tiers.append(DiskTier(level.quota, level.path))
+    layers = _check_layers(config.layers, tpb)
+    specs = []
+    for layer in layers:
+        roles = []
+        for buf in layer.buffers:
+            own_tpb = buf.tokens_per_block_override or tpb
+            roles.append(RoleSpec(str(buf.role), head_dim=buf.size // own_tpb, dtype="uint8"))
+            if own_tpb != tpb:
+                raise ConfigError(f"BufferConfig(layer {layer.layer_id}, {buf.role!r}).tokens_per_block_override="
+                                  f"{own_tpb}: kvxfer's pools page every buffer by the manager's {tpb} tokens")
+        window = layer.sliding_window_size
+        specs.append(LayerSpec(int(layer.layer_id), 1, roles[0].head_dim or 1, window=window,
+                               sink_tokens=(layer.num_sink_tokens or 0) if window is not None else 0,
+                               roles=tuple(roles)))
+    if not 0.0 < float(config.max_util_for_resume) <= 1.0:
+        raise ConfigError(f"KVCacheManagerConfig.max_util_for_resume must be in (0, 1], got "
+                          f"{config.max_util_for_resume}")
+    backoff = config.reuse_match_backoff
+    if isinstance(backoff, bool) or not isinstance(backoff, int) or backoff < 0:
+        raise ConfigError(f"KVCacheManagerConfig.reuse_match_backoff must be an int >= 0, got {backoff!r}")
+    extra = ((EXTRA_REUSE_MATCH_BACKOFF, backoff), (EXTRA_COMMIT_MIN_SNAPSHOT, bool(config.commit_min_snapshot)),
+             (EXTRA_TEXT_ONLY, bool(config.text_only)))
+    return CacheConfig(layers=tuple(specs), tokens_per_block=tpb, dtype="uint8", tiers=tuple(tiers),
+                       enable_partial_reuse=bool(config.enable_partial_reuse), enable_stats=bool(config.enable_stats),
+                       resume_max_utilization=float(config.max_util_for_resume),
+                       swa_scratch_reuse=config.swa_scratch_reuse is not None, extra=extra)

@@ -10,7 +10,7 @@ import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import blake3
 import msgpack
@@ -75,17 +75,22 @@ def _check_int(value: Any, where: str, lo: int = 0) -> None:
         raise LayoutError(f"{where} must be an int >= {lo}, got {value!r}")
 
 
-@dataclass(frozen=True, order=True)
-class BufferId:
-    """The bytes of one (layer, role) for one block."""
-
+class _BufferIdFields(NamedTuple):
     layer_id: int
     role: str
 
-    def __post_init__(self) -> None:
-        _check_int(self.layer_id, "BufferId.layer_id")
-        if not isinstance(self.role, str) or not self.role:
-            raise LayoutError(f"BufferId.role must be a non-empty string, got {self.role!r}")
+
+class BufferId(_BufferIdFields):
+    """The bytes of one (layer, role) for one block: a ``(layer_id, role)`` tuple, as in the
+    reference design (iterable, hashable and equal to the plain tuple)."""
+
+    __slots__ = ()
+
+    def __new__(cls, layer_id: int, role: str) -> BufferId:
+        _check_int(layer_id, "BufferId.layer_id")
+        if not isinstance(role, str) or not role:
+            raise LayoutError(f"BufferId.role must be a non-empty string, got {role!r}")
+        return super().__new__(cls, layer_id, role)
 
     def to_wire(self) -> dict[str, Any]:
         return {"layer_id": self.layer_id, "role": self.role}
@@ -321,8 +326,10 @@ class PoolDesc:
     pool_index: int
     base_address: int
     slot_bytes: int
-    num_slots: int
-    memory_kind: str
+    #: kvxfer's additions (the reference's PoolDesc has the three fields above): the pool's slot count
+    #: (0: not published) and where its memory is (the reference's pools are always device memory).
+    num_slots: int = 0
+    memory_kind: str = "cuda"
     device_id: int = 0
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvxfer.errors import ConfigError
 
@@ -103,6 +104,12 @@ class EventsDropped:
 KVEvent = Created | Stored | Removed | Updated | AllCleared | EventsDropped
 
 
+class EventSink(Protocol):
+    """Receives every event the manager puts, as it is put (before queue merging or dropping)."""
+
+    def publish(self, event: KVEvent) -> None: ...
+
+
 class EventQueue:
     """Bounded FIFO of events; when full the oldest event is dropped and counted.
 
@@ -115,10 +122,11 @@ class EventQueue:
     follows, or at drain), so merging a long run costs linear time, not quadratic.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, sink: EventSink | None = None) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ConfigError(f"EventQueue capacity must be an int > 0, got {capacity!r}")
         self.capacity = capacity
+        self._sink = sink
         self._events: collections.deque[KVEvent] = collections.deque()
         self._tail: list[KVEvent] = []   # events continuing self._events[-1], not yet folded into it
         self.dropped = 0
@@ -134,7 +142,10 @@ class EventQueue:
         return self._next_id
 
     def put(self, event: KVEvent) -> None:
-        """Append ``event``, merging it into the newest queued event when it continues it."""
+        """Append ``event``, merging it into the newest queued event when it continues it (the sink, if
+        any, gets it first)."""
+        if self._sink is not None:
+            self._sink.publish(event)
         if self._events:
             last = self._events[-1]
             if _continues(last, self._tail[-1] if self._tail else last, event):

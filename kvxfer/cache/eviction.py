@@ -3,12 +3,14 @@ order (priority, LRU, leaves first), and making room in a tier by offloading one
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.events import Removed, layer_group_subset
 from kvxfer.cache.kv_cache import CacheState
-from kvxfer.cache.page_movement import PageMovement
+from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode
 from kvxfer.errors import OutOfSlotsError
 
@@ -20,31 +22,36 @@ _PRIORITY_SHIFT = 48
 _LAST = (1 << _HELD_BIT) - 1
 
 
-class EvictionController(PageMovement):
+class EvictionController:
     """Making room in a tier: offload to the tier below, or drop tree-only blocks."""
 
-    def _reserve(self, needs: dict[int, int]) -> None:
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts``, through which this part reaches the others."""
+        self.state = state
+        self.parts = parts
+
+    def reserve(self, needs: dict[int, int]) -> None:
         """Make sure every pool group has the slots ``needs`` asks for, or raise OutOfSlotsError."""
         for pg, n in needs.items():
-            if n > self._allocators[pg].num_free:
-                self._make_room(pg, n - self._allocators[pg].num_free)
-            if n > self._allocators[pg].num_free:
-                raise OutOfSlotsError(f"pool group {pg}: {n} slots needed, {self._allocators[pg].num_free} free "
-                                      f"of {self._allocators[pg].num_slots}")
+            if n > self.state.allocators[pg].num_free:
+                self.make_room(pg, n - self.state.allocators[pg].num_free)
+            if n > self.state.allocators[pg].num_free:
+                raise OutOfSlotsError(f"pool group {pg}: {n} slots needed, {self.state.allocators[pg].num_free} free "
+                                      f"of {self.state.allocators[pg].num_slots}")
 
-    def _make_room(self, pool_group: int, n: int) -> int:
+    def make_room(self, pool_group: int, n: int) -> int:
         """Free ``n`` primary slots of ``pool_group`` (offloading or dropping pages), as far as
         possible; returns the slots freed."""
-        return self._make_room_in(0, pool_group, n)
+        return self.make_room_in(0, pool_group, n)
 
-    def _tree_only(self, node: BlockNode) -> bool:
+    def tree_only(self, node: BlockNode) -> bool:
         """Whether every page of ``node`` is referenced by the tree alone."""
         for lg, (page, tier) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
-            if page >= 0 and self._alloc_of(tier, self._lg_pool_group[lg]).refcount[page] != 1:
+            if page >= 0 and self.state.alloc_of(tier, self.state.lg_pool_group[lg]).refcount[page] != 1:
                 return False
         return True
 
-    def _evict_all(self, victims: list[BlockNode], flat_pages: list[int], flat_tiers: list[int]) -> None:
+    def evict_all(self, victims: list[BlockNode], flat_pages: list[int], flat_tiers: list[int]) -> None:
         """Let go of the pages of tree-only blocks just taken out of the tree (in eviction order): one
         reference drop per (tier, pool group), freed slots stacked in the order the blocks went; their
         Removed events (per block, one per medium it had pages on, in layer-group order) put as runs of
@@ -53,83 +60,83 @@ class EvictionController(PageMovement):
         groups in order."""
         if not victims:
             return
-        n_lg = len(self._layout.layer_groups)
+        n_lg = len(self.state.layout.layer_groups)
         all_pages = np.array(flat_pages, dtype=np.int32)
         all_tiers = np.array(flat_tiers, dtype=np.int64)
         pages, tiers = all_pages.reshape(len(victims), n_lg), all_tiers.reshape(len(victims), n_lg)
         keys = [node.key for node in victims]
-        flat_pgs = np.tile(np.asarray(self._lg_pool_group, dtype=np.int64), len(victims))
+        flat_pgs = np.tile(np.asarray(self.state.lg_pool_group, dtype=np.int64), len(victims))
         live = all_pages >= 0
         for tier, pg in sorted({(int(t), int(g)) for t, g in zip(all_tiers[live].tolist(), flat_pgs[live].tolist(),
                                                                    strict=True)}):
             slots = all_pages[live & (all_tiers == tier) & (flat_pgs == pg)]
-            owners = self._tree_owner[tier][pg]
+            owners = self.state.tree_owner[tier][pg]
             for slot in slots.tolist():
                 owners.pop(slot, None)
-            self._alloc_of(tier, pg).decref_each(slots)
-            self._in_tree_t[tier][pg][slots] = False
+            self.state.alloc_of(tier, pg).decref_each(slots)
+            self.state.in_tree_t[tier][pg][slots] = False
         colder = np.flatnonzero(live & (all_tiers > 0)) % n_lg      # layer groups of colder-tier pages
         counts = np.bincount(colder, minlength=n_lg).tolist()
         for lg in dict.fromkeys(colder.tolist()):                      # in the order the blocks reach them
-            if (delta := self._stats.traffic(lg)) is not None:
+            if (delta := self.state.stats.traffic(lg)) is not None:
                 delta.iter_host_dropped_blocks += counts[lg]
-                delta.iter_host_dropped_bytes += counts[lg] * self._page_bytes[self._lg_pool_group[lg]]
+                delta.iter_host_dropped_bytes += counts[lg] * self.state.page_bytes[self.state.lg_pool_group[lg]]
         # Blocks with a page in every layer group, all in one tier, make one Removed of that medium.
         uniform = (pages >= 0).all(axis=1) & (tiers == tiers[:, :1]).all(axis=1)
         code = np.where(uniform, tiers[:, 0], -1)
         starts = [0, *(np.flatnonzero((code[1:] != code[:-1]) | (code[1:] < 0)) + 1).tolist()]
         for s, e in zip(starts, [*starts[1:], len(victims)], strict=True):
             if code[s] >= 0:
-                self._events.put(Removed(tuple(keys[s:e]), self._media[int(code[s])]))
+                self.state.events.put(Removed(tuple(keys[s:e]), self.state.media[int(code[s])]))
                 continue
-            media = [self._media[t] if p >= 0 else None for p, t in zip(pages[s].tolist(), tiers[s].tolist(),
+            media = [self.state.media[t] if p >= 0 else None for p, t in zip(pages[s].tolist(), tiers[s].tolist(),
                                                                         strict=True)]
             for medium in dict.fromkeys(m for m in media if m is not None):
-                self._events.put(Removed((keys[s],), medium, layer_group_subset([m == medium for m in media])))
-        self._traffic.dropped(len(victims))
+                self.state.events.put(Removed((keys[s],), medium, layer_group_subset([m == medium for m in media])))
+        self.state.traffic.dropped(len(victims))
 
-    def _locked_mask(self, tier: int, pool_group: int) -> npt.NDArray[np.bool_]:
+    def locked_mask(self, tier: int, pool_group: int) -> npt.NDArray[np.bool_]:
         """Slots of ``tier`` that must not move: pages and scratch slots of ACTIVE requests, and the
         primary pages of a request being resumed (its colder pages may still move down to let a swap through)."""
-        mask = np.zeros(self._alloc_of(tier, pool_group).num_slots, dtype=bool)
-        for cache in self._caches.values():
-            if cache.state is CacheState.ACTIVE or (tier == 0 and cache.id in self._pinned):
-                for lg in self._pg_layer_groups[pool_group]:
-                    blocks, tiers = cache._blocks[lg], cache._tiers[lg]
+        mask = np.zeros(self.state.alloc_of(tier, pool_group).num_slots, dtype=bool)
+        for cache in self.state.caches.values():
+            if cache.state is CacheState.ACTIVE or (tier == 0 and cache.id in self.state.pinned):
+                for lg in self.state.pg_layer_groups[pool_group]:
+                    blocks, tiers = cache.record.blocks[lg], cache.record.tiers[lg]
                     mask[blocks[(blocks >= 0) & (tiers == tier)]] = True
                     if tier == 0:
-                        mask[cache._scratch[lg]] = True     # scratch slots stay where the kernels write
+                        mask[cache.record.scratch[lg]] = True     # scratch slots stay where the kernels write
         return mask
 
-    def _victims(self, tier: int, pool_group: int) -> IntArray:
+    def victims(self, tier: int, pool_group: int) -> IntArray:
         """Movable slots of ``(tier, pool_group)`` in eviction order: droppable (tree-only) pages before
         held ones, then lowest priority, then least recently used."""
-        alloc = self._alloc_of(tier, pool_group)
-        movable = (alloc.refcount > 0) & ~self._locked_mask(tier, pool_group)
+        alloc = self.state.alloc_of(tier, pool_group)
+        movable = (alloc.refcount > 0) & ~self.locked_mask(tier, pool_group)
         if not movable.any():
             return np.empty(0, dtype=np.int32)
         recency = np.zeros(alloc.num_slots, dtype=np.int64)
         held_stamp = np.int64(DEFAULT_PRIORITY) << _PRIORITY_SHIFT
-        for cache in self._caches.values():
+        for cache in self.state.caches.values():
             if cache.state is CacheState.ACTIVE:
                 continue
             # A request being resumed moves last: its pages are about to come up.
-            stamp = _LAST if cache.id in self._pinned else held_stamp | cache._last_used
-            for lg in self._pg_layer_groups[pool_group]:
-                blocks, tiers = cache._blocks[lg], cache._tiers[lg]
+            stamp = _LAST if cache.id in self.state.pinned else held_stamp | cache.record.last_used
+            for lg in self.state.pg_layer_groups[pool_group]:
+                blocks, tiers = cache.record.blocks[lg], cache.record.tiers[lg]
                 np.maximum.at(recency, blocks[(blocks >= 0) & (tiers == tier)], stamp)
-        owners = self._tree_owner[tier][pool_group]
+        owners = self.state.tree_owner[tier][pool_group]
         if owners:                          # tree pages: their block's priority and LRU stamp
             slots = np.fromiter(owners, dtype=np.int64, count=len(owners))
             stamps = np.fromiter(((node.priority << _PRIORITY_SHIFT) | node.last_used for node, _ in owners.values()),
                                  dtype=np.int64, count=len(owners))
             recency[slots] = np.maximum(recency[slots], stamps)
-        held = alloc.refcount > self._in_tree_t[tier][pool_group]
+        held = alloc.refcount > self.state.in_tree_t[tier][pool_group]
         key = (held.astype(np.int64) << _HELD_BIT) | recency
         idx = np.flatnonzero(movable)
         return idx[np.argsort(key[idx], kind="stable")].astype(np.int32)
 
-    def _make_room_in(self, tier: int, pool_group: int, n: int) -> int:
+    def make_room_in(self, tier: int, pool_group: int, n: int) -> int:
         """Free up to ``n`` slots of ``(tier, pool_group)``; returns the slots freed.
 
         A warm tier offloads its coldest movable pages one tier down (making room there first,
@@ -139,46 +146,46 @@ class EvictionController(PageMovement):
         """
         if n <= 0:
             return 0
-        alloc = self._alloc_of(tier, pool_group)
+        alloc = self.state.alloc_of(tier, pool_group)
         before = alloc.num_free
-        if tier < len(self._tiers) - 1:
-            below = self._alloc_of(tier + 1, pool_group)
+        if tier < len(self.state.tiers) - 1:
+            below = self.state.alloc_of(tier + 1, pool_group)
             while (freed := alloc.num_free - before) < n:
-                victims = self._victims(tier, pool_group)
+                victims = self.victims(tier, pool_group)
                 want = min(n - freed, victims.size)
                 if want == 0:
                     break
                 if below.num_free < want:
-                    self._make_room_in(tier + 1, pool_group, want - below.num_free)
+                    self.make_room_in(tier + 1, pool_group, want - below.num_free)
                     # Dropping below may have freed pages of this tier too: pick victims afresh.
-                    victims = self._victims(tier, pool_group)
+                    victims = self.victims(tier, pool_group)
                     want = min(n - (alloc.num_free - before), victims.size, below.num_free)
                     if want <= 0:
                         break
-                self._move(pool_group, tier, victims[:want], tier + 1)
+                self.move(pool_group, tier, victims[:want], tier + 1)
         freed = alloc.num_free - before
         if freed < n:
-            self._drop_in(tier, pool_group, n - freed)
+            self.drop_in(tier, pool_group, n - freed)
         return alloc.num_free - before
 
-    def _droppable_here(self, node: BlockNode, tier: int) -> bool:
+    def droppable_here(self, node: BlockNode, tier: int) -> bool:
         """Whether dropping ``node`` is eviction at ``tier``: tree-only, no page in a warmer tier."""
-        return self._tree_only(node) and not (node.tiers[node.pages >= 0] < tier).any()
+        return self.tree_only(node) and not (node.tiers[node.pages >= 0] < tier).any()
 
-    def _drop_in(self, tier: int, pool_group: int, n: int) -> int:
+    def drop_in(self, tier: int, pool_group: int, n: int) -> int:
         """Drop tree-only leaves droppable at ``tier`` until ``n`` slots of ``(tier, pool_group)`` are
         free (or none is left); emits Removed. Returns the slots of that tier freed.
 
         The leaves are chosen one by one (a parent becomes a leaf when its last child goes) and their
         pages released together at the end: a tree-only page has one reference, so each of the chosen
         blocks' pages of ``(tier, pool_group)`` below the usable limit frees a slot."""
-        alloc = self._alloc_of(tier, pool_group)
+        alloc = self.state.alloc_of(tier, pool_group)
         before = alloc.num_free
         usable = alloc.usable
-        here = self._pg_layer_groups[pool_group]
-        refcounts = [[self._alloc_of(t, pg).refcount for pg in range(len(self._allocators))]
-                     for t in range(len(self._tiers))]
-        lg_pg = self._lg_pool_group
+        here = self.state.pg_layer_groups[pool_group]
+        refcounts = [[self.state.alloc_of(t, pg).refcount for pg in range(len(self.state.allocators))]
+                     for t in range(len(self.state.tiers))]
+        lg_pg = self.state.lg_pool_group
         freed = 0
         kept: list[BlockNode] = []
         victims: list[BlockNode] = []
@@ -186,7 +193,7 @@ class EvictionController(PageMovement):
         flat_tiers: list[int] = []
         try:
             while freed < n:
-                node = self._tree.pop_leaf()
+                node = self.state.tree.pop_leaf()
                 if node is None:
                     break
                 pages, tiers = node.pages.tolist(), node.tiers.tolist()
@@ -194,7 +201,7 @@ class EvictionController(PageMovement):
                 if state is None:
                     continue             # requeued when its request lets go
                 if state:
-                    self._tree.remove(node)
+                    self.state.tree.remove(node)
                     victims.append(node)
                     flat_pages += pages
                     flat_tiers += tiers
@@ -204,48 +211,48 @@ class EvictionController(PageMovement):
                 else:
                     kept.append(node)
         finally:
-            self._evict_all(victims, flat_pages, flat_tiers)
+            self.evict_all(victims, flat_pages, flat_tiers)
             for node in kept:
-                self._tree.requeue(node)
+                self.state.tree.requeue(node)
         return alloc.num_free - before
 
-    def _room_estimate(self, tier: int, pool_group: int) -> int:
+    def room_estimate(self, tier: int, pool_group: int) -> int:
         """About how many used slots of ``(tier, pool_group)`` ``_make_room_in`` can free now (it
         errs low: the caller still checks what it got)."""
-        drop = self._droppable_pages(tier, pool_group)
-        if tier == len(self._tiers) - 1:
+        drop = self.droppable_pages(tier, pool_group)
+        if tier == len(self.state.tiers) - 1:
             return drop
-        movable = int(np.count_nonzero((self._alloc_of(tier, pool_group).refcount > 0)
-                                       & ~self._locked_mask(tier, pool_group)))
-        return max(min(movable, self._accept(tier + 1, pool_group)), drop)
+        movable = int(np.count_nonzero((self.state.alloc_of(tier, pool_group).refcount > 0)
+                                       & ~self.locked_mask(tier, pool_group)))
+        return max(min(movable, self.accept(tier + 1, pool_group)), drop)
 
-    def _accept(self, tier: int, pool_group: int) -> int:
+    def accept(self, tier: int, pool_group: int) -> int:
         """How many pages ``(tier, pool_group)`` can take from the tier above (free slots, plus what
         it can push further down or drop)."""
-        free = self._alloc_of(tier, pool_group).num_free
-        if tier == len(self._tiers) - 1:
-            return free + self._droppable_pages(tier, pool_group)
-        return free + self._accept(tier + 1, pool_group)
+        free = self.state.alloc_of(tier, pool_group).num_free
+        if tier == len(self.state.tiers) - 1:
+            return free + self.droppable_pages(tier, pool_group)
+        return free + self.accept(tier + 1, pool_group)
 
-    def _droppable_pages(self, tier: int, pool_group: int) -> int:
+    def droppable_pages(self, tier: int, pool_group: int) -> int:
         """Pages of ``(tier, pool_group)`` in blocks ``_drop_in(tier, ...)`` can reach: droppable at
         that tier, with every descendant droppable too (leaves go first)."""
         ready: dict[int, bool] = {}
         count = 0
-        lgs = self._pg_layer_groups[pool_group]
-        for node in reversed(list(self._tree.nodes())):   # children before parents
-            ok = self._droppable_here(node, tier) and all(ready[id(c)] for c in node.children.values())
+        lgs = self.state.pg_layer_groups[pool_group]
+        for node in reversed(list(self.state.tree.nodes())):   # children before parents
+            ok = self.droppable_here(node, tier) and all(ready[id(c)] for c in node.children.values())
             ready[id(node)] = ok
             if ok:
                 count += sum(1 for lg in lgs if node.pages[lg] >= 0 and node.tiers[lg] == tier)
         return count
 
-    def _move(self, pool_group: int, src_tier: int, src: IntArray, dst_tier: int) -> None:
+    def move(self, pool_group: int, src_tier: int, src: IntArray, dst_tier: int) -> None:
         """Move pages ``src`` of ``src_tier`` to fresh slots of ``dst_tier`` (one batched copy), then
         repoint every owner; on a failed copy the pages stay where they were."""
-        dst = self._alloc_of(dst_tier, pool_group).alloc(src.size)
-        self._copy_pages(pool_group, [(src_tier, src, dst_tier, dst)])
-        self._relocate(pool_group, src_tier, src, dst_tier, dst)
+        dst = self.state.alloc_of(dst_tier, pool_group).alloc(src.size)
+        self.parts.movement.copy_pages(pool_group, [(src_tier, src, dst_tier, dst)])
+        self.parts.movement.relocate(pool_group, src_tier, src, dst_tier, dst)
 
 
 def _drop_state(pages: list[int], tiers: list[int], tier: int, refcounts: list[list[npt.NDArray[np.int32]]],

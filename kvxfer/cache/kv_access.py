@@ -47,7 +47,7 @@ _pages: weakref.WeakKeyDictionary[KVCache, dict[int, _LayerPages]] = weakref.Wea
 
 
 def _layer_pages(manager: KVCacheManager, cache: KVCache, layer: int) -> _LayerPages:
-    if cache._manager is not manager:
+    if cache.manager is not manager:
         raise KVCacheError(f"KVCache {cache.id} belongs to another manager")
     per_layer = _pages.setdefault(cache, {})
     found = per_layer.get(layer)

@@ -8,242 +8,422 @@ tokens the caller has declared final (and, with prefix reuse, shareable).
 
 from __future__ import annotations
 
+import array
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.cache.common import (
+    BAD_PAGE_INDEX,
+    DEFAULT_BEAM_INDEX,
+    BeamIndex,
+    CacheLevel,
+    CudaStream,
+    HalfOpenRange,
+    LayerGroupId,
+    PageIndexMode,
+    PlannedDropHandle,
+    ScratchDesc,
+)
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.hashing import DEFAULT_SCOPE, ReuseScope, as_token_ids
 from kvxfer.cache.radix_tree import BlockNode, check_priority
 from kvxfer.cache.stats import KVCacheStatsDelta, PendingStats
-from kvxfer.errors import CacheClosedError, CacheStateError, CapacityError, ConfigError, OutOfSlotsError
+from kvxfer.errors import (
+    CacheClosedError,
+    CacheStateError,
+    CapacityError,
+    ConfigError,
+    LogicError,
+    OutOfPagesError,
+    OutOfSlotsError,
+)
 
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
 
 
-class CacheOwner(Protocol):
-    """What a KVCache calls on the manager that created it. A protocol, so this module does not
-    import the manager (which imports this module)."""
+class CacheOps(Protocol):
+    """What a KVCache calls on its manager's life-cycle part (``KVCacheManager.lifecycle``). A protocol,
+    so this module does not import the manager (which imports this module)."""
 
     @property
     def layout(self) -> CacheLayoutDesc: ...
 
-    def _check_stream(self, stream: Any, what: str) -> Any: ...
+    def check_stream(self, stream: Any, what: str) -> Any: ...
 
-    def _resume(self, cache: KVCache, stream: Any) -> bool: ...
+    def resume(self, cache: KVCache, stream: Any) -> bool: ...
 
-    def _suspend(self, cache: KVCache) -> None: ...
+    def suspend(self, cache: KVCache) -> None: ...
 
-    def _resize(self, cache: KVCache, capacity: int) -> None: ...
+    def resize(self, cache: KVCache, capacity: int) -> None: ...
 
-    def _on_commit(self, cache: KVCache, priority: int | None = None) -> None: ...
+    def on_commit(self, cache: KVCache, priority: int | None = None) -> None: ...
 
-    def _release_out_of_window(self, cache: KVCache) -> None: ...
+    def release_out_of_window(self, cache: KVCache) -> None: ...
 
-    def _set_priority(self, cache: KVCache, priority: int) -> None: ...
+    def set_priority(self, cache: KVCache, priority: int) -> None: ...
 
-    def _close(self, cache: KVCache) -> None: ...
+    def close(self, cache: KVCache) -> None: ...
 
-    def _commit_stats(self, cache: KVCache) -> KVCacheStatsDelta: ...
+    def commit_stats(self, cache: KVCache) -> KVCacheStatsDelta: ...
 
-    def _discard_stats(self, cache: KVCache) -> None: ...
+    def discard_stats(self, cache: KVCache) -> None: ...
 
-    def _set_scratch_reuse(self, cache: KVCache, enable: bool) -> None: ...
+    def set_scratch_reuse(self, cache: KVCache, enable: bool) -> None: ...
+
+    def prefetch(self, cache: KVCache, target: int) -> bool: ...
+
+    def plan_drop(self, cache: KVCache) -> PlannedDropHandle | None: ...
 
 
-@dataclass(frozen=True)
-class ScratchDesc:
-    """Scratch slots of a sliding-window layer group: block ordinals ``[range_begin, range_end)`` of
-    the request have no page of their own (their ids read -1) because their KV is out of the window
-    once the current step's tokens are written; the step writes them into ``slot_ids`` (one per
-    ordinal, in order) instead. Valid until the next resize or history change."""
+class RequestState:
+    """One request's pages and bookkeeping: read by the KVCache, written by the manager's parts (the
+    life cycle, prefix reuse, tiers, statistics), which own the invariants between them.
 
-    range_begin: int
-    range_end: int
-    slot_ids: tuple[int, ...]
+    ``blocks[lg]`` / ``tiers[lg]``: slot id (-1: none) and tier of each block's page per layer group;
+    ``tokens``: the committed token ids; ``keys`` / ``tree_nodes``: keys of the committed full blocks
+    and the tree node tied to each (None once the chain could not be inserted); ``partial_src``: the
+    tree block a partially reused block was taken from (until it is copied); ``prompt_keys``: the
+    prompt's block keys; ``scratch`` / ``scratch_range``: scratch slots per layer group and the block
+    range they stand in for; ``pending``: statistics not yet committed.
+    """
 
-    @property
-    def range(self) -> tuple[int, int]:
-        """``(begin, end)`` block ordinals the scratch slots stand in for."""
-        return self.range_begin, self.range_end
-
-    def __bool__(self) -> bool:
-        return self.range_end > self.range_begin
+    blocks: list[IntArray]
+    tiers: list[TierArray]
+    scratch: list[IntArray]
+    scratch_range: list[tuple[int, int]]
+    pending: PendingStats
+    keys: list[bytes]
+    tree_nodes: list[BlockNode | None]
+    partial_src: BlockNode | None
+    prompt_keys: list[bytes]
+    root_key: bytes
+    last_used: int
+    published_blocks: int
+    extra_keys: dict[int, bytes]
+    tokens: npt.NDArray[np.int64]
+    stream: Any
+    history: int
+    capacity: int
+    swa_scratch_reuse: bool
 
 
 class CacheState(enum.Enum):
-    """Lifecycle state of a KVCache."""
+    """Lifecycle state of a KVCache (the reference design's ``KvCacheStatus``)."""
 
     SUSPENDED = "suspended"
     ACTIVE = "active"
     CLOSED = "closed"
 
 
-def _as_tokens(tokens: Sequence[int] | npt.ArrayLike, what: str) -> npt.NDArray[np.int64]:
-    """Token ids as int64 after the uint32 range check (CapacityError otherwise)."""
-    return as_token_ids(tokens, what)
+#: The reference design's name of the kv-cache status enum.
+KvCacheStatus = CacheState
+#: ``custom_priority_callback(block_ordinal, life_cycle) -> priority`` of ``create_kv_cache``.
+PriorityCallback = Callable[[int, Any], int]
 
 
 class KVCache:
-    """Per-request paged KV storage handed out by ``KVCacheManager.create_kv_cache``."""
+    """Per-request paged KV storage handed out by ``KVCacheManager.create_kv_cache`` (the reference
+    design's ``_KVCache``)."""
 
-    def __init__(self, manager: CacheOwner, cache_id: str, input_tokens: npt.NDArray[np.int64] | None,
+    Status: ClassVar[type[CacheState]] = CacheState
+
+    def __init__(self, manager: Any, cache_id: Any, input_tokens: npt.NDArray[np.int64] | None,
                  reuse_scope: ReuseScope = DEFAULT_SCOPE, extra_keys: dict[int, bytes] | None = None, *,
                  expected_prompt_length: int | None = None, swa_scratch_reuse: bool = False) -> None:
         self._manager = manager
-        self.id = cache_id
+        self._ops: CacheOps = manager.lifecycle
+        self.record = RequestState()
+        self.id: Any = cache_id
         self.state = CacheState.SUSPENDED
         self.input_tokens = input_tokens
         #: Prompt tokens: allocations inside the prompt count as missed, past it as generation.
         self.expected_prompt_length = expected_prompt_length
-        self._stream: Any = None
-        self._swa_scratch_reuse = swa_scratch_reuse
+        self.record.stream = None
+        self.record.swa_scratch_reuse = swa_scratch_reuse
         n_groups = len(manager.layout.layer_groups)
-        self._blocks: list[IntArray] = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
+        self.record.blocks = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
         # Tier of each block's page (0 = primary); only a suspended cache has pages in colder tiers.
-        self._tiers: list[TierArray] = [np.empty(0, dtype=np.int8) for _ in range(n_groups)]
-        self._last_used = 0   # LRU stamp of the request's held pages (the prefix tree's clock)
-        self._capacity = 0
-        self._history = 0
-        self._tokens = np.empty(0, dtype=np.int64)   # committed token ids
+        self.record.tiers = [np.empty(0, dtype=np.int8) for _ in range(n_groups)]
+        self.record.last_used = 0   # LRU stamp of the request's held pages (the prefix tree's clock)
+        self.record.capacity = 0
+        self.record.history = 0
+        self.record.tokens = np.empty(0, dtype=np.int64)   # committed token ids
         self.num_reused_tokens = 0
         self.reuse_scope = reuse_scope
         # Prefix-reuse bookkeeping, kept by the manager: keys of the committed full blocks, the tree
         # node tied to each of them (None once the chain could not be inserted), the tree block a
         # partially reused block was taken from (until it is copied), the prompt's keys.
-        self._extra_keys: dict[int, bytes] = dict(extra_keys or {})
-        self._keys: list[bytes] = []
-        self._tree_nodes: list[BlockNode | None] = []
-        self._partial_src: BlockNode | None = None
-        self._prompt_keys: list[bytes] = []
-        self._root_key = b""   # the scope's root under the manager's hash algorithm
-        self._published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
-        self._pending = PendingStats()
+        self.record.extra_keys = dict(extra_keys or {})
+        self.record.keys = []
+        self.record.tree_nodes = []
+        self.record.partial_src = None
+        self.record.prompt_keys = []
+        self.record.root_key = b""   # the scope's root under the manager's hash algorithm
+        self.record.published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
+        self.record.pending = PendingStats()
         # Scratch slots per layer group (held by this cache) and the block range they stand in for.
-        self._scratch: list[IntArray] = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
-        self._scratch_range: list[tuple[int, int]] = [(0, 0)] * n_groups
+        self.record.scratch = [np.empty(0, dtype=np.int32) for _ in range(n_groups)]
+        self.record.scratch_range = [(0, 0)] * n_groups
+        self._commit_allowed = True
+        self._text_only = False
+        self.enable_request_stats = False
+        self.priority_callback: PriorityCallback | None = None
+        #: Reused tokens by the cache level their pages were found at (set when the cache is created).
+        self.reused_tokens_by_level: list[int] = []
+        self._index_bufs: dict[int, memoryview] = {}
 
     # --- properties ----------------------------------------------------------------------------
     @property
-    def capacity(self) -> int:
-        """Tokens the allocated blocks can hold."""
-        return self._capacity
-
-    @property
     def history_length(self) -> int:
         """Tokens whose KV has been written."""
-        return self._history
+        return self.record.history
 
     @history_length.setter
     def history_length(self, n: int) -> None:
         self._check_open("set history_length")
-        if not self.num_committed_tokens <= n <= self._capacity:
+        if not self.num_committed_tokens <= n <= self.record.capacity:
             raise CapacityError(f"KVCache {self.id}: history_length {n} outside [committed="
-                                f"{self.num_committed_tokens}, capacity={self._capacity}]")
-        self._history = n
-        self._manager._release_out_of_window(self)
+                                f"{self.num_committed_tokens}, capacity={self.record.capacity}]")
+        self.record.history = n
+        self._ops.release_out_of_window(self)
+        self._sync_index_bufs()
 
     @property
     def num_committed_tokens(self) -> int:
         """Tokens declared final by ``commit``."""
-        return int(self._tokens.size)
+        return int(self.record.tokens.size)
 
     @property
-    def committed_tokens(self) -> npt.NDArray[np.int64]:
-        """The committed token ids (a copy)."""
-        return self._tokens.copy()
+    def committed_tokens(self) -> list[int]:
+        """The committed token ids (a new list)."""
+        return [int(t) for t in self.record.tokens.tolist()]
+
+    @property
+    def committed_token_array(self) -> npt.NDArray[np.int64]:
+        """The committed token ids as an int64 array (a copy)."""
+        return self.record.tokens.copy()
 
     @property
     def num_blocks(self) -> int:
         """Blocks (of tokens_per_block tokens) covering the capacity."""
-        return int(self._blocks[0].size) if self._blocks else 0
+        return int(self.record.blocks[0].size) if self.record.blocks else 0
 
     @property
     def pending_stats(self) -> KVCacheStatsDelta:
         """This request's counters not yet committed (a copy)."""
-        return self._pending.request.copy()
+        return self.record.pending.request.copy()
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """Merge this request's pending counters into the manager's committed and iteration stats;
         returns the delta committed (empty with stats disabled or the request excluded)."""
-        return self._manager._commit_stats(self)
+        return self._ops.commit_stats(self)
 
     def discard_pending_stats(self) -> None:
         """Forget this request's pending counters (e.g. a step rolled back)."""
-        self._manager._discard_stats(self)
+        self._ops.discard_stats(self)
 
     # --- streams and scratch --------------------------------------------------------------------
     @property
-    def cuda_stream(self) -> Any:
-        """The CUDA stream this request's kernels run on (None: the device's current stream; always
-        None on a CPU primary tier)."""
-        return self._stream
+    def cuda_stream(self) -> CudaStream | None:
+        """The ``cudaStream_t`` (an int) this request's kernels run on (None: the device's current
+        stream; always None on a CPU primary tier). Set it to a torch.cuda.Stream or a handle."""
+        stream = self.record.stream
+        return None if stream is None else CudaStream(int(stream.cuda_stream))
 
     @cuda_stream.setter
     def cuda_stream(self, stream: Any) -> None:
         self._check_open("set cuda_stream")
-        self._stream = self._manager._check_stream(stream, f"KVCache {self.id}.cuda_stream")
+        self.record.stream = self._ops.check_stream(stream, f"KVCache {self.id}.cuda_stream")
+
+    @property
+    def torch_stream(self) -> Any:
+        """The request's stream as a torch.cuda.Stream (None: the device's current stream)."""
+        return self.record.stream
 
     @property
     def enable_swa_scratch_reuse(self) -> bool:
         """Whether growing a sliding-window group gives blocks already out of the window at the new
         capacity scratch slots instead of pages (``CacheConfig.swa_scratch_reuse`` by default)."""
-        return self._swa_scratch_reuse
+        return self.record.swa_scratch_reuse
 
     @enable_swa_scratch_reuse.setter
     def enable_swa_scratch_reuse(self, enable: bool) -> None:
         self._check_open("set enable_swa_scratch_reuse")
         if not isinstance(enable, bool):
             raise ConfigError(f"KVCache {self.id}.enable_swa_scratch_reuse must be a bool, got {enable!r}")
-        self._manager._set_scratch_reuse(self, enable)
-        self._swa_scratch_reuse = enable
+        self._ops.set_scratch_reuse(self, enable)
+        self.record.swa_scratch_reuse = enable
 
     def get_scratch_desc(self, layer_group_id: int) -> ScratchDesc | None:
         """The scratch slots of a layer group for the current step, or None when it has none."""
         self._check_layer_group(layer_group_id)
-        begin, end = self._scratch_range[layer_group_id]
+        begin, end = self.record.scratch_range[layer_group_id]
         if end <= begin:
             return None
-        return ScratchDesc(begin, end, tuple(int(s) for s in self._scratch[layer_group_id][:end - begin]))
+        return ScratchDesc(HalfOpenRange(begin, end), tuple(int(s) for s in self.record.scratch[layer_group_id][:end - begin]))
 
     @property
     def has_scratch_slots(self) -> bool:
         """Whether this request holds scratch slots now."""
-        return any(s.size for s in self._scratch)
+        return any(s.size for s in self.record.scratch)
 
     def block_ids(self, layer_group_id: int = 0) -> IntArray:
         """Primary-tier slot ids of this request's blocks in layer group ``layer_group_id`` (-1: no
         page); CacheStateError while a suspended request has pages offloaded to a colder tier."""
         self._check_layer_group(layer_group_id)
-        if (self._tiers[layer_group_id] != 0).any():
+        if (self.record.tiers[layer_group_id] != 0).any():
             raise CacheStateError(f"KVCache {self.id}: layer group {layer_group_id} has pages offloaded to a "
                                   f"colder tier; resume() before reading block ids")
-        return self._blocks[layer_group_id].copy()
+        return self.record.blocks[layer_group_id].copy()
 
     def block_id_map(self) -> dict[int, IntArray]:
         """Block ids of every layer group: what the extractor takes."""
-        return {g: self.block_ids(g) for g in range(len(self._blocks))}
+        return {g: self.block_ids(g) for g in range(len(self.record.blocks))}
 
     def page_tiers(self, layer_group_id: int = 0) -> TierArray:
         """Tier index (0 = primary, then the config's colder tiers in order) of each block's page."""
         self._check_layer_group(layer_group_id)
-        return self._tiers[layer_group_id].copy()
+        return self.record.tiers[layer_group_id].copy()
 
     def page_locations(self, layer_group_id: int = 0) -> tuple[IntArray, TierArray]:
         """(slot id, tier index) of each block's page in layer group ``layer_group_id``, in whatever
         tier it lives (slot -1: no page)."""
         self._check_layer_group(layer_group_id)
-        return self._blocks[layer_group_id].copy(), self._tiers[layer_group_id].copy()
+        return self.record.blocks[layer_group_id].copy(), self.record.tiers[layer_group_id].copy()
 
     def _check_layer_group(self, layer_group_id: int) -> None:
-        if not 0 <= layer_group_id < len(self._blocks):
+        if not 0 <= layer_group_id < len(self.record.blocks):
             raise CacheStateError(f"KVCache {self.id}: no layer group {layer_group_id} "
-                                  f"(have 0..{len(self._blocks) - 1})")
+                                  f"(have 0..{len(self.record.blocks) - 1})")
+
+    # --- the reference design's view ------------------------------------------------------------
+    @property
+    def manager(self) -> Any:
+        """The manager that created this cache."""
+        return self._manager
+
+    @property
+    def status(self) -> CacheState:
+        """ACTIVE, SUSPENDED or CLOSED."""
+        return self.state
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the cache is resumed (its pages are in the primary tier and may be written)."""
+        return self.state is CacheState.ACTIVE
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per block of the manager's layout."""
+        return self._ops.layout.tokens_per_block
+
+    @property
+    def beam_width(self) -> BeamIndex:
+        """Beams of this request: always 1 (kvxfer keeps one sequence per cache)."""
+        return BeamIndex(1)
+
+    @beam_width.setter
+    def beam_width(self, beam_width: BeamIndex) -> None:
+        if beam_width != 1:
+            raise ConfigError(f"KVCache {self.id}.beam_width: only beam width 1 is supported, got {beam_width!r}")
+
+    def _check_beam(self, beam_id: int, what: str) -> None:
+        if beam_id != DEFAULT_BEAM_INDEX:
+            raise ConfigError(f"KVCache {self.id}.{what}: only beam {DEFAULT_BEAM_INDEX} exists, got {beam_id!r}")
+
+    def get_base_page_indices(self, layer_group_id: LayerGroupId,
+                              beam_id: BeamIndex = DEFAULT_BEAM_INDEX) -> array.array[int]:
+        """Slot ids of this request's blocks in a layer group (``BAD_PAGE_INDEX``: no page)."""
+        self._check_beam(beam_id, "get_base_page_indices")
+        return array.array("i", self.block_ids(layer_group_id).tolist())
+
+    def get_aggregated_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = DEFAULT_BEAM_INDEX,
+                                    valid_only: bool = False) -> Iterator[int]:
+        """Aggregated page indices (one per block; see ``KVCacheManager.get_aggregated_pages``), without
+        the blocks that have no page when ``valid_only``."""
+        for index in self.get_base_page_indices(layer_group_id, beam_id):
+            if not valid_only or index != BAD_PAGE_INDEX:
+                yield index
+
+    def set_base_page_index_buf(self, beam_idx: BeamIndex, layer_group_id: LayerGroupId,
+                                buf: memoryview | None) -> None:
+        """Keep ``buf`` (an int32 buffer of at least ``num_blocks`` entries) equal to the base page
+        indices of a layer group, padded with ``BAD_PAGE_INDEX``, from now on; None stops that."""
+        self._check_open("set_base_page_index_buf")
+        self._check_beam(beam_idx, "set_base_page_index_buf")
+        self._check_layer_group(layer_group_id)
+        if buf is None:
+            self._index_bufs.pop(layer_group_id, None)
+            return
+        view = memoryview(buf).cast("B").cast("i") if memoryview(buf).format != "i" else memoryview(buf)
+        if len(view) < self.num_blocks:
+            raise CapacityError(f"KVCache {self.id}.set_base_page_index_buf: buffer of {len(view)} entries is "
+                                f"shorter than the {self.num_blocks} blocks of layer group {layer_group_id}")
+        self._index_bufs[layer_group_id] = view
+        self._sync_index_bufs()
+
+    def _sync_index_bufs(self) -> None:
+        for layer_group_id, view in self._index_bufs.items():
+            ids = self.record.blocks[layer_group_id]
+            if len(view) < ids.size:
+                raise CapacityError(f"KVCache {self.id}: the base page index buffer of layer group "
+                                    f"{layer_group_id} ({len(view)} entries) cannot hold {ids.size} blocks")
+            for i, v in enumerate(ids.tolist()):
+                view[i] = int(v)
+            for i in range(ids.size, len(view)):
+                view[i] = BAD_PAGE_INDEX
+
+    @property
+    def cached_tokens_by_level(self) -> list[int]:
+        """Reused tokens by the cache level their pages were found at when the cache was created."""
+        return list(self.reused_tokens_by_level)
+
+    def _get_last_cached_token_level(self) -> int | None:
+        """The cache level of the last reused token's page (None: nothing was reused)."""
+        for level in range(len(self.reused_tokens_by_level) - 1, -1, -1):
+            if self.reused_tokens_by_level[level]:
+                return level
+        return None
+
+    def stop_committing(self) -> None:
+        """No further ``commit``: the request's remaining tokens advance ``history_length`` only."""
+        self._check_open("stop_committing")
+        self._commit_allowed = False
+
+    @property
+    def commit_allowed(self) -> bool:
+        """Whether ``commit`` is still allowed (``stop_committing`` not called)."""
+        return self._commit_allowed
+
+    def plan_committed_block_drop(self) -> PlannedDropHandle | None:
+        """A handle that later drops, from the prefix tree, the pages of this request's committed
+        blocks that nothing else holds then; None when no committed block of it is in the tree."""
+        self._check_open("plan_committed_block_drop")
+        return self._ops.plan_drop(self)
+
+    def prefetch(self, target: CacheLevel) -> bool:
+        """Bring this suspended request's pages held in levels colder than ``target`` up to ``target``;
+        False when that level has no room for them."""
+        self._check_open("prefetch")
+        return self._ops.prefetch(self, int(target))
+
+    @property
+    def text_only(self) -> bool:
+        """Whether the request has no multimodal tokens (a hint; kvxfer keys every token alike)."""
+        return self._text_only
+
+    @text_only.setter
+    def text_only(self, text_only: bool) -> None:
+        self._text_only = bool(text_only)
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool:
+        """Both page index modes are supported."""
+        return mode in (PageIndexMode.SHARED, PageIndexMode.PER_LAYER)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def _check_open(self, op: str) -> None:
@@ -264,15 +444,16 @@ class KVCache:
         ``cuda_stream``; slots this request takes that another stream used last are waited for on it.
         """
         self._check_open("resume")
-        stream = self._manager._check_stream(cuda_stream, f"KVCache {self.id}.resume") \
-            if cuda_stream is not None else self._stream
+        stream = self._ops.check_stream(cuda_stream, f"KVCache {self.id}.resume") \
+            if cuda_stream is not None else self.record.stream
         if self.state is CacheState.ACTIVE:
-            self._stream = stream
+            self.record.stream = stream
             return True
-        if not self._manager._resume(self, stream):
+        if not self._ops.resume(self, stream):
             return False
-        self._stream = stream
+        self.record.stream = stream
         self.state = CacheState.ACTIVE
+        self._sync_index_bufs()
         return True
 
     def suspend(self) -> None:
@@ -281,59 +462,89 @@ class KVCache:
         self._check_open("suspend")
         if self.state is CacheState.SUSPENDED:
             return
-        self._manager._suspend(self)
+        self._ops.suspend(self)
         self.state = CacheState.SUSPENDED
 
-    def resize(self, capacity: int) -> bool:
-        """Grow or shrink to hold ``capacity`` tokens; False (nothing allocated) when out of slots."""
+    def resize(self, capacity: int | None, history_length: int | None = None) -> bool:
+        """Grow or shrink to hold ``capacity`` tokens (None: keep it) and set ``history_length`` when
+        given; False (nothing changed) when out of slots."""
         self._check_active("resize")
+        if capacity is None:
+            capacity = self.record.capacity
         if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 0:
             raise CapacityError(f"KVCache {self.id}: capacity must be an int >= 0, got {capacity!r}")
         capacity = int(capacity)
-        if capacity < self._history:
-            raise CapacityError(f"KVCache {self.id}: capacity {capacity} below history_length {self._history}")
+        history = self.record.history if history_length is None else int(history_length)
+        if capacity < history:
+            raise CapacityError(f"KVCache {self.id}: capacity {capacity} below history_length {history}")
+        if history_length is not None and history < self.record.history:
+            self.history_length = history
         try:
-            self._manager._resize(self, capacity)
+            self._ops.resize(self, capacity)
         except OutOfSlotsError:
             return False
-        self._capacity = capacity
+        self.record.capacity = capacity
+        if history_length is not None and history != self.record.history:
+            self.history_length = history
+        self._sync_index_bufs()
         return True
 
-    def commit(self, tokens: Sequence[int] | npt.ArrayLike, *, priority: int | None = None) -> None:
-        """Declare the KV of ``tokens`` (appended after the committed ones) written and final.
+    @property
+    def capacity(self) -> int:
+        """Tokens the allocated blocks can hold; setting it resizes (OutOfPagesError when out of slots)."""
+        return self.record.capacity
+
+    @capacity.setter
+    def capacity(self, capacity: int) -> None:
+        if not self.resize(capacity):
+            raise OutOfPagesError(f"KVCache {self.id}: no pages for capacity {capacity}")
+
+    def commit(self, accepted_input_tokens: Sequence[int] | npt.ArrayLike, beam_search_indices: Sequence[int] | None = None,
+               is_end: bool = False, *, priority: int | None = None) -> None:
+        """Declare the KV of ``accepted_input_tokens`` (appended after the committed ones) written and
+        final; ``is_end`` also stops committing.
 
         With prefix reuse, blocks this fills enter the prefix tree; ``priority`` (0-100, default 35)
         is their eviction priority (lower goes first) and also updates blocks already there.
         """
         self._check_active("commit")
+        if beam_search_indices is not None:
+            raise ConfigError(f"KVCache {self.id}.commit: beam_search_indices are not supported (beam width 1)")
+        if not self._commit_allowed:
+            raise LogicError(f"KVCache {self.id}.commit: committing was stopped (stop_committing or is_end)")
         if priority is not None:
             priority = check_priority(priority, f"KVCache {self.id}.commit")
-        arr = _as_tokens(tokens, f"KVCache {self.id}.commit")
-        if self.num_committed_tokens + arr.size > self._capacity:
+        arr = as_token_ids(accepted_input_tokens, f"KVCache {self.id}.commit")
+        if self.num_committed_tokens + arr.size > self.record.capacity:
             raise CapacityError(f"KVCache {self.id}: commit of {arr.size} tokens past capacity "
-                                f"({self.num_committed_tokens} committed, capacity {self._capacity})")
-        self._tokens = np.concatenate([self._tokens, arr])
-        self._history = max(self._history, self.num_committed_tokens)
-        self._manager._on_commit(self, priority)
-        self._manager._release_out_of_window(self)
+                                f"({self.num_committed_tokens} committed, capacity {self.record.capacity})")
+        self.record.tokens = np.concatenate([self.record.tokens, arr])
+        self.record.history = max(self.record.history, self.num_committed_tokens)
+        self._ops.on_commit(self, priority)
+        self._ops.release_out_of_window(self)
+        self._sync_index_bufs()
+        if is_end:
+            self._commit_allowed = False
 
     def set_priority(self, priority: int) -> None:
         """Set the eviction priority (0-100, lower goes first) of every committed block of this
         request that is in the prefix tree."""
         self._check_open("set_priority")
-        self._manager._set_priority(self, check_priority(priority, f"KVCache {self.id}.set_priority"))
+        self._ops.set_priority(self, check_priority(priority, f"KVCache {self.id}.set_priority"))
 
     def close(self) -> None:
-        """Release every page this cache holds; a second close raises CacheClosedError. Pending
-        statistics are committed first (``discard_pending_stats()`` before closing drops them)."""
-        self._check_open("close")
-        self._manager._close(self)
+        """Release every page this cache holds (a second close does nothing). Pending statistics are
+        committed first (``discard_pending_stats()`` before closing drops them)."""
+        if self.state is CacheState.CLOSED:
+            return
+        self._ops.close(self)
         self.state = CacheState.CLOSED
-        self._blocks = [np.empty(0, dtype=np.int32) for _ in self._blocks]
-        self._tiers = [np.empty(0, dtype=np.int8) for _ in self._tiers]
-        self._scratch = [np.empty(0, dtype=np.int32) for _ in self._scratch]
-        self._scratch_range = [(0, 0)] * len(self._scratch)
-        self._capacity = 0
+        self.record.blocks = [np.empty(0, dtype=np.int32) for _ in self.record.blocks]
+        self.record.tiers = [np.empty(0, dtype=np.int8) for _ in self.record.tiers]
+        self.record.scratch = [np.empty(0, dtype=np.int32) for _ in self.record.scratch]
+        self.record.scratch_range = [(0, 0)] * len(self.record.scratch)
+        self.record.capacity = 0
+        self._sync_index_bufs()
 
     def __enter__(self) -> KVCache:
         return self
@@ -343,5 +554,5 @@ class KVCache:
             self.close()
 
     def __repr__(self) -> str:
-        return (f"KVCache(id={self.id!r}, state={self.state.value}, capacity={self._capacity}, "
-                f"history={self._history}, committed={self.num_committed_tokens})")
+        return (f"KVCache(id={self.id!r}, state={self.state.value}, capacity={self.record.capacity}, "
+                f"history={self.record.history}, committed={self.num_committed_tokens})")

@@ -1,4 +1,6 @@
-"""KVCacheManager: owns the pools and slot allocators, hands out KVCaches, publishes the layout."""
+"""KVCacheManager: a facade over the manager's state and parts (see ``ManagerParts``) that hands out
+KVCaches, publishes the layout and speaks the reference design's API; and ``CacheLifecycle``, the part
+that opens, resumes, resizes, commits and closes kv caches."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import itertools
 import logging
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,22 +18,72 @@ import torch
 
 from kvxfer.cache import tiers as tier_storage
 from kvxfer.cache.allocator import SlotAllocator
-from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, PrimaryTier
+from kvxfer.cache.common import (
+    GPU_LEVEL,
+    AttnLifeCycle,
+    CacheLevel,
+    CacheTier,
+    DataRole,
+    LayerGroupId,
+    LayerId,
+    LifeCycleId,
+    MemAddress,
+    PageIndexConverter,
+    PageIndexMode,
+    PlannedDropHandle,
+    PoolGroupIndex,
+    div_up,
+    exact_div,
+)
+from kvxfer.cache.config import (
+    CacheConfig,
+    DiskTier,
+    HostTier,
+    PrimaryTier,
+    cache_config_of,
+    manager_config_of,
+)
 from kvxfer.cache.copy_engine import CopyEngine
-from kvxfer.cache.descriptors import AggregatedPageDesc, BufferId, CacheLayoutDesc
+from kvxfer.cache.descriptors import AggregatedPageDesc, BufferId, CacheLayoutDesc, PoolDesc, PoolGroupDesc
 from kvxfer.cache.dtypes import torch_dtype
-from kvxfer.cache.events import Created, EventQueue, KVEvent, layer_group_subset
-from kvxfer.cache.hashing import ExtraKeys, ReuseScope, check_extra_keys, resolve_hash_algo
-from kvxfer.cache.kv_cache import CacheState, KVCache, _as_tokens
+from kvxfer.cache.event_forwarding import ReferenceEventForwarder
+from kvxfer.cache.events import AllCleared, Created, EventQueue, KVEvent, layer_group_subset
+from kvxfer.cache.eviction import EvictionController
+from kvxfer.cache.hashing import (
+    ExtraKeys,
+    ReuseScope,
+    as_token_ids,
+    block_keys,
+    check_extra_keys,
+    resolve_hash_algo,
+)
+from kvxfer.cache.kv_cache import CacheState, KVCache, PriorityCallback
 from kvxfer.cache.layout import place_layout, plan_layout
+from kvxfer.cache.manager_config import EXTRA_REUSE_MATCH_BACKOFF, KVCacheManagerConfig, copy_config
+from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
+from kvxfer.cache.page_movement import PageMovement
 from kvxfer.cache.pins import PinnedPages
-from kvxfer.cache.prefix_reuse import PrefixReuse, _check_scope
-from kvxfer.cache.radix_tree import BlockNode, PrefixTree
-from kvxfer.cache.stats import StatsCollector, TierTrafficCounter
+from kvxfer.cache.prefix_reuse import PrefixReuse, check_scope
+from kvxfer.cache.radix_tree import BlockNode, PrefixTree, check_priority
+from kvxfer.cache.stats import (
+    KVCacheIterationStatsDelta,
+    KVCacheStatsDelta,
+    PoolGroupPeakBlockStats,
+    ReusedBlocksByLevel,
+    SlotAccounting,
+    SsmSnapshotIterationStatsDelta,
+    StatsCollector,
+    StorageStatistics,
+    TierTraffic,
+    TierTrafficCounter,
+)
+from kvxfer.cache.stream_ordering import StreamOrdering
 from kvxfer.cache.streams import SlotReadiness, TorchStreamOps
-from kvxfer.cache.tiers import DiskTierStorage, MemoryTierStorage, TierStorage, primary_tier_of
-from kvxfer.errors import CacheStateError, ConfigError, LayoutError, ManagerBusyError
+from kvxfer.cache.tier_quotas import TierQuotas
+from kvxfer.cache.tiers import DiskTierStorage, MemoryTierStorage, TierStats, primary_tier_of
+from kvxfer.cache.usage_stats import UsageStats
+from kvxfer.errors import CacheStateError, ConfigError, LayoutError, ManagerBusyError, TierError
 
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
@@ -47,7 +99,365 @@ HOST_MEDIUM = "CPU"
 DISK_MEDIUM = "DISK"
 
 
-class KVCacheManager(PrefixReuse):
+class CacheLifecycle:
+    """The kv caches' life cycle: creation, resume/suspend, resize, commit, close, planned drops and
+    prefetch, on the shared state and the other parts (what a KVCache calls)."""
+
+    def __init__(self, state: ManagerState, parts: ManagerParts) -> None:
+        """``parts``: the manager's parts, through which this part reaches the others."""
+        self.state = state
+        self.parts = parts
+
+    def unpin_pages(self, slots: Mapping[int, IntArray]) -> None:
+        """Let go of the references ``pin_pages`` took (the release of a PinnedPages)."""
+        with self.state.lock:
+            for pg, arr in slots.items():
+                self.state.allocators[pg].decref(arr)
+            self.parts.usage.sample_usage()
+
+    def release(self, layer_group: int, ids: IntArray, tiers: TierArray, stream: Any = None) -> None:
+        """Drop one reference on each page ``ids[i]`` (>= 0) of tier ``tiers[i]``; the primary ones
+        are stamped with ``stream`` (the releasing request's) first."""
+        self.parts.streams.stamp(layer_group, ids, tiers, stream)
+        pg = self.state.lg_pool_group[layer_group]
+        live = ids >= 0
+        for tier in np.unique(tiers[live]).tolist():
+            self.state.alloc_of(tier, pg).decref(ids[live & (tiers == tier)])
+
+    def open_cache(self, reuse_scope: ReuseScope | None, tokens: Sequence[int] | npt.ArrayLike | None, id: Any,
+                    holdback: int, extra_keys: ExtraKeys | None = None, expected_prompt_length: int | None = None,
+                    priority_callback: PriorityCallback | None = None, text_only: bool | None = None,
+                    enable_request_stats: bool = False) -> KVCache:
+        """Create a suspended kv cache, locking the pages of its reusable prefix (``create_kv_cache``)."""
+        with self.state.lock:
+            if self.state.shut_down:
+                raise ManagerBusyError("create_kv_cache: the manager has been shut down")
+            cache_id = id if id is not None else f"kv-{next(self.state.ids)}"
+            try:
+                hash(cache_id)
+            except TypeError as exc:
+                raise ConfigError(f"create_kv_cache: id must be hashable, got {cache_id!r}") from exc
+            if cache_id in self.state.caches:
+                raise CacheStateError(f"create_kv_cache: a cache with id {cache_id!r} is already open")
+            what = f"create_kv_cache({cache_id})"
+            scope = check_scope(reuse_scope, what)
+            extras = check_extra_keys(extra_keys, what)
+            arr = None if tokens is None else as_token_ids(tokens, what)
+            prompt_length = _check_prompt_length(expected_prompt_length, arr, what)
+            cache = KVCache(self.parts.manager, cache_id, arr, scope, extras, expected_prompt_length=prompt_length,
+                            swa_scratch_reuse=self.state.config.swa_scratch_reuse)
+            cache.priority_callback = priority_callback
+            cache.text_only = bool(self.state.init_config.text_only if text_only is None else text_only)
+            cache.enable_request_stats = bool(enable_request_stats)
+            cache.reused_tokens_by_level = [0] * len(self.state.tiers)
+            cache.record.root_key = scope.root_key_for(self.state.key_algo)
+            cache.record.last_used = self.state.tree.tick()
+            if arr is not None and self.state.config.enable_prefix_reuse:
+                cache.record.prompt_keys = self.parts.reuse.keys(cache, arr, cache.record.root_key)
+                plan = self.parts.reuse.plan_matching(cache.record.root_key, cache.record.prompt_keys, arr, extras, holdback)
+                self.parts.reuse.lock_reuse(cache, arr, plan)
+                self.parts.reuse.count_reuse(cache, plan)
+                self.count_reused_levels(cache, plan)
+            self.state.caches[cache_id] = cache
+            self.parts.usage.sample_usage()
+            return cache
+
+    def put_created(self) -> None:
+        """Created events: each layer group's slots per tier (one event when all layer groups agree)."""
+        counts = [tuple(t.layout.pool_groups[pg].num_slots for t in self.state.tiers) for pg in self.state.lg_pool_group]
+        if all(c == counts[0] for c in counts):
+            self.state.events.put(Created(tuple(self.state.media), counts[0]))
+            return
+        for lg, c in enumerate(counts):
+            self.state.events.put(Created(tuple(self.state.media), c, layer_group_subset([i == lg for i in range(len(counts))])))
+
+    def resume(self, cache: KVCache, stream: Any = None) -> bool:
+        """Onboard the cache's offloaded pages and copy its partially reused block; False, changing
+        nothing, when the primary tier cannot take them. ``stream`` waits for every page's last user."""
+        with self.state.lock:
+            offloaded = self.parts.quotas.offloaded_pages(cache)
+            needs = self.parts.quotas.cow_needs(cache)
+            for pg, by_tier in offloaded.items():
+                needs[pg] = needs.get(pg, 0) + sum(src.size for src in by_tier.values())
+            self.state.pinned.add(cache.id)   # its primary pages stay put while room is made
+            try:
+                if not all(self.parts.quotas.can_take(pg, n, pg in offloaded) for pg, n in needs.items()):
+                    return False
+                for pg, n in needs.items():
+                    if not self.parts.quotas.onboard(cache, pg, n):
+                        return False
+                if not self.parts.reuse.copy_on_write(cache, stream):
+                    return False
+            finally:
+                self.state.pinned.discard(cache.id)
+            self.parts.streams.wait_ready(cache, stream)
+            cache.record.last_used = self.state.tree.tick()
+            self.parts.usage.sample_usage()
+            return True
+
+    def suspend(self, cache: KVCache) -> None:
+        """Stamp the cache's pages with its stream and give back its scratch slots (its pages become held)."""
+        with self.state.lock:
+            for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
+                self.parts.streams.stamp(g, blocks, tiers, cache.record.stream)
+            self.release_scratch(cache)
+            cache.record.last_used = self.state.tree.tick()
+
+    def scratch_span(self, cache: KVCache, layer_group: int, old_n: int, new_n: int, capacity: int) -> tuple[int, int]:
+        """Blocks ``[begin, end)`` among the new ones ``[old_n, new_n)`` that get scratch slots: with
+        scratch reuse on, those of a sliding-window group already out of the window once history
+        reaches ``capacity`` (the same rule ``_release_out_of_window`` frees by)."""
+        if not cache.record.swa_scratch_reuse or self.state.layout.layer_groups[layer_group].window is None:
+            return 0, 0
+        lo, sink = self.parts.reuse.window_start(layer_group, np.array([capacity], dtype=np.int64))
+        begin, end = max(old_n, sink), min(int(lo[0]), new_n)
+        return (begin, end) if end > begin else (0, 0)
+
+    def resize(self, cache: KVCache, capacity: int) -> None:
+        """Grow or shrink the cache's blocks to hold ``capacity`` tokens (OutOfSlotsError when out of slots)."""
+        with self.state.lock:
+            tpb = self.state.layout.tokens_per_block
+            new_n = math.ceil(capacity / tpb)
+            old_n = cache.num_blocks
+            n_lg = len(cache.record.blocks)
+            spans = [self.scratch_span(cache, g, old_n, new_n, capacity) if new_n > old_n else (0, 0)
+                     for g in range(n_lg)]
+            if new_n > old_n:
+                needs: dict[int, int] = {}
+                for g, (begin, end) in enumerate(spans):
+                    pg = self.state.lg_pool_group[g]
+                    extra_scratch = max(0, (end - begin) - cache.record.scratch[g].size)
+                    needs[pg] = needs.get(pg, 0) + (new_n - old_n) - (end - begin) + extra_scratch
+                self.parts.eviction.reserve(needs)
+                for g, (begin, end) in enumerate(spans):
+                    alloc = self.state.allocators[self.state.lg_pool_group[g]]
+                    fresh = np.full(new_n - old_n, -1, dtype=np.int32)
+                    real = np.ones(new_n - old_n, dtype=bool)
+                    real[begin - old_n:end - old_n] = False
+                    fresh[real] = alloc.alloc(int(np.count_nonzero(real)))
+                    cache.record.blocks[g] = np.concatenate([cache.record.blocks[g], fresh])
+                    cache.record.tiers[g] = np.concatenate([cache.record.tiers[g], np.zeros(new_n - old_n, dtype=np.int8)])
+                    self.set_scratch(cache, g, begin, end)
+                    self.parts.streams.wait_slots(g, fresh, cache.record.stream)
+                self.parts.usage.count_allocation(cache, old_n, new_n, spans)
+            else:
+                if new_n < old_n:
+                    self.parts.usage.uncount_allocation(cache, new_n, old_n)
+                    for g in range(n_lg):
+                        self.release(g, cache.record.blocks[g][new_n:], cache.record.tiers[g][new_n:], cache.record.stream)
+                        cache.record.blocks[g] = cache.record.blocks[g][:new_n].copy()
+                        cache.record.tiers[g] = cache.record.tiers[g][:new_n].copy()
+                self.release_scratch(cache)
+            self.parts.usage.sample_usage()
+
+    def set_scratch(self, cache: KVCache, layer_group: int, begin: int, end: int) -> None:
+        """Hold exactly ``end - begin`` scratch slots for a layer group (reusing those held) and record
+        the range they stand in for; the slots needed were reserved by the caller."""
+        held = cache.record.scratch[layer_group]
+        want = end - begin
+        if want > held.size:
+            more = self.state.allocators[self.state.lg_pool_group[layer_group]].alloc(want - held.size)
+            self.parts.streams.wait_slots(layer_group, more, cache.record.stream)
+            held = np.concatenate([held, more])
+        elif want < held.size:
+            surplus = held[want:]
+            self.release(layer_group, surplus, np.zeros(surplus.size, dtype=np.int8), cache.record.stream)
+            held = held[:want].copy()
+        cache.record.scratch[layer_group] = held
+        cache.record.scratch_range[layer_group] = (begin, end) if want else (0, 0)
+
+    def release_scratch(self, cache: KVCache) -> None:
+        """Give back every scratch slot of the cache."""
+        for g in range(len(cache.record.scratch)):
+            if cache.record.scratch[g].size:
+                self.set_scratch(cache, g, 0, 0)
+
+    def set_scratch_reuse(self, cache: KVCache, enable: bool) -> None:
+        """Turn sliding-window scratch slots on or off for the cache (off gives its scratch slots back)."""
+        with self.state.lock:
+            if not enable and any(end > begin for begin, end in cache.record.scratch_range):
+                raise CacheStateError(f"KVCache {cache.id}: cannot disable SWA scratch reuse while the current "
+                                      f"step uses scratch slots (resize first)")
+            if not enable:
+                self.release_scratch(cache)
+
+    def on_commit(self, cache: KVCache, priority: int | None = None) -> None:
+        """After a commit: publish the newly full blocks to other streams and enter them into the prefix tree."""
+        with self.state.lock:
+            done, full = cache.record.published_blocks, cache.num_committed_tokens // self.state.layout.tokens_per_block
+            if full > done:   # pages others may now reuse: ready once this request's writes are
+                for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
+                    self.parts.streams.stamp(g, blocks[done:full], tiers[done:full], cache.record.stream)
+                cache.record.published_blocks = full
+            if self.state.config.enable_prefix_reuse:
+                self.parts.reuse.insert_committed(cache, priority)
+                if priority is None and cache.priority_callback is not None and full > done:
+                    self.apply_priority_callback(cache, done, full)
+            self.parts.usage.sample_usage()
+
+    def life_cycles(self) -> list[AttnLifeCycle]:
+        """The attention life cycle of each layer group, in layer group order."""
+        tpb = self.state.layout.tokens_per_block
+        return [AttnLifeCycle.make(lg.window, lg.sink_tokens, tpb) for lg in self.state.layout.layer_groups]
+
+    def apply_priority_callback(self, cache: KVCache, start: int, stop: int) -> None:
+        """Give the tree blocks of the cache's newly committed blocks ``[start, stop)`` the priority its
+        ``custom_priority_callback(ordinal, life cycle)`` returns (the highest over its life cycles)."""
+        callback = cache.priority_callback
+        assert callback is not None
+        cycles = self.life_cycles()
+        for ordinal in range(start, min(stop, len(cache.record.tree_nodes))):
+            node = cache.record.tree_nodes[ordinal]
+            if node is None:
+                continue
+            priority = check_priority(max(int(callback(ordinal, lc)) for lc in cycles),
+                                      f"KVCache {cache.id}.custom_priority_callback")
+            self.parts.reuse.set_node_priority(node, priority)
+
+    def release_out_of_window(self, cache: KVCache) -> None:
+        """Free sliding-window pages no future token can attend to (their ids become -1)."""
+        tpb = self.state.layout.tokens_per_block
+        for lg in self.state.layout.layer_groups:
+            if lg.window is None:
+                continue
+            first_needed = max(0, cache.history_length - lg.window + 1) // tpb
+            sink_blocks = math.ceil(lg.sink_tokens / tpb)
+            if first_needed <= sink_blocks:
+                continue
+            blocks = cache.record.blocks[lg.layer_group_id]
+            stale = blocks[sink_blocks:first_needed]
+            if (stale >= 0).any():
+                with self.state.lock:
+                    released = stale.copy()
+                    released_tiers = cache.record.tiers[lg.layer_group_id][sink_blocks:first_needed].copy()
+                    self.release(lg.layer_group_id, released, released_tiers, cache.record.stream)
+                    blocks[sink_blocks:first_needed] = -1
+                    self.parts.reuse.drop_window_pages(cache, lg.layer_group_id, sink_blocks, released, released_tiers)
+
+    def close(self, cache: KVCache) -> None:
+        """Release every page and scratch slot of the cache and commit its pending statistics."""
+        with self.state.lock:
+            for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
+                self.release(g, blocks, tiers, cache.record.stream)
+            self.release_scratch(cache)
+            self.state.caches.pop(cache.id, None)
+            self.parts.reuse.touch_blocks(cache, 0, len(cache.record.tree_nodes))
+            if cache.record.partial_src is not None:
+                self.state.tree.touch(cache.record.partial_src)
+                cache.record.partial_src = None
+            self.state.stats.commit(cache.id, cache.record.pending)
+            self.parts.usage.sample_usage()
+
+    def count_reused_levels(self, cache: KVCache, plan: Any) -> None:
+        """Record where the reused pages of a new cache were: per block, the coldest level among its
+        layer groups' pages (what resuming has to fetch from)."""
+        if plan.num_tokens == 0:
+            return
+        tpb = self.state.layout.tokens_per_block
+        full = len(plan.nodes)
+        levels = len(self.state.tiers)
+        for b in range(plan.pages.shape[0]):
+            live = plan.pages[b] >= 0
+            level = int(plan.tiers[b][live].max()) if live.any() else 0
+            tokens = min(tpb, plan.num_tokens - b * tpb)
+            cache.reused_tokens_by_level[level] += tokens
+            self.state.cached_tokens_by_level[level] += tokens
+            for lg in np.flatnonzero(live).tolist():
+                rec = self.state.reused_blocks_by_level.setdefault(
+                    LifeCycleId(lg), ReusedBlocksByLevel([0] * levels, [0] * levels))
+                (rec.full if b < full else rec.partial)[int(plan.tiers[b][lg])] += 1
+
+    def plan_drop(self, cache: KVCache) -> PlannedDropHandle | None:
+        """A handle dropping the cache's committed chain from the tree later (None: it has none there)."""
+        nodes = [n for n in cache.record.tree_nodes if n is not None]
+        if not nodes:
+            return None
+        return PlannedDropHandle(lambda: self.drop_chain(nodes))
+
+    def drop_chain(self, nodes: list[BlockNode]) -> None:
+        """Take a chain's blocks out of the tree from its end back, while each is a leaf that only the
+        tree holds (a block another chain continues, or a request shares, stays)."""
+        with self.state.lock:
+            victims: list[BlockNode] = []
+            flat_pages: list[int] = []
+            flat_tiers: list[int] = []
+            for node in reversed(nodes):
+                if node.removed or not node.is_leaf or not self.parts.eviction.tree_only(node):
+                    break
+                self.state.tree.remove(node)
+                victims.append(node)
+                flat_pages.extend(node.pages.tolist())
+                flat_tiers.extend(int(t) for t in node.tiers.tolist())
+            self.parts.eviction.evict_all(victims, flat_pages, flat_tiers)
+            self.parts.usage.sample_usage()
+
+    def prefetch(self, cache: KVCache, target: int) -> bool:
+        """Move a cache's pages in levels colder than ``target`` up to ``target``; False when that level
+        has no room for them (pages already moved stay)."""
+        with self.state.lock:
+            self.state.check_tier_index(target)
+            if target == 0:
+                return cache.state is CacheState.ACTIVE or self.resume(cache, cache.record.stream)
+            for pg, by_tier in self.parts.quotas.offloaded_pages(cache).items():
+                colder = {t: src for t, src in by_tier.items() if t > target}
+                n = sum(src.size for src in colder.values())
+                if not n:
+                    continue
+                alloc = self.state.alloc_of(target, pg)
+                if alloc.num_free < n:
+                    self.parts.eviction.make_room_in(target, pg, n - alloc.num_free)
+                colder = {t: src for t, src in self.parts.quotas.offloaded_pages(cache).get(pg, {}).items() if t > target}
+                n = sum(src.size for src in colder.values())
+                if alloc.num_free < n:
+                    return False
+                jobs = [(t, src, target, alloc.alloc(src.size)) for t, src in sorted(colder.items())]
+                self.parts.movement.copy_pages(pg, jobs)
+                for t, src, _, dst in jobs:
+                    self.parts.movement.relocate(pg, t, src, target, dst)
+                    if isinstance(self.state.tiers[t], DiskTierStorage):
+                        self.state.disk_prefetch_blocks += int(src.size)
+            return True
+
+    # --- what a KVCache calls besides its life cycle ---------------------------------------------------
+    @property
+    def layout(self) -> CacheLayoutDesc:
+        """The manager's published layout."""
+        return self.state.layout
+
+    def check_stream(self, stream: Any, what: str) -> Any:
+        """``stream`` validated for the primary device (see ``StreamOrdering.check_stream``)."""
+        return self.parts.streams.check_stream(stream, what)
+
+    def commit_stats(self, cache: KVCache) -> KVCacheStatsDelta:
+        """Commit a request's pending statistics."""
+        return self.parts.usage.commit_stats(cache)
+
+    def discard_stats(self, cache: KVCache) -> None:
+        """Forget a request's pending statistics."""
+        self.parts.usage.discard_stats(cache)
+
+    def set_priority(self, cache: KVCache, priority: int) -> None:
+        """Set the eviction priority of a request's tree blocks."""
+        self.parts.reuse.set_priority(cache, priority)
+
+
+class ManagerParts:
+    """The manager's parts, each behind its public interface: stream ordering, page movement between
+    slots and tiers, eviction, usage statistics, tier quotas, prefix reuse (the radix tree) and the kv
+    caches' life cycle. Every part reaches the shared state and the others through this."""
+
+    def __init__(self, manager: KVCacheManager, state: ManagerState) -> None:
+        self.manager = manager
+        self.streams = StreamOrdering(state, self)
+        self.movement = PageMovement(state, self)
+        self.eviction = EvictionController(state, self)
+        self.usage = UsageStats(state, self)
+        self.quotas = TierQuotas(state, self)
+        self.reuse = PrefixReuse(state, self)
+        self.lifecycle = CacheLifecycle(state, self)
+
+
+class KVCacheManager:
     """A paged KV-cache manager over real torch memory, with optional colder tiers (host, disk).
 
     Other stages see it only through ``layout`` (a CacheLayoutDesc), ``memory_regions()`` and the
@@ -56,389 +466,626 @@ class KVCacheManager(PrefixReuse):
     offloaded, never dropped), droppable when only the prefix tree holds it.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: KVCacheManagerConfig | CacheConfig, event_manager: Any | None = None,
+                 cold_page_codec: Any | None = None) -> None:
+        self._state = ManagerState()
+        self._parts = ManagerParts(self, self._state)
+        if cold_page_codec is not None:
+            raise ConfigError("KVCacheManager: cold_page_codec is not supported (kvxfer keeps cold pages as "
+                              "they are in the primary tier)")
+        if isinstance(config, CacheConfig):
+            self._state.init_config = manager_config_of(config)
+        else:
+            self._state.init_config = copy_config(config) if isinstance(config, KVCacheManagerConfig) else config
+            config = cache_config_of(config)
         #: The configuration the manager was created with (never changes; see ``current_config``).
-        self.config = config
-        self._current = config
-        self._hash_algo = resolve_hash_algo(config.hash_algo)
+        self._state.config = config
+        #: Tokens trimmed off the tail of every prefix match (``KVCacheManagerConfig.reuse_match_backoff``).
+        self._state.reuse_match_backoff = int(dict(config.extra).get(EXTRA_REUSE_MATCH_BACKOFF, 0))
+        self._state.event_manager = event_manager
+        self._state.current = config
+        self._state.key_algo = resolve_hash_algo(config.hash_algo)
         primary = config.primary
         plan = plan_layout(config)
         device = torch.device(primary.device)
-        self.device = device
-        self._pools: list[list[torch.Tensor]] = [
+        self._state.device = device
+        self._state.pools = [
             [allocate_pool(pool.nbytes, primary.device) for pool in pg.pools] for pg in plan.pool_groups]
         kind = "cuda" if device.type == "cuda" else "cpu"
-        bases = [[int(t.data_ptr()) for t in group] for group in self._pools]
-        self._layout = place_layout(plan, bases, kind, int(device.index or 0))
-        self._allocators = [SlotAllocator(pg.num_slots, f"pool group {pg.pool_group_index}")
-                            for pg in self._layout.pool_groups]
-        self._lg_pool_group = [lg.pool_group_index for lg in self._layout.layer_groups]
-        self._tree = PrefixTree(len(self._layout.layer_groups), self._layout.tokens_per_block)
-        self._in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in self._layout.pool_groups]
-        self._events = EventQueue(config.event_queue_capacity)
-        self._medium = "GPU" if device.type == "cuda" else "CPU"
-        self._has_windows = any(lg.window is not None for lg in self._layout.layer_groups)
-        self._caches: dict[str, KVCache] = {}
-        self._ids = itertools.count()
-        self._lock = threading.RLock()
-        self._shut_down = False
-        self._pg_layer_groups = [[lg.layer_group_id for lg in self._layout.layer_groups
-                                  if lg.pool_group_index == pg.pool_group_index] for pg in self._layout.pool_groups]
-        self._pinned: set[str] = set()   # caches being resumed: their pages are not victims
-        self._readiness = SlotReadiness([pg.num_slots for pg in self._layout.pool_groups], TorchStreamOps()) \
+        bases = [[int(t.data_ptr()) for t in group] for group in self._state.pools]
+        self._state.layout = place_layout(plan, bases, kind, int(device.index or 0))
+        self._state.allocators = [SlotAllocator(pg.num_slots, f"pool group {pg.pool_group_index}")
+                            for pg in self._state.layout.pool_groups]
+        self._state.lg_pool_group = [lg.pool_group_index for lg in self._state.layout.layer_groups]
+        self._state.tree = PrefixTree(len(self._state.layout.layer_groups), self._state.layout.tokens_per_block)
+        self._state.in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in self._state.layout.pool_groups]
+        self._state.events = EventQueue(config.event_queue_capacity, sink=None if event_manager is None else
+                                  ReferenceEventForwarder(event_manager, self._state.key_algo, lambda: self._state.media))
+        self._state.medium = "GPU" if device.type == "cuda" else "CPU"
+        self._state.has_windows = any(lg.window is not None for lg in self._state.layout.layer_groups)
+        self._state.caches = {}
+        self._state.ids = itertools.count()
+        self._state.lock = threading.RLock()
+        self._state.shut_down = False
+        self._state.pg_layer_groups = [[lg.layer_group_id for lg in self._state.layout.layer_groups
+                                  if lg.pool_group_index == pg.pool_group_index] for pg in self._state.layout.pool_groups]
+        self._state.pinned = set()   # caches being resumed: their pages are not victims
+        self._state.readiness = SlotReadiness([pg.num_slots for pg in self._state.layout.pool_groups], TorchStreamOps()) \
             if device.type == "cuda" else None
-        self._tiers: list[TierStorage] = [primary_tier_of(self)]
-        self._media = [self._medium]
-        self._copy: CopyEngine | None = None
+        self._state.tiers = [primary_tier_of(self)]
+        self._state.media = [self._state.medium]
+        self._state.copier = None
         #: Why the configured host tier is missing (its set-up failed; the manager runs without it), or None.
-        self.host_tier_error: str | None = None
+        self._state.host_tier_error = None
         kept: list[PrimaryTier | HostTier | DiskTier] = [primary]
         try:
             for tier in config.tiers[1:]:
                 if isinstance(tier, HostTier):
                     try:
-                        self._tiers.append(tier_storage.open_host_tier(config, tier))
+                        self._state.tiers.append(tier_storage.open_host_tier(config, tier))
                     except HOST_TIER_SETUP_ERRORS as exc:
-                        self.host_tier_error = f"{type(exc).__name__}: {exc}"
+                        self._state.host_tier_error = f"{type(exc).__name__}: {exc}"
                         _log.warning("KVCacheManager: the host tier (%d bytes) could not be set up (%s); running "
-                                     "without it", tier.quota_bytes, self.host_tier_error)
+                                     "without it", tier.quota_bytes, self._state.host_tier_error)
                         continue
-                    self._media.append(HOST_MEDIUM)
+                    self._state.media.append(HOST_MEDIUM)
                 elif isinstance(tier, DiskTier):
-                    self._tiers.append(DiskTierStorage(config, tier))
-                    self._media.append(DISK_MEDIUM)
+                    self._state.tiers.append(DiskTierStorage(config, tier))
+                    self._state.media.append(DISK_MEDIUM)
                 kept.append(tier)
-            if len(self._tiers) > 1:
-                self._copy = CopyEngine()
+            if len(self._state.tiers) > 1:
+                self._state.copier = CopyEngine()
         except BaseException:
-            for opened in self._tiers[1:]:
+            for opened in self._state.tiers[1:]:
                 opened.close()
             raise
         if len(kept) != len(config.tiers):
-            self._current = dataclasses.replace(config, tiers=tuple(kept))
+            self._state.current = dataclasses.replace(config, tiers=tuple(kept))
         # Per tier and pool group: which slots are tree pages, and the (node, layer group) owning each.
-        self._in_tree_t = [self._in_tree] + [
-            [np.zeros(pg.num_slots, dtype=bool) for pg in t.layout.pool_groups] for t in self._tiers[1:]]
-        self._tree_owner: list[list[dict[int, tuple[BlockNode, int]]]] = [
-            [{} for _ in self._layout.pool_groups] for _ in self._tiers]
-        self._traffic = TierTrafficCounter(len(self._tiers))
-        self._put_created()
-        self._page_bytes = [sum(p.slot_bytes for p in pg.pools) for pg in self._layout.pool_groups]
-        self._stats = StatsCollector(config.enable_stats, len(self._tiers), len(self._layout.pool_groups))
-        self._sample_usage()
+        self._state.in_tree_t = [self._state.in_tree] + [
+            [np.zeros(pg.num_slots, dtype=bool) for pg in t.layout.pool_groups] for t in self._state.tiers[1:]]
+        self._state.tree_owner = [
+            [{} for _ in self._state.layout.pool_groups] for _ in self._state.tiers]
+        self._state.traffic = TierTrafficCounter(len(self._state.tiers))
+        self._parts.lifecycle.put_created()
+        self._state.page_bytes = [sum(p.slot_bytes for p in pg.pools) for pg in self._state.layout.pool_groups]
+        self._state.stats = StatsCollector(config.enable_stats, len(self._state.tiers), len(self._state.layout.pool_groups))
+        self._state.suspend_resume = [0, 0]
+        self._state.disk_prefetch_blocks = 0
+        self._state.cached_tokens_by_level = [0] * len(self._state.tiers)
+        self._state.reused_blocks_by_level = {}
+        self._parts.usage.sample_usage()
 
     # --- published view ---------------------------------------------------------------------
 
     def get_aggregated_pages(self, buffers: Iterable[BufferId]) -> tuple[AggregatedPageDesc, ...]:
         """The reference design's aggregated pages of ``buffers`` (see ``CacheLayoutDesc.aggregated_pages``)."""
-        return self._layout.aggregated_pages(buffers)
+        return self._state.layout.aggregated_pages(buffers)
 
     def pin_pages(self, block_ids: Mapping[int, npt.ArrayLike]) -> PinnedPages:
         """Hold one more reference on each primary-tier page ``block_ids`` lists (layer group -> slot ids;
         -1 skipped) until the returned pin is released, so that no page a transfer still reads is freed
         or reused, even when its request lets it go (commit adopting the tree's copy, sliding windows)."""
-        with self._lock:
+        with self._state.lock:
             parts: dict[int, list[IntArray]] = {}
             for lg, ids in block_ids.items():
-                check_layer_group(self._layout, lg)
+                check_layer_group(self._state.layout, lg)
                 arr = np.asarray(ids).astype(np.int32).ravel()
-                parts.setdefault(self._lg_pool_group[lg], []).append(arr[arr >= 0])
+                parts.setdefault(self._state.lg_pool_group[lg], []).append(arr[arr >= 0])
             slots = {pg: np.concatenate(p) for pg, p in parts.items()}
             done: list[int] = []
             try:
                 for pg, arr in slots.items():
-                    self._allocators[pg].incref(arr)
+                    self._state.allocators[pg].incref(arr)
                     done.append(pg)
             except BaseException:   # all or nothing: the pool groups already pinned are let go again
                 for pg in done:
-                    self._allocators[pg].decref(slots[pg])
+                    self._state.allocators[pg].decref(slots[pg])
                 raise
-            return PinnedPages(slots, self._unpin_pages)
+            return PinnedPages(slots, self._parts.lifecycle.unpin_pages)
 
     def pin_cache_pages(self, cache: KVCache) -> tuple[dict[int, IntArray], PinnedPages]:
         """``cache``'s block ids now (layer group -> slot ids) and a pin on those pages, taken together:
         another thread may free the request's pages meanwhile (its compute sliding a window, its commit),
         so ids read first and pinned later could name a page already freed."""
-        with self._lock:
+        with self._state.lock:
             ids = cache.block_id_map()
             return ids, self.pin_pages(ids)
 
-    def _unpin_pages(self, slots: Mapping[int, IntArray]) -> None:
-        with self._lock:
-            for pg, arr in slots.items():
-                self._allocators[pg].decref(arr)
-            self._sample_usage()
-
     def memory_regions(self) -> list[MemoryRegion]:
         """One region per primary-tier pool, in (pool group, pool) order: what a transport registers."""
-        return [MemoryRegion.of_tensor(t) for group in self._pools for t in group]
+        return [MemoryRegion.of_tensor(t) for group in self._state.pools for t in group]
 
     def buffer_view(self, layer_id: int, role: str = "key") -> torch.Tensor:
         """A typed, zero-copy view of one (layer, role) over all slots:
         ``[num_slots, heads, tokens_per_block, head_dim]`` (HND) or ``[num_slots, tokens, heads, dim]`` (NHD)."""
         bid = BufferId(layer_id, role)
-        pg, pool, eb = self._layout.locate(bid)
-        fmt = self._layout.format_of(bid)
-        raw = self._pools[pg.pool_group_index][pool.pool_index]
+        pg, pool, eb = self._state.layout.locate(bid)
+        fmt = self._state.layout.format_of(bid)
+        raw = self._state.pools[pg.pool_group_index][pool.pool_index]
         rows = raw.view(pool.num_slots, pool.slot_bytes)[:, eb.offset:eb.offset + eb.size]
         typed = rows.view(torch_dtype(fmt.dtype))
         if fmt.order == "HND":
             return typed.view(pool.num_slots, fmt.num_heads, fmt.tokens_per_block, fmt.head_dim)
         return typed.view(pool.num_slots, fmt.tokens_per_block, fmt.num_heads, fmt.head_dim)
 
-    # --- slots --------------------------------------------------------------------------------
-
-    def _release(self, layer_group: int, ids: IntArray, tiers: TierArray, stream: Any = None) -> None:
-        """Drop one reference on each page ``ids[i]`` (>= 0) of tier ``tiers[i]``; the primary ones
-        are stamped with ``stream`` (the releasing request's) first."""
-        self._stamp(layer_group, ids, tiers, stream)
-        pg = self._lg_pool_group[layer_group]
-        live = ids >= 0
-        for tier in np.unique(tiers[live]).tolist():
-            self._alloc_of(tier, pg).decref(ids[live & (tiers == tier)])
-
     # --- tiers: placement, eviction across tiers, onboarding ---------------------------------------
 
     # --- KVCache lifecycle (called by KVCache) ------------------------------------------------
-    def create_kv_cache(self, tokens: Sequence[int] | npt.ArrayLike | None = None, id: str | None = None, *,
-                        reuse_scope: ReuseScope | None = None, extra_keys: ExtraKeys | None = None,
-                        expected_prompt_length: int | None = None) -> KVCache:
+    def create_kv_cache(self, reuse_scope: ReuseScope | None = None,
+                        input_tokens: Sequence[int] | npt.ArrayLike | None = None, id: Any = None,
+                        custom_priority_callback: PriorityCallback | None = None,
+                        expected_prompt_length: int | None = None, text_only: bool | None = None,
+                        enable_request_stats: bool = False, *, extra_keys: ExtraKeys | None = None) -> KVCache:
         """A new, suspended KVCache; call ``resume()`` before ``resize``.
 
-        With ``tokens`` (the prompt) and prefix reuse enabled, the longest reusable prefix within
-        ``reuse_scope`` is matched (never the last prompt token, whose logits must be computed): its
-        pages are locked into the cache's first block ids and ``num_reused_tokens`` (= its committed
-        tokens) says how much. ``extra_keys`` maps a block index to bytes (e.g. multimodal digests)
-        that enter that block's key. ``expected_prompt_length`` (at least ``len(tokens)``; by default
-        ``len(tokens)``) is the prompt's length when the caller knows more than the tokens given:
-        blocks allocated inside it count as missed, past it as generation allocations.
+        With ``input_tokens`` and prefix reuse enabled, the longest reusable prefix of them within
+        ``reuse_scope`` is matched (every token may be reused: a caller that must compute the last
+        prompt token's logits passes the prompt without it), less ``reuse_match_backoff``: its pages
+        are locked into the cache's first blocks and ``num_committed_tokens`` says how many tokens.
+        ``id`` is any hashable (default: a fresh ``"kv-N"``). ``custom_priority_callback(block ordinal,
+        life cycle)`` gives the eviction priority of each block the cache commits. ``extra_keys`` maps
+        a block index to bytes (e.g. multimodal digests) that enter that block's key.
+        ``expected_prompt_length`` (default ``len(input_tokens)``) is the prompt's length: blocks
+        allocated inside it count as missed, past it as generation allocations.
         """
-        with self._lock:
-            if self._shut_down:
-                raise ManagerBusyError("create_kv_cache: the manager has been shut down")
-            cache_id = id if id is not None else f"kv-{next(self._ids)}"
-            if cache_id in self._caches:
-                raise CacheStateError(f"create_kv_cache: a cache with id {cache_id!r} is already open")
-            what = f"create_kv_cache({cache_id})"
-            scope = _check_scope(reuse_scope, what)
-            extras = check_extra_keys(extra_keys, what)
-            arr = None if tokens is None else _as_tokens(tokens, what)
-            prompt_length = _check_prompt_length(expected_prompt_length, arr, what)
-            cache = KVCache(self, cache_id, arr, scope, extras, expected_prompt_length=prompt_length,
-                            swa_scratch_reuse=self.config.swa_scratch_reuse)
-            cache._root_key = scope.root_key_for(self._hash_algo)
-            cache._last_used = self._tree.tick()
-            if arr is not None and self.config.enable_prefix_reuse:
-                cache._prompt_keys = self._keys(cache, arr, cache._root_key)
-                plan = self._plan_reuse(cache._root_key, cache._prompt_keys, arr, extras)
-                self._lock_reuse(cache, arr, plan)
-                self._count_reuse(cache, plan)
-            self._caches[cache_id] = cache
-            self._sample_usage()
-            return cache
+        return self._parts.lifecycle.open_cache(reuse_scope, input_tokens, id, holdback=0, extra_keys=extra_keys,
+                                expected_prompt_length=expected_prompt_length, priority_callback=custom_priority_callback,
+                                text_only=text_only, enable_request_stats=enable_request_stats)
+
+    def create_kv_cache_for_prompt(self, prompt: Sequence[int] | npt.ArrayLike | None = None, id: Any = None, *,
+                                   reuse_scope: ReuseScope | None = None, extra_keys: ExtraKeys | None = None,
+                                   expected_prompt_length: int | None = None) -> KVCache:
+        """kvxfer's prompt-first form of ``create_kv_cache``: the prompt's prefix is reused except its
+        last token, whose logits must be computed; ``expected_prompt_length`` defaults to the whole
+        prompt (at least ``len(prompt)``)."""
+        return self._parts.lifecycle.open_cache(reuse_scope, prompt, id, holdback=1, extra_keys=extra_keys,
+                                expected_prompt_length=expected_prompt_length)
 
     # --- prefix reuse ---------------------------------------------------------------------------
 
     # --- events and statistics -------------------------------------------------------------------
     def drain_events(self) -> list[KVEvent]:
         """KV events since the last drain, oldest first."""
-        with self._lock:
-            return self._events.drain()
-
-    def _put_created(self) -> None:
-        """Created events: each layer group's slots per tier (one event when all layer groups agree)."""
-        counts = [tuple(t.layout.pool_groups[pg].num_slots for t in self._tiers) for pg in self._lg_pool_group]
-        if all(c == counts[0] for c in counts):
-            self._events.put(Created(tuple(self._media), counts[0]))
-            return
-        for lg, c in enumerate(counts):
-            self._events.put(Created(tuple(self._media), c, layer_group_subset([i == lg for i in range(len(counts))])))
+        with self._state.lock:
+            return self._state.events.drain()
 
     @property
     def events_dropped(self) -> int:
         """Events dropped because the bounded queue was full."""
-        return self._events.dropped
-
-    # --- statistics (the reference design's API) -----------------------------------------------------
-
-    # --- tiers: public view and quotas -----------------------------------------------------------
-
-    # --- streams --------------------------------------------------------------------------------
-
-    # --- KVCache lifecycle (called by KVCache) ---------------------------------------------------
-    def _resume(self, cache: KVCache, stream: Any = None) -> bool:
-        """Onboard the cache's offloaded pages and copy its partially reused block; False, changing
-        nothing, when the primary tier cannot take them. ``stream`` waits for every page's last user."""
-        with self._lock:
-            offloaded = self._offloaded_pages(cache)
-            needs = self._cow_needs(cache)
-            for pg, by_tier in offloaded.items():
-                needs[pg] = needs.get(pg, 0) + sum(src.size for src in by_tier.values())
-            self._pinned.add(cache.id)   # its primary pages stay put while room is made
-            try:
-                if not all(self._can_take(pg, n, pg in offloaded) for pg, n in needs.items()):
-                    return False
-                for pg, n in needs.items():
-                    if not self._onboard(cache, pg, n):
-                        return False
-                if not self._copy_on_write(cache, stream):
-                    return False
-            finally:
-                self._pinned.discard(cache.id)
-            self._wait_ready(cache, stream)
-            cache._last_used = self._tree.tick()
-            self._sample_usage()
-            return True
-
-    def _suspend(self, cache: KVCache) -> None:
-        with self._lock:
-            for g, (blocks, tiers) in enumerate(zip(cache._blocks, cache._tiers, strict=True)):
-                self._stamp(g, blocks, tiers, cache._stream)
-            self._release_scratch(cache)
-            cache._last_used = self._tree.tick()
-
-    def _scratch_span(self, cache: KVCache, layer_group: int, old_n: int, new_n: int, capacity: int) -> tuple[int, int]:
-        """Blocks ``[begin, end)`` among the new ones ``[old_n, new_n)`` that get scratch slots: with
-        scratch reuse on, those of a sliding-window group already out of the window once history
-        reaches ``capacity`` (the same rule ``_release_out_of_window`` frees by)."""
-        if not cache._swa_scratch_reuse or self._layout.layer_groups[layer_group].window is None:
-            return 0, 0
-        lo, sink = self._window_start(layer_group, np.array([capacity], dtype=np.int64))
-        begin, end = max(old_n, sink), min(int(lo[0]), new_n)
-        return (begin, end) if end > begin else (0, 0)
-
-    def _resize(self, cache: KVCache, capacity: int) -> None:
-        with self._lock:
-            tpb = self._layout.tokens_per_block
-            new_n = math.ceil(capacity / tpb)
-            old_n = cache.num_blocks
-            n_lg = len(cache._blocks)
-            spans = [self._scratch_span(cache, g, old_n, new_n, capacity) if new_n > old_n else (0, 0)
-                     for g in range(n_lg)]
-            if new_n > old_n:
-                needs: dict[int, int] = {}
-                for g, (begin, end) in enumerate(spans):
-                    pg = self._lg_pool_group[g]
-                    extra_scratch = max(0, (end - begin) - cache._scratch[g].size)
-                    needs[pg] = needs.get(pg, 0) + (new_n - old_n) - (end - begin) + extra_scratch
-                self._reserve(needs)
-                for g, (begin, end) in enumerate(spans):
-                    alloc = self._allocators[self._lg_pool_group[g]]
-                    fresh = np.full(new_n - old_n, -1, dtype=np.int32)
-                    real = np.ones(new_n - old_n, dtype=bool)
-                    real[begin - old_n:end - old_n] = False
-                    fresh[real] = alloc.alloc(int(np.count_nonzero(real)))
-                    cache._blocks[g] = np.concatenate([cache._blocks[g], fresh])
-                    cache._tiers[g] = np.concatenate([cache._tiers[g], np.zeros(new_n - old_n, dtype=np.int8)])
-                    self._set_scratch(cache, g, begin, end)
-                    self._wait_slots(g, fresh, cache._stream)
-                self._count_allocation(cache, old_n, new_n, spans)
-            else:
-                if new_n < old_n:
-                    self._uncount_allocation(cache, new_n, old_n)
-                    for g in range(n_lg):
-                        self._release(g, cache._blocks[g][new_n:], cache._tiers[g][new_n:], cache._stream)
-                        cache._blocks[g] = cache._blocks[g][:new_n].copy()
-                        cache._tiers[g] = cache._tiers[g][:new_n].copy()
-                self._release_scratch(cache)
-            self._sample_usage()
-
-    def _set_scratch(self, cache: KVCache, layer_group: int, begin: int, end: int) -> None:
-        """Hold exactly ``end - begin`` scratch slots for a layer group (reusing those held) and record
-        the range they stand in for; the slots needed were reserved by the caller."""
-        held = cache._scratch[layer_group]
-        want = end - begin
-        if want > held.size:
-            more = self._allocators[self._lg_pool_group[layer_group]].alloc(want - held.size)
-            self._wait_slots(layer_group, more, cache._stream)
-            held = np.concatenate([held, more])
-        elif want < held.size:
-            surplus = held[want:]
-            self._release(layer_group, surplus, np.zeros(surplus.size, dtype=np.int8), cache._stream)
-            held = held[:want].copy()
-        cache._scratch[layer_group] = held
-        cache._scratch_range[layer_group] = (begin, end) if want else (0, 0)
-
-    def _release_scratch(self, cache: KVCache) -> None:
-        """Give back every scratch slot of the cache."""
-        for g in range(len(cache._scratch)):
-            if cache._scratch[g].size:
-                self._set_scratch(cache, g, 0, 0)
-
-    def _set_scratch_reuse(self, cache: KVCache, enable: bool) -> None:
-        with self._lock:
-            if not enable and any(end > begin for begin, end in cache._scratch_range):
-                raise CacheStateError(f"KVCache {cache.id}: cannot disable SWA scratch reuse while the current "
-                                      f"step uses scratch slots (resize first)")
-            if not enable:
-                self._release_scratch(cache)
-
-    def _on_commit(self, cache: KVCache, priority: int | None = None) -> None:
-        with self._lock:
-            done, full = cache._published_blocks, cache.num_committed_tokens // self._layout.tokens_per_block
-            if full > done:   # pages others may now reuse: ready once this request's writes are
-                for g, (blocks, tiers) in enumerate(zip(cache._blocks, cache._tiers, strict=True)):
-                    self._stamp(g, blocks[done:full], tiers[done:full], cache._stream)
-                cache._published_blocks = full
-            if self.config.enable_prefix_reuse:
-                self._insert_committed(cache, priority)
-            self._sample_usage()
-
-    def _release_out_of_window(self, cache: KVCache) -> None:
-        """Free sliding-window pages no future token can attend to (their ids become -1)."""
-        tpb = self._layout.tokens_per_block
-        for lg in self._layout.layer_groups:
-            if lg.window is None:
-                continue
-            first_needed = max(0, cache.history_length - lg.window + 1) // tpb
-            sink_blocks = math.ceil(lg.sink_tokens / tpb)
-            if first_needed <= sink_blocks:
-                continue
-            blocks = cache._blocks[lg.layer_group_id]
-            stale = blocks[sink_blocks:first_needed]
-            if (stale >= 0).any():
-                with self._lock:
-                    released = stale.copy()
-                    released_tiers = cache._tiers[lg.layer_group_id][sink_blocks:first_needed].copy()
-                    self._release(lg.layer_group_id, released, released_tiers, cache._stream)
-                    blocks[sink_blocks:first_needed] = -1
-                    self._drop_window_pages(cache, lg.layer_group_id, sink_blocks, released, released_tiers)
-
-    def _close(self, cache: KVCache) -> None:
-        with self._lock:
-            for g, (blocks, tiers) in enumerate(zip(cache._blocks, cache._tiers, strict=True)):
-                self._release(g, blocks, tiers, cache._stream)
-            self._release_scratch(cache)
-            self._caches.pop(cache.id, None)
-            self._touch_blocks(cache, 0, len(cache._tree_nodes))
-            if cache._partial_src is not None:
-                self._tree.touch(cache._partial_src)
-                cache._partial_src = None
-            self._stats.commit(cache.id, cache._pending)
-            self._sample_usage()
+        return self._state.events.dropped
 
     # --- manager lifecycle --------------------------------------------------------------------
     def shutdown(self) -> None:
         """Release all memory; refuses while caches are open."""
-        with self._lock:
-            open_ids = [c.id for c in self._caches.values() if c.state is not CacheState.CLOSED]
-            if open_ids:
-                raise ManagerBusyError(f"shutdown: {len(open_ids)} KV caches still open: {open_ids[:5]}")
-            self._clear_tree(list(self._tree.nodes()))
-            self._shut_down = True
-            if self._copy is not None:
-                self._copy.close()
-            for tier in self._tiers[1:]:
+        with self._state.lock:
+            if self._state.shut_down:
+                return
+            self._refuse_open("shutdown()")
+            self._parts.reuse.clear_tree(list(self._state.tree.nodes()))
+            self._state.shut_down = True
+            if self._state.copier is not None:
+                self._state.copier.close()
+            for tier in self._state.tiers[1:]:
                 tier.close()
-            self._pools = [[] for _ in self._pools]
+            self._state.pools = [[] for _ in self._state.pools]
             # The primary view must not keep the pools' memory alive either (allocators stay readable).
-            self._tiers[0] = MemoryTierStorage("primary", self._layout, [[] for _ in self._pools], self._allocators,
+            self._state.tiers[0] = MemoryTierStorage("primary", self._state.layout, [[] for _ in self._state.pools], self._state.allocators,
                                                owns_pools=False)
-            self._tiers[0].close()
+            self._state.tiers[0].close()
+
+    # --- the reference design's manager API -----------------------------------------------------
+    @property
+    def init_config(self) -> KVCacheManagerConfig:
+        """The reference configuration the manager was created with (built from a CacheConfig when
+        that was given)."""
+        return self._state.init_config
+
+    @property
+    def event_manager(self) -> Any | None:
+        """The event manager the manager forwards its events to (None: events are only drained)."""
+        return self._state.event_manager
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per block."""
+        return self._state.layout.tokens_per_block
+
+    @property
+    def cache_tier_list(self) -> tuple[CacheTier, ...]:
+        """The medium of each cache level in force, primary first."""
+        kinds = {PrimaryTier: CacheTier.GPU_MEM, HostTier: CacheTier.HOST_MEM, DiskTier: CacheTier.DISK}
+        return tuple(kinds[type(t)] for t in self._state.current.tiers)
+
+    @property
+    def allow_seq_rebasing(self) -> bool:
+        """Whether a request's committed blocks may be swapped for identical tree blocks (kvxfer adopts
+        the tree's copy of a block a request commits when one exists)."""
+        return self._state.config.enable_prefix_reuse
+
+    @property
+    def enable_partial_match(self) -> bool:
+        """Whether a prefix match may end inside a block."""
+        return self._state.config.enable_partial_reuse
+
+    @property
+    def commit_min_snapshot(self) -> bool:
+        """``KVCacheManagerConfig.commit_min_snapshot`` (kvxfer keeps only attention pages)."""
+        return self._state.init_config.commit_min_snapshot
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool:
+        """Both page index modes are supported."""
+        return mode in (PageIndexMode.SHARED, PageIndexMode.PER_LAYER)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers the manager keeps."""
+        return sum(len(lg.layer_ids) for lg in self._state.layout.layer_groups)
+
+    @property
+    def layer_ids(self) -> Iterator[LayerId]:
+        """Every layer id, ascending."""
+        return iter(sorted(LayerId(i) for lg in self._state.layout.layer_groups for i in lg.layer_ids))
+
+    def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
+        """The layer group (life cycle) of a layer."""
+        for lg in self._state.layout.layer_groups:
+            if layer_id in lg.layer_ids:
+                return LayerGroupId(lg.layer_group_id)
+        raise LayoutError(f"get_layer_group_id: no layer {layer_id} in this manager")
+
+    @property
+    def layer_grouping(self) -> tuple[tuple[LayerId, ...], ...]:
+        """The layer ids of each layer group, in layer group order."""
+        return tuple(tuple(LayerId(i) for i in lg.layer_ids) for lg in self._state.layout.layer_groups)
+
+    @property
+    def all_buffer_ids(self) -> Iterator[BufferId]:
+        """Every (layer, role) buffer, by layer then role order."""
+        return iter(bid for bid, _ in self._state.layout.formats)
+
+    def _span(self, layer_id: LayerId, data_role: DataRole) -> tuple[PoolDesc, int, int]:
+        pg, pool, span = self._state.layout.locate(BufferId(int(layer_id), str(data_role)))
+        del pg
+        return pool, span.offset, span.size
+
+    def get_mem_pool_base_address(self, layer_id: LayerId, data_role: DataRole,
+                                  index_mode: PageIndexMode | None = None) -> MemAddress:
+        """Where page 0 of a buffer is: the buffer inside slot 0 (``PER_LAYER``, the default) or the
+        pool's base (``SHARED``, every buffer of the pool indexing from it)."""
+        pool, offset, _ = self._span(layer_id, data_role)
+        if index_mode is PageIndexMode.SHARED:
+            return MemAddress(pool.base_address)
+        return MemAddress(pool.base_address + offset)
+
+    def get_page_stride(self, layer_id: LayerId, data_role: DataRole) -> int:
+        """Bytes of one page of a buffer (its bytes per block)."""
+        return self._span(layer_id, data_role)[2]
+
+    def get_page_index_scale(self, layer_id: LayerId, data_role: DataRole) -> int:
+        """Pages of the buffer's stride in one slot of its pool: page index = slot id * scale."""
+        pool, _, size = self._span(layer_id, data_role)
+        return exact_div(pool.slot_bytes, size)
+
+    def get_page_index_upper_bound(self, layer_id: LayerId, data_role: DataRole) -> int:
+        """One past the largest page index of a buffer."""
+        pool, _, _ = self._span(layer_id, data_role)
+        return pool.num_slots * self.get_page_index_scale(layer_id, data_role)
+
+    def get_page_index_converter(self, layer_id: LayerId, data_role: DataRole) -> PageIndexConverter:
+        """Turns base page indices of the buffer's layer group into page indices of the buffer."""
+        _, offset, size = self._span(layer_id, data_role)
+        return PageIndexConverter(self.get_page_index_scale(layer_id, data_role), 1, exact_div(offset, size))
+
+    def probe_reuse(self, reuse_scope: ReuseScope | None = None,
+                    input_tokens: Sequence[int] | npt.ArrayLike | None = None, *,
+                    extra_keys: ExtraKeys | None = None) -> int:
+        """How many of ``input_tokens`` ``create_kv_cache(reuse_scope, input_tokens)`` would reuse now;
+        takes nothing (no page, no LRU update, no statistics)."""
+        return self._parts.reuse.probe(reuse_scope, input_tokens, extra_keys, holdback=0, what="probe_reuse")
+
+    def probe_first_new_block_key(self, reuse_scope: ReuseScope | None = None,
+                                  input_tokens: Sequence[int] | npt.ArrayLike | None = None) -> bytes | None:
+        """The key of the first full block of ``input_tokens`` that the prefix tree lacks (None: every
+        full block is there, or there is none)."""
+        with self._state.lock:
+            scope = check_scope(reuse_scope, "probe_first_new_block_key")
+            if input_tokens is None:
+                return None
+            arr = as_token_ids(input_tokens, "probe_first_new_block_key")
+            root = scope.root_key_for(self._state.key_algo)
+            keys = block_keys(arr, self._state.layout.tokens_per_block, root, algo=self._state.key_algo, scope=scope)
+            matched = len(self._state.tree.match(root, keys).nodes)
+            return keys[matched] if matched < len(keys) else None
+
+    def clear_reusable_blocks(self) -> None:
+        """Drop every block of the prefix tree; LogicError while any KV cache is open."""
+        with self._state.lock:
+            self._refuse_open("clear_reusable_blocks()")
+            self._parts.reuse.clear_tree(list(self._state.tree.nodes()))
+            self._state.events.put(AllCleared())
+            self._parts.usage.sample_usage()
+
+    def _refuse_open(self, what: str) -> None:
+        open_ids = [c.id for c in self._state.caches.values() if c.state is not CacheState.CLOSED]
+        if open_ids:
+            raise ManagerBusyError(f"{what}: {len(open_ids)} KV cache(s) still open: {open_ids[:5]}")
+
+    def resize(self, cache_level: CacheLevel, quota: int, best_efforts: bool = False) -> bool:
+        """Give a cache level a new byte quota (see ``resize_quota``); False, changing nothing, when it
+        cannot be done now (an active request, or held pages with no room). ``best_efforts`` is
+        accepted for the reference's signature: kvxfer's resize is all or nothing."""
+        del best_efforts
+        try:
+            self._parts.quotas.resize_quota(int(cache_level), quota)
+        except (ManagerBusyError, TierError):
+            return False
+        return True
+
+    def get_quota(self, cache_level: CacheLevel) -> int:
+        """The byte quota of a cache level in force."""
+        self._state.check_tier_index(int(cache_level))
+        return self._state.current.tiers[int(cache_level)].quota_bytes
+
+    def get_storage_statistics(self, cache_level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
+        """Slot counts of each pool group at a cache level."""
+        with self._state.lock:
+            self._state.check_tier_index(int(cache_level))
+            out = []
+            for pg in range(len(self._state.layout.pool_groups)):
+                acc = self._parts.usage.slot_accounting(pg, int(cache_level))
+                sizes = list(self._state.tiers[int(cache_level)].layout.pool_groups[pg].slot_desc.slot_size_list)
+                out.append(StorageStatistics(sizes, acc.total, acc.free, acc.evictable))
+            return out
+
+    def get_life_cycle_pool_group_indices(self, cache_level: CacheLevel = GPU_LEVEL) -> list[PoolGroupIndex]:
+        """The pool group of each layer group (life cycle), in layer group order."""
+        self._state.check_tier_index(int(cache_level))
+        return [PoolGroupIndex(pg) for pg in self._state.lg_pool_group]
+
+    def get_and_reset_ssm_snapshot_iteration_stats(self) -> dict[LifeCycleId, SsmSnapshotIterationStatsDelta]:
+        """Per-life-cycle SSM snapshot counters: always empty (no SSM layers in kvxfer)."""
+        return {}
+
+    def record_request_suspended(self) -> None:
+        """Count a request suspension in this iteration's counters."""
+        with self._state.lock:
+            self._state.suspend_resume[0] += 1
+
+    def record_request_resumed(self) -> None:
+        """Count a request resumption in this iteration's counters."""
+        with self._state.lock:
+            self._state.suspend_resume[1] += 1
+
+    def get_and_reset_iteration_suspend_resume_stats(self) -> tuple[int, int]:
+        """(suspensions, resumptions) recorded since the last call."""
+        with self._state.lock:
+            out = (self._state.suspend_resume[0], self._state.suspend_resume[1])
+            self._state.suspend_resume = [0, 0]
+            return out
+
+    def get_and_reset_iteration_disk_prefetch_blocks(self) -> int:
+        """Pages prefetched out of the disk level since the last call."""
+        with self._state.lock:
+            out, self._state.disk_prefetch_blocks = self._state.disk_prefetch_blocks, 0
+            return out
+
+    def get_and_reset_iteration_cached_tokens_by_level(self) -> list[int]:
+        """Reused tokens of the caches created since the last call, by the level their pages were at."""
+        with self._state.lock:
+            out = self._state.cached_tokens_by_level
+            self._state.cached_tokens_by_level = [0] * len(self._state.tiers)
+            return out
+
+    def get_and_reset_iteration_reused_blocks_by_level(self) -> dict[LifeCycleId, ReusedBlocksByLevel]:
+        """Reused blocks (full and partial) per layer group and level since the last call."""
+        with self._state.lock:
+            out = self._state.reused_blocks_by_level
+            self._state.reused_blocks_by_level = {}
+            return out
+
+    def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
+        """The longest sequence (at most ``token_num_upper_bound``) of which ``batch_size`` fit in the
+        primary level at once, counting each layer group's window and sink blocks."""
+        if batch_size <= 0:
+            raise ConfigError(f"clamp_max_seq_len_for_mem: batch_size must be > 0, got {batch_size}")
+        tpb = self._state.layout.tokens_per_block
+
+        def fits(seq_len: int) -> bool:
+            for pg, alloc in enumerate(self._state.allocators):
+                need = 0
+                for lg in self._state.pg_layer_groups[pg]:
+                    desc = self._state.layout.layer_groups[lg]
+                    blocks = div_up(seq_len, tpb)
+                    if desc.window is not None:
+                        blocks = min(blocks, div_up(desc.window, tpb) + 1 + div_up(desc.sink_tokens, tpb))
+                    need += blocks
+                if need * batch_size > alloc.usable:
+                    return False
+            return True
+
+        lo, hi = 0, max(0, int(token_num_upper_bound))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @property
+    def need_adjustment(self) -> bool:
+        """Whether ``adjust()`` would change the pool split: never, kvxfer's split changes only by
+        ``rebalance_slots`` or ``resize``."""
+        return False
+
+    def adjust(self) -> None:
+        """Apply a pending pool re-split; with ``need_adjustment`` always False there is none to apply."""
+        return None
+
+    # --- the parts' public API, as the manager's ----------------------------------------------------
+    @property
+    def lifecycle(self) -> CacheLifecycle:
+        """The kv caches' life-cycle part (what each KVCache calls)."""
+        return self._parts.lifecycle
+
+    def allocator(self, pool_group: int, tier: int = 0) -> SlotAllocator:
+        """The slot allocator of a pool group in a tier (0 = primary; read-only use: counts and reference counts)."""
+        return self._state.allocator(pool_group, tier)
+
+    def clear_stats_dirty(self, kv_cache_id: Hashable | None) -> None:
+        """Unmark a request (committing or discarding its stats does this too)."""
+        return self._parts.usage.clear_stats_dirty(kv_cache_id)
+
+    def clear_stats_excluded(self, kv_cache_id: Hashable | None) -> None:
+        """Record request ``kv_cache_id``'s statistics again."""
+        return self._parts.usage.clear_stats_excluded(kv_cache_id)
+
+    @property
+    def config(self) -> CacheConfig:
+        """The configuration the manager was created with (never changes; see ``current_config``)."""
+        return self._state.config
+
+    def copy_slots(self, pool_group: int, src: npt.ArrayLike, dst: npt.ArrayLike) -> None:
+        """Copy whole slots ``src[i] -> dst[i]`` in every pool of a pool group (one batched copy per pool, on the pool's device)."""
+        return self._state.copy_slots(pool_group, src, dst)
+
+    @property
+    def current_config(self) -> CacheConfig:
+        """The configuration in force now: ``config`` with the quotas ``resize_quota`` set and without a host tier that could not be set up."""
+        return self._state.current_config
+
+    @property
+    def device(self) -> torch.device:
+        """The primary tier's device."""
+        return self._state.device
+
+    def get_and_reset_iteration_peak_block_stats(self, cache_level: int = 0) -> tuple[PoolGroupPeakBlockStats, ...]:
+        """Per pool group of cache level ``cache_level`` (tier index, 0 = primary): the peak available / unavailable / evictable slots since the last call; they restart from the present state. With stats off, the present state."""
+        return self._parts.usage.get_and_reset_iteration_peak_block_stats(cache_level)
+
+    def get_and_reset_iteration_peak_block_stats_by_level(self) -> tuple[tuple[PoolGroupPeakBlockStats, ...], ...]:
+        """``get_and_reset_iteration_peak_block_stats`` of every cache level, primary first."""
+        return self._parts.usage.get_and_reset_iteration_peak_block_stats_by_level()
+
+    def get_and_reset_iteration_stats(self) -> dict[int, KVCacheIterationStatsDelta]:
+        """Per layer group that counted anything: counters committed (and copies made) since the last call; ``{}`` when nothing happened or ``enable_stats`` is off."""
+        return self._parts.usage.get_and_reset_iteration_stats()
+
+    def get_committed_stats(self) -> KVCacheStatsDelta:
+        """Every request's committed counters summed since the manager started (a copy)."""
+        return self._parts.usage.get_committed_stats()
+
+    def get_dirty_stats_kv_cache_ids(self) -> set[Any]:
+        """Ids of the requests with pending statistics: what a scheduler commits at the end of a step."""
+        return self._parts.usage.get_dirty_stats_kv_cache_ids()
+
+    @property
+    def hash_algo(self) -> str:
+        """The block-key algorithm as configured (``CacheConfig.hash_algo``; may be ``auto``)."""
+        return self._state.hash_algo
+
+    @property
+    def host_tier_error(self) -> str | None:
+        """Why the configured host tier is missing (its set-up failed; the manager runs without it), or None."""
+        return self._state.host_tier_error
+
+    def is_stats_excluded(self, kv_cache_id: Hashable | None) -> bool:
+        """Whether request ``kv_cache_id``'s statistics are not recorded."""
+        return self._parts.usage.is_stats_excluded(kv_cache_id)
+
+    @property
+    def layout(self) -> CacheLayoutDesc:
+        """The published layout of the primary tier: pools, slots, buffer formats."""
+        return self._state.layout
+
+    def mark_stats_dirty(self, kv_cache_id: Hashable | None) -> None:
+        """Mark a request as having pending statistics (requests mark themselves when they record)."""
+        return self._parts.usage.mark_stats_dirty(kv_cache_id)
+
+    def mark_stats_excluded(self, kv_cache_id: Hashable | None) -> None:
+        """Record nothing for request ``kv_cache_id`` from now on (warm-up or dummy requests): it leaves the dirty set and what it has pending is never committed. May precede the request's creation."""
+        return self._parts.usage.mark_stats_excluded(kv_cache_id)
+
+    def num_free_slots(self, pool_group: int = 0) -> int:
+        """Free slots of a pool group."""
+        return self._state.num_free_slots(pool_group)
+
+    @property
+    def num_tiers(self) -> int:
+        """Tiers of this manager, primary first (1 without host or disk tiers)."""
+        return self._state.num_tiers
+
+    @property
+    def open_caches(self) -> list[KVCache]:
+        """Caches created and not yet closed."""
+        return self._state.open_caches
+
+    @property
+    def pool_group_descs(self) -> tuple[PoolGroupDesc, ...]:
+        """The pool groups of the published layout."""
+        return self._state.pool_group_descs
+
+    def pool_tensor(self, pool_group: int, pool: int) -> torch.Tensor:
+        """The raw byte tensor of one pool (for copy engines and tests)."""
+        return self._state.pool_tensor(pool_group, pool)
+
+    @property
+    def prefix_tree(self) -> PrefixTree:
+        """The prefix tree (read-only use: inspection, tests, benchmarks)."""
+        return self._state.prefix_tree
+
+    def probe_prompt_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
+                           extra_keys: ExtraKeys | None = None) -> int:
+        """How many tokens ``create_kv_cache_for_prompt(tokens, reuse_scope=scope)`` would reuse now (never the last prompt token); takes nothing (no page, no LRU update, no statistics)."""
+        return self._parts.reuse.probe_prompt_reuse(tokens, scope, extra_keys)
+
+    def rebalance_slots(self, num_slots: Sequence[int]) -> None:
+        """Set the usable slot count of every primary pool group (``num_slots[pg]``), each at most the registered ``PoolGroupDesc.num_slots``, their bytes within the current primary quota."""
+        return self._parts.quotas.rebalance_slots(num_slots)
+
+    def reset_prefix_tree(self) -> bool:
+        """Drop every block of the prefix tree (one AllCleared event); False, changing nothing, while a request still shares one of its pages."""
+        return self._parts.reuse.reset_prefix_tree()
+
+    def resize_quota(self, tier: int | type[PrimaryTier | HostTier | DiskTier], quota_bytes: int) -> None:
+        """Give a tier a new quota; only while no request is ACTIVE (ManagerBusyError)."""
+        return self._parts.quotas.resize_quota(tier, quota_bytes)
+
+    @property
+    def resolved_hash_algo(self) -> str:
+        """The concrete block-key algorithm (``auto`` resolved to ``v1_block_key``); pass either name to ``kvxfer.cache.hashing.block_hash_for_event`` to publish a key."""
+        return self._state.resolved_hash_algo
+
+    @property
+    def reuse_match_backoff(self) -> int:
+        """Tokens trimmed off the tail of every prefix match (``KVCacheManagerConfig.reuse_match_backoff``)."""
+        return self._state.reuse_match_backoff
+
+    def slot_accounting(self, pool_group: int = 0, tier: int = 0) -> SlotAccounting:
+        """Where the usable slots of a pool group of a tier (0 = primary) are (free, request-only, evictable, shared); raises KVCacheError when the reference counts contradict the tree."""
+        return self._parts.usage.slot_accounting(pool_group, tier)
+
+    def storage_stats(self, tier: int | type[PrimaryTier | HostTier | DiskTier] = 0) -> TierStats:
+        """Capacity and occupancy (slots per pool group) of one tier."""
+        return self._parts.quotas.storage_stats(tier)
+
+    def tier_index(self, tier: int | type[PrimaryTier | HostTier | DiskTier]) -> int:
+        """Index of a tier given as an index or as its config class (PrimaryTier, HostTier, DiskTier)."""
+        return self._state.tier_index(tier)
+
+    @property
+    def tier_media(self) -> tuple[str, ...]:
+        """Each tier's medium name in events ("GPU", "CPU", "DISK"), primary first."""
+        return self._state.tier_media
+
+    def tier_traffic(self) -> TierTraffic:
+        """Pages offloaded into / onboarded from each tier, blocks dropped, bytes moved (cumulative)."""
+        return self._parts.quotas.tier_traffic()
 
     def __repr__(self) -> str:
-        pgs = ", ".join(f"pg{i}: {a.num_used}/{a.num_slots} used" for i, a in enumerate(self._allocators))
-        return f"KVCacheManager(device={self.device}, {pgs})"
+        pgs = ", ".join(f"pg{i}: {a.num_used}/{a.num_slots} used" for i, a in enumerate(self._state.allocators))
+        return f"KVCacheManager(device={self._state.device}, {pgs})"
 
 
 def _check_prompt_length(length: int | None, tokens: TokenArray | None, what: str) -> int | None:

@@ -6,19 +6,22 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvxfer.cache.allocator import SlotAllocator
+from kvxfer.cache.common import LifeCycleId
 from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.copy_engine import CopyEngine
 from kvxfer.cache.descriptors import CacheLayoutDesc, PoolGroupDesc
 from kvxfer.cache.events import EventQueue
 from kvxfer.cache.kv_cache import CacheState, KVCache
+from kvxfer.cache.manager_config import KVCacheManagerConfig
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree
-from kvxfer.cache.stats import StatsCollector, TierTrafficCounter
+from kvxfer.cache.stats import ReusedBlocksByLevel, StatsCollector, TierTrafficCounter
 from kvxfer.cache.streams import SlotReadiness
 from kvxfer.cache.tiers import TierStorage
 from kvxfer.errors import KVCacheError, ManagerBusyError, TierError
@@ -28,45 +31,47 @@ class ManagerState:
     """State every part of the manager reads: declared here, assigned by ``KVCacheManager.__init__``."""
 
     config: CacheConfig
-    _current: CacheConfig
-    _hash_algo: str
+    current: CacheConfig
+    key_algo: str
     device: torch.device
-    _pools: list[list[torch.Tensor]]
-    _layout: CacheLayoutDesc
-    _allocators: list[SlotAllocator]
-    _lg_pool_group: list[int]
-    _tree: PrefixTree
-    _in_tree: list[npt.NDArray[np.bool_]]
-    _events: EventQueue
-    _medium: str
-    _has_windows: bool
-    _caches: dict[str, KVCache]
-    _ids: Iterator[int]
-    _lock: threading.RLock
-    _shut_down: bool
-    _pg_layer_groups: list[list[int]]
-    _pinned: set[str]
-    _readiness: SlotReadiness | None
-    _tiers: list[TierStorage]
-    _media: list[str]
-    _copy: CopyEngine | None
+    pools: list[list[torch.Tensor]]
+    layout: CacheLayoutDesc
+    allocators: list[SlotAllocator]
+    lg_pool_group: list[int]
+    tree: PrefixTree
+    in_tree: list[npt.NDArray[np.bool_]]
+    events: EventQueue
+    medium: str
+    has_windows: bool
+    caches: dict[str, KVCache]
+    ids: Iterator[int]
+    lock: threading.RLock
+    shut_down: bool
+    pg_layer_groups: list[list[int]]
+    pinned: set[str]
+    readiness: SlotReadiness | None
+    tiers: list[TierStorage]
+    media: list[str]
+    copier: CopyEngine | None
     host_tier_error: str | None
-    _in_tree_t: list[list[npt.NDArray[np.bool_]]]
-    _tree_owner: list[list[dict[int, tuple[BlockNode, int]]]]
-    _traffic: TierTrafficCounter
-    _page_bytes: list[int]
-    _stats: StatsCollector
-
-    @property
-    def init_config(self) -> CacheConfig:
-        """The configuration the manager was created with (the reference's name for ``config``)."""
-        return self.config
+    in_tree_t: list[list[npt.NDArray[np.bool_]]]
+    tree_owner: list[list[dict[int, tuple[BlockNode, int]]]]
+    traffic: TierTrafficCounter
+    page_bytes: list[int]
+    stats: StatsCollector
+    reuse_match_backoff: int
+    init_config: KVCacheManagerConfig
+    event_manager: Any
+    suspend_resume: list[int]
+    disk_prefetch_blocks: int
+    cached_tokens_by_level: list[int]
+    reused_blocks_by_level: dict[LifeCycleId, ReusedBlocksByLevel]
 
     @property
     def current_config(self) -> CacheConfig:
         """The configuration in force now: ``config`` with the quotas ``resize_quota`` set and without
         a host tier that could not be set up."""
-        return self._current
+        return self.current
 
     @property
     def hash_algo(self) -> str:
@@ -77,101 +82,102 @@ class ManagerState:
     def resolved_hash_algo(self) -> str:
         """The concrete block-key algorithm (``auto`` resolved to ``v1_block_key``); pass either name
         to ``kvxfer.cache.hashing.block_hash_for_event`` to publish a key."""
-        return self._hash_algo
+        return self.key_algo
 
-    @property
-    def layout(self) -> CacheLayoutDesc:
-        """The published layout descriptor (addresses of the primary tier's pools)."""
-        return self._layout
 
     @property
     def pool_group_descs(self) -> tuple[PoolGroupDesc, ...]:
         """The pool groups of the published layout."""
-        return self._layout.pool_groups
+        return self.layout.pool_groups
 
     def pool_tensor(self, pool_group: int, pool: int) -> torch.Tensor:
         """The raw byte tensor of one pool (for copy engines and tests)."""
-        return self._pools[pool_group][pool]
+        return self.pools[pool_group][pool]
 
     def allocator(self, pool_group: int, tier: int = 0) -> SlotAllocator:
         """The slot allocator of a pool group in a tier (0 = primary; read-only use: counts and
         reference counts)."""
         if tier:
-            self._check_tier_index(tier)
-            return self._alloc_of(tier, pool_group)
-        return self._allocators[pool_group]
+            self.check_tier_index(tier)
+            return self.alloc_of(tier, pool_group)
+        return self.allocators[pool_group]
 
     def num_free_slots(self, pool_group: int = 0) -> int:
         """Free slots of a pool group."""
-        return self._allocators[pool_group].num_free
+        return self.allocators[pool_group].num_free
 
-    def _alloc_of(self, tier: int, pool_group: int) -> SlotAllocator:
-        return self._tiers[tier].allocator(pool_group)
+    def alloc_of(self, tier: int, pool_group: int) -> SlotAllocator:
+        """The slot allocator of a pool group in a tier (no index check)."""
+        return self.tiers[tier].allocator(pool_group)
 
-    def _node_medium(self, node: BlockNode) -> str:
+    def node_medium(self, node: BlockNode) -> str:
         """The medium of the coldest tier holding one of ``node``'s pages (the primary's when none)."""
         held = node.tiers[node.pages >= 0]
-        return self._media[int(held.max()) if held.size else 0]
+        return self.media[int(held.max()) if held.size else 0]
 
-    def _unmark_tree_page(self, tier: int, pool_group: int, page: int) -> None:
-        self._in_tree_t[tier][pool_group][page] = False
-        self._tree_owner[tier][pool_group].pop(page, None)
+    def unmark_tree_page(self, tier: int, pool_group: int, page: int) -> None:
+        """Record that a tier's slot no longer holds a tree page."""
+        self.in_tree_t[tier][pool_group][page] = False
+        self.tree_owner[tier][pool_group].pop(page, None)
 
     def copy_slots(self, pool_group: int, src: npt.ArrayLike, dst: npt.ArrayLike) -> None:
         """Copy whole slots ``src[i] -> dst[i]`` in every pool of a pool group (one batched copy
         per pool, on the pool's device)."""
-        pg = self._layout.pool_groups[pool_group]
-        src_ids = self._allocators[pool_group].check(src, "copy source slot").astype(np.int64)
-        dst_ids = self._allocators[pool_group].check(dst, "copy destination slot").astype(np.int64)
+        pg = self.layout.pool_groups[pool_group]
+        src_ids = self.allocators[pool_group].check(src, "copy source slot").astype(np.int64)
+        dst_ids = self.allocators[pool_group].check(dst, "copy destination slot").astype(np.int64)
         if src_ids.shape != dst_ids.shape:
             raise KVCacheError(f"copy_slots: {src_ids.size} sources for {dst_ids.size} destinations")
-        for pool, raw in zip(pg.pools, self._pools[pool_group], strict=True):
+        for pool, raw in zip(pg.pools, self.pools[pool_group], strict=True):
             rows = raw.view(pool.num_slots, pool.slot_bytes)
             rows[torch.from_numpy(dst_ids).to(raw.device)] = rows[torch.from_numpy(src_ids).to(raw.device)]
 
     @property
     def prefix_tree(self) -> PrefixTree:
         """The prefix tree (read-only use: inspection, tests, benchmarks)."""
-        return self._tree
+        return self.tree
 
     @property
     def open_caches(self) -> list[KVCache]:
         """Caches created and not yet closed."""
-        return list(self._caches.values())
+        return list(self.caches.values())
 
     @property
     def tier_media(self) -> tuple[str, ...]:
         """Each tier's medium name in events ("GPU", "CPU", "DISK"), primary first."""
-        return tuple(self._media)
+        return tuple(self.media)
 
     @property
     def num_tiers(self) -> int:
         """Tiers of this manager, primary first (1 without host or disk tiers)."""
-        return len(self._tiers)
+        return len(self.tiers)
 
     def tier_index(self, tier: int | type[PrimaryTier | HostTier | DiskTier]) -> int:
         """Index of a tier given as an index or as its config class (PrimaryTier, HostTier, DiskTier)."""
         if isinstance(tier, type):
-            for i, cfg in enumerate(self._current.tiers):
+            for i, cfg in enumerate(self.current.tiers):
                 if isinstance(cfg, tier):
                     return i
             missing = f"; its set-up failed: {self.host_tier_error}" if tier is HostTier and self.host_tier_error else ""
             raise TierError(f"the manager has no {tier.__name__} (tiers: "
-                            f"{[type(t).__name__ for t in self._current.tiers]}){missing}")
-        self._check_tier_index(tier)
+                            f"{[type(t).__name__ for t in self.current.tiers]}){missing}")
+        self.check_tier_index(tier)
         return int(tier)
 
-    def _check_tier_index(self, tier: int) -> None:
-        if isinstance(tier, bool) or not isinstance(tier, int | np.integer) or not 0 <= tier < len(self._tiers):
-            raise TierError(f"no tier {tier!r} (have 0..{len(self._tiers) - 1})")
+    def check_tier_index(self, tier: int) -> None:
+        """TierError unless ``tier`` is the index of a tier in force."""
+        if isinstance(tier, bool) or not isinstance(tier, int | np.integer) or not 0 <= tier < len(self.tiers):
+            raise TierError(f"no tier {tier!r} (have 0..{len(self.tiers) - 1})")
 
-    def _check_no_active(self, what: str) -> None:
-        active = [c.id for c in self._caches.values() if c.state is CacheState.ACTIVE]
+    def check_no_active(self, what: str) -> None:
+        """ManagerBusyError while any kv cache is active (``what`` names the refused call)."""
+        active = [c.id for c in self.caches.values() if c.state is CacheState.ACTIVE]
         if active:
             raise ManagerBusyError(f"{what}: {len(active)} KV caches are active: {active[:5]} "
                                    f"(suspend or close them first)")
 
-    def _set_tier_config(self, t: int, cfg: PrimaryTier | HostTier | DiskTier) -> None:
-        tiers = list(self._current.tiers)
+    def set_tier_config(self, t: int, cfg: PrimaryTier | HostTier | DiskTier) -> None:
+        """Record a tier's new configuration in ``current`` (after a quota resize)."""
+        tiers = list(self.current.tiers)
         tiers[t] = cfg
-        self._current = dataclasses.replace(self._current, tiers=tuple(tiers))
+        self.current = dataclasses.replace(self.current, tiers=tuple(tiers))

@@ -4,6 +4,7 @@ owner (tree blocks, requests) after a move, counting the copies."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -12,32 +13,37 @@ import torch
 from kvxfer.cache.allocator import SlotAllocator
 from kvxfer.cache.copy_engine import CopyHandle
 from kvxfer.cache.events import Updated, layer_group_subset
+from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.radix_tree import BlockNode
-from kvxfer.cache.stream_ordering import StreamOrdering
 from kvxfer.errors import KvxferError
 
 IntArray = npt.NDArray[np.int32]
 
 
-class PageMovement(StreamOrdering):
+class PageMovement:
     """Copies of pages and the bookkeeping that follows them."""
 
-    def _copy_pages(self, pool_group: int, jobs: list[tuple[int, IntArray, int, IntArray]]) -> None:
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts``, through which this part reaches the others."""
+        self.state = state
+        self.parts = parts
+
+    def copy_pages(self, pool_group: int, jobs: list[tuple[int, IntArray, int, IntArray]]) -> None:
         """Run ``(src tier, src slots, dst tier, dst slots)`` copies back to back through the copy
         engine and wait for all; on failure the destination slots are freed and the error re-raised."""
-        assert self._copy is not None
-        if any(self._tiers[src_t].memory_kind == "cuda" for src_t, _, _, _ in jobs):
-            torch.cuda.current_stream(self.device).synchronize()   # the KV being moved must be written
-        if self._readiness is not None:          # sources written and destinations let go of on every
+        assert self.state.copier is not None
+        if any(self.state.tiers[src_t].memory_kind == "cuda" for src_t, _, _, _ in jobs):
+            torch.cuda.current_stream(self.state.device).synchronize()   # the KV being moved must be written
+        if self.state.readiness is not None:          # sources written and destinations let go of on every
             for src_t, src, dst_t, dst in jobs:   # request's stream too
                 if src_t == 0:
-                    self._readiness.synchronize(pool_group, src)
+                    self.state.readiness.synchronize(pool_group, src)
                 if dst_t == 0:
-                    self._readiness.synchronize(pool_group, dst)
+                    self.state.readiness.synchronize(pool_group, dst)
         handles: list[CopyHandle] = []
         try:
             for src_t, src, dst_t, dst in jobs:
-                handles.append(self._copy.copy_slots(self._tiers[src_t], self._tiers[dst_t], pool_group, src, dst))
+                handles.append(self.state.copier.copy_slots(self.state.tiers[src_t], self.state.tiers[dst_t], pool_group, src, dst))
             for handle in handles:
                 handle.wait()
         except BaseException:
@@ -45,26 +51,26 @@ class PageMovement(StreamOrdering):
                 with contextlib.suppress(KvxferError):
                     handle.wait()
             for _, _, dst_t, dst in jobs:
-                self._alloc_of(dst_t, pool_group).decref(dst)
+                self.state.alloc_of(dst_t, pool_group).decref(dst)
             raise
 
-    def _relocate(self, pool_group: int, src_tier: int, src: IntArray, dst_tier: int, dst: IntArray, *,
+    def relocate(self, pool_group: int, src_tier: int, src: IntArray, dst_tier: int, dst: IntArray, *,
                   dst_alloc: SlotAllocator | None = None, dst_in_tree: npt.NDArray[np.bool_] | None = None,
                   dst_owner: dict[int, tuple[BlockNode, int]] | None = None) -> None:
         """Pages ``src`` of ``src_tier`` now live in slots ``dst`` (freshly allocated, one reference
         each) of ``dst_tier``: carry the reference counts over, repoint the tree blocks and the
         requests holding them, free the sources, emit Updated for a change of medium."""
-        src_alloc = self._alloc_of(src_tier, pool_group)
-        dst_alloc = dst_alloc if dst_alloc is not None else self._alloc_of(dst_tier, pool_group)
-        dst_in_tree = dst_in_tree if dst_in_tree is not None else self._in_tree_t[dst_tier][pool_group]
-        dst_owner = dst_owner if dst_owner is not None else self._tree_owner[dst_tier][pool_group]
+        src_alloc = self.state.alloc_of(src_tier, pool_group)
+        dst_alloc = dst_alloc if dst_alloc is not None else self.state.alloc_of(dst_tier, pool_group)
+        dst_in_tree = dst_in_tree if dst_in_tree is not None else self.state.in_tree_t[dst_tier][pool_group]
+        dst_owner = dst_owner if dst_owner is not None else self.state.tree_owner[dst_tier][pool_group]
         refs = src_alloc.refcount[src].astype(np.int64)
         extra = np.repeat(dst, refs - 1)
         if extra.size:
             dst_alloc.incref(extra)
-        src_owner = self._tree_owner[src_tier][pool_group]
+        src_owner = self.state.tree_owner[src_tier][pool_group]
         moved: dict[int, list[bytes]] = {}
-        owner_lgs = np.full(src.size, self._pg_layer_groups[pool_group][0], dtype=np.int64)
+        owner_lgs = np.full(src.size, self.state.pg_layer_groups[pool_group][0], dtype=np.int64)
         for i, (s, d) in enumerate(zip(src.tolist(), dst.tolist(), strict=True)):
             owner = src_owner.pop(s, None)
             if owner is not None:
@@ -74,14 +80,14 @@ class PageMovement(StreamOrdering):
                 node.tiers[lg] = dst_tier
                 dst_owner[d] = owner
                 moved.setdefault(lg, []).append(node.key)
-        src_in_tree = self._in_tree_t[src_tier][pool_group]
+        src_in_tree = self.state.in_tree_t[src_tier][pool_group]
         dst_in_tree[dst] = src_in_tree[src]
         src_in_tree[src] = False
         order = np.argsort(src)
         sorted_src, sorted_dst = src[order], dst[order]
-        for cache in self._caches.values():
-            for lg in self._pg_layer_groups[pool_group]:
-                blocks, tiers = cache._blocks[lg], cache._tiers[lg]
+        for cache in self.state.caches.values():
+            for lg in self.state.pg_layer_groups[pool_group]:
+                blocks, tiers = cache.record.blocks[lg], cache.record.tiers[lg]
                 pos = np.flatnonzero((tiers == src_tier) & (blocks >= 0))
                 if not pos.size:
                     continue
@@ -92,35 +98,35 @@ class PageMovement(StreamOrdering):
                 tiers[pos[hit]] = dst_tier
         src_alloc.decref(np.repeat(src, refs))
         if src_tier != dst_tier:
-            self._traffic.moved(src_tier, dst_tier, int(src.size), int(src.size) * self._page_bytes[pool_group])
-            self._count_copies(pool_group, "onboard" if dst_tier < src_tier else "offload", int(src.size),
+            self.state.traffic.moved(src_tier, dst_tier, int(src.size), int(src.size) * self.state.page_bytes[pool_group])
+            self.count_copies(pool_group, "onboard" if dst_tier < src_tier else "offload", int(src.size),
                                owner_lgs)
         if moved and src_tier != dst_tier:
-            self._put_moves(moved, self._media[src_tier], self._media[dst_tier])
+            self.put_moves(moved, self.state.media[src_tier], self.state.media[dst_tier])
 
-    def _put_moves(self, moved: dict[int, list[bytes]], old: str, new: str) -> None:
+    def put_moves(self, moved: dict[int, list[bytes]], old: str, new: str) -> None:
         """Updated events for blocks whose pages of the listed layer groups moved ``old`` -> ``new``
         (one event when every layer group moved the same blocks)."""
-        n_lg = len(self._layout.layer_groups)
+        n_lg = len(self.state.layout.layer_groups)
         keys = [tuple(dict.fromkeys(v)) for v in moved.values()]
         if len(moved) == n_lg and all(k == keys[0] for k in keys):
-            self._events.put(Updated(keys[0], new, old_medium=old))
+            self.state.events.put(Updated(keys[0], new, old_medium=old))
             return
         for lg, k in zip(moved, keys, strict=True):
-            self._events.put(Updated(k, new, old_medium=old, layer_groups=layer_group_subset(
+            self.state.events.put(Updated(k, new, old_medium=old, layer_groups=layer_group_subset(
                 [i == lg for i in range(n_lg)])))
 
-    def _count_copies(self, pool_group: int, kind: str, pages: int, layer_groups: npt.NDArray[np.int64] | None) -> None:
+    def count_copies(self, pool_group: int, kind: str, pages: int, layer_groups: npt.NDArray[np.int64] | None) -> None:
         """Count ``pages`` copied pages of a pool group in the iteration stats of the layer groups
         they belong to (``layer_groups[i]`` per page; the pool group's first one when unknown).
         ``kind``: "onboard" (to a warmer tier), "offload" (to a colder one) or "intra" (same device)."""
-        if not self._stats.enabled or pages == 0:
+        if not self.state.stats.enabled or pages == 0:
             return
-        lgs = np.full(pages, self._pg_layer_groups[pool_group][0], dtype=np.int64) if layer_groups is None \
+        lgs = np.full(pages, self.state.pg_layer_groups[pool_group][0], dtype=np.int64) if layer_groups is None \
             else layer_groups
-        nbytes = self._page_bytes[pool_group]
+        nbytes = self.state.page_bytes[pool_group]
         for lg, n in zip(*np.unique(lgs, return_counts=True), strict=True):
-            delta = self._stats.traffic(int(lg))
+            delta = self.state.stats.traffic(int(lg))
             assert delta is not None
             count = int(n)
             if kind == "onboard":

@@ -9,6 +9,7 @@ no page still counts where noted in docs/cache.md).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -93,6 +94,54 @@ class KVCacheIterationStatsDelta(StatsDelta):
         """reused / (reused + missed) blocks; 0.0 when nothing was looked up."""
         total = self.iter_reused_blocks + self.iter_missed_blocks
         return self.iter_reused_blocks / total if total else 0.0
+
+
+@dataclass(slots=True)
+class SsmSnapshotIterationStatsDelta(StatsDelta):
+    """One recurrent (SSM) life cycle's snapshot lookups since the last reset. kvxfer keeps no SSM
+    state, so its manager never reports one; the record is the reference design's shape."""
+
+    iter_snapshot_lookups: int = 0
+    iter_snapshot_hits: int = 0
+    iter_snapshot_misses: int = 0
+    iter_reused_tokens: int = 0
+    iter_unreused_tokens: int = 0
+    iter_aligned_snapshot_hits: int = 0
+    iter_unaligned_snapshot_hits: int = 0
+
+    @property
+    def iter_snapshot_hit_rate(self) -> float:
+        """hits / lookups; 0.0 without lookups."""
+        return self.iter_snapshot_hits / self.iter_snapshot_lookups if self.iter_snapshot_lookups else 0.0
+
+
+@dataclass(slots=True)
+class ReusedBlocksByLevel:
+    """Reused blocks split by the cache level their pages were on: ``full[i]`` / ``partial[i]`` for
+    level ``i`` (the configured tiers in order)."""
+
+    full: list[int]
+    partial: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class StorageStatistics:
+    """Slot counts of one pool group at one cache level."""
+
+    slot_sizes: list[int]
+    total: int
+    free: int
+    evictable: int
+
+    @property
+    def available(self) -> int:
+        """Slots an allocation can get: free now or after eviction."""
+        return self.free + self.evictable
+
+    @property
+    def unavailable(self) -> int:
+        """Slots held by requests."""
+        return self.total - self.available
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,15 +310,15 @@ class StatsCollector:
         self.enabled = enabled
         self.committed = KVCacheStatsDelta()
         self.iteration: dict[int, KVCacheIterationStatsDelta] = {}
-        self.dirty: set[str] = set()
-        self.excluded: set[str] = set()
+        self.dirty: set[Hashable] = set()
+        self.excluded: set[Hashable] = set()
         self._peaks: list[list[list[int] | None]] = [[None] * num_pool_groups for _ in range(num_levels)]
 
-    def records(self, cache_id: str) -> bool:
+    def records(self, cache_id: Hashable) -> bool:
         """Whether counters of request ``cache_id`` are recorded (stats on, the id not excluded)."""
         return self.enabled and cache_id not in self.excluded
 
-    def commit(self, cache_id: str, pending: PendingStats) -> KVCacheStatsDelta:
+    def commit(self, cache_id: Hashable, pending: PendingStats) -> KVCacheStatsDelta:
         """Merge a request's pending counters into the totals and the iteration; returns its delta
         (empty, and nothing merged, for an excluded request)."""
         if cache_id in self.excluded:
@@ -283,7 +332,7 @@ class StatsCollector:
         self.dirty.discard(cache_id)
         return out
 
-    def discard(self, cache_id: str, pending: PendingStats) -> None:
+    def discard(self, cache_id: Hashable, pending: PendingStats) -> None:
         """Drop a request's pending counters."""
         pending.clear()
         self.dirty.discard(cache_id)

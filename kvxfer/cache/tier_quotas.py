@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -15,66 +16,71 @@ from kvxfer.cache import tiers as tier_storage
 from kvxfer.cache.config import DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.layout import plan_layout
+from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.radix_tree import BlockNode
 from kvxfer.cache.stats import TierTraffic
 from kvxfer.cache.tiers import DiskTierStorage, TierStats, TierStorage
-from kvxfer.cache.usage_stats import UsageStats
 from kvxfer.errors import ConfigError, TierError
 
 IntArray = npt.NDArray[np.int32]
 
 
-class TierQuotas(UsageStats):
+class TierQuotas:
     """Onboarding and tier quotas."""
 
-    def _offloaded_pages(self, cache: KVCache) -> dict[int, dict[int, IntArray]]:
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts``, through which this part reaches the others."""
+        self.state = state
+        self.parts = parts
+
+    def offloaded_pages(self, cache: KVCache) -> dict[int, dict[int, IntArray]]:
         """The cache's pages outside the primary tier: {pool group: {tier: slots}}."""
         out: dict[int, dict[int, list[IntArray]]] = {}
-        for lg, (blocks, tiers) in enumerate(zip(cache._blocks, cache._tiers, strict=True)):
+        for lg, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
             away = (blocks >= 0) & (tiers > 0)
             for tier in np.unique(tiers[away]).tolist():
-                out.setdefault(self._lg_pool_group[lg], {}).setdefault(tier, []).append(blocks[away & (tiers == tier)])
+                out.setdefault(self.state.lg_pool_group[lg], {}).setdefault(tier, []).append(blocks[away & (tiers == tier)])
         return {pg: {t: np.unique(np.concatenate(parts)).astype(np.int32) for t, parts in by_tier.items()}
                 for pg, by_tier in out.items()}
 
-    def _cow_needs(self, cache: KVCache) -> dict[int, int]:
+    def cow_needs(self, cache: KVCache) -> dict[int, int]:
         """Primary slots the copy of a partially reused block will take, per pool group."""
-        if cache._partial_src is None:
+        if cache.record.partial_src is None:
             return {}
-        b = cache.num_committed_tokens // self._layout.tokens_per_block
+        b = cache.num_committed_tokens // self.state.layout.tokens_per_block
         needs: dict[int, int] = {}
-        for lg, blocks in enumerate(cache._blocks):
+        for lg, blocks in enumerate(cache.record.blocks):
             if blocks[b] >= 0:
-                needs[self._lg_pool_group[lg]] = needs.get(self._lg_pool_group[lg], 0) + 1
+                needs[self.state.lg_pool_group[lg]] = needs.get(self.state.lg_pool_group[lg], 0) + 1
         return needs
 
-    def _can_take(self, pool_group: int, n: int, swap: bool) -> bool:
+    def can_take(self, pool_group: int, n: int, swap: bool) -> bool:
         """Whether ``n`` more primary slots can be locked: within ``resume_max_utilization`` of the
         pool group, and obtainable (free, or freed by offloading/dropping unlocked pages). With
         ``swap`` (the slots are for onboarding pages from colder tiers) one slot to start with is
         enough: every page brought up frees a slot below that a displaced page can take."""
-        alloc = self._allocators[pool_group]
-        limit = math.floor(self.config.resume_max_utilization * alloc.usable + 1e-9)
-        if int(np.count_nonzero(self._locked_mask(0, pool_group))) + n > limit:
+        alloc = self.state.allocators[pool_group]
+        limit = math.floor(self.state.config.resume_max_utilization * alloc.usable + 1e-9)
+        if int(np.count_nonzero(self.parts.eviction.locked_mask(0, pool_group))) + n > limit:
             return False
         start = min(n, 1) if swap else n
-        return alloc.num_free >= start or alloc.num_free + self._room_estimate(0, pool_group) >= start
+        return alloc.num_free >= start or alloc.num_free + self.parts.eviction.room_estimate(0, pool_group) >= start
 
-    def _onboard(self, cache: KVCache, pool_group: int, n: int) -> bool:
+    def onboard(self, cache: KVCache, pool_group: int, n: int) -> bool:
         """Bring the cache's offloaded pages of a pool group back to the primary tier (warmest tier
         first) and leave ``n`` minus their count slots free for its partial-block copy. Room is made
         as it goes: when the tiers are full, each chunk brought up frees the slots the pages it
         displaces move down to. False when no room could be made (the cache must be pinned)."""
-        alloc = self._allocators[pool_group]
-        extra = n - sum(src.size for src in self._offloaded_pages(cache).get(pool_group, {}).values())
+        alloc = self.state.allocators[pool_group]
+        extra = n - sum(src.size for src in self.offloaded_pages(cache).get(pool_group, {}).values())
         while True:
             # Making room may move the cache's colder pages further down: read them afresh.
-            by_tier = self._offloaded_pages(cache).get(pool_group, {})
+            by_tier = self.offloaded_pages(cache).get(pool_group, {})
             left = sum(src.size for src in by_tier.values())
             want = left + extra
             if alloc.num_free < want:
-                self._make_room_in(0, pool_group, want - alloc.num_free)
-                by_tier = self._offloaded_pages(cache).get(pool_group, {})
+                self.parts.eviction.make_room_in(0, pool_group, want - alloc.num_free)
+                by_tier = self.offloaded_pages(cache).get(pool_group, {})
             if left == 0:
                 return alloc.num_free >= want
             take = min(alloc.num_free, left)
@@ -86,19 +92,19 @@ class TierQuotas(UsageStats):
                 if part.size:
                     jobs.append((t, part, 0, alloc.alloc(part.size)))
                     take -= part.size
-            self._copy_pages(pool_group, jobs)
+            self.parts.movement.copy_pages(pool_group, jobs)
             for t, src, _, dst in jobs:
-                self._relocate(pool_group, t, src, 0, dst)
+                self.parts.movement.relocate(pool_group, t, src, 0, dst)
 
     def tier_traffic(self) -> TierTraffic:
         """Pages offloaded into / onboarded from each tier, blocks dropped, bytes moved (cumulative)."""
-        with self._lock:
-            return self._traffic.snapshot()
+        with self.state.lock:
+            return self.state.traffic.snapshot()
 
     def storage_stats(self, tier: int | type[PrimaryTier | HostTier | DiskTier] = 0) -> TierStats:
         """Capacity and occupancy (slots per pool group) of one tier."""
-        with self._lock:
-            return self._tiers[self.tier_index(tier)].stats()
+        with self.state.lock:
+            return self.state.tiers[self.state.tier_index(tier)].stats()
 
     def resize_quota(self, tier: int | type[PrimaryTier | HostTier | DiskTier], quota_bytes: int) -> None:
         """Give a tier a new quota; only while no request is ACTIVE (ManagerBusyError).
@@ -112,41 +118,41 @@ class TierQuotas(UsageStats):
         When the surplus cannot be evicted (held pages with no room below) nothing changes (TierError).
         ``config`` keeps the initial configuration; ``current_config`` has the new quota.
         """
-        with self._lock:
-            t = self.tier_index(tier)
-            self._check_no_active("resize_quota")
+        with self.state.lock:
+            t = self.state.tier_index(tier)
+            self.state.check_no_active("resize_quota")
             if t == 0:
-                limit = self.config.primary.quota_bytes
+                limit = self.state.config.primary.quota_bytes
                 if isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or not 0 < quota_bytes <= limit:
                     raise TierError(f"resize_quota: the primary quota must be an int in (0, {limit}] (the registered "
                                     f"pools' size; they cannot grow), got {quota_bytes!r}")
                 try:
-                    plan = plan_layout(dataclasses.replace(self.config, tiers=(PrimaryTier(
-                        quota_bytes, self.config.primary.device),)))
+                    plan = plan_layout(dataclasses.replace(self.state.config, tiers=(PrimaryTier(
+                        quota_bytes, self.state.config.primary.device),)))
                 except ConfigError as exc:
                     raise TierError(f"resize_quota: primary quota {quota_bytes}: {exc}") from exc
-                self._rebalance([min(pg.num_slots, a.num_slots) for pg, a in zip(
-                    plan.pool_groups, self._allocators, strict=True)], quota_bytes)
+                self.rebalance([min(pg.num_slots, a.num_slots) for pg, a in zip(
+                    plan.pool_groups, self.state.allocators, strict=True)], quota_bytes)
                 return
-            old_cfg = self._current.tiers[t]
+            old_cfg = self.state.current.tiers[t]
             new_cfg: HostTier | DiskTier
             if isinstance(old_cfg, HostTier):
                 new_cfg = HostTier(quota_bytes, old_cfg.pinned)
-                new_tier: TierStorage = tier_storage.open_host_tier(self.config, new_cfg)
+                new_tier: TierStorage = tier_storage.open_host_tier(self.state.config, new_cfg)
             else:
                 assert isinstance(old_cfg, DiskTier)
                 new_cfg = DiskTier(quota_bytes, old_cfg.path)
-                new_tier = DiskTierStorage(self.config, new_cfg)
+                new_tier = DiskTierStorage(self.state.config, new_cfg)
             try:
-                self._shrink_to(t, new_tier)
-                self._move_into(t, new_tier)
+                self.shrink_to(t, new_tier)
+                self.move_into(t, new_tier)
             except BaseException:
                 new_tier.close()
                 raise
-            old = self._tiers[t]
-            self._tiers[t] = new_tier
+            old = self.state.tiers[t]
+            self.state.tiers[t] = new_tier
             old.close()
-            self._set_tier_config(t, new_cfg)
+            self.state.set_tier_config(t, new_cfg)
 
     def rebalance_slots(self, num_slots: Sequence[int]) -> None:
         """Set the usable slot count of every primary pool group (``num_slots[pg]``), each at most
@@ -157,33 +163,33 @@ class TierQuotas(UsageStats):
         free slots below it. Only while no request is ACTIVE (ManagerBusyError); TierError, changing
         nothing, when the pages cannot be made to fit.
         """
-        with self._lock:
-            self._check_no_active("rebalance_slots")
+        with self.state.lock:
+            self.state.check_no_active("rebalance_slots")
             counts = list(num_slots)
-            if len(counts) != len(self._allocators) or any(
+            if len(counts) != len(self.state.allocators) or any(
                     isinstance(n, bool) or not isinstance(n, int | np.integer) or not 0 <= n <= a.num_slots
-                    for n, a in zip(counts, self._allocators, strict=False)):
+                    for n, a in zip(counts, self.state.allocators, strict=False)):
                 raise TierError(f"rebalance_slots: need one int in [0, registered slots] per pool group "
-                                f"(registered: {[a.num_slots for a in self._allocators]}), got {counts!r}")
-            quota = self._current.primary.quota_bytes
-            nbytes = sum(int(n) * b for n, b in zip(counts, self._page_bytes, strict=True))
+                                f"(registered: {[a.num_slots for a in self.state.allocators]}), got {counts!r}")
+            quota = self.state.current.primary.quota_bytes
+            nbytes = sum(int(n) * b for n, b in zip(counts, self.state.page_bytes, strict=True))
             if nbytes > quota:
                 raise TierError(f"rebalance_slots: {counts} slots take {nbytes} bytes, more than the primary "
                                 f"quota of {quota} bytes")
-            self._rebalance([int(n) for n in counts], quota)
+            self.rebalance([int(n) for n in counts], quota)
 
-    def _rebalance(self, counts: list[int], quota_bytes: int) -> None:
+    def rebalance(self, counts: list[int], quota_bytes: int) -> None:
         """Make ``counts[pg]`` the usable primary slots of each pool group (see rebalance_slots)."""
         for pg, n in enumerate(counts):
-            alloc = self._allocators[pg]
+            alloc = self.state.allocators[pg]
             surplus = alloc.num_used - n
-            if surplus > 0 and self._room_estimate(0, pg) < surplus:
+            if surplus > 0 and self.parts.eviction.room_estimate(0, pg) < surplus:
                 raise TierError(f"primary pool group {pg}: {alloc.num_used} pages in use, {surplus} more than "
                                 f"{n} usable slots, and they cannot be evicted (held, no room below)")
         for pg, n in enumerate(counts):
-            alloc = self._allocators[pg]
+            alloc = self.state.allocators[pg]
             if alloc.num_used > n:
-                self._make_room_in(0, pg, alloc.num_used - n)
+                self.parts.eviction.make_room_in(0, pg, alloc.num_used - n)
             if alloc.num_used > n:
                 raise TierError(f"primary pool group {pg}: {alloc.num_used} pages still in use after eviction, "
                                 f"more than {n} usable slots")
@@ -192,49 +198,49 @@ class TierQuotas(UsageStats):
                 # Free slots below n to move them to (taken before the limit is set, then relocated).
                 below = np.flatnonzero(alloc.refcount[:n] == 0)[:above.size].astype(np.int32)
                 alloc.take(below)
-                self._copy_within_primary(pg, above, below)
-                self._relocate(pg, 0, above, 0, below)
+                self.copy_within_primary(pg, above, below)
+                self.parts.movement.relocate(pg, 0, above, 0, below)
             alloc.set_usable(n)
-        self._set_tier_config(0, PrimaryTier(quota_bytes, self._current.primary.device))
-        self._sample_usage()
+        self.state.set_tier_config(0, PrimaryTier(quota_bytes, self.state.current.primary.device))
+        self.parts.usage.sample_usage()
 
-    def _copy_within_primary(self, pool_group: int, src: IntArray, dst: IntArray) -> None:
+    def copy_within_primary(self, pool_group: int, src: IntArray, dst: IntArray) -> None:
         """Copy primary slots ``src -> dst`` (after their last users' streams) and count the copies."""
-        if self._readiness is not None:
-            self._readiness.synchronize(pool_group, np.concatenate([src, dst]))
-            torch.cuda.current_stream(self.device).synchronize()
-        self.copy_slots(pool_group, src, dst)
-        self._count_copies(pool_group, "intra", int(src.size), None)
+        if self.state.readiness is not None:
+            self.state.readiness.synchronize(pool_group, np.concatenate([src, dst]))
+            torch.cuda.current_stream(self.state.device).synchronize()
+        self.state.copy_slots(pool_group, src, dst)
+        self.parts.movement.count_copies(pool_group, "intra", int(src.size), None)
 
-    def _shrink_to(self, t: int, new_tier: TierStorage) -> None:
+    def shrink_to(self, t: int, new_tier: TierStorage) -> None:
         """Evict pages of tier ``t`` until each pool group's live pages fit ``new_tier``."""
-        surplus = {pg: self._alloc_of(t, pg).num_used - new_tier.allocator(pg).num_slots
-                   for pg in range(len(self._allocators))}
+        surplus = {pg: self.state.alloc_of(t, pg).num_used - new_tier.allocator(pg).num_slots
+                   for pg in range(len(self.state.allocators))}
         for pg, n in surplus.items():
-            if n > 0 and self._room_estimate(t, pg) < n:
-                raise TierError(f"resize_quota: the {self._tiers[t].name} tier holds {self._alloc_of(t, pg).num_used} "
+            if n > 0 and self.parts.eviction.room_estimate(t, pg) < n:
+                raise TierError(f"resize_quota: the {self.state.tiers[t].name} tier holds {self.state.alloc_of(t, pg).num_used} "
                                 f"pages of pool group {pg}, {n} more than {new_tier.allocator(pg).num_slots} slots "
                                 f"of the new quota, and they cannot be evicted (held, no room below)")
         for pg, n in surplus.items():
-            if n > 0 and self._make_room_in(t, pg, n) < n:
+            if n > 0 and self.parts.eviction.make_room_in(t, pg, n) < n:
                 raise TierError(f"resize_quota: could not evict {n} pages of pool group {pg} from the "
-                                f"{self._tiers[t].name} tier")
+                                f"{self.state.tiers[t].name} tier")
 
-    def _move_into(self, t: int, new_tier: TierStorage) -> None:
+    def move_into(self, t: int, new_tier: TierStorage) -> None:
         """Copy tier ``t``'s live pages into the first slots of ``new_tier`` and repoint every owner."""
-        assert self._copy is not None
+        assert self.state.copier is not None
         moves = []
-        for pg in range(len(self._allocators)):
-            live = np.flatnonzero(self._alloc_of(t, pg).refcount > 0).astype(np.int32)
+        for pg in range(len(self.state.allocators)):
+            live = np.flatnonzero(self.state.alloc_of(t, pg).refcount > 0).astype(np.int32)
             dst = new_tier.allocator(pg).alloc(live.size)
-            handle = self._copy.copy_slots(self._tiers[t], new_tier, pg, live, dst)
+            handle = self.state.copier.copy_slots(self.state.tiers[t], new_tier, pg, live, dst)
             moves.append((pg, live, dst, handle))
         for *_, handle in moves:
             handle.wait()
         in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in new_tier.layout.pool_groups]
         owners: list[dict[int, tuple[BlockNode, int]]] = [{} for _ in new_tier.layout.pool_groups]
         for pg, live, dst, _ in moves:
-            self._relocate(pg, t, live, t, dst, dst_alloc=new_tier.allocator(pg), dst_in_tree=in_tree[pg],
+            self.parts.movement.relocate(pg, t, live, t, dst, dst_alloc=new_tier.allocator(pg), dst_in_tree=in_tree[pg],
                            dst_owner=owners[pg])
-        self._in_tree_t[t] = in_tree
-        self._tree_owner[t] = owners
+        self.state.in_tree_t[t] = in_tree
+        self.state.tree_owner[t] = owners

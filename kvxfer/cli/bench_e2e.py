@@ -100,7 +100,7 @@ def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: 
     token's logits are computed, as in the prefill worker and in a server (all of them cost an extra
     vocab-wide matmul and, at 16k tokens of a 128k vocabulary, 8 GB of float32 logits)."""
     t0 = time.perf_counter()
-    cache = manager.create_kv_cache(tokens)
+    cache = manager.create_kv_cache_for_prompt(tokens)
     try:
         cache.resume()
         kv = model.bind([(manager, cache)])

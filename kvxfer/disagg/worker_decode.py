@@ -808,7 +808,7 @@ class DecodeWorker(WorkerCounts):
             # A failover's pages may still be held by its earlier attempt (quarantined): each attempt has its own.
             base = job.request_id if job.attempt == 1 else f"{job.request_id}~{job.attempt}"
             for i, m in enumerate(self.managers):
-                job.caches.append(m.create_kv_cache(job.tokens, id=f"{base}/{i}"))
+                job.caches.append(m.create_kv_cache_for_prompt(job.tokens, id=f"{base}/{i}"))
             for cache in job.caches:
                 if not cache.resume():
                     raise OutOfSlotsError(f"decode cache {cache.id}: no free slot for copy-on-write")

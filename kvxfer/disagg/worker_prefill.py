@@ -418,12 +418,12 @@ class PrefillWorker(WorkerCounts):
         trees can differ (a rank evicted, or freed its pinned pages at another moment), so a rank that
         matched more than another is matched again against the common part only."""
         for i, m in enumerate(self.managers):
-            job.caches.append(m.create_kv_cache(tokens, id=f"{job.peer}/{job.request_id}/{i}"))
+            job.caches.append(m.create_kv_cache_for_prompt(tokens, id=f"{job.peer}/{job.request_id}/{i}"))
         common = min(c.num_reused_tokens for c in job.caches)
         for i, (m, c) in enumerate(zip(self.managers, job.caches, strict=True)):
             if c.num_reused_tokens > common:   # the last token given is never reused: at most ``common`` are
                 c.close()
-                job.caches[i] = m.create_kv_cache(tokens[:common + 1], id=f"{job.peer}/{job.request_id}/{i}",
+                job.caches[i] = m.create_kv_cache_for_prompt(tokens[:common + 1], id=f"{job.peer}/{job.request_id}/{i}",
                                                   expected_prompt_length=len(tokens))
         for cache in job.caches:
             if not cache.resume():

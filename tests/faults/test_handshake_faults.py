@@ -272,7 +272,7 @@ def test_vanished_decode_is_forgotten(prefill: PrefillWorker, ctx: zmq.Context[z
             assert raw.recv(5).type == "kv_ranks"
         if stage == "after_kv_request":
             tokens = prompt(2, 40)
-            cache = raw.managers[0].create_kv_cache(tokens)
+            cache = raw.managers[0].create_kv_cache_for_prompt(tokens)
             assert cache.resume() and cache.resize(int(tokens.size))
             raw.send("kv_request", request_id="r1", tokens=encode_tokens(tokens), mode="pull", layerwise=False,
                      layers_per_send=1, lease_s=30.0, checksum=encode_checksum_policy(None))

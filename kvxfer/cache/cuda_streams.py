@@ -1,0 +1,168 @@
+"""Raw CUDA streams and events as the reference design's API passes them around (``CudaStream`` is a
+``cudaStream_t`` as an int): a non-blocking stream, a temporary worker stream that records a finish
+event, and that event. Driver API of ``cuda.bindings`` on the primary context (the one torch uses)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from kvxfer.cache.common import CudaStream
+from kvxfer.errors import CuError, TierError
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise TierError("CUDA streams need cuda-python (`pip install cuda-python`): cuda.bindings is missing") from exc
+    return driver
+
+
+def _check(result: Any, what: str) -> Any:
+    drv = _driver()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != int(drv.CUresult.CUDA_SUCCESS):
+        raise CuError(f"{what} failed: {err!r}", err)
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+@functools.cache
+def init_cuda_once() -> None:
+    """Make the primary CUDA context current (TierError where the machine has no CUDA device)."""
+    if not torch.cuda.is_available():
+        raise TierError("init_cuda_once: no CUDA device is available")
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    torch.cuda.synchronize()
+
+
+class CudaEvent:
+    """A timing-free CUDA event recorded on a stream when created; closed once complete."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, stream: CudaStream | int) -> None:
+        drv = _driver()
+        self._event: Any = _check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        _check(drv.cuEventRecord(self._event, int(stream)), "cuEventRecord")
+
+    def is_closed(self) -> bool:
+        """Whether the event was released (it completed and was synchronized or queried)."""
+        return self._event is None
+
+    def close(self) -> None:
+        """Release the event."""
+        if self._event is not None:
+            _check(_driver().cuEventDestroy(self._event), "cuEventDestroy")
+            self._event = None
+
+    def query_complete(self) -> bool:
+        """Whether the work before the event is done (a closed event is)."""
+        if self._event is None:
+            return True
+        drv = _driver()
+        (err,) = drv.cuEventQuery(self._event)
+        if int(err) == int(drv.CUresult.CUDA_ERROR_NOT_READY):
+            return False
+        _check(err, "cuEventQuery")
+        self.close()
+        return True
+
+    def synchronize(self) -> None:
+        """Block until the work before the event is done, then release it."""
+        if self._event is not None:
+            _check(_driver().cuEventSynchronize(self._event), "cuEventSynchronize")
+            self.close()
+
+    def wait_in_stream(self, stream: CudaStream | int) -> None:
+        """Make ``stream`` wait for the event."""
+        if self._event is not None:
+            _check(_driver().cuStreamWaitEvent(int(stream), self._event, 0), "cuStreamWaitEvent")
+
+    def __del__(self) -> None:
+        if getattr(self, "_event", None) is not None:
+            self.close()
+
+
+class CachedCudaStream:
+    """A non-blocking CUDA stream owned by this object (destroyed by ``close``)."""
+
+    def __init__(self) -> None:
+        init_cuda_once()
+        drv = _driver()
+        stream = _check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._handle: CudaStream | None = CudaStream(int(stream))
+
+    @property
+    def handle(self) -> CudaStream:
+        """The ``cudaStream_t`` as an int."""
+        if self._handle is None:
+            raise TierError("CachedCudaStream: the stream was closed")
+        return self._handle
+
+    def get(self) -> CudaStream:
+        """``handle``."""
+        return self.handle
+
+    def is_closed(self) -> bool:
+        """Whether the stream was destroyed."""
+        return self._handle is None
+
+    def wait_events(self, events: Iterable[CudaEvent]) -> None:
+        """Make the stream wait for every event."""
+        for event in set(events):
+            event.wait_in_stream(self.handle)
+
+    def record_event(self) -> CudaEvent:
+        """A new event recorded on the stream."""
+        return CudaEvent(self.handle)
+
+    def synchronize(self) -> None:
+        """Block until the stream's work is done."""
+        _check(_driver().cuStreamSynchronize(int(self.handle)), "cuStreamSynchronize")
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, int(self.handle)
+
+    def close(self) -> None:
+        """Destroy the stream (after its queued work, as the driver does)."""
+        if self._handle is not None:
+            _check(_driver().cuStreamDestroy(int(self._handle)), "cuStreamDestroy")
+            self._handle = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            self.close()
+
+
+class TemporaryCudaStream(CachedCudaStream):
+    """A worker stream that first waits for ``prior_events``; leaving its ``with`` block normally
+    records a finish event, which ``take_finish_event()`` hands over (a warning if never taken)."""
+
+    def __init__(self, prior_events: Iterable[CudaEvent]) -> None:
+        super().__init__()
+        self.wait_events(prior_events)
+        self._finish_event: CudaEvent | None = None
+
+    def take_finish_event(self) -> CudaEvent:
+        """The finish event (TierError when the block did not finish normally or it was taken)."""
+        if self._finish_event is None:
+            raise TierError("TemporaryCudaStream: no finish event to take")
+        event, self._finish_event = self._finish_event, None
+        return event
+
+    def __enter__(self) -> TemporaryCudaStream:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self._finish_event = self.record_event()
+
+    def __del__(self) -> None:
+        if getattr(self, "_finish_event", None) is not None:
+            warnings.warn("TemporaryCudaStream: finish event recorded but never taken", stacklevel=1)
+        super().__del__()

@@ -1,0 +1,86 @@
+"""The reference manager API on CUDA memory: a KVCacheManagerConfig with a GPU level puts the pools on
+the device, raw cudaStream_t handles order the work, and bytes written at the published page addresses
+are what the buffer views read, through a suspend that offloads them to host memory and a resume.
+
+Run with ``pytest -m gpu`` on a machine with a CUDA GPU and cuda-python; skipped with a reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvxfer.cache import (
+    GPU_LEVEL,
+    AttentionLayerConfig,
+    BufferConfig,
+    DataRole,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LayerGroupId,
+    LayerId,
+    PageIndexMode,
+)
+from kvxfer.cache._utils import TemporaryCudaStream
+from kvxfer.cache.cuda_utils import cuda_usable
+
+pytestmark = pytest.mark.gpu
+TPB = 8
+KEY = DataRole("key")
+BLOCK = 4096
+
+
+@pytest.fixture
+def manager() -> KVCacheManager:
+    if not cuda_usable():
+        pytest.skip("needs CUDA: torch.cuda.is_available() is False or cuda-python (cuda.bindings) is missing")
+    cfg = KVCacheManagerConfig(
+        tokens_per_block=TPB,
+        cache_tiers=[GpuCacheTierConfig(8 * BLOCK), HostCacheTierConfig(16 * BLOCK)],
+        layers=[AttentionLayerConfig(LayerId(0), [BufferConfig(KEY, BLOCK)])])
+    return KVCacheManager(cfg)
+
+
+def _fill_page(mgr: KVCacheManager, slot: int, value: int, stream: int) -> None:
+    base = mgr.get_mem_pool_base_address(LayerId(0), KEY)
+    stride = mgr.get_page_stride(LayerId(0), KEY)
+    scale = mgr.get_page_index_scale(LayerId(0), KEY)
+    address = base + stride * slot * scale
+    pages = mgr.buffer_view(0, "key").view(-1)
+    offset = address - pages.data_ptr()
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # type: ignore[no-untyped-call]
+        pages[offset:offset + stride].fill_(value)
+
+
+def test_pages_written_at_published_addresses_survive_offload_and_resume(manager: KVCacheManager) -> None:
+    mgr = manager
+    assert mgr.buffer_view(0, "key").is_cuda and mgr.get_quota(GPU_LEVEL) == 8 * BLOCK
+    lg = LayerGroupId(0)
+    with TemporaryCudaStream([]) as worker:
+        stream = worker.handle
+        kv = mgr.create_kv_cache()
+        assert kv.resume(stream) and kv.cuda_stream == stream and kv.resize(4 * TPB)
+        slots = list(kv.get_base_page_indices(lg))
+        for i, slot in enumerate(slots):
+            _fill_page(mgr, slot, 11 + i, stream)
+        kv.commit(list(range(4 * TPB)))
+        kv.suspend()
+        other = mgr.create_kv_cache()
+        assert other.resume(stream) and other.resize(8 * TPB)     # all primary slots: kv's pages go to host
+        assert all(int(t) == 1 for t in kv.page_tiers(0))
+        other.close()
+        assert kv.resume(stream)
+    worker.take_finish_event().synchronize()
+    view = mgr.buffer_view(0, "key")
+    for i, slot in enumerate(kv.get_base_page_indices(lg)):
+        assert bool((view[slot] == 11 + i).all())
+    shared = mgr.get_mem_pool_base_address(LayerId(0), KEY, PageIndexMode.SHARED)
+    conv = mgr.get_page_index_converter(LayerId(0), KEY)
+    stride = mgr.get_page_stride(LayerId(0), KEY)
+    assert [shared + stride * p for p in conv(kv.get_base_page_indices(lg), PageIndexMode.SHARED)] == \
+        [mgr.get_mem_pool_base_address(LayerId(0), KEY) + stride * s * mgr.get_page_index_scale(LayerId(0), KEY)
+         for s in kv.get_base_page_indices(lg)]
+    kv.close()
+    mgr.shutdown()
