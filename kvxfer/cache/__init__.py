@@ -56,6 +56,18 @@ from kvxfer.cache.descriptors import (
     SlotDesc,
     SlotDescVariant,
 )
+from kvxfer.cache.event_manager import (
+    KVCacheCreatedData,
+    KVCacheEvent,
+    KVCacheEventDiff,
+    KVCacheEventManager,
+    KVCacheEventSerializer,
+    KVCacheRemovedData,
+    KVCacheStoredBlockData,
+    KVCacheStoredData,
+    KVCacheUpdatedData,
+    UniqueToken,
+)
 from kvxfer.cache.event_publisher import KVEventPublisher
 from kvxfer.cache.event_wire import WireContext
 from kvxfer.cache.events import AllCleared, Created, EventsDropped, KVEvent, Removed, Stored, Updated
@@ -64,10 +76,13 @@ from kvxfer.cache.hashing import (
     HASH_ALGOS,
     HASH_V2_BLAKE3,
     HASH_V2_BLAKE3_64,
+    MmItemContext,
     ReuseScope,
     block_hash_for_event,
     block_keys,
     cache_salt_id,
+    gen_multimodal_cache_key_tokens,
+    sequence_to_blockchain_keys,
 )
 from kvxfer.cache.kv_access import LayerKV, read_kv, write_kv
 from kvxfer.cache.kv_cache import CacheState, KVCache, KvCacheStatus
@@ -146,11 +161,20 @@ __all__ = [
     "HostCacheTierConfig",
     "HostTier",
     "KVCache",
+    "KVCacheCreatedData",
     "KVCacheDesc",
+    "KVCacheEvent",
+    "KVCacheEventDiff",
+    "KVCacheEventManager",
+    "KVCacheEventSerializer",
     "KVCacheIterationStatsDelta",
     "KVCacheManager",
     "KVCacheManagerConfig",
+    "KVCacheRemovedData",
     "KVCacheStatsDelta",
+    "KVCacheStoredBlockData",
+    "KVCacheStoredData",
+    "KVCacheUpdatedData",
     "KVEvent",
     "KVEventPublisher",
     "KvCacheStatus",
@@ -163,6 +187,7 @@ __all__ = [
     "LifeCycleId",
     "MemAddress",
     "MemoryRegion",
+    "MmItemContext",
     "OutOfMemoryError",
     "OutOfPagesError",
     "PageIndexConverter",
@@ -195,6 +220,7 @@ __all__ = [
     "TierTraffic",
     "TokenId",
     "TokenIdExt",
+    "UniqueToken",
     "Updated",
     "WireContext",
     "_KVCache",
@@ -203,42 +229,9 @@ __all__ = [
     "block_keys",
     "cache_salt_id",
     "exact_div",
+    "gen_multimodal_cache_key_tokens",
     "read_kv",
+    "sequence_to_blockchain_keys",
     "typed_range",
     "write_kv",
-]
-
-# --- TensorRT-LLM v2 event manager and key helpers (kvxfer.cache.event_manager, kvxfer.cache.hashing) ---
-from kvxfer.cache.event_manager import (
-    KVCacheCreatedData,
-    KVCacheEvent,
-    KVCacheEventDiff,
-    KVCacheEventManager,
-    KVCacheEventSerializer,
-    KVCacheRemovedData,
-    KVCacheStoredBlockData,
-    KVCacheStoredData,
-    KVCacheUpdatedData,
-    UniqueToken,
-)
-from kvxfer.cache.hashing import (
-    MmItemContext,
-    gen_multimodal_cache_key_tokens,
-    sequence_to_blockchain_keys,
-)
-
-__all__ += [
-    "KVCacheCreatedData",
-    "KVCacheEvent",
-    "KVCacheEventDiff",
-    "KVCacheEventManager",
-    "KVCacheEventSerializer",
-    "KVCacheRemovedData",
-    "KVCacheStoredBlockData",
-    "KVCacheStoredData",
-    "KVCacheUpdatedData",
-    "MmItemContext",
-    "UniqueToken",
-    "gen_multimodal_cache_key_tokens",
-    "sequence_to_blockchain_keys",
 ]
