@@ -37,7 +37,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)" "$(NIXL_SPEC)"
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3"
+	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
 	touch $(VLLM_STAMP)
 
 demo: venv

@@ -181,3 +181,19 @@ def test_held_blocks_are_freed_at_the_hold_timeout() -> None:
         wait_sent(prefill, "p-5", timeout=5.0)
     finally:
         prefill.close()
+
+
+def test_a_read_reported_before_the_hold_still_frees_the_blocks() -> None:
+    """The decode may finish before the prefill's scheduler handed the hold to its worker."""
+    prefill = engine(caches(4, 16, fill=True), 16, "loopback")
+    decode = engine(caches(4, 16), 16, "loopback")
+    try:
+        decode.start_read("d-6", RemoteKV("p-6", (prefill.address,), (0, 1), 20), [2, 3], 0)
+        assert wait_received(decode, "d-6") == (True, "")
+        time.sleep(0.2)
+        assert "p-6" not in prefill.finished_sending()
+        prefill.hold("p-6")
+        wait_sent(prefill, "p-6", timeout=5.0)
+    finally:
+        decode.close()
+        prefill.close()

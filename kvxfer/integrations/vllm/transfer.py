@@ -138,6 +138,7 @@ class TransferEngine:
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
+        self._early: dict[str, _Held] = {}         # reads reported before the hold reached this rank
         self._sent: set[str] = set()
         self._received: set[str] = set()
         self._failed: dict[str, str] = {}
@@ -201,6 +202,9 @@ class TransferEngine:
     def _expire(self) -> None:
         now = time.monotonic()
         with self._lock:
+            for rid, held in list(self._early.items()):
+                if now > held.deadline:
+                    del self._early[rid]
             for rid, held in list(self._held.items()):
                 if now > held.deadline:
                     log.warning("vLLM connector %s: request %s held %.0f s without every read; freeing its blocks",
@@ -215,13 +219,22 @@ class TransferEngine:
     def hold(self, request_id: str) -> None:
         """Keep ``request_id``'s blocks until the decode read them (``finished_sending`` says when)."""
         with self._lock:
-            self._held.setdefault(request_id, _Held(time.monotonic() + self.hold_timeout))
+            held = self._held.setdefault(request_id, _Held(time.monotonic() + self.hold_timeout))
+            early = self._early.pop(request_id, None)
+            if early is not None:
+                held.done, held.readers = early.done, early.readers
+                if early.readers is not None and held.done >= early.readers:
+                    del self._held[request_id]
+                    self._sent.add(request_id)
         self._wake.set()
 
     def _on_done(self, request_id: str, readers: int, ok: bool) -> None:
         with self._lock:
             held = self._held.get(request_id)
-            if held is None:
+            if held is None:   # the decode was quicker than the scheduler's hold: kept until it comes
+                held = self._early.setdefault(request_id, _Held(time.monotonic() + self.hold_timeout))
+                held.done += 1
+                held.readers = readers
                 return
             held.done += 1
             held.readers = readers
