@@ -31,10 +31,10 @@ def free_port() -> int:
 
 
 def kv_caches(fill: bool) -> dict[str, torch.Tensor]:
-    """The tiny Llama's caches as vLLM's CPU backend shapes them: ``[2, blocks, block_size, heads, dim]``."""
+    """The tiny Llama's caches as vLLM 0.32 shapes them: ``[blocks, heads, block_size, K+V content]``."""
     out = {}
     for layer in range(2):
-        t = torch.zeros(2, NUM_BLOCKS, BS, 4, 64)
+        t = torch.zeros(NUM_BLOCKS, 4, BS, 128)
         if fill:
             t.copy_(torch.arange(t.numel(), dtype=torch.float32).view_as(t) + layer * 1e7)
         out[f"model.layers.{layer}.self_attn.attn"] = t
@@ -42,7 +42,7 @@ def kv_caches(fill: bool) -> dict[str, torch.Tensor]:
 
 
 def token_rows(caches: dict[str, torch.Tensor], blocks: list[int], tokens: range) -> list[torch.Tensor]:
-    return [torch.stack([t[:, blocks[p // BS], p % BS] for p in tokens], dim=1) for t in caches.values()]
+    return [torch.stack([t[blocks[p // BS], :, p % BS] for p in tokens]) for t in caches.values()]
 
 
 def pump(worker: Any, sched_out: Any) -> None:

@@ -197,3 +197,39 @@ def test_a_read_reported_before_the_hold_still_frees_the_blocks() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+def unified(num_blocks: int, block_size: int, *, token_major: bool, fill: bool) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's per-layer cache: logical ``[blocks, heads, block_size, K+V content]``, in memory
+    head-major (LBHNC) or token-major (LBNHC, a permuted view)."""
+    out = {}
+    for layer in range(LAYERS):
+        if token_major:
+            t = torch.zeros(num_blocks, block_size, HEADS, 2 * DIM).permute(0, 2, 1, 3)
+        else:
+            t = torch.zeros(num_blocks, HEADS, block_size, 2 * DIM)
+        if fill:
+            t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + layer * 1e6)
+        out[f"model.layers.{layer}.self_attn.attn"] = t
+    return out
+
+
+def test_vllm_032_caches_pull_across_memory_orders_and_block_sizes() -> None:
+    """K and V as one content axis: moved together, head-major 16-token blocks into token-major 32-token ones."""
+    assert infer_axes((10, 4, 16, 128), 10, 16, 4, 64) == "NHBD"
+    src_c, dst_c = unified(8, 16, token_major=False, fill=True), unified(4, 32, token_major=True, fill=False)
+    prefill, decode = engine(src_c, 16, "loopback"), engine(dst_c, 32, "loopback")
+    try:
+        prefill.hold("p-7")
+        decode.start_read("d-7", RemoteKV("p-7", (prefill.address,), (6, 0, 3), 45), [3, 1], 5)
+        assert wait_received(decode, "d-7") == (True, "")
+        for s, d in zip(src_c.values(), dst_c.values(), strict=True):
+            for pos in range(45):
+                row = d[[3, 1][pos // 32], :, pos % 32]
+                if pos < 5:
+                    assert bool((row == 0).all())
+                else:
+                    assert torch.equal(row, s[[6, 0, 3][pos // 16], :, pos % 16])
+    finally:
+        decode.close()
+        prefill.close()

@@ -1,8 +1,11 @@
 """vLLM's paged KV tensors (``register_kv_caches``' ``{layer_name: tensor}``) as a kvxfer layout.
 
-vLLM's attention backends shape a layer's cache differently: FlashAttention and the CPU backend
-``[2, num_blocks, ...]`` (K/V outside the blocks), FlashInfer ``[num_blocks, 2, ...]``, with tokens and
-heads in either order and the memory order given by strides. Rather than keep a table per backend
+vLLM's attention backends shape a layer's cache differently. Since vLLM 0.32 a layer's cache is the
+logical ``[num_blocks, kv_heads, block_size, content]`` (``KVCacheLayout``, physical order by strides),
+``content`` holding a token's K then V (``2 * head_dim``): kvxfer describes it with one role ``"kv"`` of
+``2 * head_dim`` per head, so K and V travel together (both sides must be such caches). Older vLLM
+(and FlashAttention / FlashInfer views) have 5 axes: ``[2, num_blocks, ...]`` (K/V outside the
+blocks) or ``[num_blocks, 2, ...]``, tokens and heads in either order: roles ``"key"``/``"value"``. Rather than keep a table per backend
 and version, the axes are read off the tensor: the known sizes (2, num_blocks, block_size, kv_heads,
 head_dim) name them, vLLM's usual orders first when sizes coincide, and ``engine_layouts.paged_tensors``
 then reads the memory order from the strides (refusing anything not paged as kvxfer can describe).
@@ -20,7 +23,9 @@ from kvxfer.cache.engine_layouts import EngineKV, paged_tensors
 from kvxfer.errors import LayoutError
 
 #: Logical orders vLLM's backends use, tried first (``engine_layouts.AXES`` letters).
-PREFERRED_AXES = ("KNBHD", "KNHBD", "NKBHD", "NKHBD")
+PREFERRED_AXES = ("NHBD", "NBHD", "KNBHD", "KNHBD", "NKBHD", "NKHBD")
+#: The role of a 4-axis cache's content (a token's K then V).
+KV_ROLE = "kv"
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
@@ -37,11 +42,13 @@ def layer_ids(names: list[str]) -> dict[str, int]:
 def infer_axes(shape: tuple[int, ...], num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> str:
     """The logical axes (letters of ``KNBHD``) of a cache tensor of ``shape``: LayoutError when no order of
     the known sizes fits."""
-    sizes = {"K": 2, "N": num_blocks, "B": block_size, "H": kv_heads, "D": head_dim}
-    candidates = list(PREFERRED_AXES) + ["".join(p) for p in itertools.permutations("KNBHD")
-                                         if "".join(p) not in PREFERRED_AXES]
-    if len(shape) != 5:
-        raise LayoutError(f"vLLM KV cache of shape {shape}: expected 5 axes (K/V, blocks, tokens, heads, dim)")
+    if len(shape) not in (4, 5):
+        raise LayoutError(f"vLLM KV cache of shape {shape}: expected [blocks, heads, tokens, K+V content] or 5 "
+                          f"axes (K/V, blocks, tokens, heads, dim)")
+    sizes = {"K": 2, "N": num_blocks, "B": block_size, "H": kv_heads, "D": head_dim * (2 if len(shape) == 4 else 1)}
+    letters = "NBHD" if len(shape) == 4 else "KNBHD"
+    candidates = [a for a in PREFERRED_AXES if len(a) == len(shape)]
+    candidates += ["".join(p) for p in itertools.permutations(letters) if "".join(p) not in candidates]
     for axes in candidates:
         if all(sizes[a] == s for a, s in zip(axes, shape, strict=True)):
             return axes
@@ -66,7 +73,8 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, block_size: int
     num_blocks = _num_blocks(tuple(first.shape), block_size, kv_heads, head_dim)
     order = axes or infer_axes(tuple(first.shape), num_blocks, block_size, kv_heads, head_dim)
     tensors = {ids[n]: kv_caches[n] for n in names}
-    kv = paged_tensors(tensors, order, head_start=tp_rank * kv_heads, total_heads=tp_size * kv_heads,
+    roles = (KV_ROLE,) if "K" not in order else ("key", "value")
+    kv = paged_tensors(tensors, order, roles=roles, head_start=tp_rank * kv_heads, total_heads=tp_size * kv_heads,
                        who="vllm")
     return kv, ids
 
