@@ -43,12 +43,16 @@ $(VLLM_STAMP): pyproject.toml Makefile
 demo: venv
 	$(VENV)/bin/kvxfer demo
 
-test: venv
+# The tests against real vLLM (tests/integrations) run in $(VLLM_VENV); in .venv they skip.
+VLLM_TESTS ?= tests/integrations/test_vllm_connector_scheduler.py tests/integrations/test_vllm_e2e.py
+
+test: venv vllm-venv
 	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get update -q >/dev/null 2>&1 || true; } && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1; } || \
 		echo "etcd not installed (apt-get install etcd-server): tests/test_discovery.py skips"
 	$(PY) -m pytest -q -ra
+	$(VLLM_PY) -m pytest -q -ra $(VLLM_TESTS)
 
 lint: venv
 	$(VENV)/bin/ruff check kvxfer tests benchmarks examples
