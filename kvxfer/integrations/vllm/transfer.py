@@ -41,6 +41,10 @@ from kvxfer.transport import Transport, create
 log = logging.getLogger(__name__)
 
 _RID = Field("request_id", "str", max_len=512)
+#: Heartbeats of the connector's control connections: a vLLM process holds the GIL through long
+#: forward passes, so a peer is declared lost only after 5 missed 2-second heartbeats.
+HEARTBEAT_S = 2.0
+HEARTBEAT_MISSES = 5
 #: decode -> prefill: this decode rank finished reading ``request_id`` (``ok``: the bytes landed);
 #: ``readers`` decode ranks read this prefill rank for it.
 KV_DONE = register(MessageSpec("vllm_kv_done", (_RID, Field("readers", "int", lo=1, hi=1 << 16), Field("ok", "bool"))))
@@ -132,8 +136,10 @@ class TransferEngine:
         self._secret = secret
         self.transport = transport if transport is not None else create(backend, name)
         self.transport.register(kv.regions)
-        self._identity = LocalIdentity("prefill", name, kv.layout, self.transport.backend, self.transport.metadata())
-        self.server = ControlServer(self._identity, secret, bind=f"tcp://{host}:{port}")
+        self._identity = LocalIdentity("prefill", name, kv.layout, self.transport.backend, self.transport.metadata(),
+                                       heartbeat_interval=HEARTBEAT_S)
+        self.server = ControlServer(self._identity, secret, bind=f"tcp://{host}:{port}",
+                                    heartbeat_misses=HEARTBEAT_MISSES)
         self.address = self.server.address
         self.stats = TransferStats()
         self._lock = threading.Lock()
@@ -308,8 +314,10 @@ class TransferEngine:
             conn = self._conns.get(address)
         if conn is not None and conn.alive:
             return conn
-        identity = LocalIdentity("decode", self.name, self.layout, self.transport.backend, self.transport.metadata())
-        conn = connect(address, identity, self._secret, timeout=min(self.timeout, 10.0), expect_role="prefill")
+        identity = LocalIdentity("decode", self.name, self.layout, self.transport.backend, self.transport.metadata(),
+                                 heartbeat_interval=HEARTBEAT_S)
+        conn = connect(address, identity, self._secret, timeout=min(self.timeout, 10.0), expect_role="prefill",
+                       heartbeat_misses=HEARTBEAT_MISSES)
         peer = conn.peer
         if peer.backend != self.transport.backend:
             conn.close("backend mismatch")
