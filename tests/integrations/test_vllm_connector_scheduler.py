@@ -132,14 +132,14 @@ def test_pull_through_vllms_schedulers(pd: PD) -> None:
     p_req, params = pd.prefill(prompt)
     assert params["do_remote_prefill"] and params["remote_request_id"] == p_req.request_id
     assert params["kvxfer_addresses"] == [f"tcp://127.0.0.1:{pd.p_cfg.kv_transfer_config.kv_connector_extra_config['port']}"]
-    assert len(params["remote_block_ids"]) == 4 and params["remote_num_tokens"] == 50
+    assert len(params["remote_block_ids"][0]) == 4 and params["remote_num_tokens"] == 50
     held = free_blocks(pd.p_sched)
     d_req, recv, recvd, invalid = pd.decode_until_loaded(prompt, params)
     assert recvd == {d_req.request_id} and invalid == set() and recv.start == 0
     out = pd.d_sched.schedule()                                       # only the last prompt token is computed
     assert out.num_scheduled_tokens[d_req.request_id] == 1
     d_blocks = list(recv.block_ids)
-    want = token_rows(pd.p_kv, list(params["remote_block_ids"]), range(50))
+    want = token_rows(pd.p_kv, list(params["remote_block_ids"][0]), range(50))
     got = token_rows(pd.d_kv, d_blocks, range(50))
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     assert pd.d_work.engine.stats.bytes_read == 50 * 2 * 2 * 4 * 64 * 4   # tokens x layers x K/V x heads x dim x fp32
@@ -164,7 +164,7 @@ def test_a_prefix_the_decode_holds_is_not_moved(pd: PD) -> None:
     assert pd.d_work.engine.stats.bytes_read - before == (60 - 32) * 2 * 2 * 4 * 64 * 4
     assert pd.d_work.engine.stats.tokens_skipped == 32
     got = token_rows(pd.d_kv, list(recv.block_ids), range(32, 60))
-    want = token_rows(pd.p_kv, list(params2["remote_block_ids"]), range(32, 60))
+    want = token_rows(pd.p_kv, list(params2["remote_block_ids"][0]), range(32, 60))
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     pd.release(p2)
 
@@ -192,7 +192,7 @@ def test_push_through_vllms_schedulers(tmp_path: Path) -> None:
         d_req, recv, recvd, invalid = pair.decode_until_loaded(prompt, params)
         assert recvd == {d_req.request_id} and not invalid
         got = token_rows(pair.d_kv, list(recv.block_ids), range(37))
-        want = token_rows(pair.p_kv, list(params["remote_block_ids"]), range(37))
+        want = token_rows(pair.p_kv, list(params["remote_block_ids"][0]), range(37))
         assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
         assert pair.p_work.engine.stats.bytes_written == 37 * 2 * 2 * 4 * 64 * 4
         sent, _ = wait_finished(pair.p_work)

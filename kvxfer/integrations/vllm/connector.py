@@ -171,7 +171,7 @@ class KvxferConnector(KVConnectorBase_V1):
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": ids,
+            "remote_block_ids": [ids],   # per KV cache group, as vLLM's BlockIds
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             PARAM_ADDRESSES: list(self.addresses),
