@@ -233,3 +233,29 @@ def test_vllm_032_caches_pull_across_memory_orders_and_block_sizes() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+def test_vllm_is_imported_only_by_the_connector_module() -> None:
+    """vLLM is optional: kvxfer and the connector's helpers import without it; only connector.py names it."""
+    import ast
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import kvxfer
+
+    code = ("import sys, json, kvxfer, kvxfer.cli, kvxfer.integrations.vllm, kvxfer.integrations.vllm.transfer, "
+            "kvxfer.integrations.vllm.layouts, kvxfer.integrations.vllm.proxy; "
+            "print(json.dumps([m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    package = Path(kvxfer.__file__).parent
+    importers = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                importers.add(path.relative_to(package).as_posix())
+    assert importers == {"integrations/vllm/connector.py"}
