@@ -1,6 +1,7 @@
 """End to end on CPU: a prefill vLLM engine and a decode vLLM engine (the tiny random Llama, vLLM's CPU
 build) with kvxfer's connector between them over NIXL on 127.0.0.1. Every request's greedy output
-equals one vLLM instance's; the KV bytes moved are counted; a prompt sharing a prefix the decode
+equals one vLLM instance's (the prefill's blocks hold 32 tokens, the decode's 64); the KV bytes moved
+are counted; a prompt sharing a prefix the decode
 already computed moves only the rest; a prefill killed while holding a request's KV is reported as a
 failed load and vLLM recomputes the request, with the same output. Needs .venv-vllm (``make
 vllm-venv``)."""
@@ -25,7 +26,6 @@ if not any(__import__("importlib").util.find_spec(m) for m in ("nixl_cu12", "nix
 from vllm_support import SECRET, tiny_llama
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
-BS = 32
 #: bytes of one token's KV in the tiny Llama: layers x K/V x kv heads x head_dim x fp32
 TOKEN_BYTES = 2 * 2 * 4 * 64 * 4
 START_S = 300
@@ -77,9 +77,9 @@ def prompt(seed: int, n: int) -> list[int]:
 def test_prefill_and_decode_engines_match_one_engine(tmp_path: Path) -> None:
     model = tiny_llama(tmp_path / "model")
     port = 15600 + os.getpid() % 2000
-    shared = prompt(1, 96)                                   # 3 blocks the decode will already hold
-    wave1 = [prompt(1, 96) + prompt(2, 21), prompt(3, 70), prompt(4, 33), prompt(5, 150)]
-    wave2 = [shared + prompt(6, 40)]                          # shares 96 tokens with wave1[0]
+    shared = prompt(1, 128)                                  # 2 decode blocks the decode will already hold
+    wave1 = [prompt(1, 128) + prompt(2, 21), prompt(3, 70), prompt(4, 33), prompt(5, 150)]
+    wave2 = [shared + prompt(6, 40)]                          # shares 128 tokens with wave1[0]
     lost = [prompt(7, 64)]                                    # its prefill dies before the decode reads it
     engines = [Engine(r, model, port, tmp_path / f"{r}.log") for r in ("baseline", "prefill", "decode")]
     baseline, prefill, decode = engines
@@ -99,8 +99,8 @@ def test_prefill_and_decode_engines_match_one_engine(tmp_path: Path) -> None:
         d2 = decode.run(wave2, p2)
         assert d2["tokens"] == want[4:5]
         moved = d2["stats"]["bytes_read"] - d1["stats"]["bytes_read"]
-        assert moved == (len(wave2[0]) - 96) * TOKEN_BYTES        # the shared 96 tokens were not re-sent
-        assert d2["stats"]["tokens_skipped"] - d1["stats"]["tokens_skipped"] == 96
+        assert moved == (len(wave2[0]) - 128) * TOKEN_BYTES       # the shared 128 tokens were not re-sent
+        assert d2["stats"]["tokens_skipped"] - d1["stats"]["tokens_skipped"] == 128
 
         p3 = prefill.run(lost)["params"]
         prefill.proc.send_signal(signal.SIGKILL)

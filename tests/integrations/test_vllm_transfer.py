@@ -259,3 +259,28 @@ def test_vllm_is_imported_only_by_the_connector_module() -> None:
             if any(n == "vllm" or n.startswith("vllm.") for n in names):
                 importers.add(path.relative_to(package).as_posix())
     assert importers == {"integrations/vllm/connector.py"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_first_reads_share_one_connection(backend: str) -> None:
+    """Several receives starting at once against a prefill not yet connected all land."""
+    bs = 16
+    src_c, dst_c = caches(16, bs, fill=True), caches(16, bs)
+    prefill, decode = engine(src_c, bs, backend), engine(dst_c, bs, backend)
+    try:
+        for i in range(6):
+            prefill.hold(f"p-c{i}")
+            decode.start_read(f"d-c{i}", RemoteKV(f"p-c{i}", (prefill.address,), (2 * i, 2 * i + 1), 20),
+                              [15 - 2 * i, 14 - 2 * i], 0)
+        done: set[str] = set()
+        deadline = time.monotonic() + 20
+        while len(done) < 6 and time.monotonic() < deadline:
+            ok, failed = decode.finished_receiving()
+            assert failed == {}
+            done |= ok
+            time.sleep(0.01)
+        assert done == {f"d-c{i}" for i in range(6)}
+        assert decode.stats.requests_read == 6 and decode.stats.failures == 0
+    finally:
+        decode.close()
+        prefill.close()

@@ -14,6 +14,8 @@ import sys
 from typing import Any
 
 MAX_TOKENS = 8
+#: Tokens per block of each engine: the decode's blocks are twice the prefill's (kvxfer pairs them).
+BLOCK_SIZE = {"baseline": 32, "prefill": 32, "decode": 64}
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -33,7 +35,7 @@ def main() -> None:
             "kv_connector_extra_config": {"backend": "nixl", "host": "127.0.0.1", "port": port, "timeout": 10.0,
                                           "secret": os.environ["KVXFER_SECRET"]}}
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
-              enforce_eager=True, seed=0, block_size=32, enable_prefix_caching=True, **kw)
+              enforce_eager=True, seed=0, block_size=BLOCK_SIZE[role], enable_prefix_caching=True, **kw)
 
     def connector() -> Any:
         from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -143,6 +143,7 @@ class TransferEngine:
         self.address = self.server.address
         self.stats = TransferStats()
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._early: dict[str, _Held] = {}         # reads reported before the hold reached this rank
         self._sent: set[str] = set()
@@ -310,6 +311,12 @@ class TransferEngine:
 
     # --- decode side ---------------------------------------------------------------------------------
     def _connect(self, address: str) -> PeerConnection:
+        """The live connection to the prefill rank at ``address``, made (and its transport peer connected)
+        once: concurrent transfers share it (connecting the transport again would cut their reads)."""
+        with self._connect_lock:
+            return self._connect_locked(address)
+
+    def _connect_locked(self, address: str) -> PeerConnection:
         with self._lock:
             conn = self._conns.get(address)
         if conn is not None and conn.alive:
