@@ -34,11 +34,11 @@ START_S = 300
 class Engine:
     """One ``vllm_engine.py`` process: send a step (JSON line), read its result line."""
 
-    def __init__(self, role: str, model: Path, port: int, log: Path) -> None:
+    def __init__(self, role: str, model: Path, port: int, log: Path, mode: str) -> None:
         env = dict(os.environ, KVXFER_SECRET=SECRET, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                    PYTHONUNBUFFERED="1")
         self.log = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, str(ENGINE), role, str(model), str(port)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(ENGINE), role, str(model), str(port), mode], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self.role = role
 
@@ -74,14 +74,15 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_prefill_and_decode_engines_match_one_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_prefill_and_decode_engines_match_one_engine(tmp_path: Path, mode: str) -> None:
     model = tiny_llama(tmp_path / "model")
-    port = 15600 + os.getpid() % 2000
+    port = 15600 + os.getpid() % 2000 * 2 + (mode == "push")
     shared = prompt(1, 128)                                  # 2 decode blocks the decode will already hold
     wave1 = [prompt(1, 128) + prompt(2, 21), prompt(3, 70), prompt(4, 33), prompt(5, 150)]
     wave2 = [shared + prompt(6, 40)]                          # shares 128 tokens with wave1[0]
     lost = [prompt(7, 64)]                                    # its prefill dies before the decode reads it
-    engines = [Engine(r, model, port, tmp_path / f"{r}.log") for r in ("baseline", "prefill", "decode")]
+    engines = [Engine(r, model, port, tmp_path / f"{r}.log", mode) for r in ("baseline", "prefill", "decode")]
     baseline, prefill, decode = engines
     try:
         for e in engines:

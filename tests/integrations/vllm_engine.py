@@ -3,13 +3,17 @@
 Llama on CPU, kvxfer's connector over NIXL on 127.0.0.1. Prompts and steps come as JSON lines on
 stdin, results go out as JSON lines on stdout (a line starting with ``{``).
 
-    python vllm_engine.py ROLE MODEL_DIR PORT
+    python vllm_engine.py ROLE MODEL_DIR PORT [MODE]
+
+Between steps the prefill keeps its engine stepping, as ``vllm serve`` does while finished requests
+hold blocks: that hands the holds to the connector's workers, serves pushes and frees blocks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import sys
 from typing import Any
 
@@ -25,6 +29,7 @@ def emit(obj: dict[str, Any]) -> None:
 
 def main() -> None:
     role, model, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    mode = sys.argv[4] if len(sys.argv) > 4 else "pull"
     from vllm import LLM, SamplingParams
 
     kw: dict[str, Any] = {}
@@ -33,7 +38,7 @@ def main() -> None:
             "kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm.connector",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"backend": "nixl", "host": "127.0.0.1", "port": port, "timeout": 10.0,
-                                          "secret": os.environ["KVXFER_SECRET"]}}
+                                          "mode": mode, "secret": os.environ["KVXFER_SECRET"]}}
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
               enforce_eager=True, seed=0, block_size=BLOCK_SIZE[role], enable_prefix_caching=True, **kw)
 
@@ -41,8 +46,18 @@ def main() -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
         return get_kv_transfer_group()
 
+    def lines() -> Any:
+        while True:
+            if role == "prefill" and not select.select([sys.stdin], [], [], 0.02)[0]:
+                llm.llm_engine.step()   # idle: let the held requests' steps run
+                continue
+            line = sys.stdin.readline()
+            if not line:
+                return
+            yield line
+
     emit({"ready": True})
-    for line in sys.stdin:
+    for line in lines():
         step = json.loads(line)
         if step.get("exit"):
             break
