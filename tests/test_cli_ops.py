@@ -191,7 +191,7 @@ def test_serve_publishes_metrics_health_status_and_kv_events(backend: str, capsy
         batches: list[tuple[int, bytes]] = []
         while not batches and time.monotonic() < deadline:     # the pump publishes every 50 ms
             batches = replay_all(replay, zctx)
-        stored = [e for _, p in batches for e in msgspec.msgpack.decode(p, type=VLLM.KVEventBatch).events
+        stored = [e for _, p in batches for e in msgspec.msgpack.decode(p, type=VLLM.ReleaseKVEventBatch).events
                   if isinstance(e, VLLM.BlockStored)]
         assert stored and stored[0].token_ids == list(range(1, 41)) and stored[0].block_size == 8
         assert cli_main(["status", metrics_url, "--json"]) == 0

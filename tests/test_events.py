@@ -1,6 +1,7 @@
 """KV events: sequences for store / reuse / evict / update / clear, ids and drop markers of the bounded
-queue, sliding-window drops, and vLLM's wire format decoded by a subscriber built on vLLM's own schema
-(tests/data/vllm_kv_events_schema.py) over real ZeroMQ PUB and replay ROUTER sockets."""
+queue, sliding-window drops, and each of vLLM's wire forms decoded by a subscriber built on that
+version's struct options (tests/data/vllm_kv_events_schema.py) over real ZeroMQ PUB and replay ROUTER
+sockets."""
 
 from __future__ import annotations
 
@@ -30,7 +31,14 @@ from kvxfer.cache import (
     block_keys,
 )
 from kvxfer.cache.event_publisher import END_SEQ
-from kvxfer.cache.event_wire import WIRE_ARRAY, encode_batch, reference_events
+from kvxfer.cache.event_wire import (
+    WIRE_ARRAY,
+    WIRE_MAP,
+    WIRE_RELEASE,
+    decode_batch,
+    encode_batch,
+    reference_events,
+)
 from kvxfer.cache.events import EventQueue, stored_extra_keys
 from kvxfer.cache.hashing import HASH_ALGOS
 from kvxfer.errors import ConfigError
@@ -151,12 +159,15 @@ def test_sliding_window_drops_are_announced_for_their_layer_group() -> None:
 
 # --- the wire: vLLM's schema decodes what kvxfer sends --------------------------------------------
 class VllmSubscriber:
-    """A router's view of one worker, built only on vLLM's classes: per (medium, group) the hashes
-    stored there; every removal must name a stored hash unless a clear (a drop marker) came since."""
+    """A router's view of one worker, built only on one vLLM version's structs: per (medium, group) the
+    hashes stored there; every removal must name a stored hash unless a clear (a drop marker) came
+    since; every store carries its blocks' tokens (``block_size`` each, the same tokens whenever a
+    block is stored again, e.g. on a tier move) and a parent already stored."""
 
-    def __init__(self) -> None:
-        self.decoder = msgspec.msgpack.Decoder(type=VLLM.KVEventBatch)
+    def __init__(self, wire: str = WIRE_RELEASE) -> None:
+        self.decoder = msgspec.msgpack.Decoder(type=VLLM.BATCH_OF_WIRE[wire])
         self.blocks: dict[tuple[str | None, int | None], set[Any]] = {}
+        self.tokens: dict[Any, list[int]] = {}
         self.unexplained: list[str] = []
         self.cleared_since_start = False
         self.next_seq = 0
@@ -168,27 +179,42 @@ class VllmSubscriber:
         batch = self.decoder.decode(payload)
         assert batch.data_parallel_rank == 0
         for ev in batch.events:
-            if isinstance(ev, VLLM.BlockStored):
-                self.blocks.setdefault((ev.medium, ev.group_idx), set()).update(ev.block_hashes)
-            elif isinstance(ev, VLLM.BlockRemoved):
-                have = self.blocks.setdefault((ev.medium, ev.group_idx), set())
+            group = getattr(ev, "group_idx", 0)
+            if isinstance(ev, VLLM.STORED):
+                self._check_tokens(ev)
+                self.blocks.setdefault((ev.medium, group), set()).update(ev.block_hashes)
+            elif isinstance(ev, VLLM.REMOVED):
+                have = self.blocks.setdefault((ev.medium, group), set())
                 missing = set(ev.block_hashes) - have
                 if missing and not self.cleared_since_start:
                     self.unexplained.append(f"removal of {len(missing)} unknown hashes on {ev.medium}")
                 have.difference_update(ev.block_hashes)
             else:
-                assert isinstance(ev, VLLM.AllBlocksCleared)
+                assert isinstance(ev, VLLM.CLEARED)
                 self.blocks.clear()
                 self.cleared_since_start = True
         return batch
+
+    def _check_tokens(self, ev: Any) -> None:
+        if ev.block_size != TPB or len(ev.token_ids) != TPB * len(ev.block_hashes):
+            self.unexplained.append(f"store of {len(ev.block_hashes)} blocks with block_size {ev.block_size} and "
+                                    f"{len(ev.token_ids)} tokens")
+            return
+        if ev.parent_block_hash is not None and ev.parent_block_hash not in self.tokens and not self.cleared_since_start:
+            self.unexplained.append("store under a parent never stored")
+        for i, h in enumerate(ev.block_hashes):
+            toks = ev.token_ids[i * TPB:(i + 1) * TPB]
+            if self.tokens.setdefault(h, toks) != toks:
+                self.unexplained.append("a block stored again with other tokens")
 
     def state(self) -> dict[tuple[str | None, int | None], set[Any]]:
         return {k: v for k, v in self.blocks.items() if v}
 
 
 def tree_state(mgr: KVCacheManager, ctx: WireContext) -> dict[tuple[str | None, int | None], set[Any]]:
-    """What the subscriber must believe: each tree block's page per layer group, on its tier's medium."""
-    media = {0: "CPU", 1: "CPU", 2: "DISK"}
+    """What the subscriber must believe: each tree block's page per layer group, on its tier's medium
+    as vLLM names it."""
+    media = {0: "CPU", 1: "CPU", 2: "STORAGE"}
     out: dict[tuple[str | None, int | None], set[Any]] = {}
     for node in mgr.prefix_tree.nodes():
         for lg, (page, tier) in enumerate(zip(node.pages.tolist(), node.tiers.tolist(), strict=True)):
@@ -217,17 +243,20 @@ def replay_all(endpoint: str, ctx: zmq.Context[Any], start: int = 0) -> list[tup
         sock.close()
 
 
-@pytest.mark.parametrize(("hash_name", "windows"), [("v2_blake3_64", None), ("v2_blake3", None),
-                                                    ("v2_blake3_64", [None, 2 * TPB])])
+@pytest.mark.parametrize(("hash_name", "windows", "wire"), [
+    ("v2_blake3_64", None, WIRE_RELEASE), ("v2_blake3", None, WIRE_RELEASE),
+    ("v2_blake3_64", [None, 2 * TPB], WIRE_RELEASE), ("v2_blake3_64", [None, 2 * TPB], WIRE_MAP),
+    ("v2_blake3", None, WIRE_ARRAY)])
 def test_vllm_subscriber_follows_store_reuse_tier_moves_evict_and_reset(tmp_path: Path, hash_name: str,
-                                                                        windows: list[int | None] | None) -> None:
-    """Every batch of a run decodes with vLLM's classes; the subscriber's picture equals the tree after
-    every step (tier moves published as stored-at-new / removed-at-old; with a sliding-window group,
-    its dropped pages too), with no unexplained gap."""
+                                                                        windows: list[int | None] | None,
+                                                                        wire: str) -> None:
+    """Every batch of a run decodes with one vLLM version's structs; the subscriber's picture equals the
+    tree after every step (tier moves published as stored-at-new with their tokens / removed-at-old;
+    with a sliding-window group, its dropped pages too), with no unexplained gap."""
     mgr = drained(make_manager(4, host_blocks=2, disk_blocks=2, disk_path=str(tmp_path), windows=windows))
     zctx = zmq.Context()
-    wctx = WireContext.for_layout(mgr.layout, hash_name=hash_name)
-    sub = VllmSubscriber()
+    wctx = WireContext.for_layout(mgr.layout, hash_name=hash_name, wire=wire)
+    sub = VllmSubscriber(wire)
     try:
         with KVEventPublisher("tcp://127.0.0.1:*", context=wctx, replay_endpoint="tcp://127.0.0.1:*",
                               zmq_context=zctx) as pub:
@@ -268,15 +297,50 @@ def test_vllm_subscriber_follows_store_reuse_tier_moves_evict_and_reset(tmp_path
     finally:
         zctx.term()
     assert sub.unexplained == []
-    replayed = VllmSubscriber()
+    replayed = VllmSubscriber(wire)
     for seq, payload in history:
         replayed.feed(seq, payload)
     assert replayed.unexplained == [] and replayed.state() == {}
-    kinds = {type(e).__name__ for _, p in history for e in msgspec.msgpack.decode(p, type=VLLM.KVEventBatch).events}
+    batch_type = VLLM.BATCH_OF_WIRE[wire]
+    decoded = [e for _, p in history for e in msgspec.msgpack.decode(p, type=batch_type).events]
+    kinds = {type(e).__name__.removeprefix("Legacy") for e in decoded}
     assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
-    media = {(type(e).__name__, e.medium) for _, p in history
-             for e in msgspec.msgpack.decode(p, type=VLLM.KVEventBatch).events if not isinstance(e, VLLM.AllBlocksCleared)}
-    assert {("BlockStored", "DISK"), ("BlockRemoved", "DISK"), ("BlockRemoved", "CPU")} <= media   # moves and drops
+    media = {(type(e).__name__.removeprefix("Legacy"), e.medium) for e in decoded if not isinstance(e, VLLM.CLEARED)}
+    assert {("BlockStored", "STORAGE"), ("BlockRemoved", "STORAGE"), ("BlockRemoved", "CPU")} <= media  # moves, drops
+    assert all(e.medium != "DISK" for e in decoded if not isinstance(e, VLLM.CLEARED))
+    for other, other_type in VLLM.BATCH_OF_WIRE.items():   # the forms are not interchangeable
+        if other != wire:
+            with pytest.raises(msgspec.ValidationError):
+                msgspec.msgpack.decode(history[0][1], type=other_type)
+    assert [len(decode_batch(p).events) for _, p in history] == [   # kvxfer's router reads every form
+        len(msgspec.msgpack.decode(p, type=batch_type).events) for _, p in history]
+
+
+def test_a_tier_move_is_stored_with_its_chain_tokens_and_block_size() -> None:
+    """An Updated tier move becomes one BlockStored per chain of moved blocks (parent, tokens, block
+    size) on the new medium as vLLM names it, then one BlockRemoved of every moved block at the old."""
+    a, b, c = b"\x0a" * 32, b"\x0b" * 32, b"\x0c" * 32
+    p = b"\x09" * 32
+    ev = Updated((a, b, c), "DISK", old_medium="CPU", parent_hashes=(p, a, None),
+                 block_tokens=((1, 2), (3, 4), (5, 6)), block_size=2)
+    wctx = WireContext(hash_name="v2_blake3")
+    payload = encode_batch([ev], 1.0, wctx)
+    assert payload is not None
+    s1, s2, rm = msgspec.msgpack.decode(payload, type=VLLM.ReleaseKVEventBatch).events
+    assert (s1.block_hashes, s1.parent_block_hash, s1.token_ids, s1.block_size, s1.medium) == (
+        [a, b], p, [1, 2, 3, 4], 2, "STORAGE")
+    assert (s2.block_hashes, s2.parent_block_hash, s2.token_ids, s2.block_size) == ([c], None, [5, 6], 2)
+    assert (rm.block_hashes, rm.medium) == ([a, b, c], "CPU")
+
+
+def test_moves_merged_in_the_queue_keep_their_tokens() -> None:
+    q = EventQueue(8)
+    a, b = b"\x01" * 32, b"\x02" * 32
+    q.put(Updated((a,), "DISK", old_medium="CPU", parent_hashes=(None,), block_tokens=((1, 2),), block_size=2))
+    q.put(Updated((b,), "DISK", old_medium="CPU", parent_hashes=(a,), block_tokens=((3, 4),), block_size=2))
+    (merged,) = q.drain()
+    assert isinstance(merged, Updated)
+    assert (merged.block_hashes, merged.parent_hashes, merged.block_tokens) == ((a, b), (None, a), ((1, 2), (3, 4)))
 
 
 def test_dropped_events_become_a_clear_the_subscriber_can_explain() -> None:
@@ -314,10 +378,10 @@ def test_wire_fields_groups_and_windows() -> None:
     prefill(mgr, np.arange(9), reuse_scope=ReuseScope(lora_id=5))
     payload = encode_batch(mgr.drain_events(), 12.5, wctx)
     assert payload is not None
-    raw = msgspec.msgpack.decode(payload)
-    assert raw["ts"] == 12.5 and raw["data_parallel_rank"] == 3
-    assert [e["type"] for e in raw["events"]] == ["BlockStored", "BlockStored"]
-    full, window = msgspec.msgpack.decode(payload, type=VLLM.KVEventBatch).events
+    raw = msgspec.msgpack.decode(payload)       # the release form: [ts, events, rank], events maps
+    assert raw[0] == 12.5 and raw[2] == 3
+    assert [e["type"] for e in raw[1]] == ["BlockStored", "BlockStored"]
+    full, window = msgspec.msgpack.decode(payload, type=VLLM.ReleaseKVEventBatch).events
     assert (full.group_idx, full.kv_cache_spec_kind, full.kv_cache_spec_sliding_window) == (0, "full_attention", None)
     assert (window.group_idx, window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window) == (
         1, "sliding_window", 2 * TPB)
@@ -336,8 +400,18 @@ def test_legacy_array_form_behind_the_flag() -> None:
                                                                       "CPU"], ["AllBlocksCleared"]], 1]
     batch = msgspec.msgpack.decode(payload, type=VLLM.LegacyKVEventBatch)
     assert len(batch.events) == 3
-    with pytest.raises(msgspec.ValidationError):              # the two forms are not interchangeable
-        msgspec.msgpack.decode(payload, type=VLLM.KVEventBatch)
+    with pytest.raises(msgspec.ValidationError):              # the forms are not interchangeable
+        msgspec.msgpack.decode(payload, type=VLLM.ReleaseKVEventBatch)
+
+
+def test_main_map_form_behind_the_flag() -> None:
+    a = b"\x01" * 32
+    payload = encode_batch([Stored(None, (a,), (1, 2), 2, None, "DISK")], 3.0, WireContext(wire=WIRE_MAP))
+    assert payload is not None
+    raw = msgspec.msgpack.decode(payload)
+    assert raw["ts"] == 3.0 and raw["data_parallel_rank"] == 0 and raw["events"][0]["medium"] == "STORAGE"
+    (ev,) = msgspec.msgpack.decode(payload, type=VLLM.MainKVEventBatch).events
+    assert (ev.token_ids, ev.block_size) == ([1, 2], 2)
 
 
 def test_priority_and_created_have_no_vllm_form_but_a_reference_record() -> None:
@@ -376,7 +450,7 @@ def test_live_sub_socket_receives_the_batches() -> None:
     finally:
         zctx.term()
     assert topic == b"kv-events" and int.from_bytes(seq_bytes, "big") == seq and len(seq_bytes) == 8
-    (ev,) = msgspec.msgpack.decode(payload, type=VLLM.KVEventBatch).events
+    (ev,) = msgspec.msgpack.decode(payload, type=VLLM.ReleaseKVEventBatch).events
     assert isinstance(ev, VLLM.BlockStored) and ev.token_ids == list(range(40, 48))
 
 
@@ -406,7 +480,7 @@ def test_published_hashes_follow_the_cache_hash_algorithm(algo: str) -> None:
     expected = [block_hash_for_event(k, resolved) for k in keys]
     payload = encode_batch(events, 1.0, vctx)
     assert payload is not None
-    stored = [e for e in msgspec.msgpack.decode(payload, type=VLLM.KVEventBatch).events
+    stored = [e for e in msgspec.msgpack.decode(payload, type=VLLM.ReleaseKVEventBatch).events
               if isinstance(e, VLLM.BlockStored)]
     wire = [h for e in stored for h in e.block_hashes]
     assert wire == [bytes.fromhex(h) if isinstance(h, str) else h for h in expected]

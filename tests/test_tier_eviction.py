@@ -62,6 +62,14 @@ def keys_of(tokens: npt.ArrayLike) -> tuple[bytes, ...]:
     return tuple(block_keys(np.asarray(tokens, dtype=np.int64), TPB, DEFAULT_SCOPE.root_key))
 
 
+def moved(tokens: npt.ArrayLike, medium: str, old_medium: str) -> Updated:
+    """The tier-move event of the chain of ``tokens``' full blocks: keys, parents and tokens per block."""
+    keys = keys_of(tokens)
+    toks = [int(t) for t in np.asarray(tokens)]
+    return Updated(keys, medium, old_medium=old_medium, parent_hashes=(None, *keys[:-1]),
+                   block_tokens=tuple(tuple(toks[i * TPB:(i + 1) * TPB]) for i in range(len(keys))), block_size=TPB)
+
+
 def check_tier_references(mgr: KVCacheManager) -> None:
     """Every slot of every tier has exactly as many references as open caches and tree blocks point at
     it (so no page is lost or held twice), no slot is the page of two tree blocks, accounting balances."""
@@ -115,7 +123,7 @@ def test_held_pages_offload_to_host_and_come_back_exact(tmp_path: Path) -> None:
     assert tiers_of(a) == [HOST] * 5
     assert mgr.storage_stats(HostTier).slots_used == (5,)
     assert mgr.storage_stats(0).slots_used == (8,)
-    assert mgr.drain_events() == [Updated(keys_of(TOKENS_A), HOST_MEDIUM, old_medium="CPU")]
+    assert mgr.drain_events() == [moved(TOKENS_A, HOST_MEDIUM, "CPU")]
     with pytest.raises(CacheStateError, match="offloaded"):
         a.block_ids(0)
     check_tier_references(mgr)
@@ -124,7 +132,7 @@ def test_held_pages_offload_to_host_and_come_back_exact(tmp_path: Path) -> None:
     assert tiers_of(a) == [0] * 5
     assert mgr.storage_stats(HostTier).slots_used == (0,)
     assert check_kv(mgr, a, TOKENS_A, 0, TOKENS_A.size) == TOKENS_A.size
-    assert mgr.drain_events() == [Updated(keys_of(TOKENS_A), "CPU", old_medium=HOST_MEDIUM)]   # back in the primary
+    assert mgr.drain_events() == [moved(TOKENS_A, "CPU", HOST_MEDIUM)]   # back in the primary
     page = sum(p.slot_bytes for p in mgr.layout.pool_groups[0].pools)
     assert mgr.tier_traffic() == TierTraffic((0, 5), (0, 5), 0, 10 * page)
     check_tier_references(mgr)
@@ -278,9 +286,9 @@ def test_events_for_moves_and_drops_and_reuse_from_disk(tmp_path: Path) -> None:
         kv.close()                                       # tree-only (droppable) pages
     mgr.drain_events()
     c = filler(mgr, 4)
-    assert mgr.drain_events() == [Updated(keys_of(p1), HOST_MEDIUM, old_medium="CPU"),
-                                  Updated(keys_of(p1), DISK_MEDIUM, old_medium=HOST_MEDIUM),
-                                  Updated(keys_of(p2), HOST_MEDIUM, old_medium="CPU")]
+    assert mgr.drain_events() == [moved(p1, HOST_MEDIUM, "CPU"),
+                                  moved(p1, DISK_MEDIUM, HOST_MEDIUM),
+                                  moved(p2, HOST_MEDIUM, "CPU")]
     c.close()
     kv = run_prefill(mgr, p3)
     assert kv is not None
@@ -289,8 +297,8 @@ def test_events_for_moves_and_drops_and_reuse_from_disk(tmp_path: Path) -> None:
     c = filler(mgr, 4)                                   # the coldest tier drops p1 (leaf first)
     k1 = keys_of(p1)
     assert mgr.drain_events() == [Removed((k1[1], k1[0]), DISK_MEDIUM),
-                                  Updated(keys_of(p2), DISK_MEDIUM, old_medium=HOST_MEDIUM),
-                                  Updated(keys_of(p3), HOST_MEDIUM, old_medium="CPU")]
+                                  moved(p2, DISK_MEDIUM, HOST_MEDIUM),
+                                  moved(p3, HOST_MEDIUM, "CPU")]
     c.close()
     check_tier_references(mgr)
     traffic = mgr.tier_traffic()
@@ -341,7 +349,7 @@ def test_priority_beats_recency_when_offloading(tmp_path: Path) -> None:
     kv2.close()
     mgr.drain_events()
     filler(mgr, 2).close()
-    assert mgr.drain_events() == [Updated(keys_of(p2), HOST_MEDIUM, old_medium="CPU")]
+    assert mgr.drain_events() == [moved(p2, HOST_MEDIUM, "CPU")]
     tiers = {n.key: n.tiers.tolist() for n in mgr.prefix_tree.nodes()}
     assert [tiers[k] for k in keys_of(p1)] == [[0], [0]]
     assert [tiers[k] for k in keys_of(p2)] == [[HOST], [HOST]]

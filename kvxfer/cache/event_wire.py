@@ -1,10 +1,17 @@
-"""KV events on vLLM's wire format (``vllm/distributed/kv_events.py``), as msgspec structs.
+"""KV events on vLLM's wire formats (``vllm/distributed/kv_events.py``), as msgspec structs.
 
-The current form (vLLM since mid-2026) is a msgpack map per batch, ``{ts, events, data_parallel_rank}``,
-each event a map tagged ``"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"``. The older
-positional form (vLLM 0.9-0.13: arrays ``[tag, field, ...]`` in ``[ts, events, rank]``) is kept behind
-``WIRE_ARRAY``. How kvxfer's events map onto them is in docs/events.md; ``reference_events`` gives the
-reference design's (TensorRT-LLM KVCacheManagerV2) per-layer-group event records instead.
+vLLM has put three forms on the wire, one per ``--kv-events-wire`` choice:
+
+- ``vllm`` (the default; vLLM 0.34, the latest release): the batch is a msgpack array
+  ``[ts, events, data_parallel_rank]``, each event a map tagged ``"type": "BlockStored" |
+  "BlockRemoved" | "AllBlocksCleared"``;
+- ``vllm-map`` (vLLM's main branch): the batch is a map ``{ts, events, data_parallel_rank}``, the events
+  the same tagged maps;
+- ``vllm-array`` (vLLM 0.9-0.13): everything positional, events ``[tag, field, ...]`` in
+  ``[ts, events, rank]``.
+
+How kvxfer's events map onto them is in docs/events.md; ``reference_events`` gives the reference
+design's (TensorRT-LLM KVCacheManagerV2) per-layer-group event records instead.
 """
 
 from __future__ import annotations
@@ -34,11 +41,16 @@ from kvxfer.cache.hashing import (
 )
 from kvxfer.errors import ConfigError
 
-WIRE_MAP = "vllm"
+WIRE_RELEASE = "vllm"
+WIRE_MAP = "vllm-map"
 WIRE_ARRAY = "vllm-array"
 WIRE_REFERENCE = "reference"
-WireFormat = Literal["vllm", "vllm-array", "reference"]
-WIRE_FORMATS: tuple[str, ...] = (WIRE_MAP, WIRE_ARRAY, WIRE_REFERENCE)
+WireFormat = Literal["vllm", "vllm-map", "vllm-array", "reference"]
+#: Every wire choice, the default (vLLM's latest release) first.
+WIRE_FORMATS: tuple[str, ...] = (WIRE_RELEASE, WIRE_MAP, WIRE_ARRAY, WIRE_REFERENCE)
+#: kvxfer's tier media as vLLM names them on its wires (``MEDIUM_GPU``, ``MEDIUM_CPU``, ``MEDIUM_STORAGE``
+#: of vLLM's kv_events); a medium not listed goes out as it is.
+VLLM_MEDIA: dict[str, str] = {"GPU": "GPU", "CPU": "CPU", "DISK": "STORAGE"}
 KIND_FULL = "full_attention"
 KIND_SLIDING = "sliding_window"
 
@@ -97,7 +109,15 @@ class AllBlocksCleared(_Event):
 
 
 class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    """vLLM's KVEventBatch: one published message's payload."""
+    """vLLM main's KVEventBatch (a map): one published message's payload."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _ReleaseBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM 0.34's KVEventBatch: positional ``[ts, events, data_parallel_rank]``, events tagged maps."""
 
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
@@ -155,7 +175,7 @@ class WireContext:
     groups: tuple[GroupSpec, ...] = (GroupSpec(0),)
     block_size: int = 0
     data_parallel_rank: int = 0
-    wire: str = WIRE_MAP
+    wire: str = WIRE_RELEASE
     media: tuple[str, ...] = ("GPU", "CPU", "DISK")
     """The cache's tiers' media, hottest first (cache levels of the reference records)."""
 
@@ -210,33 +230,56 @@ def _extra(keys: tuple[tuple[tuple[str, str], ...] | None, ...] | None) -> list[
     return [None if k is None else tuple(f"{kind}:{value}" for kind, value in k) for k in keys]
 
 
-def vllm_events(event: KVEvent, ctx: WireContext) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-    """One kvxfer event as vLLM events (one per layer group it concerns).
+def vllm_medium(medium: str) -> str:
+    """``medium`` as vLLM names it (``VLLM_MEDIA``)."""
+    return VLLM_MEDIA.get(medium, medium)
 
-    A tier move (``Updated`` with ``old_medium``) becomes BlockStored at the new medium then
-    BlockRemoved at the old, as vLLM publishes its offloads; ``EventsDropped`` becomes
-    AllBlocksCleared (forget this cache). A priority change and ``Created`` have no vLLM form: none.
+
+def _moved_chains(event: Updated) -> list[tuple[bytes | None, list[bytes], list[int]]]:
+    """A tier move's blocks as chains ``(parent, hashes, tokens)``: consecutive blocks each the parent of
+    the next form one chain. Without per-block parents and tokens every block is its own chain with
+    no parent and no tokens."""
+    if event.parent_hashes is None or event.block_tokens is None:
+        return [(None, [h], []) for h in event.block_hashes]
+    chains: list[tuple[bytes | None, list[bytes], list[int]]] = []
+    for h, parent, tokens in zip(event.block_hashes, event.parent_hashes, event.block_tokens, strict=True):
+        if chains and parent is not None and chains[-1][1][-1] == parent:
+            chains[-1][1].append(h)
+            chains[-1][2].extend(tokens)
+        else:
+            chains.append((parent, [h], list(tokens)))
+    return chains
+
+
+def vllm_events(event: KVEvent, ctx: WireContext) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+    """One kvxfer event as vLLM events (one per layer group it concerns), media named as vLLM names them.
+
+    A tier move (``Updated`` with ``old_medium``) becomes BlockStored at the new medium (one per chain
+    of moved blocks, with its parent, tokens and block size) then BlockRemoved at the old, as vLLM
+    publishes its offloads; ``EventsDropped`` becomes AllBlocksCleared (forget this cache). A priority
+    change and ``Created`` have no vLLM form: none.
     """
     if isinstance(event, Stored):
         parent = None if event.parent_hash is None else ctx.ext(event.parent_hash)
         lora_name = None if event.lora_id is None else str(event.lora_id)
         return [BlockStored([ctx.ext(h) for h in event.block_hashes], parent, list(event.token_ids), event.block_size,
-                            event.lora_id, event.medium, lora_name, _extra(event.extra_keys), g.group_idx, g.kind,
-                            g.window) for g in ctx.groups_of(event.layer_groups)]
+                            event.lora_id, vllm_medium(event.medium), lora_name, _extra(event.extra_keys), g.group_idx,
+                            g.kind, g.window) for g in ctx.groups_of(event.layer_groups)]
     if isinstance(event, Removed):
-        return [BlockRemoved([ctx.ext(h) for h in event.block_hashes], event.medium, g.group_idx)
+        return [BlockRemoved([ctx.ext(h) for h in event.block_hashes], vllm_medium(event.medium), g.group_idx)
                 for g in ctx.groups_of(event.layer_groups)]
     if isinstance(event, Updated):
         if event.old_medium is None or event.old_medium == event.medium:
             return []
         hashes = [ctx.ext(h) for h in event.block_hashes]
+        chains = _moved_chains(event)
+        block_size = event.block_size or ctx.block_size
         out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         for g in ctx.groups_of(event.layer_groups):
-            # A moved block's tokens were published when it was stored; vLLM's offload events for a
-            # colder medium carry no tokens either (a router keys on the hashes).
-            out.append(BlockStored(hashes, None, [], ctx.block_size, None, event.medium, None, None, g.group_idx, g.kind,
-                                   g.window))
-            out.append(BlockRemoved(hashes, event.old_medium, g.group_idx))
+            out.extend(BlockStored([ctx.ext(h) for h in chain], None if parent is None else ctx.ext(parent), tokens,
+                                   block_size, None, vllm_medium(event.medium), None, None, g.group_idx, g.kind,
+                                   g.window) for parent, chain, tokens in chains)
+            out.append(BlockRemoved(hashes, vllm_medium(event.old_medium), g.group_idx))
         return out
     if isinstance(event, AllCleared | EventsDropped):
         return [AllBlocksCleared()]
@@ -267,12 +310,33 @@ def encode_batch(events: Iterable[KVEvent], timestamp: float, ctx: WireContext) 
         return None
     if ctx.wire == WIRE_ARRAY:
         return _ENCODER.encode(_ArrayBatch(timestamp, [_to_array(w) for w in wire], ctx.data_parallel_rank))
-    return _ENCODER.encode(KVEventBatch(timestamp, wire, ctx.data_parallel_rank))
+    if ctx.wire == WIRE_MAP:
+        return _ENCODER.encode(KVEventBatch(timestamp, wire, ctx.data_parallel_rank))
+    return _ENCODER.encode(_ReleaseBatch(timestamp, wire, ctx.data_parallel_rank))
+
+
+def _from_array(e: _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared) -> BlockStored | BlockRemoved | \
+        AllBlocksCleared:
+    if isinstance(e, _ArrayBlockStored):
+        return BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium, None)
+    if isinstance(e, _ArrayBlockRemoved):
+        return BlockRemoved(e.block_hashes, e.medium)
+    return AllBlocksCleared()
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """A current-form payload back into structs (msgspec.ValidationError / DecodeError on bad bytes)."""
-    return msgspec.msgpack.decode(payload, type=KVEventBatch)
+    """A payload in any of vLLM's three forms back into structs (msgspec.ValidationError / DecodeError
+    on bad bytes). A map is main's form; an array is the release's when its events are maps, else the
+    0.9-0.13 positional form."""
+    first = payload[:1]
+    if first and (0x80 <= first[0] <= 0x8F or first[0] in (0xDE, 0xDF)):
+        return msgspec.msgpack.decode(payload, type=KVEventBatch)
+    try:
+        rel = msgspec.msgpack.decode(payload, type=_ReleaseBatch)
+        return KVEventBatch(rel.ts, rel.events, rel.data_parallel_rank)
+    except msgspec.ValidationError:
+        old = msgspec.msgpack.decode(payload, type=_ArrayBatch)
+        return KVEventBatch(old.ts, [_from_array(e) for e in old.events], old.data_parallel_rank)
 
 
 # --- the reference design's event records ------------------------------------------------------------
@@ -325,10 +389,12 @@ def reference_events(event: KVEvent, ctx: WireContext, media: Sequence[str]) -> 
 __all__ = [
     "EVENT_HASH_ALGOS",
     "HASH_V2_BLAKE3",
+    "VLLM_MEDIA",
     "WIRE_ARRAY",
     "WIRE_FORMATS",
     "WIRE_MAP",
     "WIRE_REFERENCE",
+    "WIRE_RELEASE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -341,4 +407,5 @@ __all__ = [
     "reference_events",
     "same_key_chain",
     "vllm_events",
+    "vllm_medium",
 ]

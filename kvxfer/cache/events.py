@@ -21,7 +21,8 @@ from typing import Protocol
 
 from kvxfer.errors import ConfigError
 
-#: Event ``medium`` names, as vLLM's routers know them (``"GPU"``, its CPU offload tier ``"CPU"``, ``"DISK"``).
+#: Event ``medium`` names of kvxfer's tiers (``"GPU"``, ``"CPU"``, ``"DISK"``); vLLM's wires name the disk
+#: tier ``"STORAGE"``, as vLLM's offloading connectors do (``event_wire.VLLM_MEDIA``).
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
@@ -74,7 +75,11 @@ class Removed:
 @dataclass(frozen=True)
 class Updated:
     """Stored blocks changed in place: now on ``medium`` (moved from ``old_medium`` when that is not
-    None: a tier move) and/or with eviction ``priority`` changed from ``old_priority`` (None: unchanged)."""
+    None: a tier move) and/or with eviction ``priority`` changed from ``old_priority`` (None: unchanged).
+
+    A tier move also carries what a router needs to store the blocks anew on ``medium``: each block's
+    parent (``parent_hashes``, None for a scope's first block), its tokens (``block_tokens``) and the
+    tokens per block (``block_size``); None / 0 when unknown."""
 
     block_hashes: tuple[bytes, ...]
     medium: str
@@ -82,6 +87,9 @@ class Updated:
     old_medium: str | None = None
     old_priority: int | None = None
     layer_groups: tuple[int, ...] | None = None
+    parent_hashes: tuple[bytes | None, ...] | None = None
+    block_tokens: tuple[tuple[int, ...], ...] | None = None
+    block_size: int = 0
     event_id: int = field(default=_NO_ID, compare=False)
 
 
@@ -188,8 +196,10 @@ def _continues(head: KVEvent, last: KVEvent, new: KVEvent) -> bool:
     if isinstance(head, Removed) and isinstance(new, Removed):
         return (head.medium, head.layer_groups) == (new.medium, new.layer_groups)
     if isinstance(head, Updated) and isinstance(new, Updated):
-        return (head.medium, head.priority, head.old_medium, head.old_priority, head.layer_groups) == (
-            new.medium, new.priority, new.old_medium, new.old_priority, new.layer_groups)
+        return (head.medium, head.priority, head.old_medium, head.old_priority, head.layer_groups, head.block_size,
+                head.block_tokens is None, head.parent_hashes is None) == (
+            new.medium, new.priority, new.old_medium, new.old_priority, new.layer_groups, new.block_size,
+            new.block_tokens is None, new.parent_hashes is None)
     return False
 
 
@@ -205,9 +215,17 @@ def _merged(head: KVEvent, tail: Sequence[KVEvent]) -> KVEvent:
         return dataclasses.replace(head, block_hashes=tuple(itertools.chain.from_iterable(
             e.block_hashes for e in stored)), token_ids=tuple(itertools.chain.from_iterable(
                 e.token_ids for e in stored)), extra_keys=extra)
-    if isinstance(head, Removed | Updated):
+    if isinstance(head, Updated):
+        updated = [head, *(e for e in tail if isinstance(e, Updated))]
+        return dataclasses.replace(
+            head, block_hashes=tuple(itertools.chain.from_iterable(e.block_hashes for e in updated)),
+            parent_hashes=None if head.parent_hashes is None else tuple(itertools.chain.from_iterable(
+                e.parent_hashes or () for e in updated)),
+            block_tokens=None if head.block_tokens is None else tuple(itertools.chain.from_iterable(
+                e.block_tokens or () for e in updated)))
+    if isinstance(head, Removed):
         return dataclasses.replace(head, block_hashes=tuple(itertools.chain.from_iterable(
-            e.block_hashes for e in (head, *tail) if isinstance(e, Removed | Updated))))
+            e.block_hashes for e in (head, *tail) if isinstance(e, Removed))))
     return head
 
 

@@ -69,7 +69,7 @@ class PageMovement:
         if extra.size:
             dst_alloc.incref(extra)
         src_owner = self.state.tree_owner[src_tier][pool_group]
-        moved: dict[int, list[bytes]] = {}
+        moved: dict[int, list[BlockNode]] = {}
         owner_lgs = np.full(src.size, self.state.pg_layer_groups[pool_group][0], dtype=np.int64)
         for i, (s, d) in enumerate(zip(src.tolist(), dst.tolist(), strict=True)):
             owner = src_owner.pop(s, None)
@@ -79,7 +79,7 @@ class PageMovement:
                 node.pages[lg] = d
                 node.tiers[lg] = dst_tier
                 dst_owner[d] = owner
-                moved.setdefault(lg, []).append(node.key)
+                moved.setdefault(lg, []).append(node)
         src_in_tree = self.state.in_tree_t[src_tier][pool_group]
         dst_in_tree[dst] = src_in_tree[src]
         src_in_tree[src] = False
@@ -104,17 +104,26 @@ class PageMovement:
         if moved and src_tier != dst_tier:
             self.put_moves(moved, self.state.media[src_tier], self.state.media[dst_tier])
 
-    def put_moves(self, moved: dict[int, list[bytes]], old: str, new: str) -> None:
+    def put_moves(self, moved: dict[int, list[BlockNode]], old: str, new: str) -> None:
         """Updated events for blocks whose pages of the listed layer groups moved ``old`` -> ``new``
-        (one event when every layer group moved the same blocks)."""
+        (one event when every layer group moved the same blocks), each block with its parent and tokens
+        so a router can store it anew on ``new``."""
         n_lg = len(self.state.layout.layer_groups)
-        keys = [tuple(dict.fromkeys(v)) for v in moved.values()]
+        tpb = self.state.layout.tokens_per_block
+        nodes = [list({n.key: n for n in v}.values()) for v in moved.values()]
+
+        def update(blocks: list[BlockNode], layer_groups: tuple[int, ...] | None) -> Updated:
+            return Updated(tuple(n.key for n in blocks), new, old_medium=old, layer_groups=layer_groups,
+                           parent_hashes=tuple(None if n.parent is None or n.parent.is_root else n.parent.key
+                                               for n in blocks),
+                           block_tokens=tuple(tuple(n.tokens.tolist()) for n in blocks), block_size=tpb)
+
+        keys = [[n.key for n in v] for v in nodes]
         if len(moved) == n_lg and all(k == keys[0] for k in keys):
-            self.state.events.put(Updated(keys[0], new, old_medium=old))
+            self.state.events.put(update(nodes[0], None))
             return
-        for lg, k in zip(moved, keys, strict=True):
-            self.state.events.put(Updated(k, new, old_medium=old, layer_groups=layer_group_subset(
-                [i == lg for i in range(n_lg)])))
+        for lg, blocks in zip(moved, nodes, strict=True):
+            self.state.events.put(update(blocks, layer_group_subset([i == lg for i in range(n_lg)])))
 
     def count_copies(self, pool_group: int, kind: str, pages: int, layer_groups: npt.NDArray[np.int64] | None) -> None:
         """Count ``pages`` copied pages of a pool group in the iteration stats of the layer groups

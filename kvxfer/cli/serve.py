@@ -93,7 +93,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="also answer replay requests on this ZeroMQ ROUTER endpoint (e.g. tcp://*:5558)")
     p.add_argument("--kv-events-topic", default="kv-events")
     p.add_argument("--kv-events-wire", choices=WIRE_FORMATS, default=WIRE_FORMATS[0],
-                   help="vllm: tagged maps (vLLM since mid-2026); vllm-array: the positional form of vLLM 0.9-0.13; "
+                   help="vllm (default): vLLM 0.34's, the latest release (array batch of tagged map events); "
+                        "vllm-map: vLLM main's map batch; vllm-array: the positional form of vLLM 0.9-0.13; "
                         "reference: every event (Created, Updated diffs too) as the reference design's records")
     p.add_argument("--kv-events-hash", choices=EVENT_HASH_ALGOS, default=None,
                    help="hash option of the published block hashes (default: the cache's; an override may "

@@ -1,13 +1,12 @@
-# SPDX-License-Identifier: Apache-2.0
-# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""vLLM's KV-event wire schema, as a router built on vLLM's classes decodes it (test data).
+"""Minimal decoders for vLLM's three KV-event wires (test data), kvxfer's own definitions written from
+reading ``vllm/distributed/kv_events.py`` of each version. Only what decides decoding is mirrored: each
+struct's options (``array_like`` batch or map batch, ``tag=True`` events as maps or arrays), the
+field order of positional structs and the fields these tests read. Nothing here imports kvxfer, so it
+checks kvxfer's encoder independently.
 
-Transcribed from the msgspec struct definitions of vLLM's ``vllm/distributed/kv_events.py`` (the
-newest version in the reference index: vllm-project/vllm commit 0181ea3173e53eea8cf04a86891488e3dc89bb34,
-Apache-2.0, Copyright contributors to the vLLM project) and ``ExternalBlockHash`` of
-``vllm/v1/core/kv_cache_utils.py``: same class names, struct options (``tag=True`` maps for events, a
-plain map for the batch, ``omit_defaults``), field names, order, types and defaults. Only the struct
-definitions; nothing here imports kvxfer, so it checks kvxfer's encoder independently.
+- ``Release*``: vLLM 0.34 (the latest release): batch ``[ts, events, dp_rank]``, events tagged maps.
+- ``Main*``: vLLM's main branch: batch ``{ts, events, data_parallel_rank}``, events tagged maps.
+- ``Legacy*``: vLLM 0.9-0.13: batch ``[ts, events, dp_rank]``, events ``[tag, field, ...]``.
 """
 
 from __future__ import annotations
@@ -16,74 +15,82 @@ from typing import Any
 
 import msgspec
 
-ExternalBlockHash = bytes | int
+BlockHash = bytes | int
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+# --- tagged map events (0.34 and main) -------------------------------------------------------------
+class MapEvent(msgspec.Struct, tag=True):
     pass
 
 
-MEDIUM_GPU = "GPU"
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
+class BlockStored(MapEvent):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    extra_keys: list[Any] | None = None
 
 
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
+class BlockRemoved(MapEvent):
+    block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = None
 
 
-class AllBlocksCleared(KVCacheEvent):
+class AllBlocksCleared(MapEvent):
     pass
 
 
-class KVEventBatch(EventBatch):
+class ReleaseKVEventBatch(msgspec.Struct, array_like=True):
+    ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
 
 
-# The positional form of vLLM 0.9-0.13 (array_like=True everywhere), for the fallback flag.
-class LegacyKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class MainKVEventBatch(msgspec.Struct):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+# --- positional events (0.9-0.13) ------------------------------------------------------------------
+class LegacyEvent(msgspec.Struct, array_like=True, tag=True):
     pass
 
 
-class LegacyBlockStored(LegacyKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
+class LegacyBlockStored(LegacyEvent, tag="BlockStored"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
 
 
-class LegacyBlockRemoved(LegacyKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalBlockHash]
+class LegacyBlockRemoved(LegacyEvent, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
     medium: str | None
 
 
-class LegacyAllBlocksCleared(LegacyKVCacheEvent, tag="AllBlocksCleared"):
+class LegacyAllBlocksCleared(LegacyEvent, tag="AllBlocksCleared"):
     pass
 
 
-class LegacyKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class LegacyKVEventBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[LegacyBlockStored | LegacyBlockRemoved | LegacyAllBlocksCleared]
     data_parallel_rank: int | None = None
+
+
+#: Each ``--kv-events-wire`` choice's batch type.
+BATCH_OF_WIRE: dict[str, type] = {"vllm": ReleaseKVEventBatch, "vllm-map": MainKVEventBatch,
+                                  "vllm-array": LegacyKVEventBatch}
+STORED = (BlockStored, LegacyBlockStored)
+REMOVED = (BlockRemoved, LegacyBlockRemoved)
+CLEARED = (AllBlocksCleared, LegacyAllBlocksCleared)
