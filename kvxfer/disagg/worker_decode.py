@@ -1203,8 +1203,9 @@ class DecodeWorker(WorkerCounts):
         the same id, future and deadline; the client sees nothing of it. The attempt's destination pages
         hold nothing committed: they are freed, or held until ``quarantine_until`` (or until decode's own
         read ended) while the old prefill might still write there. False, changing nothing, when no other
-        prefill can take it, the worker drains, or the deadline has passed."""
-        if self._draining or job.result is not None or now() >= job.deadline or self._reconnect_stop.is_set() \
+        prefill can take it, the worker is closing, or the deadline has passed (a draining worker still
+        fails over: its requests in flight should finish)."""
+        if job.result is not None or now() >= job.deadline or self._reconnect_stop.is_set() \
                 or not any(p.alive and p.address not in job.tried for p in self._prefills.values()):
             return False
         if self._jobs.get(job.request_id) is job:
