@@ -4,8 +4,10 @@ prefill workers and continues generation.
 Prefill peers (xPyD): a decode worker holds any number of prefill connections, one per address, each with
 its own automatic reconnect. Each request goes to the prefill the caller names (a router's choice) when
 that one is connected, else to the connected prefill with the fewest of this worker's requests in flight
-(ties rotate). A lost prefill fails only the requests sent over its connection; the others keep serving,
-and a prefill added while serving (``add_prefill``) takes the next request.
+(ties rotate). A request whose prefill is lost, removed or stopping before its KV arrived goes to another
+connected prefill (failover, ``_retry``); it fails only when none can take it. The others keep serving,
+and a prefill added while serving (``add_prefill``) takes the next request. ``drain`` stops taking requests
+and lets those in flight finish; ``close`` fails the rest with WorkerShuttingDown.
 
 Per request: send the prompt (``kv_request``) so prefill starts computing, then allocate caches on every
 rank, matching the local prefix tree first, so the request only asks for the tokens it lacks (``skip``),
