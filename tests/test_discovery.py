@@ -164,6 +164,26 @@ def test_a_killed_prefill_process_expires_from_etcd(etcd_url: str) -> None:
     assert len(removed) == 1
 
 
+def test_a_sigtermed_prefill_process_deregisters_at_once_and_exits_zero(etcd_url: str) -> None:
+    """``kvxfer serve prefill --etcd`` with a 30 s lease gets SIGTERM: its key is gone long before the
+    lease could run out (revoked as the drain starts), and the process exits 0."""
+    etcd = EtcdClient(etcd_url)
+    cluster = f"t{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "KVXFER_SECRET": SECRET, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = WorkerProcess(["prefill", "--backend", "loopback", "--name", name("prefill"), "--etcd", etcd_url,
+                          "--cluster", cluster, "--etcd-ttl", "30"], env, 60.0)
+    try:
+        wait_for(lambda: len(etcd.get_prefix(f"/kvxfer/{cluster}/")) == 1, "the prefill registers")
+        t0 = time.monotonic()
+        proc.proc.terminate()
+        wait_for(lambda: etcd.get_prefix(f"/kvxfer/{cluster}/") == {}, "its key goes", 10.0)
+        assert time.monotonic() - t0 < 10.0
+        assert proc.proc.wait(30) == 0, "".join(proc.stderr[-10:])
+    finally:
+        proc.stop()
+
+
 def test_a_routing_decode_learns_event_endpoints_from_etcd(etcd_url: str) -> None:
     """``serve decode --etcd --kv-route``: the router follows the event endpoints prefills registered, so
     a prefix's later requests go to the prefill that computed it; a deregistered prefill leaves both."""

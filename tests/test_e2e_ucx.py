@@ -155,6 +155,7 @@ def test_demo_json_runs_two_processes_and_matches(backend: str) -> None:
     assert out["requests"] == 4 and out["mismatches"] == 0 and out["transport"] == backend and out["mode"] == "pull"
     assert out["kv_mismatches"] == 0 and all(row["kv_match"] and row["kv_compared"] > 0 for row in out["rows"])
     assert out["kv_max_error"] <= out["kv_tolerance"]
+    assert out["worker_exit_statuses"] == {"decode": 0, "prefill": 0}   # both drained and exited on SIGTERM
     assert out["bytes_moved"] > 0 and out["reused_blocks_decode"] > 0
     assert out["checksum"] == "full" and all(row["verify_ms"] > 0 for row in out["rows"])   # every request checked
     for row in out["rows"]:   # the TTFT split names decode's stages; they add up to the KV's arrival <= TTFT

@@ -141,3 +141,54 @@ def test_without_another_prefill_the_request_fails() -> None:
             assert decode.status()["failovers"] == 0
     finally:
         close_all(*pre)
+
+
+def test_a_draining_decode_still_fails_over_its_requests_in_flight() -> None:
+    """Decode drains with a request in flight on A, and A closes: the request completes on B with exact
+    tokens and the drain ends with nothing left."""
+    pre = prefills(2)
+    a, b = pre
+    try:
+        with DecodeWorker(WorkerConfig(name("decode"), num_blocks=512, lease_s=1.0), SECRET,
+                          prefill=[a.address, b.address], connect_timeout=1.0) as decode:
+            tokens = long_prompt(30, 1500)
+            fut = decode.submit(tokens, NEW, return_kv=KV, prefill=a.address)
+            deadline = time.monotonic() + 10
+            while a.status()["jobs"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            drained: list[bool] = []
+            drainer = threading.Thread(target=lambda: drained.append(decode.drain(60.0)))
+            drainer.start()
+            a.close()
+            res = fut.result(timeout=60)
+            drainer.join(60)
+            assert drained == [True]
+            assert res.prefill == b.address and decode.status()["failovers"] == 1
+            assert_matches_reference(res, tokens, NEW)
+    finally:
+        close_all(*pre)
+
+
+def test_a_failover_waits_for_the_pages_its_lost_attempt_still_holds() -> None:
+    """Decode has room for one long request only; its prefill is removed mid-push, so the attempt's pages
+    stay quarantined (the prefill might still write there) for about two leases: the failover attempt waits
+    for them instead of failing, then completes on B with exact tokens; nothing stays held."""
+    pre = prefills(2)
+    a, b = pre
+    try:
+        with DecodeWorker(WorkerConfig(name("decode"), num_blocks=150, lease_s=1.0), SECRET,
+                          prefill=[a.address, b.address], connect_timeout=1.0) as decode:
+            tokens = long_prompt(40, 1500)   # 94 of the 150 blocks: a second copy does not fit
+            fut = decode.submit(tokens, NEW, return_kv=KV, prefill=a.address)
+            deadline = time.monotonic() + 10
+            while a.status()["jobs"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            t0 = time.monotonic()
+            assert decode.remove_prefill(a.address)
+            res = fut.result(timeout=60)
+            assert res.prefill == b.address and decode.status()["failovers"] == 1
+            assert time.monotonic() - t0 >= 1.0   # it waited for the quarantine (lease 1 s, plus one more)
+            assert_matches_reference(res, tokens, NEW)
+            wait_idle(decode, b, timeout=20.0)
+    finally:
+        close_all(*pre)

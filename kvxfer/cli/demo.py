@@ -10,6 +10,7 @@ which hit the prefix trees on both sides, so only the tokens decode lacks travel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
@@ -140,15 +141,18 @@ class WorkerProcess:
         self.proc.kill()
         self.proc.wait(10)
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s."""
+    def stop(self) -> int | None:
+        """SIGTERM (the worker drains and exits), then SIGKILL after 10 s; the exit status (negative: the
+        signal that ended it; None if it could not be reaped)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(5)
+        return self.proc.returncode
 
 
 def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family: int, max_new_tokens: int,
@@ -168,6 +172,7 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
     started = time.monotonic()
     prefill = WorkerProcess(["prefill", "--name", "demo-prefill", *common], env, timeout)
     decode: WorkerProcess | None = None
+    exits: dict[str, int | None] = {}
     try:
         decode = WorkerProcess(["decode", "--name", "demo-decode", "--prefill", prefill.address, "--mode", mode,
                          *(["--layerwise"] if layerwise else []), "--checksum", checksum, "--tp-size", str(decode_tp),
@@ -193,8 +198,8 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
         elapsed = time.monotonic() - started
     finally:
         if decode is not None:
-            decode.stop()
-        prefill.stop()
+            exits["decode"] = decode.stop()
+        exits["prefill"] = prefill.stop()
     oracle = KVOracle(source, device)   # the reference runs where the workers ran (same kernels)
     rows: list[dict[str, Any]] = []
     for i, r in enumerate(requests):
@@ -229,7 +234,8 @@ def run_demo(backend: str, mode: str, layerwise: bool, families: int, per_family
         "reused_blocks_prefill": sum(row["reused_blocks_prefill"] for row in ok),
         "transfer_gb_per_s": moved / xfer_s / 1e9 if xfer_s > 0 else 0.0,
         "ttft_ms_p50": ttfts[len(ttfts) // 2] if ttfts else 0.0,
-        "generated_tokens": max_new_tokens * len(ok), "elapsed_ms": ms(elapsed), "rows": rows,
+        "generated_tokens": max_new_tokens * len(ok), "elapsed_ms": ms(elapsed),
+        "worker_exit_statuses": exits, "rows": rows,
     }
 
 
@@ -264,10 +270,14 @@ def print_table(summary: dict[str, Any], console: Console) -> None:
                   f"{summary['bytes_moved']:,} bytes moved at {summary['transfer_gb_per_s']:.3f} GB/s; blocks reused: "
                   f"decode {summary['reused_blocks_decode']}, prefill {summary['reused_blocks_prefill']}; "
                   f"TTFT p50 {summary['ttft_ms_p50']:.1f} ms; {summary['elapsed_ms'] / 1e3:.1f} s in all")
+    bad = {role: code for role, code in summary["worker_exit_statuses"].items() if code != 0}
+    if bad:
+        console.print(f"[red]worker processes exited with {bad} after SIGTERM (expected 0)[/]")
 
 
 def demo(a: argparse.Namespace) -> int:
-    """Run the demo; 0 when every request's tokens and prompt KV matched the single-process reference, 1 otherwise."""
+    """Run the demo; 0 when every request's tokens and prompt KV matched the single-process reference and both
+    worker processes exited 0 on SIGTERM, 1 otherwise."""
     if a.families < 1 or a.per_family < 1 or a.max_new_tokens < 1 or a.decode_tp < 1:
         raise ConfigError("--families, --per-family, --max-new-tokens and --decode-tp must be >= 1")
     logging.getLogger("kvxfer").setLevel(logging.ERROR)   # peers closing at the end are expected
@@ -280,4 +290,5 @@ def demo(a: argparse.Namespace) -> int:
         print_json("demo", summary)
     else:
         print_table(summary, console)
-    return 0 if summary["mismatches"] == 0 and summary["failed"] == 0 else 1
+    clean = all(code == 0 for code in summary["worker_exit_statuses"].values())
+    return 0 if summary["mismatches"] == 0 and summary["failed"] == 0 and clean else 1

@@ -4,8 +4,10 @@ prefill workers and continues generation.
 Prefill peers (xPyD): a decode worker holds any number of prefill connections, one per address, each with
 its own automatic reconnect. Each request goes to the prefill the caller names (a router's choice) when
 that one is connected, else to the connected prefill with the fewest of this worker's requests in flight
-(ties rotate). A lost prefill fails only the requests sent over its connection; the others keep serving,
-and a prefill added while serving (``add_prefill``) takes the next request.
+(ties rotate). A request whose prefill is lost, removed or stopping before its KV arrived goes to another
+connected prefill (failover, ``_retry``); it fails only when none can take it. The others keep serving,
+and a prefill added while serving (``add_prefill``) takes the next request. ``drain`` stops taking requests
+and lets those in flight finish; ``close`` fails the rest with WorkerShuttingDown.
 
 Per request: send the prompt (``kv_request``) so prefill starts computing, then allocate caches on every
 rank, matching the local prefix tree first, so the request only asks for the tokens it lacks (``skip``),
@@ -280,6 +282,7 @@ class DecodeWorker(WorkerCounts):
         self._reconnect_stop = threading.Event()
         self._connect_lock = threading.Lock()
         self._waiting: list[_Job] = []   # requests waiting for a reconnect attempt (engine thread only)
+        self._parked: list[_Job] = []   # failover attempts waiting for quarantined pages (engine thread only)
         self._draining = False   # set by drain: new requests fail with WorkerShuttingDown
         self._secret = secret
         self.managers = config.managers()
@@ -480,7 +483,7 @@ class DecodeWorker(WorkerCounts):
         return {"role": "decode", "name": self.config.name, **self.engine.health.as_dict(),
                 "held_slots": held_slots(self.managers),
                 "open_caches": sum(len(m.open_caches) for m in self.managers),
-                "jobs": len(self._jobs) + len(self._waiting) + len(self._generating),
+                "jobs": len(self._jobs) + len(self._waiting) + len(self._parked) + len(self._generating),
                 "zombies": len(self._zombies), "connected": int(self.connected),
                 "prefills": len(self._prefills), "prefills_connected": sum(p.alive for p in self._prefills.values()),
                 "draining": int(self._draining), **self.counts}
@@ -488,10 +491,13 @@ class DecodeWorker(WorkerCounts):
     def _cancel(self, request_id: str, reason: str) -> bool:
         job = self._jobs.get(request_id)
         if job is None:
-            job = next((w for w in self._waiting if w.request_id == request_id), None)
+            job = next((w for w in self._waiting + self._parked if w.request_id == request_id), None)
             if job is None:
                 return False
-            self._waiting.remove(job)
+            if job in self._waiting:
+                self._waiting.remove(job)
+            else:
+                self._parked.remove(job)
         self.counts["cancelled"] += 1
         self._fail(job, RequestCancelled(f"request {request_id}: {reason}"))
         return True
@@ -507,8 +513,8 @@ class DecodeWorker(WorkerCounts):
         deadline = now() + max(0.0, timeout)
         while True:
             try:
-                left = int(self.engine.call(lambda: len(self._jobs) + len(self._waiting) + len(self._generating),
-                                            10.0))
+                left = int(self.engine.call(lambda: len(self._jobs) + len(self._waiting) + len(self._parked)
+                                            + len(self._generating), 10.0))
             except KvxferError:
                 return False
             if not left:
@@ -643,7 +649,7 @@ class DecodeWorker(WorkerCounts):
             return
         if msg.type == "generate_cancel":
             rid = f"{conn.peer.name}/{msg['request_id']}"
-            owner = self._jobs.get(rid) or next((w for w in self._waiting if w.request_id == rid), None)
+            owner = self._jobs.get(rid) or next((w for w in self._waiting + self._parked if w.request_id == rid), None)
             if owner is not None and owner.reply is conn:   # a client cancels only what it submitted itself
                 self._cancel(rid, msg["reason"] or "cancelled by the client")
             return
@@ -667,7 +673,7 @@ class DecodeWorker(WorkerCounts):
                                                f"taking new requests"))
             return
         if job.request_id in self._jobs or job.request_id in self._zombies or job.request_id in self._generating \
-                or any(w.request_id == job.request_id for w in self._waiting):
+                or any(w.request_id == job.request_id for w in self._waiting + self._parked):
             self._fail(job, ConfigError(f"request id {job.request_id!r} is already in flight"))
             return
         if not self.connected and self._prefills:
@@ -781,10 +787,23 @@ class DecodeWorker(WorkerCounts):
             self._fail(job, TransferTimeout(f"request {job.request_id}: its {self.config.deadline_s} s deadline "
                                             f"passed while it waited {waited:.1f} s in decode's queue; not sent"))
             return
+        if job.failover_cause is not None and not job.caches:
+            # A failover attempt takes its pages before a prefill computes for it: while earlier attempts' pages
+            # are quarantined there may be none yet, and it then waits for them (within its deadline).
+            try:
+                self._allocate(job)
+            except KvxferError as exc:
+                self._close_caches(job)
+                if isinstance(exc, OutOfSlotsError) and self._zombies:
+                    self._parked.append(job)   # tried again as quarantined pages are freed (``_bury``)
+                    return
+                self._fail(job, self._after_failover(job, exc))
+                return
         peer = self._pick(job)
         conn = peer.conn if peer is not None else None
         if peer is None or conn is None:
-            self._fail(job, PeerUnreachable(f"no prefill worker connected{self._no_prefill_reason()}"))
+            self._fail(job, self._after_failover(job, PeerUnreachable(f"no prefill worker connected"
+                                                                      f"{self._no_prefill_reason()}")))
             return
         job.peer, job.prefill, job.conn, job.src_layouts = conn.peer.name, peer, conn, peer.layouts
         job.tried.add(peer.address)
@@ -805,21 +824,8 @@ class DecodeWorker(WorkerCounts):
         job.last_renew = job.requested = now()
         job.lease_until = job.last_renew + self.config.lease_s
         try:
-            # A failover's pages may still be held by its earlier attempt (quarantined): each attempt has its own.
-            base = job.request_id if job.attempt == 1 else f"{job.request_id}~{job.attempt}"
-            for i, m in enumerate(self.managers):
-                job.caches.append(m.create_kv_cache_for_prompt(job.tokens, id=f"{base}/{i}"))
-            for cache in job.caches:
-                if not cache.resume():
-                    raise OutOfSlotsError(f"decode cache {cache.id}: no free slot for copy-on-write")
-            reused = {c.num_reused_tokens for c in job.caches}
-            if len(reused) != 1:
-                raise CacheStateError(f"decode ranks reused different prefixes: {sorted(reused)} tokens")
-            job.skip = reused.pop()
-            for m, cache in zip(self.managers, job.caches, strict=True):
-                if not cache.resize(int(job.tokens.size)):
-                    raise OutOfSlotsError(f"decode cache {cache.id}: no free slots for {job.tokens.size} tokens "
-                                          f"({m.num_free_slots()} free)")
+            if not job.caches:
+                self._allocate(job)
             job.session.ready("destination blocks allocated")
             writable = [writable_block_ids(m.layout, c) for m, c in zip(self.managers, job.caches, strict=True)]
             job.session.start_transfer("KV requested from prefill")
@@ -829,10 +835,42 @@ class DecodeWorker(WorkerCounts):
             if not job.session.terminal and job.session.state is not SessionState.TRANSFERRING:
                 # Prefill has the prompt but no destination: it must stop computing (nothing of ours to write).
                 self._send(job, "kv_cancel", request_id=job.request_id, reason=f"decode could not allocate: {exc}"[:1000])
-            cause = job.failover_cause
-            if cause is not None:   # the caller learns why its prefill was left, then why no other took it
-                exc = type(cause)(f"{cause}; sending it to another prefill failed: {type(exc).__name__}: {exc}")
-            self._fail(job, exc)
+            self._fail(job, self._after_failover(job, exc))
+
+    def _allocate(self, job: _Job) -> None:
+        """The request's destination caches on every rank, matched against the prefix tree (``job.skip``:
+        the tokens decode already holds). Raises OutOfSlotsError / CacheStateError, leaving what it
+        opened in ``job.caches`` for the caller to close."""
+        # A failover's pages may still be held by its earlier attempt (quarantined): each attempt has its own.
+        base = job.request_id if job.attempt == 1 else f"{job.request_id}~{job.attempt}"
+        for i, m in enumerate(self.managers):
+            job.caches.append(m.create_kv_cache_for_prompt(job.tokens, id=f"{base}/{i}"))
+        for cache in job.caches:
+            if not cache.resume():
+                raise OutOfSlotsError(f"decode cache {cache.id}: no free slot for copy-on-write")
+        reused = {c.num_reused_tokens for c in job.caches}
+        if len(reused) != 1:
+            raise CacheStateError(f"decode ranks reused different prefixes: {sorted(reused)} tokens")
+        job.skip = reused.pop()
+        for m, cache in zip(self.managers, job.caches, strict=True):
+            if not cache.resize(int(job.tokens.size)):
+                raise OutOfSlotsError(f"decode cache {cache.id}: no free slots for {job.tokens.size} tokens "
+                                      f"({m.num_free_slots()} free)")
+
+    @staticmethod
+    def _after_failover(job: _Job, exc: KvxferError) -> KvxferError:
+        """The error of a failover attempt that could not go on: why its prefill was left, then why no other
+        took it (``exc`` itself for a first attempt)."""
+        cause = job.failover_cause
+        if cause is None:
+            return exc
+        return type(cause)(f"{cause}; sending it to another prefill failed: {type(exc).__name__}: {exc}")
+
+    def _unpark(self) -> None:
+        """Failover attempts waiting for pages: try each again (pages were just freed)."""
+        parked, self._parked = self._parked, []
+        for job in parked:
+            self._begin(job)
 
     def _on_prefill(self, conn: PeerConnection, msg: Message) -> None:
         rid = msg["request_id"]
@@ -944,6 +982,12 @@ class DecodeWorker(WorkerCounts):
             else:
                 due = min(due, zombie.zombie_until if zombie.read is None or not zombie.read.completes_when_polled
                           else t + 0.001)
+        for job in [j for j in self._parked if t >= j.deadline]:
+            self._parked.remove(job)
+            self._fail(job, self._after_failover(job, TransferTimeout(
+                f"request {job.request_id}: its {self.config.deadline_s} s deadline passed while it waited for "
+                f"decode's pages")))
+        due = min([due, *(j.deadline for j in self._parked)])
         return 0.001 if busy else max(0.0, due - now())
 
     def _on_notice(self, peer: str, note: bytes) -> None:
@@ -1151,6 +1195,8 @@ class DecodeWorker(WorkerCounts):
     def _bury(self, job: _Job) -> None:
         self._zombies.pop(job.request_id, None)
         self._close_caches(job)
+        if self._parked:
+            self._unpark()
 
     def _resolve_error(self, job: _Job, error: KvxferError) -> None:
         if not job.future.done():
@@ -1204,8 +1250,9 @@ class DecodeWorker(WorkerCounts):
         the same id, future and deadline; the client sees nothing of it. The attempt's destination pages
         hold nothing committed: they are freed, or held until ``quarantine_until`` (or until decode's own
         read ended) while the old prefill might still write there. False, changing nothing, when no other
-        prefill can take it, the worker drains, or the deadline has passed."""
-        if self._draining or job.result is not None or now() >= job.deadline or self._reconnect_stop.is_set() \
+        prefill can take it, the worker is closing, or the deadline has passed (a draining worker still
+        fails over: its requests in flight should finish)."""
+        if job.result is not None or now() >= job.deadline or self._reconnect_stop.is_set() \
                 or not any(p.alive and p.address not in job.tried for p in self._prefills.values()):
             return False
         if self._jobs.get(job.request_id) is job:
@@ -1232,7 +1279,8 @@ class DecodeWorker(WorkerCounts):
         return True
 
     def _fail_all(self, error: KvxferError) -> None:
-        waiting, self._waiting = self._waiting, []
+        waiting, self._waiting = self._waiting + self._parked, []
+        self._parked = []
         for job in waiting:
             self._fail(job, error, remote_done=True)
         for job in list(self._jobs.values()):

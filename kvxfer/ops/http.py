@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 #: What ``/status`` shows of a worker's ``status()``: its role and name, totals and counters.
 PUBLIC_STATUS_KEYS = ("role", "name", "held_slots", "open_caches", "jobs", "connected", "peers", "requests",
                       "completed", "failed", "cancelled", "integrity_failures", "bad_notices", "peer_losses", "bytes_sent",
-                      "reused_tokens")
+                      "reused_tokens", "failovers", "draining")
 
 
 def public_status(worker: ObservedWorker, health: HealthSource) -> dict[str, object]:

@@ -94,6 +94,8 @@ def status_metrics(status: Mapping[str, int | float | str]) -> Iterator[Any]:
                            ("bad_notices", "kvxfer_bad_notices",
                             "Transfer notifications ignored: forged, untagged or malformed (protocol 2)"),
                            ("peer_losses", "kvxfer_peer_losses", "Peer connections lost (not closed cleanly)"),
+                           ("failovers", "kvxfer_failovers",
+                            "Requests decode sent to another prefill after theirs was lost, removed or stopping"),
                            ("bytes_sent", "kvxfer_sent_bytes", "KV bytes sent by prefill"),
                            ("reused_tokens", "kvxfer_prefill_reused_tokens", "Prompt tokens prefill reused")):
         if key in status:
@@ -102,7 +104,8 @@ def status_metrics(status: Mapping[str, int | float | str]) -> Iterator[Any]:
             yield fam
     for key, name, doc in (("held_slots", "kvxfer_held_slots", "Slots held by requests over every rank"),
                            ("open_caches", "kvxfer_open_caches", "KV caches open over every rank"),
-                           ("jobs", "kvxfer_jobs", "Requests in flight")):
+                           ("jobs", "kvxfer_jobs", "Requests in flight"),
+                           ("draining", "kvxfer_draining", "1 while the worker drains for a shutdown")):
         if key in status:
             gauge = GaugeMetricFamily(name, doc, labels=["role"])
             gauge.add_metric([role], float(status[key]))
