@@ -831,6 +831,11 @@ class DecodeWorker(WorkerCounts):
             job.session.start_transfer("KV requested from prefill")
             conn.send_urgent("kv_blocks", request_id=job.request_id, skip=job.skip, blocks=encode_block_ids(writable))
             job.allocated = now()
+        except PeerUnreachable as exc:
+            # The prefill went away (or began to stop) around the destination blocks: another one takes the
+            # request. Its pages stay held for one lease in case the old prefill saw the blocks and still writes.
+            if not self._retry(job, exc, quarantine_until=now() + self.config.lease_s):
+                self._fail(job, self._after_failover(job, exc))
         except KvxferError as exc:
             if not job.session.terminal and job.session.state is not SessionState.TRANSFERRING:
                 # Prefill has the prompt but no destination: it must stop computing (nothing of ours to write).
