@@ -371,9 +371,10 @@ class _Pair:
 
 
 def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str = "scattered",
-              iters: int = 5, options: dict[str, Any] | None = None) -> dict[str, Any]:
+              iters: int = 5, options: dict[str, Any] | None = None, with_raw: bool = True) -> dict[str, Any]:
     """Measure one configuration; returns the JSON object ``--json`` prints. ``options`` go to
-    ``create`` on both sides (e.g. ``scatter_gather=False`` for ucx)."""
+    ``create`` on both sides (e.g. ``scatter_gather=False`` for ucx); ``with_raw=False`` skips the raw
+    backend's column."""
     options = dict(options or {})
     nbytes = 2 * pages * page_bytes
     rng = np.random.default_rng(1234)
@@ -408,9 +409,9 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
         t_raw: float | None = None
         raw_ways: dict[str, float] = {}
         checks = [verifier, memcpy_check]
-        if backend == "nixl":
+        if backend == "nixl" and with_raw:
             t_raw = median_timed(_raw_nixl(local, "bench-peer", mode, plan), iters, verifier)
-        elif backend == "ucx":
+        elif backend == "ucx" and with_raw:
             assert conn is not None
             for way in RAW_UCX_WAYS:
                 raw_ways[way] = total / median_timed(_raw_ucxx(conn, local_pool, lbase, mode, plan, way,
@@ -574,6 +575,61 @@ def run_post_latency(backend: str, page_bytes: int = 16384, iters: int = 200, po
             "verified": checked > 0 and failed == 0, "verified_iterations": checked, "failed_iterations": failed}
 
 
+#: The rows of ``--table``: (pages, page bytes, mode), scattered pages, one descriptor per page.
+TABLE_ROWS = ((4096, 16384, "write"), (256, 1 << 20, "read"), (64, 4 << 20, "write"))
+
+
+def run_table(iters: int = 5, latency_iters: int = 200, backends: tuple[str, ...] = ("nixl", "ucx")
+              ) -> dict[str, Any]:
+    """Every row of the transport table for each backend, raw NIXL (its own agent, descriptor lists
+    prepared once) measured in the nixl runs themselves: bandwidth of scattered pages (``TABLE_ROWS``),
+    the one-page ``write(plan).wait()`` p50 and the 4096-descriptor post (``run_post_latency``), all with
+    per-request plans where kvxfer is timed, every timed iteration verified. Each backend keeps its
+    defaults."""
+    usable = [b for b in backends if available_backends().get(b, "unknown") is None]
+    rows: list[dict[str, Any]] = []
+    for pages, page_bytes, mode in TABLE_ROWS:
+        row: dict[str, Any] = {"what": f"{pages} x {_size(page_bytes)} {mode}, GB/s", "unit": "GB/s"}
+        for backend in usable:
+            res = run_bench(backend, pages, page_bytes, mode, "scattered", iters, with_raw=backend == "nixl")
+            row[backend] = res["gbps"]
+            row[f"{backend}_verified"] = res["verified"]
+            if backend == "nixl":
+                row["raw_nixl"] = res["raw_gbps"]
+        rows.append(row)
+    lat = {b: run_post_latency(b, iters=latency_iters) for b in usable}
+    for key, label in (("page", "one 16 KiB page write+wait, p50, us"), ("post", "4096-descriptor post, p50, us")):
+        row = {"what": label, "unit": "us"}
+        for backend, res in lat.items():
+            row[backend] = res[f"{key}_kvxfer_s"] * 1e6
+            row[f"{backend}_verified"] = res["verified"]
+            if backend == "nixl":
+                row["raw_nixl"] = res[f"{key}_raw_s"] * 1e6
+        rows.append(row)
+    return {"backends": usable, "iters": iters, "latency_iters": latency_iters, "rows": rows,
+            "verified": all(v for r in rows for k, v in r.items() if k.endswith("_verified"))}
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def print_table(table: dict[str, Any]) -> None:
+    """The table ``run_table`` measured: raw NIXL, then each backend with its ratio to raw NIXL (for
+    GB/s a ratio above 1 is faster, for microseconds below 1 is)."""
+    cols = table["backends"]
+    print(f"{'':40} {'raw NIXL':>10} " + " ".join(f"{'kvxfer ' + b:>22}" for b in cols))
+    for row in table["rows"]:
+        raw = row.get("raw_nixl")
+        cells = []
+        for b in cols:
+            value = row.get(b)
+            ratio = "" if raw is None or value is None else f" ({value / raw:.2f}x)"
+            cells.append(f"{'-' if value is None else f'{value:.2f}'}{ratio}".rjust(22))
+        print(f"{row['what']:40} {'-' if raw is None else f'{raw:.2f}':>10} " + " ".join(cells))
+    print(f"every timed iteration verified: {table['verified']} (medians; raw NIXL measured in the nixl runs)")
+
+
 def _ask(conn: Connection | None, cmd: str, table: PageTable, *extra: int) -> Any:
     """Ask the peer process to ``poison`` or ``digest`` the pages of ``table`` in its pool."""
     assert conn is not None
@@ -607,7 +663,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--error-handling", action="store_true",
                     help="nixl: UCX endpoints with peer-failure handling (ucx_error_handling_mode=peer)")
     ap.add_argument("--progress-thread", action="store_true", help="nixl: run NIXL's own progress thread")
+    ap.add_argument("--table", action="store_true",
+                    help="the transport table: nixl and ucx against raw NIXL over scattered pages (4096 x 16 KiB "
+                         "write, 256 x 1 MiB read, 64 x 4 MiB write), the one-page write+wait p50 and the "
+                         "4096-descriptor post, per-request plans; --iters per bandwidth row")
+    ap.add_argument("--latency-iters", type=int, default=200, help="--table: one-page iterations")
     args = ap.parse_args(argv)
+    if args.table:
+        table = run_table(args.iters, args.latency_iters)
+        if args.json:
+            print_json("bench.transport_table", table)
+        else:
+            print_table(table)
+        return 0 if table["verified"] else 1
     if args.pages <= 0 or args.page_bytes <= 0 or args.iters <= 0:
         ap.error("--pages, --page-bytes and --iters must be > 0")
     try:

@@ -128,10 +128,16 @@ class NixlTransport(Transport):
 
     backend = "nixl"
 
-    def __init__(self, name: str, *, num_threads: int = 0, progress_thread: bool = True,
+    def __init__(self, name: str, *, num_threads: int = 0, progress_thread: bool = False,
                  error_handling: bool = False) -> None:
-        """``progress_thread``: NIXL's own thread progresses UCX (and delivers notifications) while
-        this process computes; ``error_handling``: UCX endpoints with peer-failure handling
+        """``progress_thread``: NIXL's own thread progresses UCX (and delivers notifications) while this
+        process computes. Off by default, by measurement (docs/transport.md "Defaults"): NIXL's thread
+        polls without pausing, so it takes a core while idle and, on a 2-core host, cut bandwidth 2.5-4x
+        (4096 x 16 KiB writes 0.7-1.5 GB/s on, 2.4-3.8 GB/s off, raw NIXL alike) with no gain in one-page
+        latency; without it, posting and ``wait``/``notifications()`` progress UCX, which one-sided
+        shared memory, CMA and RDMA need and TCP (``error_handling``) gets from a peer that polls, as
+        kvxfer's workers do. ``num_threads``: NIXL's UCX worker threads (0: NIXL's default; 2 measured
+        alike on 2 cores). ``error_handling``: UCX endpoints with peer-failure handling
         (``ucx_error_handling_mode=peer``: a dead peer fails transfers instead of stalling them, but on
         one host UCX then avoids shared memory and CMA; see docs/transport.md for both costs)."""
         super().__init__(name)
