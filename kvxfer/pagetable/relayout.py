@@ -1,0 +1,162 @@
+"""Landing plans and the host re-layout: a transfer between two layouts as large contiguous pieces in the
+source's layout, then one vectorised copy on the receiver that puts every run in place.
+
+A templated plan (``kvxfer.extractor.plan_templated``: one BlockPlan per segment shape) may cut the bytes
+into millions of small runs (256 bytes for HND -> NHD). ``landing_plan`` turns it into two steps:
+
+1. ``transfer``: a BlockPlan from the source slots to a *landing region* of the receiver, moving per source
+   slot the union of every run the phases read from it, coalesced in the source's layout (one piece per
+   slot for a block-size change or a head-order change: whole blocks), packed slot after slot;
+2. ``relayout``: the phases again, reading from the landing region instead of the source slots, which the
+   receiver runs on its own memory (``relayout_host`` on the CPU) once the transfer is done and before
+   the KV is published, so no reader sees it half placed.
+
+Both are O(blocks + template runs) like the plan they come from, and the transfer's descriptors are as
+large as the source layout allows, which is what moves at the backend's full rate.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.errors import PageTableError
+from kvxfer.memory_region import MemoryRegion
+from kvxfer.pagetable.blocks import BlockPlan
+
+U64 = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True)
+class LandingPlan:
+    """``transfer`` (source slots -> landing slots ``0..K-1``, large pieces in the source layout) and
+    ``relayout`` (landing -> destination, one BlockPlan per phase); ``landing_bytes``: the landing region
+    the receiver provides, ``slot_bytes`` of it per source slot."""
+
+    transfer: BlockPlan
+    relayout: tuple[BlockPlan, ...]
+    landing_bytes: int
+    slot_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the re-layout writes into the destination."""
+        return sum(p.total_bytes for p in self.relayout)
+
+
+def landing_plan(phases: Sequence[BlockPlan], landing_base: int, landing_region: int) -> LandingPlan:
+    """The landing form of ``phases`` (see the module docstring) for a landing region at ``landing_base``
+    with index ``landing_region`` among the receiver's registered regions. Every phase must read each
+    source region with one slot stride (the layouts' slot stride: what ``plan_templated`` gives), else
+    PageTableError."""
+    live = [p for p in phases if len(p)]
+    if not live:
+        empty = np.empty(0, np.uint64)
+        none = BlockPlan(empty, empty, empty, empty, empty, empty, empty, np.empty(0, np.uint32), np.empty(0, np.uint32))
+        return LandingPlan(none, (), 0, 0)
+    step = np.concatenate([p.src_step for p in live])
+    offset = np.concatenate([p.src_offset for p in live])
+    nbytes = np.concatenate([p.nbytes for p in live])
+    region = np.concatenate([p.src_region for p in live])
+    keep = nbytes > 0
+    step, offset, nbytes, region = step[keep], offset[keep], nbytes[keep], region[keep]
+    # The union of the runs, per source region, coalesced: the pieces every landing slot holds.
+    pieces: list[tuple[U64, U64, U64, npt.NDArray[np.uint32]]] = []
+    for r in np.unique(region).tolist():
+        mine = np.flatnonzero(region == r)
+        if int(step[mine].min()) != int(step[mine].max()):
+            raise PageTableError(f"landing_plan: source region {r} is read with two slot strides; the phases "
+                                 f"must come from one pair of layouts")
+        order = mine[np.argsort(offset[mine], kind="stable")]
+        o, e = offset[order], offset[order] + nbytes[order]
+        reach = np.maximum.accumulate(e)
+        starts = np.flatnonzero(np.r_[True, o[1:] > reach[:-1]])
+        piece_off = o[starts]
+        pieces.append((piece_off, np.maximum.reduceat(e, starts) - piece_off,
+                       np.full(starts.size, int(step[mine][0]), np.uint64), np.full(starts.size, r, np.uint32)))
+    piece_off = np.concatenate([x[0] for x in pieces])
+    piece_len = np.concatenate([x[1] for x in pieces])
+    piece_step = np.concatenate([x[2] for x in pieces])
+    piece_region = np.concatenate([x[3] for x in pieces])
+    cum = np.concatenate([[0], np.cumsum(piece_len)]).astype(np.uint64)
+    slot_bytes = int(cum[-1])
+    src_slots = np.unique(np.concatenate([p.src_slots for p in live]))
+    k = src_slots.size
+    base = np.uint64(landing_base)
+    transfer = BlockPlan(src_slots, np.arange(k, dtype=np.uint64), piece_step, piece_off,
+                         np.full(piece_off.size, slot_bytes, np.uint64), base + cum[:-1], piece_len,
+                         piece_region, np.full(piece_off.size, landing_region, np.uint32))
+    relayout = []
+    for p in live:
+        t_keep = p.nbytes > 0
+        t_off, t_reg = p.src_offset[t_keep], p.src_region[t_keep]
+        j = _piece_of(piece_region, piece_off, t_reg, t_off)
+        src_offset = base + cum[:-1][j] + (t_off - piece_off[j])
+        landing_ids = np.searchsorted(src_slots, p.src_slots).astype(np.uint64)
+        relayout.append(BlockPlan(landing_ids, p.dst_slots, np.full(t_off.size, slot_bytes, np.uint64), src_offset,
+                                  p.dst_step[t_keep], p.dst_offset[t_keep], p.nbytes[t_keep],
+                                  np.full(t_off.size, landing_region, np.uint32), p.dst_region[t_keep]))
+    return LandingPlan(transfer, tuple(relayout), k * slot_bytes, slot_bytes)
+
+
+def _piece_of(piece_region: npt.NDArray[np.uint32], piece_off: U64, region: npt.NDArray[np.uint32],
+              offset: U64) -> npt.NDArray[np.intp]:
+    """Index of the piece (grouped by region, sorted by offset inside one) holding each (region, offset)."""
+    out = np.empty(offset.size, np.intp)
+    for r in np.unique(region).tolist():
+        mine = np.flatnonzero(piece_region == r)
+        at = region == r
+        out[at] = mine[np.searchsorted(piece_off[mine], offset[at], side="right") - 1]
+    return out
+
+
+def _host_view(region: MemoryRegion) -> npt.NDArray[np.uint8]:
+    """The bytes of a host region, as a writable numpy array over its memory."""
+    if region.memory_kind != "cpu":
+        raise PageTableError(f"relayout_host: region [{region.base_address:#x}, +{region.nbytes}) is "
+                             f"{region.memory_kind!r} memory; the host re-layout reads and writes CPU memory")
+    return np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(region.base_address))
+
+
+def _rows(view: npt.NDArray[np.uint8], row: int) -> npt.NDArray[np.uint8]:
+    """``view`` as rows of ``row`` bytes (a tail shorter than a row, which no run reaches, left out)."""
+    return view[:view.size // row * row].reshape(-1, row)
+
+
+def relayout_host(plans: Sequence[BlockPlan], src_regions: Sequence[MemoryRegion],
+                  dst_regions: Sequence[MemoryRegion]) -> None:
+    """Run ``plans`` as host copies, every run at once: the memory is seen as rows of the largest size
+    dividing every run's offset, stride and length, and each plan's rows are gathered and scattered in
+    one numpy indexing per (source region, destination region). The plans are validated first
+    (bounds, no destination byte twice)."""
+    for p in plans:
+        p.validate(src_regions, dst_regions)
+    views_s: dict[int, npt.NDArray[np.uint8]] = {}
+    views_d: dict[int, npt.NDArray[np.uint8]] = {}
+    for p in plans:
+        if not len(p):
+            continue
+        sbase = np.array([r.base_address for r in src_regions], np.uint64)[p.src_region]
+        dbase = np.array([r.base_address for r in dst_regions], np.uint64)[p.dst_region]
+        soff, doff = p.src_offset - sbase, p.dst_offset - dbase   # slot 0's offsets inside each region
+        row = int(np.gcd.reduce(np.concatenate([p.nbytes, soff, doff, p.src_step, p.dst_step]))) or 1
+        for rs, rd in {(int(a), int(b)) for a, b in zip(p.src_region, p.dst_region, strict=True)}:
+            t = np.flatnonzero((p.src_region == rs) & (p.dst_region == rd) & (p.nbytes > 0))
+            if not t.size:
+                continue
+            src = _rows(views_s.setdefault(rs, _host_view(src_regions[rs])), row)
+            dst = _rows(views_d.setdefault(rd, _host_view(dst_regions[rd])), row)
+            s_rows = (p.src_slots[:, None] * p.src_step[t] + soff[t]) // np.uint64(row)
+            d_rows = (p.dst_slots[:, None] * p.dst_step[t] + doff[t]) // np.uint64(row)
+            count = np.broadcast_to((p.nbytes[t] // np.uint64(row)).astype(np.int64), s_rows.shape).ravel()
+            within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+            s_idx = np.repeat(s_rows.ravel().astype(np.int64), count) + within
+            d_idx = np.repeat(d_rows.ravel().astype(np.int64), count) + within
+            dst[d_idx] = src[s_idx]
+
+
+__all__ = ["LandingPlan", "landing_plan", "relayout_host"]
