@@ -13,6 +13,7 @@ checked after, cell by cell through the managers' buffer views.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import statistics
 import time
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens
     src, sids = manager(tokens, TPB, 16)
     for pool in src.memory_regions():
-        arr = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * pool.nbytes).from_address(pool.base_address))
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * pool.nbytes).from_address(pool.base_address))
         arr[:] = np.random.default_rng(1).integers(0, 256, pool.nbytes, dtype=np.uint8)
     cases: dict[str, dict[str, Any]] = {
         "identical": {"tpb": TPB},
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "HND->NHD": {"tpb": TPB, "head_order": "NHD"},
         "TP 1->2 (rank 1) + 32->16": {"tpb": 16, "tp_size": 2, "tp_rank": 1},
     }
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, kw in cases.items():
         tpb = kw.pop("tpb")
         dst, dids = manager(tokens, tpb, 16, **kw)
@@ -106,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         move, relay, ok = [], [], True
         transfer = lp.transfer.expand()
         for i in range(args.iters + 1):
-            for r in dst_regions:
-                np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * r.nbytes).from_address(r.base_address))[:] = i + 1
+            for region in dst_regions:
+                np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(region.base_address))[:] = i + 1
             t0 = time.perf_counter()
             if identical:
                 b.read(a.name, phases[0] if len(phases) == 1 else transfer).wait(60.0)
