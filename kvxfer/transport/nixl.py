@@ -456,6 +456,7 @@ class NixlTransport(Transport):
         post_notify = (notify or b"") if per_post_notify and len(requests) == 1 else b""
         handle = _NixlHandle(self, transfer_id, peer, nbytes, op, requests, follow_up, give_back)
         agent = self._agent
+        done = 0
         for req in requests:
             try:
                 state = agent.transfer(req, post_notify)   # b"": the request's own notification, if any
@@ -467,6 +468,11 @@ class NixlTransport(Transport):
                 with handle._req_lock:
                     handle._fail("NIXL refused to post the transfer", None)
                 return handle
+            done += state == "DONE"
+        if done == len(requests) and give_back is None:
+            # NIXL finished them within the post (small transfers do): released now, no ask needed. (A
+            # prepared transfer's requests go back when its handle is seen done, as before.)
+            handle._complete()
         return handle
 
 
@@ -567,11 +573,25 @@ class _NixlHandle(_PollingHandle):
                     self._fail("NIXL reported a transfer error", None)
                     return
             if not pending and not self._status.terminal:
-                if self._follow_up is not None:
-                    self._agent.send_notif(self.peer, self._follow_up)
-                if self._give_back is not None:
-                    self._give_back(self._requests)
-                self._finish(TransferStatus.DONE)
+                self._done()
+
+    def _complete(self) -> None:
+        """Every request (none a prepared transfer's) reported DONE when posted: release them and finish."""
+        with self._req_lock:
+            if self._status.terminal:
+                return
+            for req in self._pending:
+                req.release()
+            self._pending.clear()
+            self._done()
+
+    def _done(self) -> None:
+        """Finish a transfer whose requests are all done (the caller holds ``_req_lock``)."""
+        if self._follow_up is not None:
+            self._agent.send_notif(self.peer, self._follow_up)
+        if self._give_back is not None:
+            self._give_back(self._requests)
+        self._finish(TransferStatus.DONE)
 
     def _abort_requests(self) -> bool:
         self._poll_requests()   # a request NIXL already finished cannot be cancelled any more
