@@ -5,6 +5,7 @@ checked by logical position (the extractor tests' oracle, from the managers' own
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import numpy as np
@@ -13,11 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.errors import PageTableError
+from kvxfer.errors import PageTableError, TransferFailed
 from kvxfer.extractor import plan_templated
 from kvxfer.pagetable import BlockPlan
 from kvxfer.pagetable.relayout import landing_plan, relayout_host
-from kvxfer.transport import create
+from kvxfer.transport import LoopbackFaults, TransferStatus, create
+from kvxfer.transport.relayout import read_relayout
 from tests.test_extractor_plan import (
     RELATIONS,
     Side,
@@ -167,3 +169,60 @@ def test_relayout_host_refuses_device_memory_and_plans_outside_their_regions() -
                     np.zeros(1, np.uint32), np.zeros(1, np.uint32))
     with pytest.raises(PageTableError, match="outside region"):
         relayout_host([far], [region], [region])
+
+
+def _pull_pair(faults: Any = None) -> tuple[Side, Side, Any, Any, Any, Any]:
+    rng = np.random.default_rng(9)
+    src, dst = pair_of_sides(rng, {}, {"tpb": 2, "order": "NHD"})
+    phases = plan_templated(src.layout, src.ids, dst.layout, dst.ids)
+    assert phases is not None
+    dst_regions = list(dst.mgr.memory_regions())
+    buf, landing = landing_buffer(landing_plan(phases, 0, len(dst_regions)).landing_bytes)
+    lp = landing_plan(phases, landing.base_address, len(dst_regions))
+    n = next(_names)
+    a = create("loopback", f"rr-src{n}")
+    b = create("loopback", f"rr-dst{n}", **({"faults": faults} if faults is not None else {}))
+    a.register(list(src.mgr.memory_regions()))
+    b.register([*dst_regions, landing])
+    a.connect(b.name, b.metadata())
+    b.connect(a.name, a.metadata())
+    return src, dst, a, b, lp, buf
+
+
+def test_a_pull_with_relayout_is_done_only_with_every_cell_in_place() -> None:
+    """``read_relayout``: while the landing read is pending the destination pages are untouched; the
+    handle is done only after the re-layout, and then every cell is in place; the peer gets the notice."""
+    src, dst, a, b, lp, _buf = _pull_pair(LoopbackFaults(delay_s=0.2))
+    try:
+        before = dst.snapshot()
+        handle = read_relayout(b, a.name, lp, notify=b"landed")
+        assert not handle.done()
+        assert all(np.array_equal(got, was) for got, was in zip(dst.pools(), before, strict=True))
+        handle.wait(10.0)
+        assert handle.status is TransferStatus.DONE and handle.nbytes == lp.total_bytes
+        assert_in_place(src, dst)
+        deadline = time.monotonic() + 5.0
+        got: dict[str, list[bytes]] = {}
+        while not got and time.monotonic() < deadline:
+            got = a.notifications()
+            time.sleep(0.01)
+        assert got == {b.name: [b"landed"]}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_failed_landing_read_leaves_the_destination_untouched() -> None:
+    """The read fails (the transport's first post): the handle fails naming the landing read, and no
+    destination byte changed (the re-layout never ran). Mutation: running the re-layout whatever the
+    read's end would write the landing region's stale bytes into the pages."""
+    _src, dst, a, b, lp, _buf = _pull_pair(LoopbackFaults(fail_post=1))
+    try:
+        before = dst.snapshot()
+        handle = read_relayout(b, a.name, lp)
+        with pytest.raises(TransferFailed, match="landing read"):
+            handle.wait(10.0)
+        assert all(np.array_equal(got, was) for got, was in zip(dst.pools(), before, strict=True))
+    finally:
+        a.close()
+        b.close()
