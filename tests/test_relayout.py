@@ -17,7 +17,7 @@ from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PageTableError, TransferFailed
 from kvxfer.extractor import plan_templated
 from kvxfer.pagetable import BlockPlan
-from kvxfer.pagetable.relayout import landing_plan, relayout_host
+from kvxfer.pagetable.relayout import landing_plan, relayout_host, relayout_torch
 from kvxfer.transport import LoopbackFaults, TransferStatus, create
 from kvxfer.transport.relayout import read_relayout
 from tests.test_extractor_plan import (
@@ -226,3 +226,20 @@ def test_a_failed_landing_read_leaves_the_destination_untouched() -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize(("src_changes", "dst_changes"), CHANGES, ids=IDS)
+def test_the_torch_relayout_puts_every_cell_in_place_like_the_host_one(src_changes: dict[str, Any],
+                                                                       dst_changes: dict[str, Any]) -> None:
+    """``relayout_torch`` (the GPU's path; here on CPU tensors over the same memory) after the landing copy
+    lands every cell where the position oracle says, with the rows moved as the widest words they allow."""
+    rng = np.random.default_rng(8)
+    src, dst = pair_of_sides(rng, src_changes, dst_changes)
+    phases = plan_templated(src.layout, src.ids, dst.layout, dst.ids)
+    assert phases is not None
+    dst_regions = list(dst.mgr.memory_regions())
+    _buf, landing = landing_buffer(landing_plan(phases, 0, 0).landing_bytes)
+    lp = landing_plan(phases, landing.base_address, 0)
+    relayout_host([lp.transfer], list(src.mgr.memory_regions()), [landing])
+    relayout_torch(lp.relayout, [landing], dst_regions)
+    assert_in_place(src, dst)

@@ -129,12 +129,34 @@ def _rows(view: npt.NDArray[np.uint8], row: int) -> npt.NDArray[np.uint8]:
     return view[:view.size // row * row].reshape(-1, row)
 
 
+def _row_plan(p: BlockPlan, src_regions: Sequence[MemoryRegion], dst_regions: Sequence[MemoryRegion]
+              ) -> tuple[int, list[tuple[int, int, npt.NDArray[np.int64], npt.NDArray[np.int64]]]]:
+    """A plan as row copies: the row size (the largest dividing every offset inside a region, stride and
+    length) and, per (source region, destination region), the source and destination row indices."""
+    sbase = np.array([r.base_address for r in src_regions], np.uint64)[p.src_region]
+    dbase = np.array([r.base_address for r in dst_regions], np.uint64)[p.dst_region]
+    soff, doff = p.src_offset - sbase, p.dst_offset - dbase   # slot 0's offsets inside each region
+    row = int(np.gcd.reduce(np.concatenate([p.nbytes, soff, doff, p.src_step, p.dst_step]))) or 1
+    out = []
+    for rs, rd in sorted({(int(a), int(b)) for a, b in zip(p.src_region, p.dst_region, strict=True)}):
+        t = np.flatnonzero((p.src_region == rs) & (p.dst_region == rd) & (p.nbytes > 0))
+        if not t.size:
+            continue
+        s_rows = (p.src_slots[:, None] * p.src_step[t] + soff[t]) // np.uint64(row)
+        d_rows = (p.dst_slots[:, None] * p.dst_step[t] + doff[t]) // np.uint64(row)
+        count = np.broadcast_to((p.nbytes[t] // np.uint64(row)).astype(np.int64), s_rows.shape).ravel()
+        within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        out.append((rs, rd, np.repeat(s_rows.ravel().astype(np.int64), count) + within,
+                    np.repeat(d_rows.ravel().astype(np.int64), count) + within))
+    return row, out
+
+
 def relayout_host(plans: Sequence[BlockPlan], src_regions: Sequence[MemoryRegion],
                   dst_regions: Sequence[MemoryRegion]) -> None:
     """Run ``plans`` as host copies, every run at once: the memory is seen as rows of the largest size
     dividing every run's offset, stride and length, and each plan's rows are gathered and scattered in
-    one numpy indexing per (source region, destination region). The plans are validated first
-    (bounds, no destination byte twice)."""
+    numpy indexings per (source region, destination region), 1 MiB at a time. The plans are validated
+    first (bounds, no destination byte twice)."""
     for p in plans:
         p.validate(src_regions, dst_regions)
     views_s: dict[int, npt.NDArray[np.uint8]] = {}
@@ -142,26 +164,53 @@ def relayout_host(plans: Sequence[BlockPlan], src_regions: Sequence[MemoryRegion
     for p in plans:
         if not len(p):
             continue
-        sbase = np.array([r.base_address for r in src_regions], np.uint64)[p.src_region]
-        dbase = np.array([r.base_address for r in dst_regions], np.uint64)[p.dst_region]
-        soff, doff = p.src_offset - sbase, p.dst_offset - dbase   # slot 0's offsets inside each region
-        row = int(np.gcd.reduce(np.concatenate([p.nbytes, soff, doff, p.src_step, p.dst_step]))) or 1
-        for rs, rd in {(int(a), int(b)) for a, b in zip(p.src_region, p.dst_region, strict=True)}:
-            t = np.flatnonzero((p.src_region == rs) & (p.dst_region == rd) & (p.nbytes > 0))
-            if not t.size:
-                continue
+        row, pairs = _row_plan(p, src_regions, dst_regions)
+        for rs, rd, s_idx, d_idx in pairs:
             src = _rows(views_s.setdefault(rs, _host_view(src_regions[rs])), row)
             dst = _rows(views_d.setdefault(rd, _host_view(dst_regions[rd])), row)
-            s_rows = (p.src_slots[:, None] * p.src_step[t] + soff[t]) // np.uint64(row)
-            d_rows = (p.dst_slots[:, None] * p.dst_step[t] + doff[t]) // np.uint64(row)
-            count = np.broadcast_to((p.nbytes[t] // np.uint64(row)).astype(np.int64), s_rows.shape).ravel()
-            within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-            s_idx = np.repeat(s_rows.ravel().astype(np.int64), count) + within
-            d_idx = np.repeat(d_rows.ravel().astype(np.int64), count) + within
             # In pieces of about RELAYOUT_CHUNK_BYTES: the gathered rows stay in cache until scattered.
             step = max(1, RELAYOUT_CHUNK_BYTES // row)
             for lo in range(0, s_idx.size, step):
                 dst[d_idx[lo:lo + step]] = src[s_idx[lo:lo + step]]
 
 
-__all__ = ["LandingPlan", "landing_plan", "relayout_host"]
+class _CudaBytes:
+    """A CUDA region as an object torch reads through ``__cuda_array_interface__`` (no copy)."""
+
+    def __init__(self, region: MemoryRegion) -> None:
+        self.__cuda_array_interface__ = {"shape": (region.nbytes,), "typestr": "|u1",
+                                         "data": (region.base_address, False), "version": 3}
+
+
+def relayout_torch(plans: Sequence[BlockPlan], src_regions: Sequence[MemoryRegion],
+                   dst_regions: Sequence[MemoryRegion]) -> None:
+    """``relayout_host`` with torch on the regions' own device (CUDA regions: gathered and scattered by
+    the GPU, the row indices uploaded once per plan; host regions: torch on the CPU). Rows move as 8-,
+    4- or 2-byte words where their size allows. Returns when the copies are queued on the current
+    stream (a caller that publishes the KV synchronizes first)."""
+    import torch
+
+    for p in plans:
+        p.validate(src_regions, dst_regions)
+
+    def view(region: MemoryRegion) -> torch.Tensor:
+        if region.memory_kind == "cuda":
+            return torch.as_tensor(_CudaBytes(region), device=f"cuda:{region.device_id}")
+        return torch.from_numpy(_host_view(region))
+
+    for p in plans:
+        if not len(p):
+            continue
+        row, pairs = _row_plan(p, src_regions, dst_regions)
+        word = next(w for w in (8, 4, 2, 1) if row % w == 0)
+        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+        for rs, rd, s_idx, d_idx in pairs:
+            sv, dv = view(src_regions[rs]), view(dst_regions[rd])
+            src = sv[:sv.numel() // row * row].view(dtype).view(-1, row // word)
+            dst = dv[:dv.numel() // row * row].view(dtype).view(-1, row // word)
+            si = torch.from_numpy(s_idx).to(src.device, non_blocking=True)
+            di = torch.from_numpy(d_idx).to(dst.device, non_blocking=True)
+            dst[di] = src[si]
+
+
+__all__ = ["LandingPlan", "landing_plan", "relayout_host", "relayout_torch"]

@@ -10,7 +10,7 @@ import contextlib
 import threading
 
 from kvxfer.errors import TransportError
-from kvxfer.pagetable.relayout import LandingPlan, relayout_host
+from kvxfer.pagetable.relayout import LandingPlan, relayout_host, relayout_torch
 from kvxfer.transport.base import Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 
@@ -38,7 +38,15 @@ class RelayoutHandle(TransferHandle):
                 return
             try:
                 regions = self._transport.regions
-                relayout_host(self._landing.relayout, regions, regions)
+                devices = {regions[int(r)].device_id for p in self._landing.relayout for r in p.dst_region
+                           if regions[int(r)].memory_kind == "cuda"}
+                if devices:   # device pools: the GPU re-lays them out; done once it has
+                    import torch
+                    relayout_torch(self._landing.relayout, regions, regions)
+                    for d in devices:
+                        torch.cuda.synchronize(d)
+                else:
+                    relayout_host(self._landing.relayout, regions, regions)
             except Exception as exc:
                 self._finish(TransferStatus.FAILED, f"the re-layout failed: {exc!r}")
                 return
@@ -56,7 +64,8 @@ class RelayoutHandle(TransferHandle):
 
 def read_relayout(transport: Transport, peer: str, landing: LandingPlan, notify: bytes | None = None) -> RelayoutHandle:
     """Pull ``landing.transfer`` from ``peer`` into this transport's landing region, then (as part of the
-    completion) run ``landing.relayout`` on this host's registered memory: source = the landing region,
+    completion) run ``landing.relayout`` on this host's registered memory (by the GPU for device pools,
+``relayout_torch``, else ``relayout_host``): source = the landing region,
     destination = the request's pages, both among ``transport.regions``. ``notify`` reaches the peer after
     the read (it may release its pages then: the re-layout reads only the landing region)."""
     return RelayoutHandle(transport, transport.read(peer, landing.transfer, notify), landing)
