@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -242,4 +243,38 @@ def test_the_torch_relayout_puts_every_cell_in_place_like_the_host_one(src_chang
     lp = landing_plan(phases, landing.base_address, 0)
     relayout_host([lp.transfer], list(src.mgr.memory_regions()), [landing])
     relayout_torch(lp.relayout, [landing], dst_regions)
+    assert_in_place(src, dst)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("src_changes", "dst_changes"), CHANGES, ids=IDS)
+def test_the_gpu_relayout_puts_every_cell_in_place(src_changes: dict[str, Any], dst_changes: dict[str, Any]) -> None:
+    """The landing region and the destination pools on the GPU: ``relayout_torch`` gathers and scatters
+    there; copied back, every cell is where the position oracle says."""
+    rng = np.random.default_rng(10)
+    src, dst = pair_of_sides(rng, src_changes, dst_changes)
+    phases = plan_templated(src.layout, src.ids, dst.layout, dst.ids)
+    assert phases is not None
+    cpu_regions = list(dst.mgr.memory_regions())
+    pools = [torch.from_numpy(p).cuda() for p in dst.pools()]
+    gpu_regions = [MemoryRegion.of_tensor(t) for t in pools]
+    size = landing_plan(phases, 0, 0).landing_bytes
+    host_landing_buf, host_landing = landing_buffer(size)
+    lp = landing_plan(phases, host_landing.base_address, 0)
+    relayout_host([lp.transfer], list(src.mgr.memory_regions()), [host_landing])
+    landing_t = torch.from_numpy(host_landing_buf).cuda()
+    landing = MemoryRegion.of_tensor(landing_t)
+    shift_src = np.uint64(landing.base_address) - np.uint64(host_landing.base_address)
+    moved = []
+    for p in lp.relayout:
+        d_shift = np.array([g.base_address - c.base_address for g, c in zip(gpu_regions, cpu_regions, strict=True)],
+                           dtype=np.int64)[p.dst_region]
+        moved.append(BlockPlan(p.src_slots, p.dst_slots, p.src_step, p.src_offset + shift_src, p.dst_step,
+                               (p.dst_offset.astype(np.int64) + d_shift).astype(np.uint64), p.nbytes,
+                               p.src_region, p.dst_region))
+    relayout_torch(moved, [landing], gpu_regions)
+    torch.cuda.synchronize()
+    for host, dev in zip(dst.pools(), pools, strict=True):
+        host[:] = dev.cpu().numpy()
     assert_in_place(src, dst)

@@ -118,7 +118,7 @@ def _piece_of(piece_region: npt.NDArray[np.uint32], piece_off: U64, region: npt.
 
 def _host_view(region: MemoryRegion) -> npt.NDArray[np.uint8]:
     """The bytes of a host region, as a writable numpy array over its memory."""
-    if region.memory_kind != "cpu":
+    if region.memory_kind not in ("cpu", "pinned"):
         raise PageTableError(f"relayout_host: region [{region.base_address:#x}, +{region.nbytes}) is "
                              f"{region.memory_kind!r} memory; the host re-layout reads and writes CPU memory")
     return np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(region.base_address))
