@@ -41,10 +41,13 @@ import numpy as np
 import torch
 
 from kvxfer.cache import BufferId, CacheConfig, CacheLayoutDesc, KVCacheManager
+from kvxfer.cache.memory import MemoryRegion
 from kvxfer.extractor import plan_blocks, plan_templated, plan_transfer
 from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.pagetable.relayout import landing_plan
 from kvxfer.transport import create
 from kvxfer.transport import nixl as nixl_backend
+from kvxfer.transport.relayout import read_relayout
 
 LAYERS, KV_HEADS, HEAD_DIM, TPB = 32, 8, 128, 32
 ROLES = ("key", "value")
@@ -290,6 +293,14 @@ class Bench:
         layouts_b, mds, raw_md = self.conn.recv()
         self.peer_layouts = {k: CacheLayoutDesc.from_msgpack(v) for k, v in layouts_b.items()}
         regions = [r for m in self.mgrs.values() for r in m.memory_regions()]
+        # --layouts: a landing region for the pulls that move large source-layout pieces, then re-lay them
+        # out on this GPU (as big as the prefill pools: the most a request's source slots hold).
+        self.landing: torch.Tensor | None = None
+        self.landing_index = len(regions)
+        if layouts:
+            self.landing = torch.empty(sum(r.nbytes for r in self.mgrs["prefill"].memory_regions()),
+                                       dtype=torch.uint8, device=device)
+            regions.append(MemoryRegion.of_tensor(self.landing))
         self.ts = {}
         for b in backends:
             t = create(b, f"{LOCAL}-{b}", **transport_options(b))
@@ -576,6 +587,32 @@ def templated_plans(bench: Bench, mode: str, pairs: tuple[tuple[str, str], ...],
     return out, ms
 
 
+def landing_post(bench: Bench, pairs: tuple[tuple[str, str], ...], blk: dict[str, np.ndarray]) -> Any:
+    """Pull over nixl through the landing region: per (source, destination) pair, the templated plan's
+    large source-layout pieces read into this process's landing region, then re-laid out here on the
+    device (``read_relayout``: the handle is done once the re-layout is)."""
+    assert bench.landing is not None
+    t, peer = bench.ts["nixl"], f"{PEER}-nixl"
+    base, plans = int(bench.landing.data_ptr()), []
+    for sn, dn in pairs:
+        phases = plan_templated(bench.peer_layouts[sn], {0: blk[sn]}, bench.mgrs[dn].layout, {0: blk[dn]})
+        assert phases is not None
+        lp = landing_plan([p.shift_regions(bench.offsets[sn], bench.offsets[dn]) for p in phases], base,
+                          bench.landing_index)
+        base += lp.landing_bytes
+        plans.append(lp)
+    if base - int(bench.landing.data_ptr()) > bench.landing.numel():
+        raise RuntimeError("the landing region is too small for this case")
+
+    def post() -> float:
+        hs = [read_relayout(t, peer, lp) for lp in plans]
+        posted = time.perf_counter()
+        for h in hs:
+            h.wait(120)
+        return posted
+    return post
+
+
 def run_layouts(bench: Bench, blk: dict[str, np.ndarray], tokens: int, iters: int, d2d: float,
                 wall: WallCopy) -> list[dict[str, Any]]:
     """The layout changes (``LAYOUT_CASES``), push and pull: each backend posts the request's templated plan
@@ -598,6 +635,8 @@ def run_layouts(bench: Bench, blk: dict[str, np.ndarray], tokens: int, iters: in
                                    "runs": sum(len(p) for p in plans), "bytes": nbytes, "plan_ms": plan_ms,
                                    "d2d_gbps": d2d, "d2d_wall_gbps": nbytes / wall.ms(nbytes) / 1e6}
             posts = [(f"{b}_templated", bench.backend_post(b, mode, plans)) for b in bench.backends]
+            if mode == "pull" and "nixl" in bench.backends:
+                posts.append(("nixl_landing", landing_post(bench, pairs, blk)))
             timed = bench.interleaved([("d2d_inplace", wall.post(nbytes), False)] +
                                       [(name, post, True) for name, post in posts], mode, dst_names, blk, iters)
             row["d2d_inplace_gbps"] = nbytes / statistics.median(timed["d2d_inplace"][0]) / 1e9
@@ -683,14 +722,15 @@ def print_tables(res: dict[str, Any]) -> None:
                      f" {r[f'{n}_x_d2d_inplace']:>5.2f} {r[f'{n}_post_ms']:>7.2f}")
         print(line + " " + str(sum(r[f"{n}_wrong_elements"] for n in names)))
     if res.get("layouts"):
-        cols = [f"{b}_templated" for b in res["backends"]]
+        cols = [f"{b}_templated" for b in res["backends"]] + (["nixl_landing"] if "nixl" in res["backends"] else [])
         print(f"\n{'tokens':>6} {'layout case':>14} {'mode':>4} {'phases':>6} {'runs':>8} {'MiB':>6} {'plan ms':>7} "
               f"{'inplace':>7}" + "".join(f" {c[-18:]:>18} {'xD2D':>5} {'xinpl':>5}" for c in cols) + " wrong")
         for r in res["layouts"]:
             print(f"{r['tokens']:>6} {r['case']:>14} {r['mode']:>4} {r['phases']:>6} {r['runs']:>8} "
                   f"{r['bytes'] / 2**20:>6.0f} {r['plan_ms']:>7.2f} {r['d2d_inplace_gbps']:>7.0f}"
                   + "".join(f" {r[f'{c}_gbps']:>18.1f} {r[f'{c}_x_d2d']:>5.2f} {r[f'{c}_x_d2d_inplace']:>5.2f}"
-                            for c in cols) + " " + str(sum(r[f"{c}_wrong_elements"] for c in cols)))
+                            if f"{c}_gbps" in r else f" {'-':>18} {'-':>5} {'-':>5}" for c in cols)
+                  + " " + str(sum(r.get(f"{c}_wrong_elements", 0) for c in cols)))
     print(f"\n{'blocks':>6} {'MiB':>5} {'torch us':>9}" + "".join(f" {n[-9:]:>9} us" for n in names))
     for r in res["latency"]:
         print(f"{r['blocks']:>6} {r['bytes'] / 2**20:>5.0f} {r['torch_p50_us']:>9.1f}"
