@@ -237,3 +237,65 @@ def test_a_few_entries_writing_one_byte_twice_are_refused_before_nixl_sees_them(
     with pytest.raises(PageTableError, match="overlap"):
         agents.a.write(agents.b.name, bad)
     assert agents.made == made
+
+
+@pytest.fixture
+def one_region_each() -> Iterator[tuple[Transport, Transport, list[np.ndarray], list[np.ndarray]]]:
+    """Two nixl transports over one region each (the KV pool's shape: the uniform post path)."""
+    n = next(_names)
+    a_bufs, b_bufs = make_buffers([1 << 20], 21), make_buffers([1 << 20], 22)
+    a, b = create("nixl", f"u{n}a"), create("nixl", f"u{n}b")
+    a.register(regions_of(a_bufs))
+    b.register(regions_of(b_bufs))
+    a.connect(b.name, b.metadata())
+    b.connect(a.name, a.metadata())
+    yield a, b, a_bufs, b_bufs
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("entries", [17, 64, 200])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_uniform_plans_over_one_region_move_exact_bytes(one_region_each: Any, op: str, entries: int) -> None:
+    """Many one-page entries over one region a side (the layer-wise chunk's shape) land exactly, in both
+    directions, the few-entries-in-a-large-grid case (sorted check) and the many (marked grid) alike."""
+    a, b, a_bufs, b_bufs = one_region_each
+    rng = np.random.default_rng(entries)
+    local = random_pages(rng, list(a.regions), entries, PAGE, False)
+    remote = random_pages(rng, list(b.regions), entries, PAGE, False)
+    plan = pair(local, remote) if op == "write" else pair(remote, local)
+    src_regions, src_bufs, dst_regions, dst_bufs = ((a.regions, a_bufs, b.regions, b_bufs) if op == "write"
+                                                    else (b.regions, b_bufs, a.regions, a_bufs))
+    want = expected_after(plan, list(src_regions), src_bufs, list(dst_regions), dst_bufs)
+    getattr(a, op)(b.name, plan, notify=b"u").wait(10.0)
+    assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+    assert notifications(b, 1) == [b"u"]
+
+
+@pytest.mark.parametrize("entries", [20, 100])
+@pytest.mark.parametrize("fault", ["overlap", "past the end", "below the base", "region"])
+def test_uniform_plans_are_refused_as_every_plan_is(one_region_each: Any, fault: str, entries: int) -> None:
+    """The uniform path's own checks refuse what ``TransferPlan.validate`` refuses, with its messages, before
+    NIXL sees the plan; the destination stays as it was. Mutation: dropping the grid-marking check lets two
+    entries onto one page through."""
+    a, b, _a_bufs, b_bufs = one_region_each
+    rng = np.random.default_rng(1)
+    local = random_pages(rng, list(a.regions), entries, PAGE, False)
+    remote = random_pages(rng, list(b.regions), entries, PAGE, False)
+    addr, region = remote.addr.copy(), remote.region.copy()
+    r0 = b.regions[0]
+    if fault == "overlap":
+        addr[-1] = addr[0]
+    elif fault == "past the end":
+        addr[-1] = np.uint64(r0.end_address - PAGE // 2)
+    elif fault == "below the base":
+        addr[-1] = np.uint64(r0.base_address - PAGE)
+    else:
+        region[-1] = 1
+    before = [x.copy() for x in b_bufs]
+    bad = TransferPlan(local, PageTable(addr, remote.nbytes, region))
+    words = {"overlap": "overlap", "region": "not registered"}.get(fault, "remote")
+    with pytest.raises(PageTableError, match=words):
+        a.write(b.name, bad, notify=b"never")
+    assert notifications(b, 1, timeout=0.1, settle=0.05) == []
+    assert all(np.array_equal(got, w) for got, w in zip(b_bufs, before, strict=True))
