@@ -584,9 +584,10 @@ def run_table(iters: int = 5, latency_iters: int = 200, backends: tuple[str, ...
               ) -> dict[str, Any]:
     """Every row of the transport table for each backend, raw NIXL (its own agent, descriptor lists
     prepared once) measured in the nixl runs themselves: bandwidth of scattered pages (``TABLE_ROWS``),
-    the one-page ``write(plan).wait()`` p50 and the 4096-descriptor post (``run_post_latency``), all with
-    per-request plans where kvxfer is timed, every timed iteration verified. Each backend keeps its
-    defaults."""
+    the one-page ``write(plan).wait()`` p50 and the 4096-descriptor post (``run_post_latency``: a new plan
+    every iteration), every timed iteration verified. No ``prepare``: every kvxfer post does its plan's
+    whole work again (the bandwidth rows post one plan object, which kvxfer keeps nothing of). Each
+    backend keeps its defaults."""
     usable = [b for b in backends if available_backends().get(b, "unknown") is None]
     rows: list[dict[str, Any]] = []
     for pages, page_bytes, mode in TABLE_ROWS:
