@@ -1,10 +1,14 @@
 """Extractor benchmark: Llama-3-70B KV shape, 128k tokens, vectorised extract/plan next to a
-straightforward per-(layer, block) Python loop doing the identical job in the same run.
+straightforward per-(layer, block) Python loop doing the identical job in the same run; then the
+templated plans (``plan_templated``: one BlockPlan per segment shape) of every layout pair, 70B/128k and
+Llama-3-8B/4k, with their planning time (warm: the layout pair's templates made by an earlier request;
+cold: this request makes them) and their size (slot pairs + template runs) next to the runs their
+expansion lists.
 
 Layouts are built with plan_layout + place_layout at fake, non-overlapping addresses: the extractor
 only reads descriptors, so no 40 GiB pool is allocated.
 
-    PYTHONPATH=$PWD python benchmarks/bench_extractor.py [--tokens 131072] [--layers 80]
+    PYTHONPATH=$PWD python benchmarks/bench_extractor.py [--tokens 131072] [--layers 80] [--templated-only]
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import numpy as np
 
 from kvxfer.cache import BufferId, CacheConfig, CacheLayoutDesc
 from kvxfer.cache.layout import place_layout, plan_layout
-from kvxfer.extractor import extract, placements, plan_transfer
+from kvxfer.extractor import blocks as extractor_blocks
+from kvxfer.extractor import extract, placements, plan_templated, plan_transfer
 from kvxfer.pagetable import PageTable, TransferPlan
 
 SRC_BASE, DST_BASE = 0x7F00_0000_0000, 0x7A00_0000_0000
@@ -43,6 +48,58 @@ def layout(cfg: CacheConfig, base: int) -> CacheLayoutDesc:
 
 def config(layers: int, tpb: int, blocks: int, **kw: Any) -> CacheConfig:
     return CacheConfig.for_model(layers, 8, 128, tpb, "bfloat16", blocks, device="cpu", **kw)
+
+
+def templated_rows(model: str, layers: int, tokens: int, repeat: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """plan_templated for every layout pair of one model shape (8 KV heads, head_dim 128, bf16, 32 tokens
+    per block at the source), fragmented destination slots: warm and cold planning time, phases, slot
+    pairs + template runs (the plan's size) and the runs its expansion would list."""
+    tpb = 32
+    blocks = math.ceil(tokens / tpb)
+    spare = 2 * blocks + 64
+    base = config(layers, tpb, spare)
+    src = layout(base, SRC_BASE)
+    src_ids = rng.permutation(spare)[:blocks].astype(np.int32)
+    cases: dict[str, CacheConfig] = {
+        "identical": base,
+        "TP 1->2 (rank 0), HND": config(layers, tpb, spare, tp_size=2, tp_rank=0),
+        "tokens/block 32->64": config(layers, 64, spare),
+        "tokens/block 32->16": config(layers, 16, 2 * spare),
+        "HND->NHD, all layers": dataclasses.replace(base, head_order="NHD"),
+        "TP 1->2 + tokens/block 32->16": config(layers, 16, 2 * spare, tp_size=2, tp_rank=1),
+        "TP 1->2 + 32->64, NHD": config(layers, 64, spare, tp_size=2, tp_rank=0, head_order="NHD"),
+    }
+    rows = []
+    for name, cfg in cases.items():
+        dst = layout(cfg, DST_BASE)
+        need = math.ceil(tokens / cfg.tokens_per_block)
+        slots = dst.pool_groups[dst.layer_groups[0].pool_group_index].num_slots
+        dst_ids = rng.permutation(slots)[:need].astype(np.int32)
+
+        def plan(dst: CacheLayoutDesc = dst, dst_ids: np.ndarray = dst_ids) -> Any:
+            return plan_templated(src, {0: src_ids}, dst, {0: dst_ids})
+        with extractor_blocks._templates_lock:
+            extractor_blocks._templates.clear()
+        t0 = time.perf_counter()
+        phases = plan()
+        cold = time.perf_counter() - t0
+        warm, phases = best(plan, repeat)
+        assert phases is not None, name
+        rows.append({"model": model, "case": name, "warm_ms": warm * 1e3, "cold_ms": cold * 1e3,
+                     "phases": len(phases), "slot_pairs": sum(p.num_blocks for p in phases),
+                     "template_runs": sum(p.runs_per_block for p in phases),
+                     "expanded_runs": sum(len(p) for p in phases),
+                     "min_run_bytes": min(int(p.nbytes.min()) for p in phases if p.runs_per_block),
+                     "bytes": sum(p.total_bytes for p in phases)})
+    return rows
+
+
+def print_templated(rows: list[dict[str, Any]]) -> None:
+    print(f"{'templated plan (fragmented destination slots)':48} {'warm ms':>8} {'cold ms':>8} {'phases':>6} "
+          f"{'slot pairs':>10} {'tmpl runs':>9} {'expanded runs':>13} {'min run B':>9}")
+    for r in rows:
+        print(f"{r['model'] + ', ' + r['case']:48} {r['warm_ms']:8.3f} {r['cold_ms']:8.1f} {r['phases']:6d} "
+              f"{r['slot_pairs']:10d} {r['template_runs']:9d} {r['expanded_runs']:13d} {r['min_run_bytes']:9d}")
 
 
 def best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
@@ -150,7 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results/extractor.json")
+    ap.add_argument("--templated-only", action="store_true", help="only the templated plans (skips the loops)")
     args = ap.parse_args(argv)
+    templated = templated_rows(f"70B/{args.tokens // 1024}k", args.layers, args.tokens, args.repeat,
+                               np.random.default_rng(1)) + \
+        templated_rows("8B/4k", 32, 4096, args.repeat, np.random.default_rng(2))
+    print_templated(templated)
+    if args.templated_only:
+        return 0
     tpb = 32
     blocks = math.ceil(args.tokens / tpb)
     rng = np.random.default_rng(0)
@@ -210,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                                "machine": platform.platform(), "python": platform.python_version(),
                                "numpy": np.__version__, "tokens": args.tokens, "layers": args.layers,
-                               "rows": rows}, indent=2))
+                               "rows": rows, "templated": templated}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -41,10 +41,13 @@ import numpy as np
 import torch
 
 from kvxfer.cache import BufferId, CacheConfig, CacheLayoutDesc, KVCacheManager
-from kvxfer.extractor import plan_blocks, plan_transfer
+from kvxfer.cache.memory import MemoryRegion
+from kvxfer.extractor import plan_blocks, plan_templated, plan_transfer
 from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.pagetable.relayout import landing_plan
 from kvxfer.transport import create
 from kvxfer.transport import nixl as nixl_backend
+from kvxfer.transport.relayout import read_relayout
 
 LAYERS, KV_HEADS, HEAD_DIM, TPB = 32, 8, 128, 32
 ROLES = ("key", "value")
@@ -53,10 +56,12 @@ LOCAL = "local"
 
 
 # --- the position pattern ----------------------------------------------------------------------------
-def pattern(layer: int, role: int, ntokens: int, heads: tuple[int, int], order: str, device: str) -> torch.Tensor:
+def pattern(layer: int, role: int, ntokens: int, heads: tuple[int, int], order: str, device: str,
+            tpb: int = TPB) -> torch.Tensor:
     """int16 words of (layer, role, token, head, dim) for tokens ``[0, ntokens)`` and global heads
-    ``heads``, shaped like ``buffer_view`` rows (blocks, heads, tokens, dim) or (blocks, tokens, heads, dim)."""
-    tok = torch.arange(ntokens, device=device, dtype=torch.int64).view(-1, 1, TPB, 1)
+    ``heads``, shaped like ``buffer_view`` rows (blocks, heads, tokens, dim) or (blocks, tokens, heads, dim)
+    of ``tpb`` tokens per block."""
+    tok = torch.arange(ntokens, device=device, dtype=torch.int64).view(-1, 1, tpb, 1)
     head = torch.arange(heads[0], heads[1], device=device, dtype=torch.int64).view(1, -1, 1, 1)
     dim = torch.arange(HEAD_DIM, device=device, dtype=torch.int64).view(1, 1, 1, -1)
     key = (((layer * 2 + role) << 20) + tok) * KV_HEADS + head
@@ -79,8 +84,9 @@ def _views(m: KVCacheManager) -> list[tuple[int, int, torch.Tensor, tuple[int, i
 def fill(m: KVCacheManager, blocks: np.ndarray, poison: bool = False) -> None:
     """Write the pattern (or its bitwise complement: every element differs) into ``blocks``."""
     idx = torch.as_tensor(blocks, device=m.device, dtype=torch.long)
+    tpb = m.layout.tokens_per_block
     for layer, r, view, heads, order in _views(m):
-        want = pattern(layer, r, len(blocks) * TPB, heads, order, str(m.device))
+        want = pattern(layer, r, len(blocks) * tpb, heads, order, str(m.device), tpb)
         view[idx] = torch.bitwise_not(want) if poison else want
     sync(m.device)
 
@@ -89,19 +95,42 @@ def mismatches(m: KVCacheManager, blocks: np.ndarray) -> int:
     """Elements of ``blocks`` that differ from the pattern (0: every byte arrived where it belongs)."""
     idx = torch.as_tensor(blocks, device=m.device, dtype=torch.long)
     bad = torch.zeros((), dtype=torch.int64, device=m.device)
+    tpb = m.layout.tokens_per_block
     for layer, r, view, heads, order in _views(m):
-        bad += (view[idx] != pattern(layer, r, len(blocks) * TPB, heads, order, str(m.device))).sum()
+        bad += (view[idx] != pattern(layer, r, len(blocks) * tpb, heads, order, str(m.device), tpb)).sum()
     return int(bad)
 
 
 # --- set-up ------------------------------------------------------------------------------------------
-def managers(blocks: int, device: str) -> dict[str, KVCacheManager]:
-    """prefill (TP 1), decode (TP 1), and the two ranks of a TP-2 decode."""
-    def make(**kw: Any) -> KVCacheManager:
-        return KVCacheManager(CacheConfig.for_model(LAYERS, KV_HEADS, HEAD_DIM, TPB, "bfloat16", blocks + 8,
-                                                    device=device, **kw))
-    return {"prefill": make(), "decode": make(), "rank0": make(tp_size=2, tp_rank=0),
-            "rank1": make(tp_size=2, tp_rank=1)}
+#: The layout changes of ``--layouts``: (case, [(source manager, destination manager), ...]).
+LAYOUT_CASES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("tpb32->16", (("prefill", "tpb16"),)),
+    ("tpb32->64", (("prefill", "tpb64"),)),
+    ("HND->NHD", (("prefill", "nhd"),)),
+    ("tp1->2+32->16", (("prefill", "tp2r0_tpb16"), ("prefill", "tp2r1_tpb16"))),
+    ("tp2->1+32->64", (("rank0", "tpb64"), ("rank1", "tpb64"))),
+)
+#: The extra managers of ``--layouts``: name -> (tokens per block, CacheConfig options).
+LAYOUT_MANAGERS: dict[str, tuple[int, dict[str, Any]]] = {
+    "tpb16": (16, {}), "tpb64": (64, {}), "nhd": (TPB, {"head_order": "NHD"}),
+    "tp2r0_tpb16": (16, {"tp_size": 2, "tp_rank": 0}), "tp2r1_tpb16": (16, {"tp_size": 2, "tp_rank": 1}),
+}
+
+
+def managers(blocks: int, device: str, layouts: bool = False) -> dict[str, KVCacheManager]:
+    """prefill (TP 1), decode (TP 1), and the two ranks of a TP-2 decode; with ``layouts`` also the
+    destinations of ``LAYOUT_CASES`` (other tokens per block, NHD, both combined with TP 2), each with
+    room for the same tokens."""
+    tokens = blocks * TPB
+
+    def make(tpb: int = TPB, **kw: Any) -> KVCacheManager:
+        return KVCacheManager(CacheConfig.for_model(LAYERS, KV_HEADS, HEAD_DIM, tpb, "bfloat16",
+                                                    -(-tokens // tpb) + 8, device=device, **kw))
+    out = {"prefill": make(), "decode": make(), "rank0": make(tp_size=2, tp_rank=0),
+           "rank1": make(tp_size=2, tp_rank=1)}
+    if layouts:
+        out.update({name: make(tpb, **kw) for name, (tpb, kw) in LAYOUT_MANAGERS.items()})
+    return out
 
 
 def region_offsets(mgrs: dict[str, KVCacheManager]) -> dict[str, int]:
@@ -136,9 +165,9 @@ def _mem(kind: str) -> str:
     return "VRAM" if kind == "cuda" else "DRAM"
 
 
-def peer_main(conn: Any, backends: list[str], raw: bool, blocks: int, device: str) -> None:
+def peer_main(conn: Any, backends: list[str], raw: bool, blocks: int, device: str, layouts: bool = False) -> None:
     """The other process: the same managers and transports, answering commands."""
-    mgrs = managers(blocks, device)
+    mgrs = managers(blocks, device, layouts)
     ts = {b: create(b, f"{PEER}-{b}", **transport_options(b)) for b in backends}
     regions = [r for m in mgrs.values() for r in m.memory_regions()]
     for t in ts.values():
@@ -254,16 +283,24 @@ class Bench:
     """The local side: managers, transports, the peer process and its pipe."""
 
     def __init__(self, backends: list[str], raw: bool, nblocks: int, device: str,
-                 own_context_first: bool = True) -> None:
+                 own_context_first: bool = True, layouts: bool = False) -> None:
         self.device, self.nblocks, self.backends = device, nblocks, backends
-        self.mgrs = managers(nblocks, device)
+        self.mgrs = managers(nblocks, device, layouts)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=peer_main, args=(child, backends, raw, nblocks, device), daemon=True)
+        self.proc = ctx.Process(target=peer_main, args=(child, backends, raw, nblocks, device, layouts), daemon=True)
         self.proc.start()
         layouts_b, mds, raw_md = self.conn.recv()
         self.peer_layouts = {k: CacheLayoutDesc.from_msgpack(v) for k, v in layouts_b.items()}
         regions = [r for m in self.mgrs.values() for r in m.memory_regions()]
+        # --layouts: a landing region for the pulls that move large source-layout pieces, then re-lay them
+        # out on this GPU (as big as the prefill pools: the most a request's source slots hold).
+        self.landing: torch.Tensor | None = None
+        self.landing_index = len(regions)
+        if layouts:
+            self.landing = torch.empty(sum(r.nbytes for r in self.mgrs["prefill"].memory_regions()),
+                                       dtype=torch.uint8, device=device)
+            regions.append(MemoryRegion.of_tensor(self.landing))
         self.ts = {}
         for b in backends:
             t = create(b, f"{LOCAL}-{b}", **transport_options(b))
@@ -444,7 +481,7 @@ def prepared_backends(backends: list[str]) -> list[str]:
 
 
 def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, latency_iters: int,
-        device: str, own_context_first: bool = True) -> dict[str, Any]:
+        device: str, own_context_first: bool = True, layouts: bool = False) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
     columns = backends + (["cuda_ipc_blocks"] if "cuda_ipc" in backends else []) + \
         [f"{b}_prep" for b in prepared_backends(backends)] + (["raw_nixl"] if raw else [])
@@ -458,9 +495,10 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
     wall = WallCopy(device)
     for tokens in tokens_list:
         nblocks = tokens // TPB
-        bench = Bench(backends, raw, nblocks, device, own_context_first)
+        bench = Bench(backends, raw, nblocks, device, own_context_first, layouts)
         rng = np.random.default_rng(tokens)
-        blk = {name: rng.choice(nblocks + 8, nblocks, replace=False).astype(np.int32) for name in bench.mgrs}
+        blk = {name: rng.choice(-(-tokens // m.layout.tokens_per_block) + 8, tokens // m.layout.tokens_per_block,
+                                replace=False).astype(np.int32) for name, m in bench.mgrs.items()}
         # in-process torch copy of the same whole slots (int64 rows: torch's index kernels move 8-byte elements)
         src_idx = torch.as_tensor(blk["prefill"], device=device, dtype=torch.long)
         dst_idx = torch.as_tensor(blk["decode"], device=device, dtype=torch.long)
@@ -519,6 +557,8 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
                         row[f"{b}_x_raw_nixl"] = row[f"{b}_gbps"] / row["raw_nixl_gbps"]
                 results["cases"].append(row)
                 print(json.dumps(row), flush=True)
+        if layouts:
+            results.setdefault("layouts", []).extend(run_layouts(bench, blk, tokens, iters, results["d2d_gbps"], wall))
         if tokens == tokens_list[0]:
             results["latency"] = latency(bench, blk, latency_iters, raw, pool_s, pool_d)
         bench.close()
@@ -526,6 +566,93 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return results
+
+
+def templated_plans(bench: Bench, mode: str, pairs: tuple[tuple[str, str], ...],
+                    blk: dict[str, np.ndarray]) -> tuple[list[BlockPlan], float]:
+    """``plan_templated`` of each (source, destination) pair (push: local sources to the peer's managers;
+    pull: the peer's sources to local managers), region ids shifted into the registered list; and the
+    planning time in ms (the layout pairs' templates made by a first, untimed call)."""
+    out, ms = [], 0.0
+    for sn, dn in pairs:
+        sl, dl = (bench.mgrs[sn].layout, bench.peer_layouts[dn]) if mode == "push" else \
+            (bench.peer_layouts[sn], bench.mgrs[dn].layout)
+        plan_templated(sl, {0: blk[sn]}, dl, {0: blk[dn]})
+        t0 = time.perf_counter()
+        phases = plan_templated(sl, {0: blk[sn]}, dl, {0: blk[dn]})
+        ms += (time.perf_counter() - t0) * 1e3
+        if phases is None:
+            raise RuntimeError(f"plan_templated gave no plan for {mode} {sn} -> {dn}")
+        out += [p.shift_regions(bench.offsets[sn], bench.offsets[dn]) for p in phases]
+    return out, ms
+
+
+def landing_post(bench: Bench, pairs: tuple[tuple[str, str], ...], blk: dict[str, np.ndarray]) -> Any:
+    """Pull over nixl through the landing region: per (source, destination) pair, the templated plan's
+    large source-layout pieces read into this process's landing region, then re-laid out here on the
+    device (``read_relayout``: the handle is done once the re-layout is)."""
+    assert bench.landing is not None
+    t, peer = bench.ts["nixl"], f"{PEER}-nixl"
+    base, plans = int(bench.landing.data_ptr()), []
+    for sn, dn in pairs:
+        phases = plan_templated(bench.peer_layouts[sn], {0: blk[sn]}, bench.mgrs[dn].layout, {0: blk[dn]})
+        assert phases is not None
+        lp = landing_plan([p.shift_regions(bench.offsets[sn], bench.offsets[dn]) for p in phases], base,
+                          bench.landing_index)
+        base += lp.landing_bytes
+        plans.append(lp)
+    if base - int(bench.landing.data_ptr()) > bench.landing.numel():
+        raise RuntimeError("the landing region is too small for this case")
+
+    def post() -> float:
+        hs = [read_relayout(t, peer, lp) for lp in plans]
+        posted = time.perf_counter()
+        for h in hs:
+            h.wait(120)
+        return posted
+    return post
+
+
+def run_layouts(bench: Bench, blk: dict[str, np.ndarray], tokens: int, iters: int, d2d: float,
+                wall: WallCopy) -> list[dict[str, Any]]:
+    """The layout changes (``LAYOUT_CASES``), push and pull: each backend posts the request's templated plan
+    (one BlockPlan per segment shape, built per request, no ``prepare``: cuda_ipc's kernel reads the
+    source layout and writes the destination's in one pass), interleaved with the D2D copy of the same
+    bytes in place; every timed iteration poisoned before and checked after by logical position."""
+    rows = []
+    for case, pairs in LAYOUT_CASES:
+        sources = sorted({sn for sn, _ in pairs})
+        dst_names = sorted({dn for _, dn in pairs})
+        for mode in ("push", "pull"):
+            for sn in sources:
+                if mode == "push":
+                    fill(bench.mgrs[sn], blk[sn])
+                else:
+                    bench.call("fill", sn, blk[sn], False)
+            plans, plan_ms = templated_plans(bench, mode, pairs, blk)
+            nbytes = sum(p.total_bytes for p in plans)
+            row: dict[str, Any] = {"tokens": tokens, "case": case, "mode": mode, "phases": len(plans),
+                                   "runs": sum(len(p) for p in plans), "bytes": nbytes, "plan_ms": plan_ms,
+                                   "d2d_gbps": d2d, "d2d_wall_gbps": nbytes / wall.ms(nbytes) / 1e6}
+            posts = [(f"{b}_templated", bench.backend_post(b, mode, plans)) for b in bench.backends]
+            if mode == "pull" and "nixl" in bench.backends:
+                posts.append(("nixl_landing", landing_post(bench, pairs, blk)))
+            timed = bench.interleaved([("d2d_inplace", wall.post(nbytes), False)] +
+                                      [(name, post, True) for name, post in posts], mode, dst_names, blk, iters)
+            row["d2d_inplace_gbps"] = nbytes / statistics.median(timed["d2d_inplace"][0]) / 1e9
+            for name, _ in posts:
+                times, post_s, bad = timed[name]
+                med = statistics.median(times)
+                row[f"{name}_gbps"] = nbytes / med / 1e9
+                row[f"{name}_ms"] = med * 1e3
+                row[f"{name}_post_ms"] = statistics.median(post_s) * 1e3
+                row[f"{name}_x_d2d"] = row[f"{name}_gbps"] / d2d
+                row[f"{name}_x_d2d_inplace"] = row[f"{name}_gbps"] / row["d2d_inplace_gbps"]
+                row[f"{name}_wrong_elements"] = bad
+                row[f"{name}_times_ms"] = [t * 1e3 for t in times]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def latency(bench: Bench, blk: dict[str, np.ndarray], iters: int, raw: bool, pool_s: torch.Tensor,
@@ -594,6 +721,16 @@ def print_tables(res: dict[str, Any]) -> None:
             line += (f" {r[f'{n}_gbps']:>9.1f} {r[f'{n}_x_d2d']:>5.2f} {r[f'{n}_x_d2d_wall']:>5.2f}"
                      f" {r[f'{n}_x_d2d_inplace']:>5.2f} {r[f'{n}_post_ms']:>7.2f}")
         print(line + " " + str(sum(r[f"{n}_wrong_elements"] for n in names)))
+    if res.get("layouts"):
+        cols = [f"{b}_templated" for b in res["backends"]] + (["nixl_landing"] if "nixl" in res["backends"] else [])
+        print(f"\n{'tokens':>6} {'layout case':>14} {'mode':>4} {'phases':>6} {'runs':>8} {'MiB':>6} {'plan ms':>7} "
+              f"{'inplace':>7}" + "".join(f" {c[-18:]:>18} {'xD2D':>5} {'xinpl':>5}" for c in cols) + " wrong")
+        for r in res["layouts"]:
+            print(f"{r['tokens']:>6} {r['case']:>14} {r['mode']:>4} {r['phases']:>6} {r['runs']:>8} "
+                  f"{r['bytes'] / 2**20:>6.0f} {r['plan_ms']:>7.2f} {r['d2d_inplace_gbps']:>7.0f}"
+                  + "".join(f" {r[f'{c}_gbps']:>18.1f} {r[f'{c}_x_d2d']:>5.2f} {r[f'{c}_x_d2d_inplace']:>5.2f}"
+                            if f"{c}_gbps" in r else f" {'-':>18} {'-':>5} {'-':>5}" for c in cols)
+                  + " " + str(sum(r.get(f"{c}_wrong_elements", 0) for c in cols)))
     print(f"\n{'blocks':>6} {'MiB':>5} {'torch us':>9}" + "".join(f" {n[-9:]:>9} us" for n in names))
     for r in res["latency"]:
         print(f"{r['blocks']:>6} {r['bytes'] / 2**20:>5.0f} {r['torch_p50_us']:>9.1f}"
@@ -611,13 +748,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-context-last", action="store_true",
                    help="time each iteration right after the peer's poisoning, GPU context switch included")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--layouts", action="store_true",
+                   help="also the layout changes (tokens per block 32->16 and 32->64, HND->NHD, TP 1->2 and 2->1 "
+                        "with a block-size change), push and pull, per-request templated plans")
     p.add_argument("--nixl-sleep-every-us", type=float, default=None,
                    help="the nixl handle's wait: sleep once per this many us of asking (kvxfer's default 500; "
                         "0: between every two asks), for an A/B in one run")
     a = p.parse_args(argv)
     if a.nixl_sleep_every_us is not None:
         nixl_backend.WAIT_SLEEP_EVERY_S = a.nixl_sleep_every_us / 1e6
-    res = run(a.backends, a.raw_nixl, a.tokens, a.iters, a.latency_iters, a.device, not a.peer_context_last)
+    res = run(a.backends, a.raw_nixl, a.tokens, a.iters, a.latency_iters, a.device, not a.peer_context_last,
+              a.layouts)
     print_tables(res)
     if a.json:
         with open(a.json, "w") as f:
@@ -625,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     names = res["columns"]
     wrong = sum(r[f"{n}_wrong_elements"] for r in res["cases"] + res["latency"] for n in names
                 if f"{n}_wrong_elements" in r)
+    wrong += sum(v for r in res.get("layouts", []) for k, v in r.items() if k.endswith("_wrong_elements"))
     return 0 if wrong == 0 else 1
 
 

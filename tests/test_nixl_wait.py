@@ -1,6 +1,7 @@
-"""The nixl handle's wait: it asks NIXL back to back, yielding the CPU between asks and sleeping (which
-costs Linux's timer slack, 55-75 us) only once per ``WAIT_SLEEP_EVERY_S``, so a transfer's completion is
-seen within about one ask of happening while the process's other threads still get the GIL."""
+"""The nixl handle's wait: it asks NIXL back to back, only asking for ``WAIT_SPIN_S``, then yielding the
+CPU between asks and sleeping (which costs Linux's timer slack, 55-75 us) only once per
+``WAIT_SLEEP_EVERY_S``, so a transfer's completion is seen within about one ask of happening while the
+process's other threads still get the GIL."""
 
 from __future__ import annotations
 
@@ -50,17 +51,25 @@ def handle_done_after(asks: int) -> tuple[TransferHandle, list[int]]:
         if count[0] >= asks:
             handle._finish(TransferStatus.DONE)
 
-    return nixl_backend._NixlHandle(1, "peer", 4096, "write", poll=poll, abort=lambda h: True), count
+    return nixl_backend._PollingHandle(1, "peer", 4096, "write", poll=poll, abort=lambda h: True), count
 
 
 def test_wait_yields_between_asks_and_sleeps_once_per_interval(clock: FakeClock) -> None:
     handle, asks = handle_done_after(400)   # 400 asks, one clock reading each: 4 ms of fake time
     handle.wait(1.0)
     assert handle.status is TransferStatus.DONE and asks[0] == 400
+    spin = round(nixl_backend.WAIT_SPIN_S / TICK_S)   # asks made back to back before the first yield
     per_interval = nixl_backend.WAIT_SLEEP_EVERY_S / TICK_S
-    expected_sleeps = 399 / per_interval   # one reading per ask after the first
+    expected_sleeps = (399 - spin) / per_interval   # one reading per ask after the first
     assert expected_sleeps - 1 <= clock.sleeps <= expected_sleeps + 1, clock.sleeps
-    assert clock.yields == 399 - clock.sleeps
+    assert spin - 1 <= 399 - clock.sleeps - clock.yields <= spin + 1
+
+
+def test_a_transfer_done_within_the_spin_is_seen_without_giving_the_core_away(clock: FakeClock) -> None:
+    handle, asks = handle_done_after(5)
+    handle.wait(1.0)
+    assert handle.status is TransferStatus.DONE and asks[0] == 5
+    assert clock.yields == 0 and clock.sleeps == 0
 
 
 def test_wait_times_out_with_the_transfer_named(clock: FakeClock) -> None:

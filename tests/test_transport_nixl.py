@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
 
-from kvxfer.pagetable import TransferPlan
+from kvxfer.errors import PageTableError
+from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import TransferStatus, Transport, available_backends, create
 
 REASON = available_backends()["nixl"]
@@ -190,3 +191,111 @@ def test_notifications_from_an_agent_this_transport_did_not_connect_are_dropped(
         assert notifications(agents.b, 1, settle=0.3) == [b"from-a"]
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("entries", [1, 3, 16, 40])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_per_request_plans_of_every_size_move_exact_bytes(agents: Agents, op: str, entries: int) -> None:
+    """The post path a per-request plan takes (one entry, a few checked over ints, many over arrays), with
+    entries of one page and of several (a coalesced run spans several grid units), lands exactly the plan's
+    bytes and makes one NIXL request per post."""
+    rng = np.random.default_rng(entries)
+    a1, b1 = agents.a.regions[1], agents.b.regions[1]
+    three = PageTable(np.array([a1.base_address + PAGE], np.uint64), np.array([3 * PAGE], np.uint64),
+                      np.array([1], np.uint32))
+    three_remote = PageTable(np.array([b1.base_address + 2 * PAGE], np.uint64), np.array([3 * PAGE], np.uint64),
+                             np.array([1], np.uint32))
+    tables = [(random_pages(rng, list(agents.a.regions), entries, PAGE, coalesced),
+               random_pages(rng, list(agents.b.regions), entries, PAGE, coalesced)) for coalesced in (False, True)]
+    for local, remote in [*tables, (three, three_remote)]:
+        plan = pair(local, remote) if op == "write" else pair(remote, local)
+        src_regions, src_bufs, dst_regions, dst_bufs = (
+            (agents.a.regions, agents.a_bufs, agents.b.regions, agents.b_bufs) if op == "write"
+            else (agents.b.regions, agents.b_bufs, agents.a.regions, agents.a_bufs))
+        want = expected_after(plan, list(src_regions), src_bufs, list(dst_regions), dst_bufs)
+        made = agents.made
+        getattr(agents.a, op)(agents.b.name, plan).wait(10.0)
+        assert agents.made == made + 1
+        assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+
+
+@pytest.mark.parametrize("entries", [2, 16])
+def test_a_few_entries_writing_one_byte_twice_are_refused_before_nixl_sees_them(agents: Agents,
+                                                                                entries: int) -> None:
+    """The few-entry path checks the destination for overlap itself: two entries onto one remote page are
+    refused with the overlap named and no request made. Mutation: dropping that check lets the post through
+    (one request made, no error)."""
+    rng = np.random.default_rng(3)
+    local = random_pages(rng, list(agents.a.regions), entries, PAGE, False)
+    remote = random_pages(rng, list(agents.b.regions), entries, PAGE, False)
+    addr = remote.addr.copy()
+    addr[-1] = addr[0] + np.uint64(PAGE // 2)   # half a page into the first entry's page
+    region = remote.region.copy()
+    region[-1] = region[0]
+    bad = TransferPlan(local, PageTable(addr, remote.nbytes, region))
+    made = agents.made
+    with pytest.raises(PageTableError, match="overlap"):
+        agents.a.write(agents.b.name, bad)
+    assert agents.made == made
+
+
+@pytest.fixture
+def one_region_each() -> Iterator[tuple[Transport, Transport, list[np.ndarray], list[np.ndarray]]]:
+    """Two nixl transports over one region each (the KV pool's shape: the uniform post path)."""
+    n = next(_names)
+    a_bufs, b_bufs = make_buffers([1 << 20], 21), make_buffers([1 << 20], 22)
+    a, b = create("nixl", f"u{n}a"), create("nixl", f"u{n}b")
+    a.register(regions_of(a_bufs))
+    b.register(regions_of(b_bufs))
+    a.connect(b.name, b.metadata())
+    b.connect(a.name, a.metadata())
+    yield a, b, a_bufs, b_bufs
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("entries", [17, 64, 200])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_uniform_plans_over_one_region_move_exact_bytes(one_region_each: Any, op: str, entries: int) -> None:
+    """Many one-page entries over one region a side (the layer-wise chunk's shape) land exactly, in both
+    directions, the few-entries-in-a-large-grid case (sorted check) and the many (marked grid) alike."""
+    a, b, a_bufs, b_bufs = one_region_each
+    rng = np.random.default_rng(entries)
+    local = random_pages(rng, list(a.regions), entries, PAGE, False)
+    remote = random_pages(rng, list(b.regions), entries, PAGE, False)
+    plan = pair(local, remote) if op == "write" else pair(remote, local)
+    src_regions, src_bufs, dst_regions, dst_bufs = ((a.regions, a_bufs, b.regions, b_bufs) if op == "write"
+                                                    else (b.regions, b_bufs, a.regions, a_bufs))
+    want = expected_after(plan, list(src_regions), src_bufs, list(dst_regions), dst_bufs)
+    getattr(a, op)(b.name, plan, notify=b"u").wait(10.0)
+    assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+    assert notifications(b, 1) == [b"u"]
+
+
+@pytest.mark.parametrize("entries", [20, 100])
+@pytest.mark.parametrize("fault", ["overlap", "past the end", "below the base", "region"])
+def test_uniform_plans_are_refused_as_every_plan_is(one_region_each: Any, fault: str, entries: int) -> None:
+    """The uniform path's own checks refuse what ``TransferPlan.validate`` refuses, with its messages, before
+    NIXL sees the plan; the destination stays as it was. Mutation: dropping the grid-marking check lets two
+    entries onto one page through."""
+    a, b, _a_bufs, b_bufs = one_region_each
+    rng = np.random.default_rng(1)
+    local = random_pages(rng, list(a.regions), entries, PAGE, False)
+    remote = random_pages(rng, list(b.regions), entries, PAGE, False)
+    addr, region = remote.addr.copy(), remote.region.copy()
+    r0 = b.regions[0]
+    if fault == "overlap":
+        addr[-1] = addr[0]
+    elif fault == "past the end":
+        addr[-1] = np.uint64(r0.end_address - PAGE // 2)
+    elif fault == "below the base":
+        addr[-1] = np.uint64(r0.base_address - PAGE)
+    else:
+        region[-1] = 1
+    before = [x.copy() for x in b_bufs]
+    bad = TransferPlan(local, PageTable(addr, remote.nbytes, region))
+    words = {"overlap": "overlap", "region": "not registered"}.get(fault, "remote")
+    with pytest.raises(PageTableError, match=words):
+        a.write(b.name, bad, notify=b"never")
+    assert notifications(b, 1, timeout=0.1, settle=0.05) == []
+    assert all(np.array_equal(got, w) for got, w in zip(b_bufs, before, strict=True))

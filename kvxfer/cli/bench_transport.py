@@ -306,37 +306,82 @@ def _raw_ucxx(conn: Connection, local_pool: npt.NDArray[np.uint8], local_base: i
     return run
 
 
+class _Pair:
+    """This process's transport over one pool and the peer it is connected to: a spawned process over a
+    pool of its own (answering poison/digest requests over a pipe), or, for loopback, a second transport
+    of this process."""
+
+    def __init__(self, backend: str, nbytes: int, options: dict[str, Any]) -> None:
+        reason = available_backends().get(backend, f"unknown backend {backend!r}")
+        if reason is not None:
+            raise BackendUnavailable(f"backend {backend!r}: {reason}")
+        self.backend, self.options = backend, options
+        self.local_pool = _pool(nbytes, 1)
+        self.local = create(backend, "bench-local", **options)
+        self.local_region = MemoryRegion(int(self.local_pool.ctypes.data), nbytes)
+        self.local.register([self.local_region])
+        self.proc: Any = None
+        self.conn: Connection | None = None
+        self.remote: Transport | None = None
+        try:
+            if backend == "loopback":
+                self.peer_pool = _pool(nbytes, 2)
+                self.remote = create(backend, "bench-peer", **options)
+                self.remote.register([MemoryRegion(int(self.peer_pool.ctypes.data), nbytes)])
+                self.local.connect("bench-peer", self.remote.metadata())
+                self.remote.connect("bench-local", self.local.metadata())
+            else:
+                ctx = mp.get_context("spawn")
+                self.conn, child = ctx.Pipe()
+                proc = ctx.Process(target=_peer, args=(child, backend, nbytes, 2, options), daemon=True)
+                proc.start()
+                self.proc = proc
+                self.local.connect("bench-peer", self.conn.recv())
+                self.conn.send(("connect", "bench-local", self.local.metadata()))
+                self.conn.recv()
+        except BaseException:
+            self.close()
+            raise
+        self.peer_region = self.local.peer_regions("bench-peer")[0]
+
+    def remote_poison(self, table: PageTable, value: int) -> None:
+        """Fill the peer's pages of ``table`` with ``value``."""
+        if self.conn is None:
+            poison_pages(self.peer_pool, self.peer_region.base_address, table, value)
+        else:
+            _ask(self.conn, "poison", table, value)
+
+    def remote_digest(self, table: PageTable) -> bytes:
+        """The digest of the peer's pages of ``table`` in table order."""
+        if self.conn is None:
+            return pages_digest(self.peer_pool, self.peer_region.base_address, table)
+        return bytes(_ask(self.conn, "digest", table))
+
+    def close(self) -> None:
+        """Stop the peer process (or transport) and close this one."""
+        if self.conn is not None and self.proc is not None:
+            self.conn.send(("exit",))
+            self.conn.poll(10)
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self.local.close()
+        if self.remote is not None:
+            self.remote.close()
+
+
 def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str = "scattered",
-              iters: int = 5, options: dict[str, Any] | None = None) -> dict[str, Any]:
+              iters: int = 5, options: dict[str, Any] | None = None, with_raw: bool = True) -> dict[str, Any]:
     """Measure one configuration; returns the JSON object ``--json`` prints. ``options`` go to
-    ``create`` on both sides (e.g. ``scatter_gather=False`` for ucx)."""
+    ``create`` on both sides (e.g. ``scatter_gather=False`` for ucx); ``with_raw=False`` skips the raw
+    backend's column."""
     options = dict(options or {})
-    reason = available_backends().get(backend, f"unknown backend {backend!r}")
-    if reason is not None:
-        raise BackendUnavailable(f"backend {backend!r}: {reason}")
     nbytes = 2 * pages * page_bytes
     rng = np.random.default_rng(1234)
-    local_pool = _pool(nbytes, 1)
-    local = create(backend, "bench-local", **options)
-    local_region = MemoryRegion(int(local_pool.ctypes.data), nbytes)
-    local.register([local_region])
-    proc = conn = None
+    pair = _Pair(backend, nbytes, options)
+    local, conn, local_pool, local_region = pair.local, pair.conn, pair.local_pool, pair.local_region
     try:
-        if backend == "loopback":
-            peer_pool = _pool(nbytes, 2)
-            remote = create(backend, "bench-peer", **options)
-            remote.register([MemoryRegion(int(peer_pool.ctypes.data), nbytes)])
-            local.connect("bench-peer", remote.metadata())
-            remote.connect("bench-local", local.metadata())
-        else:
-            ctx = mp.get_context("spawn")
-            conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_peer, args=(child, backend, nbytes, 2, options), daemon=True)
-            proc.start()
-            local.connect("bench-peer", conn.recv())
-            conn.send(("connect", "bench-local", local.metadata()))
-            conn.recv()
-        peer_region = local.peer_regions("bench-peer")[0]
+        peer_region = pair.peer_region
         local_t, remote_t = _plan(local_region, _slots(rng, pages, layout), peer_region,
                                   _slots(rng, pages, layout), page_bytes)
         plan = TransferPlan(local_t, remote_t) if mode == "write" else TransferPlan(remote_t, local_t)
@@ -345,18 +390,12 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
             getattr(local, mode)("bench-peer", plan).wait(60.0)
 
         lbase = local_region.base_address
-        if backend == "loopback":
-            pbase = peer_region.base_address
-            remote_poison: Any = lambda v: poison_pages(peer_pool, pbase, remote_t, v)   # noqa: E731
-            remote_digest: Any = lambda: pages_digest(peer_pool, pbase, remote_t)        # noqa: E731
-        else:
-            remote_poison = lambda v: _ask(conn, "poison", remote_t, v)             # noqa: E731
-            remote_digest = lambda: _ask(conn, "digest", remote_t)                  # noqa: E731
         if mode == "write":   # local pages -> the peer's
-            verifier = Verifier(remote_poison, remote_digest, pages_digest(local_pool, lbase, local_t))
+            verifier = Verifier(lambda v: pair.remote_poison(remote_t, v), lambda: pair.remote_digest(remote_t),
+                                pages_digest(local_pool, lbase, local_t))
         else:
             verifier = Verifier(lambda v: poison_pages(local_pool, lbase, local_t, v),
-                                lambda: pages_digest(local_pool, lbase, local_t), remote_digest())
+                                lambda: pages_digest(local_pool, lbase, local_t), pair.remote_digest(remote_t))
 
         t_kvxfer = median_timed(kvxfer_op, iters, verifier)
 
@@ -370,9 +409,9 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
         t_raw: float | None = None
         raw_ways: dict[str, float] = {}
         checks = [verifier, memcpy_check]
-        if backend == "nixl":
+        if backend == "nixl" and with_raw:
             t_raw = median_timed(_raw_nixl(local, "bench-peer", mode, plan), iters, verifier)
-        elif backend == "ucx":
+        elif backend == "ucx" and with_raw:
             assert conn is not None
             for way in RAW_UCX_WAYS:
                 raw_ways[way] = total / median_timed(_raw_ucxx(conn, local_pool, lbase, mode, plan, way,
@@ -397,15 +436,200 @@ def run_bench(backend: str, pages: int, page_bytes: int, mode: str, layout: str 
                     "loopback": "none: loopback is itself an in-process copy"}[backend],
         }
     finally:
-        if conn is not None and proc is not None:
-            conn.send(("exit",))
-            conn.poll(10)
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-        local.close()
-        if backend == "loopback":
-            remote.close()
+        pair.close()
+
+
+class _RawNixlPages:
+    """NIXL through its own agent, as a serving engine drives it: both pools cut into pages and their
+    descriptor lists prepared once; a transfer is ``make_prepped_xfer`` over the pages' indices, posted
+    and polled to completion back to back."""
+
+    def __init__(self, transport: Transport, peer: str, local: MemoryRegion, remote: MemoryRegion,
+                 page_bytes: int) -> None:
+        self.agent: Any = transport._agent  # type: ignore[attr-defined]
+
+        def dlist(region: MemoryRegion) -> npt.NDArray[np.uint64]:
+            count = region.nbytes // page_bytes
+            addr = np.uint64(region.base_address) + np.arange(count, dtype=np.uint64) * np.uint64(page_bytes)
+            return np.stack([addr, np.full(count, page_bytes, np.uint64), np.zeros(count, np.uint64)], 1)
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", dlist(local), "DRAM")
+        self.remote = self.agent.prep_xfer_dlist(peer, dlist(remote), "DRAM")
+
+    def post(self, op: str, local_pages: Any, remote_pages: Any) -> Any:
+        """Make and post one request over the pages (index lists or int32 arrays)."""
+        req = self.agent.make_prepped_xfer(op, self.local, local_pages, self.remote, remote_pages, b"")
+        if self.agent.transfer(req) == "ERR":
+            raise RuntimeError("raw NIXL refused the transfer")
+        return req
+
+    def wait(self, req: Any) -> None:
+        """Poll ``req`` to completion back to back, then release it."""
+        state = self.agent.check_xfer_state(req)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(req)
+        req.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL transfer failed: {state}")
+
+    def close(self) -> None:
+        self.local.release()
+        self.remote.release()
+
+
+def run_post_latency(backend: str, page_bytes: int = 16384, iters: int = 200, post_pages: int = 4096,
+                     post_iters: int = 9, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per-request plans, as a serving engine builds them: every iteration builds a new TransferPlan over
+    random pages (outside the timing) and times ``write(plan).wait()`` of one ``page_bytes`` page, and
+    ``write(plan)`` alone (the post) of ``post_pages`` scattered pages. With nixl, raw NIXL (its agent,
+    the pools' descriptor lists prepared once, ``make_prepped_xfer`` + ``transfer`` + polling) runs the
+    same pages interleaved with kvxfer's iterations, the order alternating (kvxfer then raw, raw then
+    kvxfer: the second finds the pages in cache), so both see the same machine. Every timed iteration's destination is poisoned before and checked after (untimed).
+    Returns medians in seconds and the ratios kvxfer / raw."""
+    options = dict(options or {})
+    slots = 2 * max(post_pages, 64)
+    pair = _Pair(backend, slots * page_bytes, options)
+    local, lbase, pbase = pair.local, pair.local_region.base_address, pair.peer_region.base_address
+    rng = np.random.default_rng(99)
+    raw = _RawNixlPages(local, "bench-peer", pair.local_region, pair.peer_region, page_bytes) \
+        if backend == "nixl" else None
+    checked = failed = 0
+
+    def tables(count: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], PageTable, PageTable]:
+        ls = rng.choice(slots, size=count, replace=False).astype(np.int64)
+        rs = rng.choice(slots, size=count, replace=False).astype(np.int64)
+        nb, zeros = np.full(count, page_bytes, np.uint64), np.zeros(count, np.uint32)
+        lt = PageTable(np.uint64(lbase) + ls.astype(np.uint64) * np.uint64(page_bytes), nb, zeros)
+        rt = PageTable(np.uint64(pbase) + rs.astype(np.uint64) * np.uint64(page_bytes), nb.copy(), zeros.copy())
+        return ls, rs, lt, rt
+
+    def verified(lt: PageTable, rt: PageTable, value: int, timed: Callable[[], float]) -> float:
+        nonlocal checked, failed
+        pair.remote_poison(rt, value)
+        seconds = timed()
+        checked += 1
+        failed += pair.remote_digest(rt) != pages_digest(pair.local_pool, lbase, lt)
+        return seconds
+
+    def kvxfer_page(lt: PageTable, rt: PageTable) -> float:
+        plan = TransferPlan(lt, rt)
+        t0 = time.perf_counter()
+        local.write("bench-peer", plan).wait(10.0)
+        return time.perf_counter() - t0
+
+    def kvxfer_post(lt: PageTable, rt: PageTable) -> float:
+        plan = TransferPlan(lt, rt)
+        t0 = time.perf_counter()
+        handle = local.write("bench-peer", plan)
+        seconds = time.perf_counter() - t0
+        handle.wait(60.0)
+        return seconds
+
+    def raw_page(ls: list[int], rs: list[int]) -> float:
+        assert raw is not None
+        t0 = time.perf_counter()
+        raw.wait(raw.post("WRITE", ls, rs))
+        return time.perf_counter() - t0
+
+    def raw_post(ls: npt.NDArray[np.int32], rs: npt.NDArray[np.int32]) -> float:
+        assert raw is not None
+        t0 = time.perf_counter()
+        req = raw.post("WRITE", ls, rs)
+        seconds = time.perf_counter() - t0
+        raw.wait(req)
+        return seconds
+
+    page: dict[str, list[float]] = {"kvxfer": [], "raw": []}
+    post: dict[str, list[float]] = {"kvxfer": [], "raw": []}
+    try:
+        # Both run the same pages; which goes first alternates, so neither always finds them in cache.
+        for i in range(iters + 5):   # the first 5 warm both paths up (their figures are dropped)
+            ls, rs, lt, rt = tables(1)
+            runs = [("kvxfer", lambda: kvxfer_page(lt, rt))]   # noqa: B023
+            if raw is not None:
+                runs.append(("raw", lambda: raw_page(ls.tolist(), rs.tolist())))   # noqa: B023
+            for k, (who, fn) in enumerate(runs[::-1] if i % 2 else runs):
+                t = verified(lt, rt, 0x11 + k + i % 200, fn)
+                if i >= 5:
+                    page[who].append(t)
+        for i in range(post_iters + 1):
+            ls, rs, lt, rt = tables(post_pages)
+            runs = [("kvxfer", lambda: kvxfer_post(lt, rt))]   # noqa: B023
+            if raw is not None:
+                runs.append(("raw", lambda: raw_post(ls.astype(np.int32), rs.astype(np.int32))))   # noqa: B023
+            for k, (who, fn) in enumerate(runs[::-1] if i % 2 else runs):
+                t = verified(lt, rt, 0x21 + k + i, fn)
+                if i:
+                    post[who].append(t)
+    finally:
+        if raw is not None:
+            raw.close()
+        pair.close()
+    med = {f"{what}_{who}_s": (statistics.median(times[who]) if times[who] else None)
+           for what, times in (("page", page), ("post", post)) for who in ("kvxfer", "raw")}
+
+    def ratio(what: str) -> float | None:
+        k, r = med[f"{what}_kvxfer_s"], med[f"{what}_raw_s"]
+        return None if k is None or r is None else k / r
+    return {"backend": backend, "options": options, "page_bytes": page_bytes, "iters": iters,
+            "post_pages": post_pages, "post_iters": post_iters, **med,
+            "page_ratio": ratio("page"), "post_ratio": ratio("post"),
+            "verified": checked > 0 and failed == 0, "verified_iterations": checked, "failed_iterations": failed}
+
+
+#: The rows of ``--table``: (pages, page bytes, mode), scattered pages, one descriptor per page.
+TABLE_ROWS = ((4096, 16384, "write"), (256, 1 << 20, "read"), (64, 4 << 20, "write"))
+
+
+def run_table(iters: int = 5, latency_iters: int = 200, backends: tuple[str, ...] = ("nixl", "ucx")
+              ) -> dict[str, Any]:
+    """Every row of the transport table for each backend, raw NIXL (its own agent, descriptor lists
+    prepared once) measured in the nixl runs themselves: bandwidth of scattered pages (``TABLE_ROWS``),
+    the one-page ``write(plan).wait()`` p50 and the 4096-descriptor post (``run_post_latency``: a new plan
+    every iteration), every timed iteration verified. No ``prepare``: every kvxfer post does its plan's
+    whole work again (the bandwidth rows post one plan object, which kvxfer keeps nothing of). Each
+    backend keeps its defaults."""
+    usable = [b for b in backends if available_backends().get(b, "unknown") is None]
+    rows: list[dict[str, Any]] = []
+    for pages, page_bytes, mode in TABLE_ROWS:
+        row: dict[str, Any] = {"what": f"{pages} x {_size(page_bytes)} {mode}, GB/s", "unit": "GB/s"}
+        for backend in usable:
+            res = run_bench(backend, pages, page_bytes, mode, "scattered", iters, with_raw=backend == "nixl")
+            row[backend] = res["gbps"]
+            row[f"{backend}_verified"] = res["verified"]
+            if backend == "nixl":
+                row["raw_nixl"] = res["raw_gbps"]
+        rows.append(row)
+    lat = {b: run_post_latency(b, iters=latency_iters) for b in usable}
+    for key, label in (("page", "one 16 KiB page write+wait, p50, us"), ("post", "4096-descriptor post, p50, us")):
+        row = {"what": label, "unit": "us"}
+        for backend, res in lat.items():
+            row[backend] = res[f"{key}_kvxfer_s"] * 1e6
+            row[f"{backend}_verified"] = res["verified"]
+            if backend == "nixl":
+                row["raw_nixl"] = res[f"{key}_raw_s"] * 1e6
+        rows.append(row)
+    return {"backends": usable, "iters": iters, "latency_iters": latency_iters, "rows": rows,
+            "verified": all(v for r in rows for k, v in r.items() if k.endswith("_verified"))}
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def print_table(table: dict[str, Any]) -> None:
+    """The table ``run_table`` measured: raw NIXL, then each backend with its ratio to raw NIXL (for
+    GB/s a ratio above 1 is faster, for microseconds below 1 is)."""
+    cols = table["backends"]
+    print(f"{'':40} {'raw NIXL':>10} " + " ".join(f"{'kvxfer ' + b:>22}" for b in cols))
+    for row in table["rows"]:
+        raw = row.get("raw_nixl")
+        cells = []
+        for b in cols:
+            value = row.get(b)
+            ratio = "" if raw is None or value is None else f" ({value / raw:.2f}x)"
+            cells.append(f"{'-' if value is None else f'{value:.2f}'}{ratio}".rjust(22))
+        print(f"{row['what']:40} {'-' if raw is None else f'{raw:.2f}':>10} " + " ".join(cells))
+    print(f"every timed iteration verified: {table['verified']} (medians; raw NIXL measured in the nixl runs)")
 
 
 def _ask(conn: Connection | None, cmd: str, table: PageTable, *extra: int) -> Any:
@@ -441,7 +665,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--error-handling", action="store_true",
                     help="nixl: UCX endpoints with peer-failure handling (ucx_error_handling_mode=peer)")
     ap.add_argument("--progress-thread", action="store_true", help="nixl: run NIXL's own progress thread")
+    ap.add_argument("--table", action="store_true",
+                    help="the transport table: nixl and ucx against raw NIXL over scattered pages (4096 x 16 KiB "
+                         "write, 256 x 1 MiB read, 64 x 4 MiB write), the one-page write+wait p50 and the "
+                         "4096-descriptor post, per-request plans; --iters per bandwidth row")
+    ap.add_argument("--latency-iters", type=int, default=200, help="--table: one-page iterations")
     args = ap.parse_args(argv)
+    if args.table:
+        table = run_table(args.iters, args.latency_iters)
+        if args.json:
+            print_json("bench.transport_table", table)
+        else:
+            print_table(table)
+        return 0 if table["verified"] else 1
     if args.pages <= 0 or args.page_bytes <= 0 or args.iters <= 0:
         ap.error("--pages, --page-bytes and --iters must be > 0")
     try:

@@ -1,7 +1,7 @@
 """Extractor: published layouts + block ids -> PageTables, and two layouts -> a paired TransferPlan."""
 
 from kvxfer.extractor.block_ids import BlockIds, HasBlockIdMap
-from kvxfer.extractor.blocks import block_template, plan_blocks
+from kvxfer.extractor.blocks import block_template, plan_blocks, plan_templated, segment_template
 from kvxfer.extractor.extract import COORDS, extract
 from kvxfer.extractor.multirank import all_regions, plan_between, region_offsets
 from kvxfer.extractor.pairing import plan_transfer
@@ -24,8 +24,10 @@ __all__ = [
     "placements",
     "plan_between",
     "plan_blocks",
+    "plan_templated",
     "plan_transfer",
     "region_indices",
     "region_offsets",
+    "segment_template",
     "writable_block_ids",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import enum
 import threading
 import time
@@ -28,6 +29,27 @@ _POLL_INTERVAL_S = 20e-6
 _POLL_INTERVAL_MAX_S = 1e-3
 
 
+class _Mutex(_thread.RLock):  # type: ignore[misc]  # final in typeshed, subclassable in CPython
+    """The lock of a handle whose completion is polled: the Condition interface ``TransferHandle`` uses,
+    on the C lock itself (``with`` costs no Python frame). No thread sleeps on it, so ``notify_all`` has
+    no one to wake, and ``wait`` (unused by the polling ``TransferHandle.wait``) returns after at most a
+    millisecond, as a spurious wake-up of a condition may."""
+
+    __slots__ = ()
+
+    def notify_all(self) -> None:
+        """Nobody sleeps on a polled handle's lock."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Release the lock for a moment (at most a millisecond) and take it back."""
+        self.release()
+        try:
+            time.sleep(min(1e-3, timeout) if timeout is not None else 1e-3)
+        finally:
+            self.acquire()
+        return False
+
+
 class TransferHandle:
     """One posted transfer. Backends finish it through ``_finish``; callers ``wait``/``done``/``cancel``.
 
@@ -45,7 +67,9 @@ class TransferHandle:
         self.op = op
         self._poll = poll
         self._abort = abort
-        self._cond = threading.Condition()
+        # A polled handle's ``wait`` polls and never sleeps on the condition: a plain mutex serves it, and
+        # costs a tenth of a Condition to make (a one-page post makes one per transfer).
+        self._cond: threading.Condition | _Mutex = threading.Condition() if poll is None else _Mutex()
         self._status = TransferStatus.PENDING
         self._reason = ""
         self._error_type: type[TransportError] = TransferFailed

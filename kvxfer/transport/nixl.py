@@ -15,6 +15,7 @@ detection (docs/architecture.md, "Decisions": failures bounded in time).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -23,13 +24,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.errors import BackendUnavailable, PeerUnreachable, TransferFailed, TransportError
+from kvxfer.errors import BackendUnavailable, PageTableError, PeerUnreachable, TransferFailed, TransportError
 from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
@@ -42,6 +43,9 @@ from kvxfer.transport.ucx_env import NIXL_MODULES, load_nixl_api, nixl_module
 MAX_GRID_DESCRIPTORS = 1 << 20
 #: Prepared grids kept per transport (least recently used are released first).
 MAX_CACHED_GRIDS = 32
+#: Plans of at most this many entries are checked and indexed in one pass over Python ints (numpy's
+#: per-call cost would be most of a one-page post); larger ones with arrays.
+SMALL_POST_ENTRIES = 16
 _LOCAL = ""
 
 
@@ -68,20 +72,42 @@ def _mem_type(region: MemoryRegion) -> str:
     return "VRAM" if region.memory_kind == "cuda" else "DRAM"
 
 
+class _Side:
+    """One side's registered regions as the post path reads them, worked out once per registration (this
+    transport's) or connection (a peer's): bounds as Python ints and as arrays, memory types, and the one
+    memory type every region shares (None when they differ)."""
+
+    __slots__ = ("base", "base_np", "end", "mem", "mems", "regions", "vram_np")
+
+    def __init__(self, regions: tuple[MemoryRegion, ...]) -> None:
+        self.regions = regions
+        self.base = [r.base_address for r in regions]
+        self.end = [r.end_address for r in regions]
+        self.base_np = np.array(self.base, dtype=np.uint64)
+        self.mems = [_mem_type(r) for r in regions]
+        self.vram_np = np.array([m == "VRAM" for m in self.mems], dtype=bool)
+        kinds = set(self.mems)
+        self.mem: str | None = kinds.pop() if len(kinds) == 1 else None
+
+
 class _Grid:
     """A prepared descriptor list covering every region of one memory type in ``unit`` steps."""
 
     def __init__(self, handle: Any, first: npt.NDArray[np.int64], units: int) -> None:
         self.handle = handle
         self.first = first  # per region index: grid index of its first unit (-1: other memory type)
+        self.first_list: list[int] = first.tolist()
         self.units = units
 
-    def indices(self, table: PageTable, unit: int, regions: tuple[MemoryRegion, ...]) -> npt.NDArray[np.int32]:
-        """Grid indices of every unit of every entry, in entry order."""
-        base = np.array([r.base_address for r in regions], dtype=np.uint64)[table.region]
-        start = self.first[table.region] + ((table.addr - base) // np.uint64(unit)).astype(np.int64)
+    def indices(self, table: PageTable, unit: int, base: npt.NDArray[np.uint64]) -> npt.NDArray[np.int32]:
+        """Grid indices of every unit of every entry, in entry order (``base``: the regions' base addresses)."""
+        start: npt.NDArray[np.int64]
+        if base.size == 1:   # one region: scalars, no gathers
+            start = ((table.addr - base[0]) // np.uint64(unit)).astype(np.int64) + int(self.first[0])
+        else:
+            start = self.first[table.region] + ((table.addr - base[table.region]) // np.uint64(unit)).astype(np.int64)
         count = (table.nbytes // np.uint64(unit)).astype(np.int64)
-        if np.all(count == 1):
+        if int(count.min()) == 1 and int(count.max()) == 1:
             return start.astype(np.int32)
         within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
         return (np.repeat(start, count) + within).astype(np.int32)
@@ -92,10 +118,16 @@ class NixlTransport(Transport):
 
     backend = "nixl"
 
-    def __init__(self, name: str, *, num_threads: int = 0, progress_thread: bool = True,
+    def __init__(self, name: str, *, num_threads: int = 0, progress_thread: bool = False,
                  error_handling: bool = False) -> None:
-        """``progress_thread``: NIXL's own thread progresses UCX (and delivers notifications) while
-        this process computes; ``error_handling``: UCX endpoints with peer-failure handling
+        """``progress_thread``: NIXL's own thread progresses UCX (and delivers notifications) while this
+        process computes. Off by default, by measurement (docs/transport.md "Defaults"): NIXL's thread
+        polls without pausing, so it takes a core while idle and, on a 2-core host, cut bandwidth 2.5-4x
+        (4096 x 16 KiB writes 0.7-1.5 GB/s on, 2.4-3.8 GB/s off, raw NIXL alike) with no gain in one-page
+        latency; without it, posting and ``wait``/``notifications()`` progress UCX, which one-sided
+        shared memory, CMA and RDMA need and TCP (``error_handling``) gets from a peer that polls, as
+        kvxfer's workers do. ``num_threads``: NIXL's UCX worker threads (0: NIXL's default; 2 measured
+        alike on 2 cores). ``error_handling``: UCX endpoints with peer-failure handling
         (``ucx_error_handling_mode=peer``: a dead peer fails transfers instead of stalling them, but on
         one host UCX then avoids shared memory and CMA; see docs/transport.md for both costs)."""
         super().__init__(name)
@@ -121,6 +153,8 @@ class NixlTransport(Transport):
         self._reg_descs: list[Any] = []
         self._grids: OrderedDict[tuple[str, str, int], _Grid] = OrderedDict()
         self._grid_lock = threading.Lock()
+        self._local = _Side(())
+        self._sides: dict[str, _Side] = {}
 
     # --- registration and peers ---------------------------------------------------------------------
     def _backend_register(self, regions: tuple[MemoryRegion, ...]) -> None:
@@ -132,6 +166,7 @@ class NixlTransport(Transport):
                 except Exception as exc:
                     raise TransportError(f"nixl {self.name!r}: registering {len(descs)} {mem} regions "
                                          f"failed: {exc}") from exc
+        self._local = _Side(regions)
 
     def _backend_blob(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -145,8 +180,10 @@ class NixlTransport(Transport):
         if loaded != peer:
             self._agent.remove_remote_agent(loaded)
             raise PeerUnreachable(f"nixl {self.name!r}: NIXL metadata names agent {loaded!r}, expected {peer!r}")
+        self._sides[peer] = _Side(md.regions)
 
     def _backend_disconnect(self, peer: str) -> None:
+        self._sides.pop(peer, None)
         with self._grid_lock:
             for key in [k for k in self._grids if k[0] == peer]:
                 self._grids.pop(key).handle.release()
@@ -172,10 +209,12 @@ class NixlTransport(Transport):
     # --- transfers ----------------------------------------------------------------------------------
     def _grid(self, side: str, mem: str, unit: int, regions: tuple[MemoryRegion, ...]) -> _Grid | None:
         key = (side, mem, unit)
+        grid = self._grids.get(key)   # one dict lookup on the post path; the lock guards making one
+        if grid is not None:
+            return grid
         with self._grid_lock:
             grid = self._grids.get(key)
             if grid is not None:
-                self._grids.move_to_end(key)
                 return grid
         same = np.array([_mem_type(r) == mem for r in regions], dtype=bool)
         counts = np.array([r.nbytes // unit for r in regions], dtype=np.int64) * same
@@ -194,16 +233,184 @@ class NixlTransport(Transport):
         grid = _Grid(handle, first, total)
         with self._grid_lock:
             self._grids[key] = grid
-            while len(self._grids) > MAX_CACHED_GRIDS:
+            while len(self._grids) > MAX_CACHED_GRIDS:   # the oldest made goes first
                 self._grids.popitem(last=False)[1].handle.release()
         return grid
 
-    def _prepare(self, op: Op, peer: str, plan: TransferPlan, notify: bytes) -> list[Any]:
-        """NIXL transfer requests for the plan: one per (local, remote) memory-type pair."""
-        md = self._peer(peer)
+    def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
+                               transfer_id: int, check: Callable[[], None], *,
+                               settled: bool = False) -> TransferHandle | None:
+        """The post path of a per-request plan: a few entries are checked and turned into grid indices in
+        one pass over Python ints (``check`` runs only to name a fault that pass found); more entries are
+        checked by ``check`` (vectorised) and indexed with arrays. Everything that depends only on the
+        registrations (bounds, memory types, the prepared grids) was worked out before."""
+        n = len(plan.src)
+        side = self._sides.get(peer)
+        if n == 0 or side is None:
+            return None
         local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
-        lmem = np.array([_mem_type(r) == "VRAM" for r in self._regions], dtype=bool)[local.region]
-        rmem = np.array([_mem_type(r) == "VRAM" for r in md.regions], dtype=bool)[remote.region]
+        if n <= SMALL_POST_ENTRIES:
+            try:
+                request, nbytes = (self._one_request if n == 1 else self._small_request)(
+                    op, peer, local, remote, side, notify or b"")
+            except Exception as exc:
+                return _failed(transfer_id, peer, plan.total_bytes, op, f"NIXL could not prepare {n} "
+                               f"descriptors: {exc!r}", exc)
+            if request is _FAULT:
+                check()   # raises, naming the entry and the side
+                raise PageTableError(f"{op} with peer {peer!r}: the plan lies outside the registered regions")
+            if request is None:
+                return None
+            requests = [request]
+        else:
+            nbytes = plan.total_bytes
+            try:
+                request = self._uniform_request(op, peer, local, remote, side, notify or b"")
+            except Exception as exc:
+                return _failed(transfer_id, peer, nbytes, op, f"NIXL could not prepare {n} "
+                               f"descriptors: {exc!r}", exc)
+            if request is _FAULT:
+                check()
+                raise PageTableError(f"{op} with peer {peer!r}: the plan lies outside the registered regions "
+                                     f"or writes a destination byte twice")
+            if request is not None:
+                return self._start(op, peer, nbytes, [request], notify, transfer_id, per_post_notify=False)
+            check()
+            try:
+                requests = self._requests(op, peer, local, remote, side, notify or b"")
+            except Exception as exc:
+                return _failed(transfer_id, peer, nbytes, op, f"NIXL could not prepare {n} "
+                               f"descriptors: {exc!r}", exc)
+        return self._start(op, peer, nbytes, requests, notify, transfer_id, per_post_notify=False)
+
+    def _one_request(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
+                     notify: bytes) -> tuple[Any, int]:
+        """``_small_request`` for a plan of one entry (a page, or a coalesced run), in straight-line code:
+        the one-page post of a decode step pays this path."""
+        mine = self._local
+        a, = local.addr.tolist()
+        b, = local.nbytes.tolist()
+        r, = local.region.tolist()
+        c, = remote.addr.tolist()
+        q, = remote.region.tolist()
+        if r >= len(mine.base) or q >= len(side.base):
+            return _FAULT, 0
+        lo, ro = a - mine.base[r], c - side.base[q]
+        if lo < 0 or a + b > mine.end[r] or ro < 0 or c + b > side.end[q]:
+            return _FAULT, 0
+        lm, rm = mine.mems[r], side.mems[q]
+        unit = math.gcd(b, lo, ro) or 1
+        lg = self._grids.get((_LOCAL, lm, unit)) or self._grid(_LOCAL, lm, unit, mine.regions)
+        rg = self._grids.get((peer, rm, unit)) or self._grid(peer, rm, unit, side.regions)
+        if lg is None or rg is None:
+            return None, 0
+        if b == unit:
+            li: Any = [lg.first_list[r] + lo // unit]
+            ri: Any = [rg.first_list[q] + ro // unit]
+        else:
+            li = np.arange(lg.first_list[r] + lo // unit, lg.first_list[r] + (lo + b) // unit, dtype=np.int32)
+            ri = np.arange(rg.first_list[q] + ro // unit, rg.first_list[q] + (ro + b) // unit, dtype=np.int32)
+        return self._agent.make_prepped_xfer("WRITE" if op == "write" else "READ", lg.handle, li, rg.handle, ri,
+                                             notify), b
+
+    def _uniform_request(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
+                         notify: bytes) -> Any:
+        """The NIXL request of the common KV plan - one registered region a side, one memory type, every
+        entry one length that is also the grid unit - checked on the way in a dozen array operations
+        (bounds by the extremes, no destination cell twice by marking the grid), where the general path
+        takes three times as many (the per-call cost of numpy is most of a mid-size post: the layer-wise
+        path posts 64-1024 entries per chunk). ``_FAULT`` when a check fails; None when the plan is not of
+        that shape (the general path checks and posts it)."""
+        mine = self._local
+        if len(mine.base) != 1 or len(side.base) != 1 or mine.mem is None or side.mem is None:
+            return None
+        nb = local.nbytes
+        length = int(nb[0])
+        if length <= 0 or int(nb.min()) != length or int(nb.max()) != length:
+            return None
+        if int(local.region.max()) or int(remote.region.max()):
+            return _FAULT
+        lo = local.addr - np.uint64(mine.base[0])   # below the base wraps to a huge offset: caught below
+        ro = remote.addr - np.uint64(side.base[0])
+        if int(lo.max()) + length > mine.end[0] - mine.base[0] or int(ro.max()) + length > side.end[0] - side.base[0]:
+            return _FAULT
+        unit = math.gcd(length, int(np.gcd.reduce(np.concatenate((lo, ro)))))
+        if unit != length:
+            return None
+        lg = self._grids.get((_LOCAL, mine.mem, unit)) or self._grid(_LOCAL, mine.mem, unit, mine.regions)
+        rg = self._grids.get((peer, side.mem, unit)) or self._grid(peer, side.mem, unit, side.regions)
+        if lg is None or rg is None:
+            return None
+        li = (lo // np.uint64(unit)).astype(np.int32)
+        ri = (ro // np.uint64(unit)).astype(np.int32)
+        dst, dst_grid = (ri, rg) if op == "write" else (li, lg)
+        if dst.size * 16 < dst_grid.units:   # few entries in a large grid: sort them
+            ordered = np.sort(dst)
+            if bool((ordered[1:] == ordered[:-1]).any()):
+                return _FAULT
+        else:
+            seen = np.zeros(dst_grid.units, dtype=np.bool_)
+            seen[dst] = True
+            if int(np.count_nonzero(seen)) != dst.size:
+                return _FAULT
+        if lg.first_list[0]:
+            li += np.int32(lg.first_list[0])
+        if rg.first_list[0]:
+            ri += np.int32(rg.first_list[0])
+        return self._agent.make_prepped_xfer("WRITE" if op == "write" else "READ", lg.handle, li, rg.handle, ri,
+                                             notify)
+
+    def _small_request(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
+                       notify: bytes) -> tuple[Any, int]:
+        """The NIXL request of a plan of a few entries and its bytes, checked on the way: bounds on both sides
+        and no destination byte written twice. ``_FAULT`` when a check fails; None when the plan needs the
+        general path (memory types mixed inside one side, or no grid for its unit)."""
+        mine = self._local
+        la, ln, lr = local.addr.tolist(), local.nbytes.tolist(), local.region.tolist()
+        ra, rr = remote.addr.tolist(), remote.region.tolist()
+        lbase, lend, rbase, rend = mine.base, mine.end, side.base, side.end
+        nl, nr = len(lbase), len(rbase)
+        g = 0
+        for a, b, r in zip(la, ln, lr, strict=True):
+            if r >= nl or a < lbase[r] or a + b > lend[r]:
+                return _FAULT, 0
+            g = math.gcd(g, b, a - lbase[r])
+        for a, b, r in zip(ra, ln, rr, strict=True):
+            if r >= nr or a < rbase[r] or a + b > rend[r]:
+                return _FAULT, 0
+            g = math.gcd(g, a - rbase[r])
+        if len(la) > 1 and not _disjoint(ra if op == "write" else la, ln):
+            return _FAULT, 0
+        lm, rm = mine.mem, side.mem
+        if lm is None:
+            kinds = {mine.mems[r] for r in lr}
+            lm = kinds.pop() if len(kinds) == 1 else None
+        if rm is None:
+            kinds = {side.mems[r] for r in rr}
+            rm = kinds.pop() if len(kinds) == 1 else None
+        if lm is None or rm is None:
+            return None, 0
+        unit = max(1, g)
+        lg = self._grid(_LOCAL, lm, unit, mine.regions)
+        rg = self._grid(peer, rm, unit, side.regions)
+        if lg is None or rg is None:
+            return None, 0
+        if all(b == unit for b in ln):
+            lf, rf = lg.first_list, rg.first_list
+            li = [lf[r] + (a - lbase[r]) // unit for a, r in zip(la, lr, strict=True)]
+            ri = [rf[r] + (a - rbase[r]) // unit for a, r in zip(ra, rr, strict=True)]
+            return self._agent.make_prepped_xfer(op.upper(), lg.handle, li, rg.handle, ri, notify), sum(ln)
+        return self._agent.make_prepped_xfer(op.upper(), lg.handle, lg.indices(local, unit, mine.base_np),
+                                             rg.handle, rg.indices(remote, unit, side.base_np), notify), sum(ln)
+
+    def _requests(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
+                  notify: bytes) -> list[Any]:
+        """NIXL transfer requests for a checked plan: one per (local, remote) memory-type pair."""
+        mine = self._local
+        if mine.mem is not None and side.mem is not None:
+            return [self._request(op.upper(), peer, local, mine.mem, remote, side.mem, side, notify)]
+        lmem = np.broadcast_to(mine.vram_np[0], len(local)) if mine.mem is not None else mine.vram_np[local.region]
+        rmem = np.broadcast_to(side.vram_np[0], len(remote)) if side.mem is not None else side.vram_np[remote.region]
         groups = [(lv, rv) for lv in (False, True) for rv in (False, True)
                   if np.any((lmem == lv) & (rmem == rv))]
         requests = []
@@ -214,19 +421,28 @@ class NixlTransport(Transport):
             rt = remote if whole else _take(remote, sel)
             lm, rm = ("VRAM" if lv else "DRAM"), ("VRAM" if rv else "DRAM")
             msg = notify if len(groups) == 1 else b""
-            requests.append(self._request(op.upper(), peer, lt, lm, rt, rm, md.regions, msg))
+            requests.append(self._request(op.upper(), peer, lt, lm, rt, rm, side, msg))
         return requests
 
+    def _prepare(self, op: Op, peer: str, plan: TransferPlan, notify: bytes) -> list[Any]:
+        """NIXL transfer requests for a checked plan (``_requests`` with the plan's sides in place)."""
+        side = self._sides.get(peer)
+        if side is None:
+            raise PeerUnreachable(f"nixl {self.name!r}: peer {peer!r} is not connected")
+        local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
+        return self._requests(op, peer, local, remote, side, notify)
+
     def _request(self, nixl_op: str, peer: str, lt: PageTable, lm: str, rt: PageTable, rm: str,
-                 remote_regions: tuple[MemoryRegion, ...], notify: bytes) -> Any:
-        unit = _unit(lt, self._regions, rt, remote_regions)
-        lg = self._grid(_LOCAL, lm, unit, self._regions)
-        rg = self._grid(peer, rm, unit, remote_regions)
+                 side: _Side, notify: bytes) -> Any:
+        mine = self._local
+        unit = _unit(lt, mine.base_np, rt, side.base_np)
+        lg = self._grid(_LOCAL, lm, unit, mine.regions)
+        rg = self._grid(peer, rm, unit, side.regions)
         if lg is not None and rg is not None:
-            return self._agent.make_prepped_xfer(nixl_op, lg.handle, lg.indices(lt, unit, self._regions),
-                                                 rg.handle, rg.indices(rt, unit, remote_regions), notify)
-        ldev = np.array([r.device_id for r in self._regions], dtype=np.uint64)[lt.region]
-        rdev = np.array([r.device_id for r in remote_regions], dtype=np.uint64)[rt.region]
+            return self._agent.make_prepped_xfer(nixl_op, lg.handle, lg.indices(lt, unit, mine.base_np),
+                                                 rg.handle, rg.indices(rt, unit, side.base_np), notify)
+        ldev = np.array([r.device_id for r in mine.regions], dtype=np.uint64)[lt.region]
+        rdev = np.array([r.device_id for r in side.regions], dtype=np.uint64)[rt.region]
         ldescs = self._agent.get_xfer_descs(np.stack([lt.addr, lt.nbytes, ldev], axis=1), lm)
         rdescs = self._agent.get_xfer_descs(np.stack([rt.addr, rt.nbytes, rdev], axis=1), rm)
         return self._agent.initialize_xfer(nixl_op, ldescs, rdescs, peer, notify)
@@ -283,57 +499,27 @@ class NixlTransport(Transport):
         carries the notification (``per_post_notify``: given to this post, else made into the request);
         several are followed by it once all are done. ``give_back``: finished requests go back to their
         prepared transfer instead of being released (a failure releases them all)."""
-        pending = list(requests)
-        lock = threading.Lock()
         follow_up = notify if (notify is not None and len(requests) > 1) else None
         post_notify = (notify or b"") if per_post_notify and len(requests) == 1 else b""
-
-        def fail(handle: TransferHandle, what: str, exc: Exception | None) -> None:
-            _release_all(pending)
-            handle._finish(TransferStatus.FAILED, f"{what}{f': {exc!r}' if exc else ''}", _error_type(exc))
-
-        def poll(handle: TransferHandle) -> None:
-            with lock:
-                for req in list(pending):
-                    try:
-                        state = self._agent.check_xfer_state(req)
-                    except Exception as exc:
-                        fail(handle, "NIXL transfer state check failed", exc)
-                        return
-                    if state == "DONE":
-                        pending.remove(req)
-                        if give_back is None:
-                            req.release()
-                    elif state == "ERR":
-                        fail(handle, "NIXL reported a transfer error", None)
-                        return
-                if not pending and not handle._status.terminal:
-                    if follow_up is not None:
-                        self._agent.send_notif(peer, follow_up)
-                    if give_back is not None:
-                        give_back(requests)
-                    handle._finish(TransferStatus.DONE)
-
-        def abort(handle: TransferHandle) -> bool:
-            poll(handle)  # a request NIXL already finished cannot be cancelled any more
-            if handle._status.terminal:
-                return False
-            with lock:
-                _release_all(pending)
-            return True
-
-        handle = _NixlHandle(transfer_id, peer, nbytes, op, poll=poll, abort=abort)
+        handle = _NixlHandle(self, transfer_id, peer, nbytes, op, requests, follow_up, give_back)
+        agent = self._agent
+        done = 0
         for req in requests:
             try:
-                state = self._agent.transfer(req, post_notify)   # b"": the request's own notification, if any
+                state = agent.transfer(req, post_notify)   # b"": the request's own notification, if any
             except Exception as exc:
-                with lock:
-                    fail(handle, "NIXL refused to post the transfer", exc)
+                with handle._req_lock:
+                    handle._fail("NIXL refused to post the transfer", exc)
                 return handle
             if state == "ERR":
-                with lock:
-                    fail(handle, "NIXL refused to post the transfer", None)
+                with handle._req_lock:
+                    handle._fail("NIXL refused to post the transfer", None)
                 return handle
+            done += state == "DONE"
+        if done == len(requests) and give_back is None:
+            # NIXL finished them within the post (small transfers do): released now, no ask needed. (A
+            # prepared transfer's requests go back when its handle is seen done, as before.)
+            handle._complete()
         return handle
 
 
@@ -366,28 +552,107 @@ class _PreparedRequests:
             self._idle = requests
 
 
-class _NixlHandle(TransferHandle):
-    """NIXL reports completion only when asked (``check_xfer_state``): ``wait`` asks back to back, as
-    NIXL's own examples do, instead of sleeping between asks (a sleep that backs off to a millisecond adds
-    up to that to every transfer). Between asks it yields the CPU with the GIL released
-    (``os.sched_yield``, ~1 us); every ``WAIT_SLEEP_EVERY_S`` it sleeps once (``time.sleep(0)``, 55-75 us of
-    Linux timer slack) so that the process's other threads get the GIL. Against sleeping between every two
-    asks it measures alike (docs/gpu.md "NIXL"); it stays, being the loop NIXL's examples use."""
+class _PollingHandle(TransferHandle):
+    """A handle whose completion NIXL reports only when asked: ``wait`` asks back to back, as NIXL's own
+    examples do, instead of sleeping between asks (a sleep that backs off to a millisecond adds up to that
+    to every transfer). For the first ``WAIT_SPIN_S`` it only asks; then it yields the CPU between asks
+    with the GIL released (``os.sched_yield``, ~1 us), and every ``WAIT_SLEEP_EVERY_S`` it sleeps once
+    (``time.sleep(0)``, 55-75 us of Linux timer slack) so that the process's other threads get the GIL.
+    Against sleeping between every two asks it measured alike (docs/gpu.md "NIXL")."""
 
     def wait(self, timeout: float | None = None) -> None:
+        if self._poll_once() is TransferStatus.DONE:
+            return
         now = time.monotonic()
         deadline = None if timeout is None else now + max(0.0, timeout)
+        spin_until = now + WAIT_SPIN_S
         slept = now
-        while not self._poll_once().terminal:
+        while not self._status.terminal:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 break
-            if now - slept >= WAIT_SLEEP_EVERY_S:
-                time.sleep(0)
-                slept = now
-            else:
-                _yield_cpu()
+            if now >= spin_until:
+                if now - slept >= WAIT_SLEEP_EVERY_S:
+                    time.sleep(0)
+                    slept = now
+                else:
+                    _yield_cpu()
+            self._poll_once()
         self._raise_unless_done(timeout)
+
+
+class _NixlHandle(_PollingHandle):
+    """A posted transfer's NIXL requests, polled to completion (``check_xfer_state``). ``follow_up``: the
+    notification sent once every request is done (several requests); ``give_back``: where finished
+    requests go instead of being released (a prepared transfer's)."""
+
+    def __init__(self, transport: NixlTransport, transfer_id: int, peer: str, nbytes: int, op: str,
+                 requests: list[Any], follow_up: bytes | None,
+                 give_back: Callable[[list[Any]], None] | None) -> None:
+        super().__init__(transfer_id, peer, nbytes, op, poll=cast(Callable[[TransferHandle], None], _NixlHandle._poll_requests),
+                         abort=cast(Callable[[TransferHandle], bool], _NixlHandle._abort_requests))
+        self._agent = transport._agent
+        self._requests = requests
+        self._pending = list(requests)
+        self._req_lock = threading.Lock()
+        self._follow_up = follow_up
+        self._give_back = give_back
+
+    def _fail(self, what: str, exc: Exception | None) -> None:
+        """Release every request still pending and fail the transfer (the caller holds ``_req_lock``)."""
+        _release_all(self._pending)
+        self._finish(TransferStatus.FAILED, f"{what}{f': {exc!r}' if exc else ''}", _error_type(exc))
+
+    def _poll_requests(self) -> None:
+        with self._req_lock:
+            pending, agent = self._pending, self._agent
+            for req in list(pending) if len(pending) > 1 else pending[:1]:
+                try:
+                    state = agent.check_xfer_state(req)
+                except Exception as exc:
+                    self._fail("NIXL transfer state check failed", exc)
+                    return
+                if state == "DONE":
+                    pending.remove(req)
+                    if self._give_back is None:
+                        req.release()
+                elif state == "ERR":
+                    self._fail("NIXL reported a transfer error", None)
+                    return
+            if not pending and not self._status.terminal:
+                self._done()
+
+    def _complete(self) -> None:
+        """Every request (none a prepared transfer's) reported DONE when posted: release them and finish."""
+        with self._req_lock:
+            if self._status.terminal:
+                return
+            for req in self._pending:
+                req.release()
+            self._pending.clear()
+            self._done()
+
+    def _done(self) -> None:
+        """Finish a transfer whose requests are all done (the caller holds ``_req_lock``)."""
+        if self._follow_up is not None:
+            self._agent.send_notif(self.peer, self._follow_up)
+        if self._give_back is not None:
+            self._give_back(self._requests)
+        self._finish(TransferStatus.DONE)
+
+    def _abort_requests(self) -> bool:
+        self._poll_requests()   # a request NIXL already finished cannot be cancelled any more
+        if self._status.terminal:
+            return False
+        with self._req_lock:
+            _release_all(self._pending)
+        return True
+
+
+#: How long ``_NixlHandle.wait`` asks back to back, before it starts yielding between asks: a small
+#: transfer completes within it without giving the core away (a yield on a busy machine can cost a
+#: scheduler slice, tens of microseconds or more, to a transfer of ten).
+WAIT_SPIN_S = 0.0001
 
 
 #: How long ``_NixlHandle.wait`` yields between asks before it sleeps once (0: sleep between every two).
@@ -422,11 +687,20 @@ def _take(table: PageTable, sel: npt.NDArray[np.intp]) -> PageTable:
     return PageTable(table.addr[sel], table.nbytes[sel], table.region[sel])
 
 
-def _unit(lt: PageTable, lregions: tuple[MemoryRegion, ...], rt: PageTable,
-          rregions: tuple[MemoryRegion, ...]) -> int:
-    """Largest unit dividing every entry length and every entry offset inside its region (both sides)."""
-    lbase = np.array([r.base_address for r in lregions], dtype=np.uint64)[lt.region]
-    rbase = np.array([r.base_address for r in rregions], dtype=np.uint64)[rt.region]
-    parts = [int(np.gcd.reduce(lt.nbytes)), int(np.gcd.reduce(lt.addr - lbase)),
-             int(np.gcd.reduce(rt.addr - rbase))]
-    return max(1, math.gcd(*parts))
+def _unit(lt: PageTable, lbase: npt.NDArray[np.uint64], rt: PageTable, rbase: npt.NDArray[np.uint64]) -> int:
+    """Largest unit dividing every entry length and every entry offset inside its region (both sides);
+    ``lbase``/``rbase``: the sides' region base addresses."""
+    loff = lt.addr - (lbase[0] if lbase.size == 1 else lbase[lt.region])
+    roff = rt.addr - (rbase[0] if rbase.size == 1 else rbase[rt.region])
+    g = np.gcd.reduce(np.concatenate([lt.nbytes, loff, roff]))
+    return max(1, int(g))
+
+
+def _disjoint(addr: list[int], nbytes: list[int]) -> bool:
+    """No two of a few entries ``[addr, addr + nbytes)`` share a byte (empty entries share none)."""
+    spans = sorted((a, a + b) for a, b in zip(addr, nbytes, strict=True) if b)
+    return all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
+
+
+#: What ``_small_request`` returns for a plan that fails a check.
+_FAULT = object()
