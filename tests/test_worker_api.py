@@ -137,9 +137,10 @@ def test_status_in_process_over_a_client_connection_and_from_the_cli(capsys: pyt
 def test_a_status_client_cannot_ask_prefill_for_kv() -> None:
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill:
         from kvxfer.disagg import LocalIdentity, connect
+        from kvxfer.disagg.messages import KvRelease
         conn = connect(prefill.address, LocalIdentity("client", "nosy"), SECRET)
         try:
-            conn.send("kv_release", request_id="x")
+            conn.send(KvRelease(request_id="x"))
             with pytest.raises(PeerUnreachable, match="may only ask for worker_status"):
                 for _ in range(50):
                     conn.recv(0.2)

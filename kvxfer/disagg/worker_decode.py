@@ -45,15 +45,40 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.disagg.control import ControlServer, PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
-from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
+from kvxfer.disagg.messages import (
+    MODES,
+    SUPPORTED_VERSIONS,
+    ControlMessage,
+    Generate,
+    GenerateCancel,
+    Generated,
+    GenerateFailed,
+    KvBlocks,
+    KvCancel,
+    KvFailed,
+    KvPosted,
+    KvPull,
+    KvPushed,
+    KvRanks,
+    KvRelease,
+    KvRequest,
+    LeaseRenew,
+    WorkerStatus,
+    WorkerStatusReply,
+)
 from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
 from kvxfer.disagg.router import KVRouter, Route
 from kvxfer.disagg.session import Session, SessionState
 from kvxfer.disagg.worker import (
+    Computed,
     ComputeThread,
     Engine,
     Event,
     Health,
+    Lost,
+    Received,
+    Reconnected,
+    Submitted,
     WorkerConfig,
     WorkerCounts,
     accept_loop,
@@ -65,7 +90,6 @@ from kvxfer.disagg.worker import (
     warm_up_model,
 )
 from kvxfer.disagg.worker_protocol import (
-    MODES,
     NOTICE_MAGIC,
     decode_block_ids,
     decode_layouts,
@@ -229,7 +253,8 @@ class _Job:
     """The KV router's decision this request followed (counted in flight there until the KV is in place)."""
     caches: list[KVCache] = field(default_factory=list)
     skip: int = 0
-    pushed: Message | None = None
+    pushed: KvPosted | KvPushed | KvPull | None = None
+    """Prefill's report of the KV: ``kv_posted`` (replaced by ``kv_pushed`` if it comes first), or ``kv_pull``."""
     parts: set[int] = field(default_factory=set)
     read: TransferHandle | None = None
     read_posted: float = 0.0
@@ -380,11 +405,11 @@ class DecodeWorker(WorkerCounts):
                                  self.transport.metadata(), self.config.heartbeat_interval)
         conn = connect(address, identity, self._secret, timeout=wait, expect_role="prefill", versions=self.versions)
         try:
-            conn.send("kv_ranks", layouts=encode_layouts(self.layouts))
+            conn.send(KvRanks(layouts=encode_layouts(self.layouts)))
             reply = conn.recv(wait)
-            if reply.type != "kv_ranks":
-                raise ProtocolError(f"prefill answered kv_ranks with {reply.type!r}")
-            return conn, decode_layouts(reply["layouts"])
+            if not isinstance(reply, KvRanks):
+                raise ProtocolError(f"prefill answered kv_ranks with {reply.kind!r}")
+            return conn, decode_layouts(reply.layouts)
         except BaseException:
             conn.close("decode could not finish connecting")
             raise
@@ -456,7 +481,7 @@ class DecodeWorker(WorkerCounts):
         t = now()
         job = _Job(rid, ids, max_new_tokens, mode, self.layerwise if layerwise is None else layerwise, fut,
                    Session(rid), t, t + self.config.deadline_s, return_kv=max(0, int(return_kv)), prefer=prefill)
-        self.engine.post("submit", job)
+        self.engine.post(Submitted(job))
         return fut
 
     def generate(self, tokens: npt.ArrayLike, max_new_tokens: int, timeout: float | None = None,
@@ -622,49 +647,51 @@ class DecodeWorker(WorkerCounts):
         return sum(1 for j in self._jobs.values() if j.conn is conn)
 
     def _on_event(self, ev: Event) -> None:
-        kind, a, b = ev
-        if kind == "submit":
-            self._start(a)
-        elif kind == "computed":
-            self._generated(a, *b)
-        elif kind == "reconnected":
-            self._reconnected(a, b)
-        elif kind == "lost":
-            self._on_prefill_lost(a, b)
-        elif kind == "message":
-            try:
-                if a.peer.role == "client":
-                    self._on_client(a, b)
-                elif self._peer_of(a) is not None:
-                    self._on_prefill(a, b)
-            except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
-                log.warning("%s: %s sent a bad %s: %s", self.config.name, a.peer.name, b.type, exc)
-                a.close(f"protocol error: {exc}")
-                self._on_prefill_lost(a, f"protocol error: {exc}")
+        match ev:
+            case Submitted(job=job):
+                self._start(job)
+            case Computed(job=job, value=value, error=error):
+                self._generated(job, value, error)
+            case Reconnected():
+                self._reconnected(ev)
+            case Lost(conn=conn, reason=reason):
+                self._on_prefill_lost(conn, reason)
+            case Received(conn=conn, message=msg):
+                try:
+                    if conn.peer.role == "client":
+                        self._on_client(conn, msg)
+                    elif self._peer_of(conn) is not None:
+                        self._on_prefill(conn, msg)
+                except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
+                    log.warning("%s: %s sent a bad %s: %s", self.config.name, conn.peer.name, msg.kind, exc)
+                    conn.close(f"protocol error: {exc}")
+                    self._on_prefill_lost(conn, f"protocol error: {exc}")
+            case _:
+                raise TypeError(f"decode worker {self.config.name}: no handler for a {type(ev).__name__} event")
 
-    def _on_client(self, conn: PeerConnection, msg: Message) -> None:
-        if msg.type == "worker_status":
-            with contextlib.suppress(KvxferError):
-                conn.send("worker_status_reply", stats=encode_stats(self._status()))
-            return
-        if msg.type == "generate_cancel":
-            rid = f"{conn.peer.name}/{msg['request_id']}"
-            owner = self._jobs.get(rid) or next((w for w in self._waiting + self._parked if w.request_id == rid), None)
-            if owner is not None and owner.reply is conn:   # a client cancels only what it submitted itself
-                self._cancel(rid, msg["reason"] or "cancelled by the client")
-            return
-        if msg.type != "generate":
-            raise ProtocolError(f"unexpected message {msg.type!r} from a client")
-        rid = f"{conn.peer.name}/{msg['request_id']}"
-        t = now()
-        job = _Job(rid, np.asarray(msg["tokens"], dtype=np.int64), int(msg["max_new_tokens"]),
-                   msg["mode"] or self.mode, msg["layerwise"] or self.layerwise, Future(), Session(rid), t,
-                   t + self.config.deadline_s, reply=conn, client_request_id=msg["request_id"],
-                   return_kv=int(msg["return_kv"]))
-        if not job.tokens.size:
-            self._reply_failed(job, CapacityError("the prompt must hold at least one token"))
-            return
-        self._start(job)
+    def _on_client(self, conn: PeerConnection, msg: ControlMessage) -> None:
+        match msg:
+            case WorkerStatus():
+                with contextlib.suppress(KvxferError):
+                    conn.send(WorkerStatusReply(stats=encode_stats(self._status())))
+            case GenerateCancel(request_id=client_rid, reason=reason):
+                rid = f"{conn.peer.name}/{client_rid}"
+                owner = self._jobs.get(rid) or next((w for w in self._waiting + self._parked if w.request_id == rid),
+                                                    None)
+                if owner is not None and owner.reply is conn:   # a client cancels only what it submitted itself
+                    self._cancel(rid, reason or "cancelled by the client")
+            case Generate():
+                rid = f"{conn.peer.name}/{msg.request_id}"
+                t = now()
+                job = _Job(rid, np.asarray(msg.tokens, dtype=np.int64), msg.max_new_tokens, msg.mode or self.mode,
+                           msg.layerwise or self.layerwise, Future(), Session(rid), t, t + self.config.deadline_s,
+                           reply=conn, client_request_id=msg.request_id, return_kv=msg.return_kv)
+                if not job.tokens.size:
+                    self._reply_failed(job, CapacityError("the prompt must hold at least one token"))
+                    return
+                self._start(job)
+            case _:
+                raise ProtocolError(f"unexpected message {msg.kind!r} from a client")
 
     def _start(self, job: _Job) -> None:
         self.counts["requests"] += 1
@@ -724,22 +751,22 @@ class DecodeWorker(WorkerCounts):
                     error = PeerUnreachable(f"{type(exc).__name__}: {exc}")
                 last = error is None or isinstance(error, HandshakeRefused) or stopped()
                 with contextlib.suppress(KvxferError):
-                    self.engine._post_internal(("reconnected", (peer, error, started), last))
+                    self.engine._post_internal(Reconnected(peer, error, started, last))
                 if last:
                     return
                 peer.stop.wait(RECONNECT_PAUSE_S)
             with contextlib.suppress(KvxferError):
-                self.engine._post_internal(("reconnected", (peer, None, now()), True))
+                self.engine._post_internal(Reconnected(peer, None, now(), True))
 
         peer.reconnecting = threading.Thread(target=run, name=f"kvxfer-reconnect-{self.config.name}", daemon=True)
         peer.reconnecting.start()
 
-    def _reconnected(self, outcome: tuple[_Prefill, KvxferError | None, float], last: bool) -> None:
+    def _reconnected(self, outcome: Reconnected) -> None:
         """An automatic reconnect attempt (begun at ``started``) ended. Once a prefill is connected, or no
         loop runs any more, every waiting request starts; after a failed attempt, only those that were
         already waiting when it began (or whose deadline passed) start, and so fail with the reason: the
         others wait for the next attempt."""
-        peer, error, started = outcome
+        peer, error, started, last = outcome.peer, outcome.error, outcome.started, outcome.last
         if last:
             peer.reconnecting = None
         if error is not None:
@@ -811,9 +838,11 @@ class DecodeWorker(WorkerCounts):
         try:
             # The prompt goes first: prefill computes while decode allocates (and evicts for) the destination
             # blocks, which follow in kv_blocks long before a prompt worth disaggregating is computed.
-            conn.send_urgent("kv_request", request_id=job.request_id, tokens=encode_tokens(job.tokens), mode=job.mode,
-                             layerwise=job.layerwise, layers_per_send=self.layers_per_send,
-                             lease_s=self.config.lease_s, checksum=encode_checksum_policy(self.config.checksum))
+            conn.send_urgent(KvRequest(request_id=job.request_id, tokens=encode_tokens(job.tokens),
+                                       mode=job.mode,  # type: ignore[arg-type]
+                                       layerwise=job.layerwise, layers_per_send=self.layers_per_send,
+                                       lease_s=self.config.lease_s,
+                                       checksum=encode_checksum_policy(self.config.checksum)))
         except PeerUnreachable as exc:   # the prefill went away before it got the prompt: try another
             if not self._retry(job, exc):
                 self._fail(job, exc)
@@ -829,12 +858,12 @@ class DecodeWorker(WorkerCounts):
             job.session.ready("destination blocks allocated")
             writable = [writable_block_ids(m.layout, c) for m, c in zip(self.managers, job.caches, strict=True)]
             job.session.start_transfer("KV requested from prefill")
-            conn.send_urgent("kv_blocks", request_id=job.request_id, skip=job.skip, blocks=encode_block_ids(writable))
+            conn.send_urgent(KvBlocks(request_id=job.request_id, skip=job.skip, blocks=encode_block_ids(writable)))
             job.allocated = now()
         except KvxferError as exc:
             if not job.session.terminal and job.session.state is not SessionState.TRANSFERRING:
                 # Prefill has the prompt but no destination: it must stop computing (nothing of ours to write).
-                self._send(job, "kv_cancel", request_id=job.request_id, reason=f"decode could not allocate: {exc}"[:1000])
+                self._send(job, KvCancel(request_id=job.request_id, reason=f"decode could not allocate: {exc}"[:1000]))
             self._fail(job, self._after_failover(job, exc))
 
     def _allocate(self, job: _Job) -> None:
@@ -872,61 +901,69 @@ class DecodeWorker(WorkerCounts):
         for job in parked:
             self._begin(job)
 
-    def _on_prefill(self, conn: PeerConnection, msg: Message) -> None:
-        rid = msg["request_id"]
+    def _on_prefill(self, conn: PeerConnection, msg: ControlMessage) -> None:
+        if not isinstance(msg, KvPosted | KvPushed | KvPull | KvFailed):
+            raise ProtocolError(f"unexpected message {msg.kind!r} from the prefill worker")
+        rid = msg.request_id
         zombie = self._zombies.get(rid)
         if zombie is not None and zombie.conn is conn:
-            if msg.type == "kv_failed" or (msg.type == "kv_pushed" and zombie.read is None):
-                self._bury(zombie)   # prefill will not write there any more
-            elif msg.type == "kv_pull":
-                self._send_on(conn, "kv_release", request_id=rid)
+            match msg:
+                case KvFailed():
+                    self._bury(zombie)   # prefill will not write there any more
+                case KvPushed() if zombie.read is None:
+                    self._bury(zombie)
+                case KvPull():
+                    self._send_on(conn, KvRelease(request_id=rid))
             return
         generating = self._generating.get(rid)
-        if msg.type == "kv_pushed" and generating is not None and generating.conn is conn \
+        if isinstance(msg, KvPushed) and generating is not None and generating.conn is conn \
                 and generating.result is not None:   # taken at kv_posted: prefill's copy time, for the result
-            generating.result = replace(generating.result, transfer_s=float(msg["transfer_s"]),
-                                        transfer_by_prefill=True)
+            generating.result = replace(generating.result, transfer_s=msg.transfer_s, transfer_by_prefill=True)
             return
         job = self._jobs.get(rid)
         if job is None or job.conn is not conn or job.session.state is not SessionState.TRANSFERRING:
-            if msg.type == "kv_pull":
-                self._send_on(conn, "kv_release", request_id=rid)
+            if isinstance(msg, KvPull):
+                self._send_on(conn, KvRelease(request_id=rid))
             return
-        if msg.type == "kv_posted":
-            if job.pushed is None:
-                self._posted(job, msg)
-        elif msg.type == "kv_pushed":
-            job.pushed = msg   # replaces kv_posted: the same fields, and prefill's transfer time
-        elif msg.type == "kv_pull":
-            job.pushed = msg
-            src_ids = decode_block_ids(msg["blocks"], len(job.src_layouts), "kv_pull.blocks")
-            if now() >= job.lease_until:
-                self._send(job, "kv_release", request_id=rid)
-                self._fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease may "
-                                               f"have expired before decode could read (decode stalled)"),
-                           remote_done=True)
-                return
-            try:
-                plan = plan_between(job.src_layouts, src_ids, self.layouts, job.caches,
-                                    token_range=(job.skip, int(job.tokens.size)), request_id=rid,
-                                    planner=self.config.planner)
-                check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
-                job.read_posted = now()
-                job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
-                job.read.add_done_callback(self.engine.wake)
-            except KvxferError as exc:
-                self._send(job, "kv_release", request_id=rid)
-                self._fail(job, exc)
-        elif msg.type == "kv_failed":
-            error = TransferFailed(f"prefill failed request {rid}: {msg['reason']}")
-            if is_prefill_shutdown(msg["reason"]):   # it is stopping: nothing of this request will come from it
-                if job.prefill is not None:
-                    job.prefill.draining = True
-                if self._retry(job, error):
-                    return
-            self._fail(job, error, remote_done=True)
-        else:
-            raise ProtocolError(f"unexpected message {msg.type!r} from the prefill worker")
+        match msg:
+            case KvPosted():
+                if job.pushed is None:
+                    self._posted(job, msg)
+            case KvPushed():
+                job.pushed = msg   # replaces kv_posted: the same fields, and prefill's transfer time
+            case KvPull():
+                job.pushed = msg
+                self._read(job, msg)
+            case KvFailed(reason=reason):
+                error = TransferFailed(f"prefill failed request {rid}: {reason}")
+                if is_prefill_shutdown(reason):   # it is stopping: nothing of this request will come from it
+                    if job.prefill is not None:
+                        job.prefill.draining = True
+                    if self._retry(job, error):
+                        return
+                self._fail(job, error, remote_done=True)
+
+    def _read(self, job: _Job, msg: KvPull) -> None:
+        """Pull: read the request's KV from where prefill says it is (within prefill's lease)."""
+        rid = job.request_id
+        src_ids = decode_block_ids(msg.blocks, len(job.src_layouts), "kv_pull.blocks")
+        if now() >= job.lease_until:
+            self._send(job, KvRelease(request_id=rid))
+            self._fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease may "
+                                           f"have expired before decode could read (decode stalled)"),
+                       remote_done=True)
+            return
+        try:
+            plan = plan_between(job.src_layouts, src_ids, self.layouts, job.caches,
+                                token_range=(job.skip, int(job.tokens.size)), request_id=rid,
+                                planner=self.config.planner)
+            check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
+            job.read_posted = now()
+            job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
+            job.read.add_done_callback(self.engine.wake)
+        except KvxferError as exc:
+            self._send(job, KvRelease(request_id=rid))
+            self._fail(job, exc)
 
     def _tick(self) -> float:
         t = now()
@@ -945,7 +982,7 @@ class DecodeWorker(WorkerCounts):
             if job.read is not None:
                 status = job.read.status
                 if status is TransferStatus.DONE:
-                    self._send(job, "kv_release", request_id=job.request_id)
+                    self._send(job, KvRelease(request_id=job.request_id))
                     if t >= job.lease_until:   # prefill may have reused the pages before the read ended
                         self._fail(job, TransferFailed(
                             f"pull of request {job.request_id}: prefill's {self.config.lease_s} s lease may have "
@@ -955,13 +992,12 @@ class DecodeWorker(WorkerCounts):
                     self._arrived(job, now() - job.read_posted)
                     continue
                 if status.terminal:
-                    self._send(job, "kv_release", request_id=job.request_id)
+                    self._send(job, KvRelease(request_id=job.request_id))
                     self._fail(job, TransferFailed(f"read of request {job.request_id}: {job.read.reason}"))
                     continue
-            elif job.pushed is not None and job.pushed.type in ("kv_posted", "kv_pushed") \
-                    and len(job.parts) >= job.pushed["parts"]:
+            elif isinstance(job.pushed, KvPosted | KvPushed) and len(job.parts) >= job.pushed.parts:
                 # kv_posted: prefill has not seen its writes complete yet; the notifications say they landed.
-                self._arrived(job, float(job.pushed["transfer_s"]) if job.pushed.type == "kv_pushed"
+                self._arrived(job, job.pushed.transfer_s if isinstance(job.pushed, KvPushed)
                               else max(0.0, now() - job.posted_seen))
                 continue
             if t >= job.deadline:
@@ -970,7 +1006,7 @@ class DecodeWorker(WorkerCounts):
                 if t < job.lease_until:   # renewals only extend a lease that has not run out
                     job.lease_until = t + self.config.lease_s
                 job.last_renew = t
-                self._send(job, "lease_renew", request_id=job.request_id)
+                self._send(job, LeaseRenew(request_id=job.request_id))
             due = min(due, job.deadline, job.last_renew + self.config.lease_s / 3)
         for zombie in list(self._zombies.values()):
             if zombie.read is not None and zombie.read.done():
@@ -1027,16 +1063,16 @@ class DecodeWorker(WorkerCounts):
         self.counts["bad_notices"] += 1
         log.warning("%s: notification from %s ignored: %s", self.config.name, peer, reason)
 
-    def _posted(self, job: _Job, msg: Message) -> None:
+    def _posted(self, job: _Job, msg: KvPosted) -> None:
         """Prefill posted every write of ``job`` (``kv_posted``, or a notice's summary)."""
         job.pushed, job.posted_seen = msg, now()
-        job.prefill_clock = (float(msg["computed_at"]), float(msg["posted_at"]))
+        job.prefill_clock = (msg.computed_at, msg.posted_at)
 
     def _late(self, job: _Job) -> str:
         """What is missing when a request's deadline passes."""
         what = f"request {job.request_id}: KV did not arrive within {self.config.deadline_s} s"
-        if job.pushed is not None and job.pushed.type in ("kv_posted", "kv_pushed"):
-            return (f"{what}: prefill reported {job.pushed.type} but only {len(job.parts)} of {job.pushed['parts']} "
+        if isinstance(job.pushed, KvPosted | KvPushed):
+            return (f"{what}: prefill reported {job.pushed.kind} but only {len(job.parts)} of {job.pushed.parts} "
                     f"transfer notifications arrived")
         if job.read is not None:
             return f"{what}: decode's read from prefill did not complete"
@@ -1050,7 +1086,7 @@ class DecodeWorker(WorkerCounts):
         pages (IntegrityError naming the first differing cell)."""
         policy = self.config.checksum
         assert job.pushed is not None and policy is not None
-        raw = job.pushed["digest"]
+        raw = job.pushed.digest
         if not raw:
             raise IntegrityError(f"request {job.request_id}: decode asked for checksums, prefill sent no digest")
         try:
@@ -1090,7 +1126,7 @@ class DecodeWorker(WorkerCounts):
                 cache.history_length = int(job.tokens.size)
                 cache.commit(job.tokens[job.skip:])
             kv = self.model.bind(list(zip(self.managers, job.caches, strict=True)))
-            first = int(job.pushed["first_token"])
+            first = job.pushed.first_token
             commit_s = now() - arrived
             prompt_kv = self._prompt_kv(job) if job.return_kv else None   # after TTFT: a check, not serving
         except KvxferError as exc:
@@ -1098,18 +1134,19 @@ class DecodeWorker(WorkerCounts):
             self._close_caches(job)
             self._resolve_error(job, exc)
             return
-        nbytes = int(job.pushed["nbytes"]) if job.pushed.type in ("kv_posted", "kv_pushed") else \
+        pushed = job.pushed
+        nbytes = pushed.nbytes if isinstance(pushed, KvPosted | KvPushed) else \
             (job.read.nbytes if job.read is not None else 0)
-        prefill_s, request_s = float(job.pushed["prefill_s"]), job.requested - job.submitted
-        queued_s, post_s, arrival_s = float(job.pushed["queued_s"]), float(job.pushed["post_s"]), arrived - job.submitted
+        prefill_s, request_s = pushed.prefill_s, job.requested - job.submitted
+        queued_s, post_s, arrival_s = pushed.queued_s, pushed.post_s, arrived - job.submitted
         job.result = GenerationResult(job.request_id, [], int(job.tokens.size), job.skip,
-                                      int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
+                                      pushed.reused_tokens, nbytes, job.mode, job.layerwise,
                                       prefill_s, transfer_s, arrival_s, ttft, verify_s, prompt_kv,
                                       job.prefill.address if job.prefill is not None else "",
                                       request_s, queued_s, post_s, commit_s,
                                       max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s
                                           - verify_s), allocate_s=job.allocated - job.requested,
-                                      transfer_by_prefill=job.pushed.type == "kv_pushed", arrived_at=arrived,
+                                      transfer_by_prefill=isinstance(pushed, KvPushed), arrived_at=arrived,
                                       prefill_computed_at=job.prefill_clock[0], prefill_posted_at=job.prefill_clock[1])
         model, max_new = self.model, job.max_new_tokens
 
@@ -1147,9 +1184,9 @@ class DecodeWorker(WorkerCounts):
                 log.exception("%s: a result observer failed", self.config.name)
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
-                job.reply.send("generated", request_id=job.client_request_id, tokens=tokens,
-                               stats=encode_stats(result.stats()),
-                               kv=result.prompt_kv.to_bytes() if result.prompt_kv is not None else b"")
+                job.reply.send(Generated(request_id=job.client_request_id, tokens=tokens,
+                                         stats=encode_stats(result.stats()),
+                                         kv=result.prompt_kv.to_bytes() if result.prompt_kv is not None else b""))
 
     def _prompt_kv(self, job: _Job) -> PromptKV:
         """The committed prompt KV at up to ``job.return_kv`` positions, read through decode's own pages and
@@ -1173,7 +1210,7 @@ class DecodeWorker(WorkerCounts):
         requested = (not remote_done and job.session.history[-2].state is SessionState.TRANSFERRING
                      and job.conn is not None and job.conn.alive)
         if requested:   # prefill still holds (pull) or may still write (push) this request: tell it
-            self._send(job, "kv_cancel", request_id=job.request_id, reason=str(error)[:1000])
+            self._send(job, KvCancel(request_id=job.request_id, reason=str(error)[:1000]))
         remote_may_write = requested and job.mode == "push"
         if job.read is not None and not job.read.done() and not job.read.cancel():
             remote_may_write = True   # our own read could not be stopped: wait for it to end
@@ -1206,7 +1243,8 @@ class DecodeWorker(WorkerCounts):
     def _reply_failed(self, job: _Job, error: KvxferError) -> None:
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
-                job.reply.send("generate_failed", request_id=job.client_request_id, error=type(error).__name__, reason=str(error)[:1024])
+                job.reply.send(GenerateFailed(request_id=job.client_request_id, error=type(error).__name__[:64],
+                                              reason=str(error)[:1024]))
 
     def _close_caches(self, job: _Job) -> None:
         for cache in job.caches:
@@ -1291,12 +1329,12 @@ class DecodeWorker(WorkerCounts):
                     zombie.read.wait(self.config.lease_s)
             self._bury(zombie)
 
-    def _send(self, job: _Job, type: str, **body: Any) -> None:
+    def _send(self, job: _Job, message: ControlMessage) -> None:
         """Send to the prefill a request went to, over the connection it went over (if still up)."""
         if job.conn is not None:
-            self._send_on(job.conn, type, **body)
+            self._send_on(job.conn, message)
 
-    def _send_on(self, conn: PeerConnection, type: str, **body: Any) -> None:
+    def _send_on(self, conn: PeerConnection, message: ControlMessage) -> None:
         if conn.alive:
             with contextlib.suppress(KvxferError):
-                conn.send(type, **body)
+                conn.send(message)
