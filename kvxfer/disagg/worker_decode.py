@@ -27,6 +27,7 @@ plan a write there, and a pull's plan reaching into one is refused before the re
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import itertools
 import logging
@@ -115,6 +116,7 @@ from kvxfer.errors import (
     PeerUnreachable,
     ProtocolError,
     RequestCancelled,
+    SessionError,
     TransferFailed,
     TransferTimeout,
     WorkerShuttingDown,
@@ -132,9 +134,10 @@ RECONNECT_ATTEMPT_S = 1.0
 RECONNECT_PAUSE_S = 0.2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerationResult:
-    """One finished request: its tokens and where its KV came from."""
+    """One finished request: its tokens, where its KV came from and the timings of each stage (built
+    by keyword: the fields are many and several share a type)."""
 
     request_id: str
     tokens: list[int]
@@ -228,7 +231,61 @@ class _Prefill:
         return conn is not None and conn.alive
 
 
-@dataclass(eq=False)
+class JobState(enum.Enum):
+    """Where a decode request is. ``JOB_TRANSITIONS`` lists the moves; ``DecodeWorker._move`` makes every
+    one of them, and keeps the worker's collection of each state in step (``_waiting``, ``_parked``,
+    ``_jobs``, ``_generating``, ``_zombies``)."""
+
+    NEW = "new"
+    """Submitted, not placed yet."""
+    WAITING = "waiting"
+    """No prefill connected: waits for the outcome of a reconnect attempt (within its deadline)."""
+    PARKED = "parked"
+    """A failover attempt waiting for pages that earlier attempts still hold (quarantined)."""
+    REQUESTED = "requested"
+    """Sent to a prefill: its KV is being computed, written (push) or read (pull)."""
+    GENERATING = "generating"
+    """The KV is in place and committed; the compute thread generates."""
+    QUARANTINED = "quarantined"
+    """Ended, its pages held while a prefill (or decode's own read) may still write into them."""
+    DONE = "done"
+    """Answered with its tokens; pages freed."""
+    FAILED = "failed"
+    """Answered with an error; pages freed."""
+    RETRIED = "retried"
+    """Handed to a fresh attempt on another prefill; its pages went to a stale copy of it."""
+    FREED = "freed"
+    """A quarantined request's (or a stale attempt's) pages freed."""
+
+    @property
+    def terminal(self) -> bool:
+        """Whether nothing more happens to a request in this state."""
+        return not JOB_TRANSITIONS[self]
+
+
+_S = JobState
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    _S.NEW: frozenset({_S.WAITING, _S.PARKED, _S.REQUESTED, _S.FAILED}),
+    _S.WAITING: frozenset({_S.PARKED, _S.REQUESTED, _S.FAILED}),
+    _S.PARKED: frozenset({_S.REQUESTED, _S.FAILED}),
+    _S.REQUESTED: frozenset({_S.GENERATING, _S.QUARANTINED, _S.FAILED, _S.RETRIED, _S.FREED}),
+    _S.GENERATING: frozenset({_S.DONE, _S.FAILED}),
+    _S.QUARANTINED: frozenset({_S.FREED}),
+    _S.DONE: frozenset(), _S.FAILED: frozenset(), _S.RETRIED: frozenset(), _S.FREED: frozenset(),
+}
+"""Every legal move of a decode request. REQUESTED -> FREED and -> QUARANTINED also serve the stale copy
+of a retried attempt (``DecodeWorker._retry``)."""
+
+
+def check_move(request_id: str, old: JobState, new: JobState) -> None:
+    """SessionError unless ``JOB_TRANSITIONS`` allows a request in ``old`` to move to ``new``."""
+    if new not in JOB_TRANSITIONS[old]:
+        allowed = sorted(s.value for s in JOB_TRANSITIONS[old]) or "none (terminal)"
+        raise SessionError(f"decode request {request_id!r}: illegal move {old.value} -> {new.value} "
+                           f"(allowed from {old.value}: {allowed})")
+
+
+@dataclass(eq=False, kw_only=True)
 class _Job:
     request_id: str
     tokens: npt.NDArray[np.int64]
@@ -279,6 +336,8 @@ class _Job:
     attempt: int = 1
     failover_cause: KvxferError | None = None
     """Why the previous attempt's prefill was left (set on a failover's attempt)."""
+    state: JobState = JobState.NEW
+    """Where the request is; changed only by ``DecodeWorker._move``."""
 
 
 class DecodeWorker(WorkerCounts):
@@ -479,8 +538,10 @@ class DecodeWorker(WorkerCounts):
             rid = request_id or f"{self.config.name}-{next(self._ids)}"
         fut: Future[GenerationResult] = Future()
         t = now()
-        job = _Job(rid, ids, max_new_tokens, mode, self.layerwise if layerwise is None else layerwise, fut,
-                   Session(rid), t, t + self.config.deadline_s, return_kv=max(0, int(return_kv)), prefer=prefill)
+        job = _Job(request_id=rid, tokens=ids, max_new_tokens=max_new_tokens, mode=mode,
+                   layerwise=self.layerwise if layerwise is None else layerwise, future=fut, session=Session(rid),
+                   submitted=t, deadline=t + self.config.deadline_s, return_kv=max(0, int(return_kv)),
+                   prefer=prefill)
         self.engine.post(Submitted(job))
         return fut
 
@@ -514,15 +575,10 @@ class DecodeWorker(WorkerCounts):
                 "draining": int(self._draining), **self.counts}
 
     def _cancel(self, request_id: str, reason: str) -> bool:
-        job = self._jobs.get(request_id)
+        job = self._jobs.get(request_id) or next((w for w in self._waiting + self._parked
+                                                  if w.request_id == request_id), None)
         if job is None:
-            job = next((w for w in self._waiting + self._parked if w.request_id == request_id), None)
-            if job is None:
-                return False
-            if job in self._waiting:
-                self._waiting.remove(job)
-            else:
-                self._parked.remove(job)
+            return False
         self.counts["cancelled"] += 1
         self._fail(job, RequestCancelled(f"request {request_id}: {reason}"))
         return True
@@ -683,9 +739,11 @@ class DecodeWorker(WorkerCounts):
             case Generate():
                 rid = f"{conn.peer.name}/{msg.request_id}"
                 t = now()
-                job = _Job(rid, np.asarray(msg.tokens, dtype=np.int64), msg.max_new_tokens, msg.mode or self.mode,
-                           msg.layerwise or self.layerwise, Future(), Session(rid), t, t + self.config.deadline_s,
-                           reply=conn, client_request_id=msg.request_id, return_kv=msg.return_kv)
+                job = _Job(request_id=rid, tokens=np.asarray(msg.tokens, dtype=np.int64),
+                           max_new_tokens=msg.max_new_tokens, mode=msg.mode or self.mode,
+                           layerwise=msg.layerwise or self.layerwise, future=Future(), session=Session(rid),
+                           submitted=t, deadline=t + self.config.deadline_s, reply=conn,
+                           client_request_id=msg.request_id, return_kv=msg.return_kv)
                 if not job.tokens.size:
                     self._reply_failed(job, CapacityError("the prompt must hold at least one token"))
                     return
@@ -710,7 +768,7 @@ class DecodeWorker(WorkerCounts):
             if any(p.reconnecting is not None for p in self._prefills.values()):
                 # Wait for the outcome of a whole attempt begun after the request arrived (a prefill that comes
                 # back between two attempts is then found), bounded by the request's deadline.
-                self._waiting.append(job)
+                self._move(job, JobState.WAITING)
                 return
         self._begin(job)
 
@@ -772,13 +830,13 @@ class DecodeWorker(WorkerCounts):
         if error is not None:
             peer.reconnect_error = f"; reconnecting failed: {type(error).__name__}: {error}"
         if self.connected or not any(p.reconnecting is not None for p in self._prefills.values()):
-            ready, self._waiting = self._waiting, []
+            ready = list(self._waiting)
         else:
             t = now()
             ready = [j for j in self._waiting if j.submitted <= started or t >= j.deadline]
-            self._waiting = [j for j in self._waiting if j not in ready]
         for job in ready:
-            self._begin(job)
+            if job.state is JobState.WAITING:
+                self._begin(job)
 
     def _pick(self, job: _Job) -> _Prefill | None:
         """The prefill for a request: the caller's choice when connected, else the least loaded (rotating
@@ -822,7 +880,8 @@ class DecodeWorker(WorkerCounts):
             except KvxferError as exc:
                 self._close_caches(job)
                 if isinstance(exc, OutOfSlotsError) and self._zombies:
-                    self._parked.append(job)   # tried again as quarantined pages are freed (``_bury``)
+                    if job.state is not JobState.PARKED:   # tried again as quarantined pages are freed (``_bury``)
+                        self._move(job, JobState.PARKED)
                     return
                 self._fail(job, self._after_failover(job, exc))
                 return
@@ -834,7 +893,7 @@ class DecodeWorker(WorkerCounts):
             return
         job.peer, job.prefill, job.conn, job.src_layouts = conn.peer.name, peer, conn, peer.layouts
         job.tried.add(peer.address)
-        self._jobs[job.request_id] = job
+        self._move(job, JobState.REQUESTED)
         try:
             # The prompt goes first: prefill computes while decode allocates (and evicts for) the destination
             # blocks, which follow in kv_blocks long before a prompt worth disaggregating is computed.
@@ -897,9 +956,9 @@ class DecodeWorker(WorkerCounts):
 
     def _unpark(self) -> None:
         """Failover attempts waiting for pages: try each again (pages were just freed)."""
-        parked, self._parked = self._parked, []
-        for job in parked:
-            self._begin(job)
+        for job in list(self._parked):
+            if job.state is JobState.PARKED:
+                self._begin(job)
 
     def _on_prefill(self, conn: PeerConnection, msg: ControlMessage) -> None:
         if not isinstance(msg, KvPosted | KvPushed | KvPull | KvFailed):
@@ -1019,7 +1078,6 @@ class DecodeWorker(WorkerCounts):
                 due = min(due, zombie.zombie_until if zombie.read is None or not zombie.read.completes_when_polled
                           else t + 0.001)
         for job in [j for j in self._parked if t >= j.deadline]:
-            self._parked.remove(job)
             self._fail(job, self._after_failover(job, TransferTimeout(
                 f"request {job.request_id}: its {self.config.deadline_s} s deadline passed while it waited for "
                 f"decode's pages")))
@@ -1117,7 +1175,6 @@ class DecodeWorker(WorkerCounts):
         # it now, as a one-process engine sends its first token before it commits the prompt into its cache.
         ttft = arrived - job.submitted
         job.session.done("KV in place")
-        self._jobs.pop(job.request_id, None)
         self._route_done(job)
         try:
             for cache in job.caches:
@@ -1131,6 +1188,7 @@ class DecodeWorker(WorkerCounts):
             prompt_kv = self._prompt_kv(job) if job.return_kv else None   # after TTFT: a check, not serving
         except KvxferError as exc:
             self.counts["failed"] += 1
+            self._move(job, JobState.FAILED)
             self._close_caches(job)
             self._resolve_error(job, exc)
             return
@@ -1139,15 +1197,15 @@ class DecodeWorker(WorkerCounts):
             (job.read.nbytes if job.read is not None else 0)
         prefill_s, request_s = pushed.prefill_s, job.requested - job.submitted
         queued_s, post_s, arrival_s = pushed.queued_s, pushed.post_s, arrived - job.submitted
-        job.result = GenerationResult(job.request_id, [], int(job.tokens.size), job.skip,
-                                      pushed.reused_tokens, nbytes, job.mode, job.layerwise,
-                                      prefill_s, transfer_s, arrival_s, ttft, verify_s, prompt_kv,
-                                      job.prefill.address if job.prefill is not None else "",
-                                      request_s, queued_s, post_s, commit_s,
-                                      max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s
-                                          - verify_s), allocate_s=job.allocated - job.requested,
-                                      transfer_by_prefill=isinstance(pushed, KvPushed), arrived_at=arrived,
-                                      prefill_computed_at=job.prefill_clock[0], prefill_posted_at=job.prefill_clock[1])
+        job.result = GenerationResult(
+            request_id=job.request_id, tokens=[], prompt_tokens=int(job.tokens.size), reused_tokens_decode=job.skip,
+            reused_tokens_prefill=pushed.reused_tokens, bytes_moved=nbytes, mode=job.mode, layerwise=job.layerwise,
+            prefill_s=prefill_s, transfer_s=transfer_s, arrival_s=arrival_s, ttft_s=ttft, verify_s=verify_s,
+            prompt_kv=prompt_kv, prefill=job.prefill.address if job.prefill is not None else "",
+            request_s=request_s, queued_s=queued_s, post_s=post_s, commit_s=commit_s,
+            messages_s=max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s - verify_s),
+            allocate_s=job.allocated - job.requested, transfer_by_prefill=isinstance(pushed, KvPushed),
+            arrived_at=arrived, prefill_computed_at=job.prefill_clock[0], prefill_posted_at=job.prefill_clock[1])
         model, max_new = self.model, job.max_new_tokens
 
         def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)
@@ -1155,12 +1213,12 @@ class DecodeWorker(WorkerCounts):
                 return model.continue_greedy(kv, first, max_new)
 
         assert self.compute is not None
-        self._generating[job.request_id] = job
+        self._move(job, JobState.GENERATING)
         self.compute.submit(job, run)
 
     def _generated(self, job: _Job, tokens: list[int] | None, error: BaseException | None) -> None:
         """The compute thread finished a request's generation: free its pages, answer."""
-        self._generating.pop(job.request_id, None)
+        self._move(job, JobState.DONE if error is None and tokens is not None else JobState.FAILED)
         self._close_caches(job)
         if error is not None or tokens is None:
             self.counts["failed"] += 1
@@ -1196,12 +1254,39 @@ class DecodeWorker(WorkerCounts):
         return read_prompt_kv(list(zip(self.managers, job.caches, strict=True)), positions, c.num_layers,
                               c.num_kv_heads, c.head_dim)
 
+    # --- request states ---------------------------------------------------------------------------
+    def _move(self, job: _Job, state: JobState) -> None:
+        """Move ``job`` to ``state`` (SessionError if ``JOB_TRANSITIONS`` does not allow it), taking it out
+        of the collection of its old state and into that of the new one (engine thread only)."""
+        check_move(job.request_id, job.state, state)
+        match job.state:
+            case JobState.WAITING:
+                self._waiting.remove(job)
+            case JobState.PARKED:
+                self._parked.remove(job)
+            case JobState.REQUESTED if self._jobs.get(job.request_id) is job:
+                del self._jobs[job.request_id]
+            case JobState.GENERATING if self._generating.get(job.request_id) is job:
+                del self._generating[job.request_id]
+            case JobState.QUARANTINED if self._zombies.get(job.request_id) is job:
+                del self._zombies[job.request_id]
+        job.state = state
+        match state:
+            case JobState.WAITING:
+                self._waiting.append(job)
+            case JobState.PARKED:
+                self._parked.append(job)
+            case JobState.REQUESTED:
+                self._jobs[job.request_id] = job
+            case JobState.GENERATING:
+                self._generating[job.request_id] = job
+            case JobState.QUARANTINED:
+                self._zombies[job.request_id] = job
+
     # --- failure ----------------------------------------------------------------------------------
     def _fail(self, job: _Job, error: KvxferError, *, remote_done: bool = False, quarantine_until: float = 0.0) -> None:
         """Fail one request now; its blocks are freed once nothing can still write into them (not before
         ``quarantine_until`` either: a lost prefill may still be writing)."""
-        if self._jobs.get(job.request_id) is job:
-            del self._jobs[job.request_id]
         self._route_done(job)
         self.counts["failed"] += 1
         if not job.session.terminal:
@@ -1216,11 +1301,12 @@ class DecodeWorker(WorkerCounts):
             remote_may_write = True   # our own read could not be stopped: wait for it to end
         if remote_may_write:
             job.zombie_until = now() + self.config.lease_s + self.config.deadline_s
-            self._zombies[job.request_id] = job
+            self._move(job, JobState.QUARANTINED)
         elif quarantine_until > now():
             job.zombie_until = quarantine_until
-            self._zombies[job.request_id] = job
+            self._move(job, JobState.QUARANTINED)
         else:
+            self._move(job, JobState.FAILED)
             self._close_caches(job)
 
     def _route_done(self, job: _Job) -> None:
@@ -1230,7 +1316,7 @@ class DecodeWorker(WorkerCounts):
             self.router.finished(route)
 
     def _bury(self, job: _Job) -> None:
-        self._zombies.pop(job.request_id, None)
+        self._move(job, JobState.FREED)
         self._close_caches(job)
         if self._parked:
             self._unpark()
@@ -1293,8 +1379,6 @@ class DecodeWorker(WorkerCounts):
         if job.result is not None or now() >= job.deadline or self._reconnect_stop.is_set() \
                 or not any(p.alive and p.address not in job.tried for p in self._prefills.values()):
             return False
-        if self._jobs.get(job.request_id) is job:
-            del self._jobs[job.request_id]
         self._route_done(job)
         if not job.session.terminal:
             job.session.fail(f"{type(error).__name__}: {error}; sent to another prefill")
@@ -1306,20 +1390,19 @@ class DecodeWorker(WorkerCounts):
             stale.zombie_until = now() + self.config.lease_s + self.config.deadline_s   # our read still runs
         elif quarantine_until > now():
             stale.zombie_until = quarantine_until
-        if stale.zombie_until:
-            self._zombies[stale.request_id] = stale
-        else:
+        self._move(job, JobState.RETRIED)
+        self._move(stale, JobState.QUARANTINED if stale.zombie_until else JobState.FREED)
+        if not stale.zombie_until:
             self._close_caches(stale)
-        self._begin(_Job(job.request_id, job.tokens, job.max_new_tokens, job.mode, job.layerwise, job.future,
-                         Session(job.request_id), job.submitted, job.deadline, reply=job.reply,
+        self._begin(_Job(request_id=job.request_id, tokens=job.tokens, max_new_tokens=job.max_new_tokens,
+                         mode=job.mode, layerwise=job.layerwise, future=job.future, session=Session(job.request_id),
+                         submitted=job.submitted, deadline=job.deadline, reply=job.reply,
                          client_request_id=job.client_request_id, return_kv=job.return_kv, tried=job.tried,
                          attempt=job.attempt + 1, failover_cause=job.failover_cause or error))
         return True
 
     def _fail_all(self, error: KvxferError) -> None:
-        waiting, self._waiting = self._waiting + self._parked, []
-        self._parked = []
-        for job in waiting:
+        for job in self._waiting + self._parked:
             self._fail(job, error, remote_done=True)
         for job in list(self._jobs.values()):
             self._fail(job, error, remote_done=True)
