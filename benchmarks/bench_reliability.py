@@ -23,7 +23,7 @@ import zmq
 from kvxfer.disagg.auth import AuthKey
 from kvxfer.disagg.control import ControlServer, connect
 from kvxfer.disagg.handshake import ClientHandshake, LocalIdentity
-from kvxfer.disagg.messages import Message, encode
+from kvxfer.disagg.messages import Heartbeat, encode, encode_frame
 from kvxfer.disagg.seal import SealedChannel
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import query_status
@@ -60,7 +60,7 @@ def flood(strangers: int, repeats: int = 5) -> dict[str, Any]:
         s.setsockopt(zmq.LINGER, 0)
         s.connect(srv.address)
         socks.append(s)
-    hellos = [encode(ClientHandshake(LocalIdentity("client", f"s{i}", None, "", b"", 1.0),
+    hellos = [encode_frame(ClientHandshake(LocalIdentity("client", f"s{i}", None, "", b"", 1.0),
                                      AuthKey(b"x" * 16)).hello()) for i in range(strangers)]
     go = threading.Event()
 
@@ -152,7 +152,7 @@ def sealing(iters: int = 20000) -> dict[str, Any]:
                 rx.open(tx.seal(frame))
             times.append((time.perf_counter() - t0) / (iters if size < 65536 else iters // 10) * 1e6)
         out[f"{size}B_us"] = _spread(times)
-    enc = encode(Message("heartbeat", {}))
+    enc = encode(Heartbeat())
     tx, rx = SealedChannel(a, b), SealedChannel(b, a)
     t0 = time.perf_counter()
     for _ in range(iters):

@@ -19,6 +19,8 @@ from typing import Any
 import atheris
 
 with atheris.instrument_imports(include=["kvxfer"]):
+    import msgspec
+    import msgspec.inspect
     import numpy as np
 
     from kvxfer.cache.config import CacheConfig, LayerSpec, PrimaryTier, RoleSpec
@@ -26,7 +28,7 @@ with atheris.instrument_imports(include=["kvxfer"]):
     from kvxfer.cache.layout import plan_layout
     from kvxfer.cache.memory import MemoryRegion
     from kvxfer.disagg import messages
-    from kvxfer.disagg.messages import MESSAGE_SPECS, Message
+    from kvxfer.disagg.messages import MESSAGE_TYPES
     from kvxfer.errors import DecodeError, PageTableError, ProtocolError
     from kvxfer.pagetable import PageTable, TransferPlan
     from kvxfer.transport.integrity import ChecksumPolicy, DigestBuffer, KVDigest
@@ -59,24 +61,30 @@ def _metadata_seeds() -> list[bytes]:
     return [TransportMetadata("nixl", "prefill-0", regions, b"agent-blob").encode()]
 
 
+def _sample(t: msgspec.inspect.Type) -> Any:
+    """A value of the message field type ``t`` within its bounds."""
+    if isinstance(t, msgspec.inspect.LiteralType):
+        return t.values[-1]
+    if isinstance(t, msgspec.inspect.StrType | msgspec.inspect.BytesType):
+        return ("x" if isinstance(t, msgspec.inspect.StrType) else b"\x01") * max(t.min_length or 0, 1)
+    if isinstance(t, msgspec.inspect.BoolType):
+        return True
+    if isinstance(t, msgspec.inspect.IntType):
+        return max(t.ge or 0, min(7, 7 if t.le is None else t.le))
+    if isinstance(t, msgspec.inspect.FloatType):
+        return max(t.ge or 0.0, 0.5)
+    if isinstance(t, msgspec.inspect.ListType):
+        return [1, 2, 3]
+    raise TypeError(f"no seed value for a message field of type {t}")
+
+
 def _message_seeds() -> list[bytes]:
+    """A valid frame of every control message type."""
     out = []
-    for spec in MESSAGE_SPECS.values():
-        body: dict[str, Any] = {}
-        for f in spec.fields:
-            if f.choices:
-                body[f.name] = f.choices[0]
-            elif f.kind in ("str", "bytes"):
-                body[f.name] = ("x" if f.kind == "str" else b"\x01") * max(f.min_len, 1)
-            elif f.kind == "float":
-                body[f.name] = max(float(f.lo), 0.5)
-            elif f.kind == "bool":
-                body[f.name] = True
-            elif f.kind == "ints":
-                body[f.name] = [1, 2, 3]
-            else:
-                body[f.name] = max(int(f.lo), min(7, int(f.hi)))
-        out.append(messages.encode(Message(spec.type, body)))
+    for cls in MESSAGE_TYPES:
+        info = msgspec.inspect.type_info(cls)
+        assert isinstance(info, msgspec.inspect.StructType)
+        out.append(messages.encode(cls(**{f.name: _sample(f.type) for f in info.fields})))
     return out
 
 
@@ -109,7 +117,7 @@ DECODERS: dict[str, tuple[Callable[[bytes], Any], type[Exception], Callable[[], 
                       and _same_table(TransferPlan.from_bytes(v.to_bytes()).dst, v.dst)),
     "metadata": (TransportMetadata.decode, DecodeError, _metadata_seeds,
                  _consistent(TransportMetadata.decode, lambda v: v.encode())),
-    "message": (messages.decode, ProtocolError, _message_seeds, _consistent(messages.decode, messages.encode)),
+    "message": (messages.decode, ProtocolError, _message_seeds, _consistent(messages.decode, messages.encode_frame)),
     "digest": (KVDigest.from_bytes, DecodeError, _digest_seeds,
                _consistent(KVDigest.from_bytes, lambda v: v.to_bytes())),
 }

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -18,14 +19,19 @@ from kvxfer.disagg.auth import AuthKey, digest, load_secret
 from kvxfer.disagg.control import ControlServer, PeerConnection, connect
 from kvxfer.disagg.handshake import ClientHandshake, LocalIdentity, PeerInfo, Refusal, ServerHandshake
 from kvxfer.disagg.messages import (
-    MESSAGE_SPECS,
+    MESSAGE_TYPES,
     PROTOCOL_VERSION,
-    Field,
-    Message,
-    MessageSpec,
+    Auth,
+    Bye,
+    Challenge,
+    Frame,
+    Heartbeat,
+    Hello,
+    KvBlocks,
+    Refuse,
     decode,
     encode,
-    register,
+    encode_frame,
 )
 from kvxfer.errors import (
     AuthenticationError,
@@ -39,7 +45,6 @@ from kvxfer.model import ModelConfig, preset
 
 SECRET = "correct horse battery staple 42"
 KEY = AuthKey.load(SECRET)
-ECHO = register(MessageSpec("test.echo", (Field("n", "int"), Field("data", "bytes", max_len=1 << 20))))
 
 
 TINY = preset("tiny")
@@ -77,9 +82,14 @@ def dealer(ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> zmq.Socket[byte
     return sock
 
 
-def rx(sock: zmq.Socket[bytes], timeout: float = 3.0) -> Message:
+def rx(sock: zmq.Socket[bytes], timeout: float = 3.0) -> Frame:
     assert sock.poll(int(timeout * 1000)), "no reply"
     return decode(sock.recv(), (0, 99))
+
+
+def echo(n: int, data: bytes) -> KvBlocks:
+    """A message with an int and a bytes field, for the tests of the transport of messages."""
+    return KvBlocks(request_id="echo", skip=n, blocks=data)
 
 
 def by_hand(ctx: zmq.Context[zmq.Socket[bytes]], address: str,
@@ -87,11 +97,11 @@ def by_hand(ctx: zmq.Context[zmq.Socket[bytes]], address: str,
     """A correct client handshake on a raw socket (frames recorded); the socket then stays silent."""
     hs = ClientHandshake(me, KEY)
     sock = dealer(ctx, address)
-    hello = encode(hs.hello())
+    hello = encode_frame(hs.hello())
     sock.send(hello)
     step = hs.on_message(rx(sock))
-    assert isinstance(step, Message)
-    auth = encode(step)
+    assert isinstance(step, Frame)
+    auth = encode_frame(step)
     sock.send(auth)
     peer = hs.on_message(rx(sock))
     assert isinstance(peer, PeerInfo)
@@ -121,18 +131,18 @@ def test_handshake_and_messages_both_ways(server: ControlServer) -> None:
     assert client.peer.layout == LAYOUT and conn.peer.layout is not None
     assert conn.peer.layout.fingerprint == other.fingerprint != LAYOUT.fingerprint
     assert client.peer.version == conn.peer.version == PROTOCOL_VERSION
-    client.send("test.echo", n=7, data=b"\x00" * 1000)
-    got = conn.recv(3)
-    assert (got.type, got["n"], got["data"]) == ("test.echo", 7, b"\x00" * 1000)
-    conn.send("test.echo", n=8, data=b"back")
-    assert client.recv(3)["data"] == b"back"
-    with pytest.raises(ProtocolError, match=r"message 'test.echo'\.n: expected an int"):
-        client.send("test.echo", n="x", data=b"")
+    client.send(echo(7, b"\x00" * 1000))
+    assert conn.recv(3) == echo(7, b"\x00" * 1000)
+    conn.send(echo(8, b"back"))
+    assert client.recv(3) == echo(8, b"back")
+    with pytest.raises(ProtocolError, match=r"message 'kv_blocks' does not fit its type: Expected `int`, got `str` "
+                                            r"- at `message\.skip`"):
+        client.send(KvBlocks(request_id="echo", skip="x", blocks=b""))  # type: ignore[arg-type]
     client.close("done")
     with pytest.raises(PeerUnreachable, match="prefill 'prefill-0' closed the connection: done"):
         conn.recv(3)
     with pytest.raises(PeerUnreachable, match="closed"):
-        client.send("test.echo", n=1, data=b"")
+        client.send(echo(1, b""))
     assert server.peers == []
 
 
@@ -143,10 +153,10 @@ def test_send_urgent_returns_once_the_io_thread_has_taken_the_message(server: Co
     conn = server.accept(3)
     endpoint = client._endpoint
     for n in range(20):
-        client.send_urgent("test.echo", n=n, data=b"x")
+        client.send_urgent(echo(n, b"x"))
         with endpoint._lock:
             assert endpoint._handed == endpoint._enqueued   # taken by the I/O thread, not still queued
-    assert [conn.recv(3)["n"] for _ in range(20)] == list(range(20))
+    assert [conn.recv(3) for _ in range(20)] == [echo(n, b"x") for n in range(20)]
     start = time.monotonic()
     assert not endpoint.wait_handed(endpoint._enqueued + 1, 0.05)
     assert time.monotonic() - start >= 0.04
@@ -178,14 +188,13 @@ def test_wrong_secret_is_refused_both_ways(server: ControlServer, ctx: zmq.Conte
     # A client that cannot prove the secret: the server answers with a reason and nothing else.
     hs = ClientHandshake(ident("prefill", "mallory"), AuthKey(b"wrong secret, 16+ bytes"))
     sock = dealer(ctx, server.address)
-    sock.send(encode(hs.hello()))
+    sock.send(encode_frame(hs.hello()))
     challenge = rx(sock)
-    assert set(challenge.body) == {"version", "role", "name", "nonce", "heartbeat_interval", "proof"}
-    forged = {"layout": LAYOUT.to_msgpack(), "backend": "loopback", "metadata": b"", "heartbeat_interval": 1.0,
-              "proof": AuthKey(b"wrong secret, 16+ bytes").proof("client-auth", b"anything")}
-    sock.send(encode(Message("auth", forged)))
-    refusal = rx(sock)
-    assert refusal.type == "refuse" and dict(refusal.body) == {"code": "auth", "reason": "authentication failed"}
+    assert isinstance(challenge.message, Challenge)
+    forged = Auth(layout=LAYOUT.to_msgpack(), backend="loopback", metadata=b"", heartbeat_interval=1.0,
+                  proof=AuthKey(b"wrong secret, 16+ bytes").proof("client-auth", b"anything"))
+    sock.send(encode(forged, challenge.version))
+    assert rx(sock).message == Refuse(code="auth", reason="authentication failed")
     wait_for(lambda: server.num_pending == 0)
     assert server.peers == [] and "proof does not verify" in server.refusals[-1][1]
     with pytest.raises(ControlTimeout):
@@ -199,14 +208,15 @@ def test_replayed_hello_and_replayed_auth_are_refused(server: ControlServer,
     # 1. The recorded hello again (same client nonce) on a new connection.
     replay = dealer(ctx, server.address)
     replay.send(hello)
-    assert dict(rx(replay).body) == {"code": "auth", "reason": "authentication failed"}
+    assert rx(replay).message == Refuse(code="auth", reason="authentication failed")
     assert "replayed hello nonce" in server.refusals[-1][1]
     # 2. A fresh hello, then the recorded auth: its proof covers the old server nonce.
     fresh = dealer(ctx, server.address)
-    fresh.send(encode(ClientHandshake(ident("prefill", "p"), KEY).hello()))
-    assert rx(fresh).type == "challenge"
+    fresh.send(encode_frame(ClientHandshake(ident("prefill", "p"), KEY).hello()))
+    assert isinstance(rx(fresh).message, Challenge)
     fresh.send(auth)
-    assert rx(fresh)["code"] == "auth"
+    refusal = rx(fresh).message
+    assert isinstance(refusal, Refuse) and refusal.code == "auth"
     assert len(server.peers) == 1 and server.num_pending == 0
     held.close()
 
@@ -217,18 +227,18 @@ def test_unauthenticated_connections_get_nothing(server: ControlServer, ctx: zmq
     raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 16)
     raw.close()
     cases = [
-        (encode(Message("test.echo", {"n": 1, "data": b"x"})), "protocol", "expected 'hello'"),
-        (encode(Message("auth", {"layout": b"", "backend": "", "metadata": b"", "heartbeat_interval": 1.0,
-                                 "proof": bytes(32)})), "protocol", "expected 'hello'"),
+        (encode(echo(1, b"x")), "protocol", "expected 'hello'"),
+        (encode(Auth(layout=b"", backend="", metadata=b"", heartbeat_interval=1.0, proof=bytes(32))), "protocol",
+         "expected 'hello'"),
         (b"\xc1garbage", "protocol", "invalid msgpack"),
-        (msgpack.packb([1, "hello", {"min_version": 1}]), "protocol", "missing field 'max_version'"),
+        (msgpack.packb([1, {"type": "hello", "min_version": 1}]), "protocol",
+         "missing required field `max_version`"),
     ]
     for frame, code, reason in cases:
         sock = dealer(ctx, server.address)
         sock.send(frame)
-        reply = rx(sock)
-        assert reply.type == "refuse" and reply["code"] == code and reason in reply["reason"]
-        assert set(reply.body) == {"code", "reason"}
+        reply = rx(sock).message
+        assert isinstance(reply, Refuse) and reply.code == code and reason in reply.reason
         sock.close()
     assert server.peers == [] and server.num_pending == 0
     client = connect(server.address, ident("prefill", "p"), SECRET, timeout=3)   # still serving
@@ -260,9 +270,9 @@ def test_version_downgrade_in_transit_fails_authentication(ctx: zmq.Context[zmq.
             events = dict(poller.poll(20))
             if front in events:
                 route, frame = front.recv_multipart()
-                msg = decode(frame, (0, 99))
-                if msg.type == "hello":
-                    frame = encode(Message("hello", {**msg.body, "max_version": 1}, 1))
+                got = decode(frame, (0, 99))
+                if isinstance(got.message, Hello):
+                    frame = encode(msgspec.structs.replace(got.message, max_version=1), 1)
                 back.send(frame)
             if back in events:
                 front.send_multipart([route, back.recv()])
@@ -321,10 +331,10 @@ def test_half_open_handshake_expires(ctx: zmq.Context[zmq.Socket[bytes]]) -> Non
     srv = ControlServer(ident("decode", "d"), SECRET, handshake_timeout=0.2)
     try:
         sock = dealer(ctx, srv.address)
-        sock.send(encode(ClientHandshake(ident("prefill", "p"), KEY).hello()))
-        assert rx(sock).type == "challenge" and srv.num_pending == 1
+        sock.send(encode_frame(ClientHandshake(ident("prefill", "p"), KEY).hello()))
+        assert isinstance(rx(sock).message, Challenge) and srv.num_pending == 1
         refusal = rx(sock, 2.0)         # then silence: the server gives up and forgets it
-        assert dict(refusal.body) == {"code": "timeout", "reason": "handshake not completed within 0.2 s"}
+        assert refusal.message == Refuse(code="timeout", reason="handshake not completed within 0.2 s")
         assert srv.num_pending == 0 and srv.peers == []
     finally:
         srv.close()
@@ -362,7 +372,7 @@ def test_client_detects_a_silent_server(ctx: zmq.Context[zmq.Socket[bytes]]) -> 
         for _ in range(2):
             route, frame = router.recv_multipart()
             reply, _ = hs.on_message(decode(frame))
-            router.send_multipart([route, encode(reply)])
+            router.send_multipart([route, encode_frame(reply)])
 
     thread = threading.Thread(target=answer_handshake_then_freeze, daemon=True)
     thread.start()
@@ -379,42 +389,43 @@ def test_client_detects_a_silent_server(ctx: zmq.Context[zmq.Socket[bytes]]) -> 
 
 # --- strict decoding -------------------------------------------------------------------------------
 def test_decoder_names_the_bad_field() -> None:
-    good = {"min_version": 1, "max_version": 1, "role": "prefill", "name": "p", "nonce": bytes(32)}
+    good = {"type": "hello", "min_version": 1, "max_version": 1, "role": "prefill", "name": "p", "nonce": bytes(32)}
     cases = [
-        (msgpack.packb([PROTOCOL_VERSION + 1, "hello", good]),
+        (msgpack.packb([PROTOCOL_VERSION + 1, good]),
          rf"message\.version: unsupported protocol version {PROTOCOL_VERSION + 1}"),
-        (msgpack.packb([True, "hello", good]), r"message\.version"),
-        (msgpack.packb([1, "nope", {}]), r"message\.type: unknown message type 'nope'"),
-        (msgpack.packb([1, "hello", {**good, "extra": 1}]), r"body: unexpected field 'extra'"),
-        (msgpack.packb([1, "hello", {**good, "nonce": bytes(31)}]), r"message 'hello'\.nonce: expected bytes of 32"),
-        (msgpack.packb([1, "hello", {**good, "role": "admin"}]), r"'hello'\.role: expected one of"),
-        (msgpack.packb([1, "hello", {**good, "max_version": 1.0}]), r"'hello'\.max_version: expected an int"),
-        (msgpack.packb([1, "hello", [1, 2]]), r"'hello'\.body: expected a map"),
-        (msgpack.packb([1, "hello"]), r"expected \[version, type, body\]"),
-        (msgpack.packb([1, "hello", good])[:-5], r"invalid msgpack"),
-        (msgpack.packb([1, "hello", good]) + b"\x00", r"invalid msgpack"),
-        (msgpack.packb([1, "test.echo", {"n": 1, "data": bytes(100)}]), r"exceed the limit of 64"),
+        (msgpack.packb([True, good]), r"message\.version: Expected `int`, got `bool`"),
+        (msgpack.packb([1, {"type": "nope"}]), r"Invalid value 'nope' - at `message\.type`"),
+        (msgpack.packb([1, {**good, "extra": 1}]), r"unknown field `extra` - at `message`"),
+        (msgpack.packb([1, {**good, "nonce": bytes(31)}]), r"Expected `bytes` of length >= 32 - at `message\.nonce`"),
+        (msgpack.packb([1, {**good, "role": "admin"}]), r"Invalid enum value 'admin' - at `message\.role`"),
+        (msgpack.packb([1, {**good, "max_version": 1.0}]), r"Expected `int`, got `float` - at `message\.max_version`"),
+        (msgpack.packb([1, [1, 2]]), r"Expected `object`, got `array` - at `message`"),
+        (msgpack.packb([1]), r"Expected `array` of at least length 2"),
+        (msgpack.packb([1, good, 3]), r"Expected `array` of at most length 2"),
+        (msgpack.packb([1, good])[:-5], r"invalid msgpack"),
+        (msgpack.packb([1, good]) + b"\x00", r"invalid msgpack"),
+        (encode(echo(1, bytes(100)), 1), r"exceed the limit of 64"),
     ]
     for frame, pattern in cases:
         with pytest.raises(ProtocolError, match=pattern):
-            decode(frame, max_bytes=64 if b"test.echo" in frame else 1 << 20)
-    assert decode(msgpack.packb([1, "hello", good]))["nonce"] == bytes(32)
+            decode(frame, max_bytes=64 if b"kv_blocks" in frame else 1 << 20)
+    hello = decode(msgpack.packb([1, good])).message
+    assert isinstance(hello, Hello) and hello.nonce == bytes(32)
 
 
-def decodes_or_refuses(frame: bytes) -> None:
-    """Hostile bytes either raise ProtocolError or decode into a message that satisfies its spec."""
+def decodes_or_refuses(data: bytes) -> None:
+    """Hostile bytes either raise ProtocolError or decode into a message that satisfies its type."""
     try:
-        msg = decode(frame)
+        frame = decode(data)
     except ProtocolError:
         return
-    assert msg.type in MESSAGE_SPECS and decode(encode(msg)) == msg
+    assert isinstance(frame.message, MESSAGE_TYPES) and decode(encode_frame(frame)) == frame
 
 
 def valid_frames() -> list[bytes]:
     hs = ClientHandshake(ident("prefill", "p"), KEY)
-    return [encode(hs.hello()), encode(Message("bye", {"reason": "x"})), encode(Message("heartbeat")),
-            encode(Message("refuse", {"code": "auth", "reason": "r"})),
-            encode(Message("test.echo", {"n": 3, "data": b"abc"}))]
+    return [encode_frame(hs.hello()), encode(Bye(reason="x")), encode(Heartbeat()),
+            encode(Refuse(code="auth", reason="r")), encode(echo(3, b"abc"))]
 
 
 msgpack_values = st.recursive(
@@ -432,17 +443,18 @@ def test_fuzz_decoder_random_bytes(data: bytes) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(version=msgpack_values | st.integers(0, 3), mtype=msgpack_values | st.sampled_from(
-    ["hello", "challenge", "auth", "accept", "refuse", "bye", "heartbeat", "test.echo"]), body=msgpack_values)
+    ["hello", "challenge", "auth", "accept", "refuse", "bye", "heartbeat", "kv_blocks"]), body=msgpack_values)
 def test_fuzz_decoder_structured(version: object, mtype: object, body: object) -> None:
+    message = {**body, "type": mtype} if isinstance(body, dict) else body
     try:
-        frame = msgpack.packb([version, mtype, body], use_bin_type=True)
+        data = msgpack.packb([version, message], use_bin_type=True)
     except (OverflowError, ValueError, TypeError):
         return
     try:
-        msg = decode(frame)
+        frame = decode(data)
     except ProtocolError:
         return
-    assert encode(msg) == frame or msg.type in {"heartbeat"}   # what decodes re-encodes
+    assert decode(encode_frame(frame)) == frame   # what decodes re-encodes to itself
 
 
 @settings(max_examples=200, deadline=None)
@@ -461,12 +473,12 @@ def test_fuzz_authenticated_hostile_layout_only_refused(raw: bytes) -> None:
     server = ServerHandshake(ident("decode", "d"), KEY)
     client = ClientHandshake(ident("prefill", "p", None), KEY)
     auth = client.on_message(server.on_message(client.hello())[0])
-    assert isinstance(auth, Message)
-    body = {**auth.body, "layout": raw}
+    assert isinstance(auth, Frame) and isinstance(auth.message, Auth)
+    body = auth.message
     proof = KEY.proof("client-auth", *client._transcript,
-                      digest(raw, body["backend"], body["metadata"], body["heartbeat_interval"]))
+                      digest(raw, body.backend, body.metadata, body.heartbeat_interval))
     try:
-        server.on_message(Message("auth", {**body, "proof": proof}))
+        server.on_message(Frame(auth.version, msgspec.structs.replace(body, layout=raw, proof=proof)))
     except Refusal as exc:
         assert exc.code == "layout"
 

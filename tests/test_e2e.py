@@ -19,6 +19,7 @@ import torch
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli import main as cli_main
 from kvxfer.disagg import PROTOCOL_VERSION, LocalIdentity, PeerConnection, connect
+from kvxfer.disagg.messages import KvBlocks, KvFailed, KvPull, KvRanks, KvRequest
 from kvxfer.disagg.oracle import DEFAULT_POSITIONS, KVOracle
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import ClientResult
@@ -223,17 +224,17 @@ class HandDecode:
         ident = LocalIdentity("decode", self.cfg.name, self.managers[0].layout, "loopback",
                               self.transport.metadata(), 0.2)
         self.conn: PeerConnection = connect(prefill.address, ident, SECRET, expect_role="prefill")
-        self.conn.send("kv_ranks", layouts=encode_layouts([m.layout for m in self.managers]))
-        assert self.conn.recv(5).type == "kv_ranks"
+        self.conn.send(KvRanks(layouts=encode_layouts([m.layout for m in self.managers])))
+        assert isinstance(self.conn.recv(5), KvRanks)
 
     def request(self, rid: str, tokens: np.ndarray, mode: str = "pull", lease_s: float = 30.0) -> None:
-        self.conn.send("kv_request", request_id=rid, tokens=encode_tokens(tokens), mode=mode, layerwise=False,
-                       layers_per_send=1, lease_s=lease_s, checksum=b"")
+        self.conn.send(KvRequest(request_id=rid, tokens=encode_tokens(tokens), mode=mode,  # type: ignore[arg-type]
+                                 layerwise=False, layers_per_send=1, lease_s=lease_s, checksum=b""))
 
     def blocks(self, rid: str, tokens: np.ndarray, skip: int = 0) -> Any:
         cache = self.managers[0].create_kv_cache_for_prompt(tokens)
         assert cache.resume() and cache.resize(int(tokens.size))
-        self.conn.send("kv_blocks", request_id=rid, skip=skip, blocks=encode_block_ids([cache.block_id_map()]))
+        self.conn.send(KvBlocks(request_id=rid, skip=skip, blocks=encode_block_ids([cache.block_id_map()])))
         return cache
 
     def close(self) -> None:
@@ -249,10 +250,10 @@ def test_pull_lease_expires_when_decode_stops_renewing(prefill: PrefillWorker) -
         hand.request("q1", tokens, lease_s=0.5)
         cache = hand.blocks("q1", tokens)
         pull = hand.conn.recv(10)
-        assert pull.type == "kv_pull" and pull["request_id"] == "q1"
+        assert isinstance(pull, KvPull) and pull.request_id == "q1"
         assert prefill.held_slots() > 0
         failed = hand.conn.recv(5)
-        assert failed.type == "kv_failed" and "lease expired" in failed["reason"]
+        assert isinstance(failed, KvFailed) and "lease expired" in failed.reason
         assert_idle(prefill)
         cache.close()
     finally:

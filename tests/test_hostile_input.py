@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
+import msgspec.inspect
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -30,7 +32,7 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.layout import plan_layout
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.disagg import messages
-from kvxfer.disagg.messages import MESSAGE_SPECS, Message
+from kvxfer.disagg.messages import MESSAGE_TYPES, KvPosted
 from kvxfer.disagg.worker_protocol import Notice, decode_notice, encode_notice
 from kvxfer.errors import DecodeError, PageTableError, ProtocolError, TransferFailed, TransportError
 from kvxfer.pagetable import PageTable, TransferPlan
@@ -77,24 +79,33 @@ def _metadata() -> list[bytes]:
             TransportMetadata("loopback", "d", (), b"").encode()]
 
 
+def _sample(t: msgspec.inspect.Type) -> Any:
+    """A value of the field type ``t`` within its bounds."""
+    match t:
+        case msgspec.inspect.LiteralType(values=values):
+            return values[-1]
+        case msgspec.inspect.StrType(min_length=least):
+            return "x" * max(least or 0, 1)
+        case msgspec.inspect.BytesType(min_length=least):
+            return b"\x01" * max(least or 0, 1)
+        case msgspec.inspect.BoolType():
+            return True
+        case msgspec.inspect.IntType(ge=ge, le=le):
+            return max(ge or 0, min(7, 7 if le is None else le))
+        case msgspec.inspect.FloatType(ge=ge):
+            return max(ge or 0.0, 0.5)
+        case msgspec.inspect.ListType():
+            return [1, 2, 3]
+    raise AssertionError(f"no sample for a field of type {t}")
+
+
 def _messages() -> list[bytes]:
-    """A valid frame of every registered control message type (workers' types included)."""
-    values: dict[str, Any] = {"int": 7, "float": 0.5, "bool": True, "ints": [1, 2, 3]}
+    """A valid frame of every control message type (workers' and the vLLM connector's included)."""
     out = []
-    for spec in MESSAGE_SPECS.values():
-        body: dict[str, Any] = {}
-        for f in spec.fields:
-            if f.choices:
-                body[f.name] = f.choices[0]
-            elif f.kind == "str":
-                body[f.name] = "x" * max(f.min_len, 1)
-            elif f.kind == "bytes":
-                body[f.name] = b"\x01" * max(f.min_len, 1)
-            elif f.kind == "float":
-                body[f.name] = max(float(f.lo), 0.5)
-            else:
-                body[f.name] = values[f.kind] if f.kind != "int" else max(int(f.lo), min(7, int(f.hi)))
-        out.append(messages.encode(Message(spec.type, body)))
+    for cls in MESSAGE_TYPES:
+        info = msgspec.inspect.type_info(cls)
+        assert isinstance(info, msgspec.inspect.StructType)
+        out.append(messages.encode(cls(**{f.name: _sample(f.type) for f in info.fields})))
     return out
 
 
@@ -111,15 +122,14 @@ def _digests() -> list[bytes]:
 
 
 def _notices() -> list[bytes]:
-    summary = {"first_token": 7, "parts": 1, "nbytes": 4096, "reused_tokens": 16, "prefill_s": 0.25, "queued_s": 0.001,
-               "post_s": 0.0002, "computed_at": 1234.5, "posted_at": 1234.6}
+    summary = KvPosted(request_id="req-7", first_token=7, parts=1, nbytes=4096, reused_tokens=16, prefill_s=0.25,
+                       digest=b"", queued_s=0.001, post_s=0.0002, computed_at=1234.5, posted_at=1234.6)
     return [encode_notice("req-7", 1, summary, lambda b: bytes(range(16))),
             encode_notice("req-8", 3, None, lambda b: bytes(16))]
 
 
 def _same_notice(v: Notice) -> bool:
-    summary = None if v.summary is None else {k: x for k, x in v.summary.body.items() if k not in ("request_id", "digest")}
-    again = decode_notice(encode_notice(v.request_id, v.part, summary, lambda b: v.tag))
+    again = decode_notice(encode_notice(v.request_id, v.part, v.summary, lambda b: v.tag))
     return (again.request_id, again.part, again.summary, again.tag) == (v.request_id, v.part, v.summary, v.tag)
 
 
@@ -153,7 +163,7 @@ DECODERS = [
     Decoder("TransportMetadata.decode", TransportMetadata.decode, DecodeError, _metadata(), True,
             lambda v: TransportMetadata.decode(v.encode()) == v),
     Decoder("disagg.messages.decode", messages.decode, ProtocolError, _messages(), True,
-            lambda v: messages.decode(messages.encode(v)) == v),
+            lambda v: messages.decode(messages.encode_frame(v)) == v),
     Decoder("KVDigest.from_bytes", KVDigest.from_bytes, DecodeError, _digests(), True,
             lambda v: KVDigest.from_bytes(v.to_bytes()) == v),
     Decoder("worker_protocol.decode_notice", decode_notice, ProtocolError, _notices(), False, _same_notice),
@@ -175,7 +185,7 @@ def decodes_or_refuses(dec: Decoder, data: bytes) -> bool:
 def test_every_seed_decodes() -> None:
     for dec in DECODERS:
         assert dec.seeds and all(decodes_or_refuses(dec, s) for s in dec.seeds), dec.name
-    assert len(_messages()) == len(MESSAGE_SPECS) >= 7
+    assert len(_messages()) == len(MESSAGE_TYPES) >= 7
 
 
 # --- mutation engine -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvxfer.disagg.messages import KvFailed, KvPull, KvRelease
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
@@ -123,7 +124,7 @@ def test_prefill_waits_for_kv_blocks_only_as_long_as_the_lease(prefill: PrefillW
     tokens = prompts(14)[0]
     hand.request("q1", tokens, lease_s=0.5)
     failed = hand.conn.recv(10)
-    assert failed.type == "kv_failed" and failed["request_id"] == "q1" and "lease expired" in failed["reason"]
+    assert isinstance(failed, KvFailed) and failed.request_id == "q1" and "lease expired" in failed.reason
     wait_idle(prefill)
 
 
@@ -132,8 +133,8 @@ def test_kv_blocks_out_of_range_skip_fails_the_request(prefill: PrefillWorker, h
     hand.request("q2", tokens)
     cache = hand.blocks("q2", tokens, skip=int(tokens.size))
     failed = hand.conn.recv(10)
-    assert failed.type == "kv_failed" and f"kv_blocks.skip={tokens.size} outside [0, {tokens.size})" in \
-        failed["reason"]
+    assert isinstance(failed, KvFailed) and f"kv_blocks.skip={tokens.size} outside [0, {tokens.size})" in \
+        failed.reason
     wait_idle(prefill)
     cache.close()
 
@@ -146,8 +147,8 @@ def test_kv_blocks_for_an_unknown_request_is_ignored(prefill: PrefillWorker, han
     hand.request("q3", tokens)
     cache = hand.blocks("q3", tokens)
     pull = hand.conn.recv(10)
-    assert pull.type == "kv_pull" and pull["request_id"] == "q3"
-    hand.conn.send("kv_release", request_id="q3")
+    assert isinstance(pull, KvPull) and pull.request_id == "q3"
+    hand.conn.send(KvRelease(request_id="q3"))
     wait_idle(prefill)
     cache.close()
     stray.close()
@@ -159,7 +160,7 @@ def test_a_second_kv_blocks_is_a_protocol_error(prefill: PrefillWorker, hand: Ha
     tokens = prompts(17)[0]
     hand.request("q4", tokens)
     first = hand.blocks("q4", tokens)
-    assert hand.conn.recv(10).type == "kv_pull"
+    assert isinstance(hand.conn.recv(10), KvPull)
     second = hand.blocks("q4", tokens)
     with pytest.raises(PeerUnreachable, match="kv_blocks: a second one for request 'q4'"):
         for _ in range(50):

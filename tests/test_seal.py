@@ -10,11 +10,19 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-import kvxfer.disagg.worker_protocol  # noqa: F401  (registers the worker messages)
 from kvxfer.disagg.auth import AuthKey
 from kvxfer.disagg.control import ControlServer, connect
 from kvxfer.disagg.handshake import ClientHandshake, LocalIdentity, PeerInfo
-from kvxfer.disagg.messages import Message, decode, encode
+from kvxfer.disagg.messages import (
+    Challenge,
+    Frame,
+    Refuse,
+    WorkerStatus,
+    WorkerStatusReply,
+    decode,
+    encode,
+    encode_frame,
+)
 from kvxfer.disagg.seal import OVERHEAD_BYTES, SealedChannel, SealError
 from kvxfer.errors import AuthenticationError
 
@@ -74,11 +82,11 @@ def handshake_by_hand(ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> tupl
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
-    sock.send(encode(hs.hello()))
+    sock.send(encode_frame(hs.hello()))
     assert sock.poll(3000)
     step = hs.on_message(decode(sock.recv(), (0, 99)))
-    assert isinstance(step, Message)
-    sock.send(encode(step))
+    assert isinstance(step, Frame)
+    sock.send(encode_frame(step))
     assert sock.poll(3000)
     assert isinstance(hs.on_message(decode(sock.recv(), (0, 99))), PeerInfo)
     return sock, hs.channel()
@@ -89,33 +97,33 @@ def test_altered_or_replayed_frame_ends_the_connection_with_the_reason(
         server: ControlServer, ctx: zmq.Context[zmq.Socket[bytes]], attack: str) -> None:
     sock, channel = handshake_by_hand(ctx, server.address)
     conn = server.accept(3)
-    frame = channel.seal(encode(Message("worker_status", {})))
+    frame = channel.seal(encode(WorkerStatus()))
     sock.send(frame)
-    assert conn.recv(3).type == "worker_status"                       # the genuine frame is served
+    assert isinstance(conn.recv(3), WorkerStatus)                     # the genuine frame is served
     if attack == "tampered":
-        nxt = bytearray(channel.seal(encode(Message("worker_status", {}))))
+        nxt = bytearray(channel.seal(encode(WorkerStatus())))
         nxt[-1] ^= 0x80
         sock.send(bytes(nxt))
     elif attack == "replayed":
         sock.send(frame)
     else:                                                             # an injected plain message
-        sock.send(encode(Message("worker_status", {})))
+        sock.send(encode(WorkerStatus()))
     expected = {"tampered": "tampered message refused", "replayed": "replayed message refused: frame counter 0, "
                 "expected 1", "unsealed": "tampered message refused"}[attack]
     with pytest.raises(AuthenticationError, match=expected):
         conn.recv(3)
     with pytest.raises(AuthenticationError, match=expected):   # the connection stays ended
-        conn.send("worker_status")
+        conn.send(WorkerStatus())
     sock.close()
 
 
 def test_worker_messages_travel_sealed(server: ControlServer) -> None:
     client = connect(server.address, ident("client", "c"), SECRET, timeout=3)
     conn = server.accept(3)
-    client.send("worker_status")
-    assert conn.recv(3).type == "worker_status"
-    conn.send("worker_status_reply", stats=b"\x80")
-    assert client.recv(3)["stats"] == b"\x80"
+    client.send(WorkerStatus())
+    assert isinstance(conn.recv(3), WorkerStatus)
+    conn.send(WorkerStatusReply(stats=b"\x80"))
+    assert client.recv(3) == WorkerStatusReply(stats=b"\x80")
     client.close()
 
 
@@ -131,7 +139,7 @@ def strangers(ctx: zmq.Context[zmq.Socket[bytes]], address: str, n: int,
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         socks.append(sock)
-    hellos = [encode(ClientHandshake(ident("client", f"stranger-{i}"), AuthKey(b"x" * 16)).hello()) for i in range(n)]
+    hellos = [encode_frame(ClientHandshake(ident("client", f"stranger-{i}"), AuthKey(b"x" * 16)).hello()) for i in range(n)]
 
     def flood() -> None:
         for i, (sock, hello) in enumerate(zip(socks, hellos, strict=True)):
@@ -163,9 +171,10 @@ def test_a_full_handshake_table_evicts_the_oldest_stranger(ctx: zmq.Context[zmq.
         assert (srv.evicted, srv.num_pending) == (12, 8)
         replies = []
         while len(replies) < 2 and socks[0].poll(10_000):   # generous: a loaded CI machine is slow to send
-            replies.append(decode(socks[0].recv(), (0, 99)))
-        assert [m.type for m in replies] == ["challenge", "refuse"]
-        assert replies[1]["code"] == "busy" and "handshake evicted" in replies[1]["reason"]
+            replies.append(decode(socks[0].recv(), (0, 99)).message)
+        assert [type(m) for m in replies] == [Challenge, Refuse]
+        refusal = replies[1]
+        assert isinstance(refusal, Refuse) and refusal.code == "busy" and "handshake evicted" in refusal.reason
         client = connect(srv.address, ident("client", "correct"), SECRET, timeout=1.0)
         srv.accept(1.0)
         client.close()

@@ -137,9 +137,10 @@ def test_status_in_process_over_a_client_connection_and_from_the_cli(capsys: pyt
 def test_a_status_client_cannot_ask_prefill_for_kv() -> None:
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill:
         from kvxfer.disagg import LocalIdentity, connect
+        from kvxfer.disagg.messages import KvRelease
         conn = connect(prefill.address, LocalIdentity("client", "nosy"), SECRET)
         try:
-            conn.send("kv_release", request_id="x")
+            conn.send(KvRelease(request_id="x"))
             with pytest.raises(PeerUnreachable, match="may only ask for worker_status"):
                 for _ in range(50):
                     conn.recv(0.2)
@@ -233,3 +234,25 @@ def test_a_request_whose_deadline_passed_in_decode_queue_is_not_sent() -> None:
         assert_matches_reference(decode.generate(first, NEW, timeout=30, return_kv=KV), first, NEW)
         assert_matches_reference(decode.generate(second, NEW, timeout=30, return_kv=KV), second, NEW)
         wait_idle(prefill, decode)
+
+
+def test_decode_request_states_move_only_as_the_table_says() -> None:
+    """The decode request lifecycle: every state reaches a terminal one, terminal states never move, and
+    a move the table does not list is refused naming the request, both states and what was allowed."""
+    from kvxfer.disagg.worker_decode import JOB_TRANSITIONS, JobState, check_move
+    from kvxfer.errors import SessionError
+    assert {s for s in JobState if s.terminal} == {JobState.DONE, JobState.FAILED, JobState.RETRIED, JobState.FREED}
+    for start in JobState:
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in JOB_TRANSITIONS[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        assert any(s.terminal for s in seen), start
+    check_move("r", JobState.REQUESTED, JobState.GENERATING)
+    with pytest.raises(SessionError, match=r"decode request 'r': illegal move done -> requested \(allowed from "
+                                           r"done: none \(terminal\)\)"):
+        check_move("r", JobState.DONE, JobState.REQUESTED)
+    with pytest.raises(SessionError, match=r"illegal move generating -> quarantined \(allowed from generating: "
+                                           r"\['done', 'failed'\]\)"):
+        check_move("r", JobState.GENERATING, JobState.QUARANTINED)

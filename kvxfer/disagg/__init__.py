@@ -4,7 +4,7 @@ prefill/decode workers built on them."""
 from kvxfer.disagg.auth import AuthKey, load_secret
 from kvxfer.disagg.control import ControlServer, PeerConnection, connect
 from kvxfer.disagg.handshake import LocalIdentity, PeerInfo, check_compatible
-from kvxfer.disagg.messages import PROTOCOL_VERSION, Field, Message, MessageSpec, register
+from kvxfer.disagg.messages import PROTOCOL_VERSION, ControlMessage
 from kvxfer.disagg.session import Lease, LeaseTable, Session, SessionState
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient
@@ -15,16 +15,14 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AuthKey",
     "ClientResult",
+    "ControlMessage",
     "ControlServer",
     "DecodeWorker",
-    "Field",
     "GenerateClient",
     "GenerationResult",
     "Lease",
     "LeaseTable",
     "LocalIdentity",
-    "Message",
-    "MessageSpec",
     "PeerConnection",
     "PeerInfo",
     "PrefillWorker",
@@ -34,5 +32,4 @@ __all__ = [
     "check_compatible",
     "connect",
     "load_secret",
-    "register",
 ]

@@ -25,7 +25,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
@@ -40,15 +39,23 @@ from kvxfer.disagg.handshake import (
     ServerHandshake,
     check_compatible,
 )
+from kvxfer.disagg.handshake import refusal as refusal_frame
 from kvxfer.disagg.messages import (
-    HANDSHAKE_TYPES,
     MAX_MESSAGE_BYTES,
-    MIN_PROTOCOL_VERSION,
     ROLES,
     SUPPORTED_VERSIONS,
-    Message,
+    Accept,
+    Auth,
+    Bye,
+    Challenge,
+    ControlMessage,
+    Frame,
+    Heartbeat,
+    Hello,
+    Refuse,
     decode,
     encode,
+    encode_frame,
 )
 from kvxfer.disagg.seal import SealedChannel, SealError
 from kvxfer.errors import (
@@ -63,7 +70,7 @@ from kvxfer.errors import (
 log = logging.getLogger("kvxfer.disagg.control")
 
 PeerLostCallback = Callable[["PeerConnection", str], None]
-ArrivalHook = Callable[["PeerConnection", Message], bool]
+ArrivalHook = Callable[["PeerConnection", ControlMessage], bool]
 Secret = AuthKey | str | bytes | None
 _ANY_VERSION = (0, 1 << 16)
 #: How long ``PeerConnection.send_urgent`` waits for the I/O thread to take its message (a hint for the
@@ -98,7 +105,7 @@ class PeerConnection:
         self._endpoint = endpoint
         self._route = route
         self._channel = channel
-        self._inbox: queue.Queue[Message | _Lost] = queue.Queue()
+        self._inbox: queue.Queue[ControlMessage | _Lost] = queue.Queue()
         self._error: KvxferError | None = None
         self._wake: Callable[[], None] | None = None
         self._on_arrival: ArrivalHook | None = None
@@ -120,20 +127,20 @@ class PeerConnection:
         assert self._error is not None
         raise type(self._error)(str(self._error))
 
-    def send(self, type: str, **body: Any) -> None:
-        """Queue a message to the peer; ProtocolError if it does not fit its spec, PeerUnreachable if lost."""
-        self._enqueue(type, body)
+    def send(self, message: ControlMessage) -> None:
+        """Queue a message to the peer; ProtocolError if it does not fit its type, PeerUnreachable if lost."""
+        self._enqueue(message)
 
-    def send_urgent(self, type: str, **body: Any) -> None:
+    def send_urgent(self, message: ControlMessage) -> None:
         """``send``, then wait (at most ``URGENT_HANDOFF_S``) until the I/O thread has handed the message to
         the socket: for a message on a request's critical path sent by a thread with more Python work to
         do (the engine), which would otherwise hold the GIL while the I/O thread waits to send."""
-        self._endpoint.wait_handed(self._enqueue(type, body), URGENT_HANDOFF_S)
+        self._endpoint.wait_handed(self._enqueue(message), URGENT_HANDOFF_S)
 
-    def _enqueue(self, type: str, body: dict[str, Any]) -> int:
+    def _enqueue(self, message: ControlMessage) -> int:
         if self._error is not None:
             self._raise_lost()
-        return self._endpoint.enqueue(self._route, encode(Message(type, body, self.peer.version)))
+        return self._endpoint.enqueue(self._route, encode(message, self.peer.version))
 
     def sign_notice(self, data: bytes) -> bytes:
         """A tag that lets the peer check ``data`` came from this side of this connection (``verify_notice``):
@@ -153,7 +160,7 @@ class PeerConnection:
         self._wake = wake
         wake()   # anything that arrived before the watch is served too
 
-    def poll(self) -> Message | None:
+    def poll(self) -> ControlMessage | None:
         """The next application message if one is waiting, else None; PeerUnreachable (or ProtocolError)
         once the connection ended and every message before the end was taken."""
         try:
@@ -165,7 +172,7 @@ class PeerConnection:
         if isinstance(item, _Lost):
             self._inbox.put(item)
             self._raise_lost()
-        assert isinstance(item, Message)
+        assert isinstance(item, ControlMessage)
         return item
 
     def _notify(self) -> None:
@@ -176,7 +183,7 @@ class PeerConnection:
             except Exception:
                 log.exception("wake-up callback of the connection to %s failed", self.peer.name)
 
-    def recv(self, timeout: float) -> Message:
+    def recv(self, timeout: float) -> ControlMessage:
         """The next application message; ControlTimeout after ``timeout`` s, PeerUnreachable (or
         ProtocolError) once the connection ended."""
         wait = check_timeout(timeout, f"recv from {self.peer.name}")
@@ -189,7 +196,7 @@ class PeerConnection:
         if isinstance(item, _Lost):
             self._inbox.put(item)
             self._raise_lost()
-        assert isinstance(item, Message)
+        assert isinstance(item, ControlMessage)
         return item
 
     def close(self, reason: str = "closed") -> None:
@@ -280,7 +287,7 @@ class _Endpoint:
         conn = self._peers.get(route)
         if conn is not None and conn.alive:
             with contextlib.suppress(PeerUnreachable):
-                self.enqueue(route, encode(Message("bye", {"reason": reason[:1024]}, conn.peer.version)))
+                self.enqueue(route, encode(Bye(reason=reason[:1024]), conn.peer.version))
             self._call_soon(lambda: self._fail(conn, PeerUnreachable(f"connection to {conn.peer.name!r} closed "
                                                                      f"locally: {reason}"), notify=False, clean=True))
 
@@ -297,8 +304,7 @@ class _Endpoint:
             self._closed = True
             for route, conn in self._peers.items():
                 if conn.alive:
-                    self._outbox.append((route, encode(Message("bye", {"reason": reason[:1024]},
-                                                               conn.peer.version))))
+                    self._outbox.append((route, encode(Bye(reason=reason[:1024]), conn.peer.version)))
         self._stop.set()
         self._wake()
         if threading.current_thread() is self._thread:
@@ -420,37 +426,42 @@ class _Endpoint:
             return
         conn.last_seen = time.monotonic()
         try:
-            msg = decode(plain, (conn.peer.version, conn.peer.version), self.max_message_bytes)
+            msg = decode(plain, (conn.peer.version, conn.peer.version), self.max_message_bytes).message
         except ProtocolError as exc:
             self._fail(conn, ProtocolError(f"{conn.peer.role} {conn.peer.name!r} sent a bad message: {exc}"),
                        bye=f"protocol error: {exc}")
             return
-        if msg.type == "heartbeat":
-            return
-        if msg.type == "bye":
-            self._fail(conn, PeerUnreachable(f"{conn.peer.role} {conn.peer.name!r} closed the connection: "
-                                             f"{msg['reason']}"), clean=True)
-        elif msg.type == "refuse":
-            self._fail(conn, PeerUnreachable(f"{conn.peer.role} {conn.peer.name!r} refused us ({msg['code']}): "
-                                             f"{msg['reason']}"))
-        elif msg.type in HANDSHAKE_TYPES:
-            self._fail(conn, ProtocolError(f"{conn.peer.name!r} sent {msg.type!r} after the handshake"),
-                       bye=f"unexpected {msg.type!r} after the handshake")
-        else:
-            hook = conn._on_arrival
-            if hook is not None:
-                try:
-                    if hook(conn, msg):
-                        return
-                except Exception:
-                    log.exception("%s: on-arrival hook failed for a %r from %s", self.local.name, msg.type,
-                                  conn.peer.name)
-            if conn._inbox.qsize() >= self.inbox_limit:
-                self._fail(conn, ProtocolError(f"{conn.peer.name!r} overflowed its inbox ({self.inbox_limit} "
-                                               f"unread messages)"), bye=f"inbox overflow ({self.inbox_limit} unread)")
+        match msg:
+            case Heartbeat():
                 return
-            conn._inbox.put(msg)
-            conn._notify()
+            case Bye(reason=reason):
+                self._fail(conn, PeerUnreachable(f"{conn.peer.role} {conn.peer.name!r} closed the connection: "
+                                                 f"{reason}"), clean=True)
+            case Refuse(code=code, reason=reason):
+                self._fail(conn, PeerUnreachable(f"{conn.peer.role} {conn.peer.name!r} refused us ({code}): "
+                                                 f"{reason}"))
+            case Hello() | Challenge() | Auth() | Accept():
+                self._fail(conn, ProtocolError(f"{conn.peer.name!r} sent {msg.kind!r} after the handshake"),
+                           bye=f"unexpected {msg.kind!r} after the handshake")
+            case _:
+                self._deliver(conn, msg)
+
+    def _deliver(self, conn: PeerConnection, msg: ControlMessage) -> None:
+        """Hand an application message to the arrival hook, or else to the connection's bounded inbox."""
+        hook = conn._on_arrival
+        if hook is not None:
+            try:
+                if hook(conn, msg):
+                    return
+            except Exception:
+                log.exception("%s: on-arrival hook failed for a %r from %s", self.local.name, msg.kind,
+                              conn.peer.name)
+        if conn._inbox.qsize() >= self.inbox_limit:
+            self._fail(conn, ProtocolError(f"{conn.peer.name!r} overflowed its inbox ({self.inbox_limit} "
+                                           f"unread messages)"), bye=f"inbox overflow ({self.inbox_limit} unread)")
+            return
+        conn._inbox.put(msg)
+        conn._notify()
 
     def _on_stranger(self, route: bytes, parts: list[bytes]) -> None:
         log.debug("%s: ignoring a message from an unknown route %s", self.local.name, route.hex())
@@ -465,8 +476,7 @@ class _Endpoint:
                     f"heartbeats of {conn.peer.heartbeat_interval:.3f} s missed)"))
             elif now >= conn.next_heartbeat:
                 conn.next_heartbeat = now + self.local.heartbeat_interval
-                err = self._send_now(conn._route, conn._channel.seal(encode(Message("heartbeat", {},
-                                                                                     conn.peer.version))))
+                err = self._send_now(conn._route, conn._channel.seal(encode(Heartbeat(), conn.peer.version)))
                 if err is not None:
                     self._fail(conn, PeerUnreachable(f"cannot send to {conn.peer.name!r}: {err}"))
 
@@ -479,8 +489,7 @@ class _Endpoint:
         conn._error = error
         self._peers.pop(conn._route, None)
         if bye is not None:
-            self._send_now(conn._route, conn._channel.seal(encode(Message("bye", {"reason": bye[:1024]},
-                                                                          conn.peer.version))))
+            self._send_now(conn._route, conn._channel.seal(encode(Bye(reason=bye[:1024]), conn.peer.version)))
         conn._inbox.put(_Lost(error))
         conn._notify()
         log.log(logging.DEBUG if clean else logging.WARNING, "%s: connection to %s ended: %s", self.local.name,
@@ -570,19 +579,19 @@ class ControlServer(_Endpoint):
             if len(parts) != 1:
                 raise Refusal("protocol", f"message: expected one frame, got {len(parts)}")
             try:
-                msg = decode(parts[0], self.versions, self.max_message_bytes)
+                frame = decode(parts[0], self.versions, self.max_message_bytes)
             except ProtocolError as exc:
                 raise Refusal("version" if str(exc).startswith("message.version") else "protocol", str(exc)) from exc
             if entry is None:
-                if msg.type != "hello":
-                    raise Refusal("protocol", f"expected 'hello' to start a handshake, got {msg.type!r}")
+                if not isinstance(frame.message, Hello):
+                    raise Refusal("protocol", f"expected 'hello' to start a handshake, got {frame.message.kind!r}")
                 if len(self._pending) >= self.max_pending:
                     self._evict_oldest()
                 handshake = ServerHandshake(self.local, self.key, self.versions, self.accept_roles,
                                             self.layout_check, self._nonces)
             else:
                 handshake = entry[0]
-            reply, peer = handshake.on_message(msg)
+            reply, peer = handshake.on_message(frame)
         except Refusal as exc:
             self._refuse(route, exc)
             return
@@ -592,12 +601,12 @@ class ControlServer(_Endpoint):
         if peer is None:
             deadline = entry[1] if entry is not None else time.monotonic() + self.handshake_timeout
             self._pending[route] = (handshake, deadline)
-            self._send_now(route, encode(reply))
+            self._send_now(route, encode_frame(reply))
             return
         self._pending.pop(route, None)
         conn = PeerConnection(self, route, peer, handshake.channel())
         self._peers[route] = conn
-        if self._send_now(route, encode(reply)) is not None:
+        if self._send_now(route, encode_frame(reply)) is not None:
             self._fail(conn, PeerUnreachable(f"{peer.name!r} went away during the handshake"), notify=False)
             return
         log.info("%s: accepted %s %r (protocol %d, backend %r)", self.local.name, peer.role, peer.name,
@@ -617,9 +626,7 @@ class ControlServer(_Endpoint):
         self.refusals.append((route.hex(), str(refusal)))
         (log.debug if quiet else log.warning)("%s: refused peer %s (%s): %s", self.local.name, route.hex(),
                                               refusal.code, refusal)
-        frame = encode(Message("refuse", {"code": refusal.code, "reason": refusal.public[:1024]},
-                               MIN_PROTOCOL_VERSION))
-        self._send_now(route, frame)
+        self._send_now(route, encode_frame(refusal_frame(refusal.code, refusal.public)))
 
 
 class _ClientEndpoint(_Endpoint):
@@ -629,14 +636,13 @@ class _ClientEndpoint(_Endpoint):
         deadline = time.monotonic() + timeout
         hs = ClientHandshake(self.local, self.key, self.versions, expect_role, self.layout_check)
         self._sock.connect(address)
-        self._sock.send(encode(hs.hello()))
+        self._sock.send(encode_frame(hs.hello()))
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._sock.poll(max(1, math.ceil(remaining * 1000)), zmq.POLLIN):
                 raise ControlTimeout(f"handshake with {address}: no reply within {timeout:.3f} s")
             try:
-                msg = decode(self._sock.recv(), _ANY_VERSION, self.max_message_bytes)
-                step = hs.on_message(msg)
+                step = hs.on_message(decode(self._sock.recv(), _ANY_VERSION, self.max_message_bytes))
             except Refusal as exc:
                 self._tell_refused(exc.code, exc.public)
                 raise
@@ -648,8 +654,8 @@ class _ClientEndpoint(_Endpoint):
                 if not str(exc).startswith("refused by the server"):
                     self._tell_refused("protocol", str(exc))
                 raise
-            if isinstance(step, Message):
-                self._sock.send(encode(step))
+            if isinstance(step, Frame):
+                self._sock.send(encode_frame(step))
             else:
                 conn = PeerConnection(self, b"", step, hs.channel())
                 self._peers[b""] = conn
@@ -658,8 +664,7 @@ class _ClientEndpoint(_Endpoint):
 
     def _tell_refused(self, code: str, reason: str) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            self._sock.send(encode(Message("refuse", {"code": code, "reason": reason[:1024]}, MIN_PROTOCOL_VERSION)),
-                            zmq.NOBLOCK)
+            self._sock.send(encode_frame(refusal_frame(code, reason)), zmq.NOBLOCK)
 
 
 def connect(address: str, local: LocalIdentity, secret: Secret = None, *, timeout: float = 5.0,

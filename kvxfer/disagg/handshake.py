@@ -24,7 +24,17 @@ from dataclasses import dataclass
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.disagg.auth import AuthKey, digest, new_nonce
-from kvxfer.disagg.messages import ROLES, SUPPORTED_VERSIONS, Message
+from kvxfer.disagg.messages import (
+    MIN_PROTOCOL_VERSION,
+    ROLES,
+    SUPPORTED_VERSIONS,
+    Accept,
+    Auth,
+    Challenge,
+    Frame,
+    Hello,
+    Refuse,
+)
 from kvxfer.disagg.seal import SealedChannel
 from kvxfer.errors import (
     AuthenticationError,
@@ -69,10 +79,10 @@ class LocalIdentity:
             raise ProtocolError(f"LocalIdentity.heartbeat_interval must be in [0.001, 3600] s, got "
                                 f"{self.heartbeat_interval!r}")
 
-    def payload(self) -> dict[str, bytes | str]:
+    def payload(self) -> tuple[bytes, str, bytes]:
         """The post-authentication fields: layout (msgpack, empty if none), backend, metadata."""
         layout = self.layout.to_msgpack() if self.layout is not None else b""
-        return {"layout": layout, "backend": self.backend, "metadata": self.metadata}
+        return layout, self.backend, self.metadata
 
 
 @dataclass(frozen=True)
@@ -115,14 +125,13 @@ def check_compatible(local: CacheLayoutDesc, remote: CacheLayoutDesc) -> None:
                                  f"remote {(b_lg.window, b_lg.sink_tokens)}")
 
 
-def _decode_payload(msg: Message, where: str) -> tuple[CacheLayoutDesc | None, str, bytes]:
+def _decode_payload(msg: Auth | Accept, where: str) -> tuple[CacheLayoutDesc | None, str, bytes]:
     """The layout, backend and metadata of an authenticated auth/accept message."""
-    raw = msg["layout"]
     try:
-        layout = CacheLayoutDesc.from_msgpack(raw) if raw else None
+        layout = CacheLayoutDesc.from_msgpack(msg.layout) if msg.layout else None
     except (DecodeError, LayoutError) as exc:
         raise Refusal("layout", f"{where} layout does not decode: {exc}") from exc
-    return layout, msg["backend"], msg["metadata"]
+    return layout, msg.backend, msg.metadata
 
 
 def _check_layouts(check: LayoutCheck, mine: CacheLayoutDesc | None, theirs: CacheLayoutDesc | None,
@@ -164,7 +173,8 @@ class NonceCache:
 
 
 class ClientHandshake:
-    """The connecting side: ``hello()``, then ``on_challenge``, then ``on_accept`` -> PeerInfo."""
+    """The connecting side: ``hello()``, then ``on_message(challenge)`` -> auth, then
+    ``on_message(accept)`` -> PeerInfo. Steps take and give frames: the version they travel in matters."""
 
     def __init__(self, local: LocalIdentity, key: AuthKey, versions: tuple[int, int] = SUPPORTED_VERSIONS,
                  expect_role: str | None = None, layout_check: LayoutCheck = check_compatible) -> None:
@@ -172,58 +182,60 @@ class ClientHandshake:
         self.expect_role, self.layout_check = expect_role, layout_check
         self.nonce = new_nonce()
         self._transcript: tuple[object, ...] = ()
-        self._challenge: Message | None = None
-        self._payload = local.payload()
+        self._challenge: Challenge | None = None
         self._payload_hash = b""
         self._server_hash = b""
 
-    def hello(self) -> Message:
-        """The first message (sent in the envelope of the lowest version this side speaks)."""
-        return Message("hello", {"min_version": self.versions[0], "max_version": self.versions[1],
-                                 "role": self.local.role, "name": self.local.name, "nonce": self.nonce},
-                       version=self.versions[0])
+    def hello(self) -> Frame:
+        """The first message (sent in the frame of the lowest version this side speaks)."""
+        return Frame(self.versions[0], Hello(min_version=self.versions[0], max_version=self.versions[1],
+                                             role=self.local.role, name=self.local.name,   # type: ignore[arg-type]
+                                             nonce=self.nonce))
 
-    def on_message(self, msg: Message) -> Message | PeerInfo:
-        """Next step: the auth message after a challenge, PeerInfo after an accept."""
-        if msg.type == "refuse":
-            cls = AuthenticationError if msg["code"] == "auth" else HandshakeRefused
-            raise cls(f"refused by the server ({msg['code']}): {msg['reason']}")
-        if msg.type == "challenge" and self._challenge is None:
-            return self._on_challenge(msg)
-        if msg.type == "accept" and self._challenge is not None:
-            return self._on_accept(msg)
-        raise ProtocolError(f"handshake: unexpected message {msg.type!r} from the server")
+    def on_message(self, frame: Frame) -> Frame | PeerInfo:
+        """Next step: the auth frame after a challenge, PeerInfo after an accept."""
+        match frame.message:
+            case Refuse(code=code, reason=reason):
+                cls = AuthenticationError if code == "auth" else HandshakeRefused
+                raise cls(f"refused by the server ({code}): {reason}")
+            case Challenge() as challenge if self._challenge is None:
+                return self._on_challenge(challenge, frame.version)
+            case Accept() as accept if self._challenge is not None:
+                return self._on_accept(accept)
+        raise ProtocolError(f"handshake: unexpected message {frame.message.kind!r} from the server")
 
-    def _on_challenge(self, msg: Message) -> Message:
-        version = msg["version"]
-        if not self.versions[0] <= version <= self.versions[1] or msg.version != version:
-            raise Refusal("version", f"server chose version {version} (envelope {msg.version}); this side speaks "
+    def _on_challenge(self, msg: Challenge, envelope: int) -> Frame:
+        version = msg.version
+        if not self.versions[0] <= version <= self.versions[1] or envelope != version:
+            raise Refusal("version", f"server chose version {version} (envelope {envelope}); this side speaks "
                                      f"{self.versions[0]}..{self.versions[1]}")
-        if msg["nonce"] == self.nonce:
+        if msg.nonce == self.nonce:
             raise AuthenticationError("server echoed the client nonce (reflection)")
         self._transcript = (self.versions[0], self.versions[1], self.local.role, self.local.name, self.nonce,
-                            version, msg["role"], msg["name"], msg["nonce"], msg["heartbeat_interval"])
-        if not self.key.verify(msg["proof"], "server-challenge", *self._transcript):
-            raise AuthenticationError(f"server {msg['name']!r} failed authentication (wrong secret, or the "
+                            version, msg.role, msg.name, msg.nonce, msg.heartbeat_interval)
+        if not self.key.verify(msg.proof, "server-challenge", *self._transcript):
+            raise AuthenticationError(f"server {msg.name!r} failed authentication (wrong secret, or the "
                                       f"handshake was altered in transit)")
-        if self.expect_role is not None and msg["role"] != self.expect_role:
-            raise Refusal("role", f"expected a {self.expect_role} server, got {msg['role']}")
+        if self.expect_role is not None and msg.role != self.expect_role:
+            raise Refusal("role", f"expected a {self.expect_role} server, got {msg.role}")
         self._challenge = msg
-        body = {**self._payload, "heartbeat_interval": self.local.heartbeat_interval}
-        self._payload_hash = digest(body["layout"], body["backend"], body["metadata"], body["heartbeat_interval"])
+        layout, backend, metadata = self.local.payload()
+        interval = self.local.heartbeat_interval
+        self._payload_hash = digest(layout, backend, metadata, interval)
         proof = self.key.proof("client-auth", *self._transcript, self._payload_hash)
-        return Message("auth", {**body, "proof": proof}, version=version)
+        return Frame(version, Auth(layout=layout, backend=backend, metadata=metadata, heartbeat_interval=interval,
+                                   proof=proof))
 
-    def _on_accept(self, msg: Message) -> PeerInfo:
+    def _on_accept(self, msg: Accept) -> PeerInfo:
         assert self._challenge is not None
-        server_hash = digest(msg["layout"], msg["backend"], msg["metadata"])
-        if not self.key.verify(msg["proof"], "server-accept", *self._transcript, self._payload_hash, server_hash):
+        server_hash = digest(msg.layout, msg.backend, msg.metadata)
+        if not self.key.verify(msg.proof, "server-accept", *self._transcript, self._payload_hash, server_hash):
             raise AuthenticationError("server accept proof does not verify (altered in transit)")
         self._server_hash = server_hash
         layout, backend, metadata = _decode_payload(msg, "server")
         ch = self._challenge
-        _check_layouts(self.layout_check, self.local.layout, layout, (self.local.role, ch["role"]))
-        return PeerInfo(ch["role"], ch["name"], ch["version"], layout, backend, metadata, ch["heartbeat_interval"])
+        _check_layouts(self.layout_check, self.local.layout, layout, (self.local.role, ch.role))
+        return PeerInfo(ch.role, ch.name, ch.version, layout, backend, metadata, ch.heartbeat_interval)
 
     def channel(self) -> SealedChannel:
         """This connection's sealing keys (after ``on_message`` returned the PeerInfo)."""
@@ -243,56 +255,61 @@ class ServerHandshake:
         self.accept_roles, self.layout_check = accept_roles, layout_check
         self.nonces = nonces if nonces is not None else NonceCache()
         self.nonce = new_nonce()
-        self._hello: Message | None = None
+        self._hello: Hello | None = None
         self._version = 0
         self._transcript: tuple[object, ...] = ()
         self._hashes: tuple[bytes, bytes] | None = None
 
-    def on_message(self, msg: Message) -> tuple[Message, PeerInfo | None]:
-        """The reply to ``msg`` and, once the peer is authenticated and compatible, its PeerInfo."""
-        if msg.type == "hello" and self._hello is None:
-            return self._on_hello(msg), None
-        if msg.type == "auth" and self._hello is not None:
-            return self._on_auth(msg)
-        raise Refusal("protocol", f"unexpected message {msg.type!r} during the handshake")
+    def on_message(self, frame: Frame) -> tuple[Frame, PeerInfo | None]:
+        """The reply to ``frame`` and, once the peer is authenticated and compatible, its PeerInfo."""
+        match frame.message:
+            case Hello() as hello if self._hello is None:
+                return self._on_hello(hello), None
+            case Auth() as auth if self._hello is not None:
+                return self._on_auth(auth, frame.version)
+        raise Refusal("protocol", f"unexpected message {frame.message.kind!r} during the handshake")
 
-    def _on_hello(self, msg: Message) -> Message:
-        lo, hi = max(self.versions[0], msg["min_version"]), min(self.versions[1], msg["max_version"])
+    def _on_hello(self, msg: Hello) -> Frame:
+        lo, hi = max(self.versions[0], msg.min_version), min(self.versions[1], msg.max_version)
         if lo > hi:
-            raise Refusal("version", f"no common protocol version: peer speaks {msg['min_version']}.."
-                                     f"{msg['max_version']}, this side {self.versions[0]}..{self.versions[1]}")
-        if msg["role"] not in self.accept_roles:
-            raise Refusal("role", f"role {msg['role']!r} not accepted here (accepts {list(self.accept_roles)})")
-        if not self.nonces.add(msg["nonce"]):
+            raise Refusal("version", f"no common protocol version: peer speaks {msg.min_version}.."
+                                     f"{msg.max_version}, this side {self.versions[0]}..{self.versions[1]}")
+        if msg.role not in self.accept_roles:
+            raise Refusal("role", f"role {msg.role!r} not accepted here (accepts {list(self.accept_roles)})")
+        if not self.nonces.add(msg.nonce):
             raise Refusal("auth", "authentication failed", "replayed hello nonce")
         self.nonces.add(self.nonce)
         self._hello, self._version = msg, hi
-        self._transcript = (msg["min_version"], msg["max_version"], msg["role"], msg["name"], msg["nonce"],
+        self._transcript = (msg.min_version, msg.max_version, msg.role, msg.name, msg.nonce,
                             hi, self.local.role, self.local.name, self.nonce, self.local.heartbeat_interval)
         proof = self.key.proof("server-challenge", *self._transcript)
-        return Message("challenge", {"version": hi, "role": self.local.role, "name": self.local.name,
-                                     "nonce": self.nonce, "heartbeat_interval": self.local.heartbeat_interval,
-                                     "proof": proof}, version=hi)
+        return Frame(hi, Challenge(version=hi, role=self.local.role, name=self.local.name,  # type: ignore[arg-type]
+                                   nonce=self.nonce, heartbeat_interval=self.local.heartbeat_interval, proof=proof))
 
-    def _on_auth(self, msg: Message) -> tuple[Message, PeerInfo]:
+    def _on_auth(self, msg: Auth, envelope: int) -> tuple[Frame, PeerInfo]:
         assert self._hello is not None
         hello, version = self._hello, self._version
-        client_hash = digest(msg["layout"], msg["backend"], msg["metadata"], msg["heartbeat_interval"])
-        if msg.version != version or not self.key.verify(msg["proof"], "client-auth", *self._transcript, client_hash):
+        client_hash = digest(msg.layout, msg.backend, msg.metadata, msg.heartbeat_interval)
+        if envelope != version or not self.key.verify(msg.proof, "client-auth", *self._transcript, client_hash):
             raise Refusal("auth", "authentication failed",
-                          f"client {hello['name']!r} proof does not verify (wrong secret, replay or altered hello)")
+                          f"client {hello.name!r} proof does not verify (wrong secret, replay or altered hello)")
         layout, backend, metadata = _decode_payload(msg, "client")
-        _check_layouts(self.layout_check, self.local.layout, layout, (self.local.role, hello["role"]))
-        payload = self.local.payload()
-        server_hash = digest(payload["layout"], payload["backend"], payload["metadata"])
+        _check_layouts(self.layout_check, self.local.layout, layout, (self.local.role, hello.role))
+        my_layout, my_backend, my_metadata = self.local.payload()
+        server_hash = digest(my_layout, my_backend, my_metadata)
         proof = self.key.proof("server-accept", *self._transcript, client_hash, server_hash)
-        peer = PeerInfo(hello["role"], hello["name"], version, layout, backend, metadata,
-                        msg["heartbeat_interval"])
+        peer = PeerInfo(hello.role, hello.name, version, layout, backend, metadata, msg.heartbeat_interval)
         self._hashes = (client_hash, server_hash)
-        return Message("accept", {**payload, "proof": proof}, version=peer.version), peer
+        return Frame(peer.version, Accept(layout=my_layout, backend=my_backend, metadata=my_metadata,
+                                          proof=proof)), peer
 
     def channel(self) -> SealedChannel:
         """This connection's sealing keys (after ``on_message`` returned the PeerInfo)."""
         if self._hashes is None:
             raise ProtocolError("handshake: no sealing keys before the client's proof verified")
         return _channel(self.key, self._transcript, *self._hashes, "server")
+
+
+def refusal(code: str, reason: str) -> Frame:
+    """The frame that tells a peer why it is refused (in the oldest version, which every peer reads)."""
+    return Frame(MIN_PROTOCOL_VERSION, Refuse(code=code, reason=reason[:1024]))  # type: ignore[arg-type]

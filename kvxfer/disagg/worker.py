@@ -26,7 +26,7 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.disagg.health import HealthState
-from kvxfer.disagg.messages import Message
+from kvxfer.disagg.messages import ControlMessage
 from kvxfer.errors import CapacityError, ConfigError, ControlTimeout, KvxferError, WorkerUnhealthy
 from kvxfer.extractor import multirank
 from kvxfer.extractor.multirank import all_regions as all_regions  # the workers' planning helpers
@@ -188,7 +188,73 @@ def layer_groups(num_layers: int, per_send: int) -> list[list[int]]:
     return [list(range(i, min(i + per_send, num_layers))) for i in range(0, num_layers, per_send)]
 
 
-Event = tuple[str, Any, Any]
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A peer's application message, taken from its connection by the engine."""
+
+    conn: PeerConnection
+    message: ControlMessage
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A peer's connection ended (after every message before the end was taken)."""
+
+    conn: PeerConnection
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """The compute thread finished the work submitted for ``job``: ``value``, or the ``error`` it raised."""
+
+    job: Any
+    value: Any
+    error: BaseException | None
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run ``run`` on the engine thread (``Engine.call``)."""
+
+    run: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """Decode: a request submitted through the worker's API."""
+
+    job: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnected:
+    """Decode: an automatic reconnect attempt to ``peer`` begun at ``started`` ended (``error`` None: it
+    connected); ``last``: its loop ends with it."""
+
+    peer: Any
+    error: KvxferError | None
+    started: float
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LayerDone:
+    """Prefill, layer-wise push: the compute thread finished ``layer`` of ``job``."""
+
+    job: Any
+    layer: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """Prefill, one write: the compute thread holds every page of ``job``'s prompt."""
+
+    job: Any
+
+
+#: What the engine thread handles, one at a time, in arrival order.
+Event = Received | Lost | Computed | Call | Submitted | Reconnected | LayerDone | Reserved
 
 
 @dataclass(frozen=True)
@@ -233,7 +299,7 @@ class Engine:
     """
 
     def __init__(self, name: str, handle: Callable[[Event], None], tick: Callable[[], float],
-                 on_receive: Callable[[PeerConnection, Message], bool] | None = None, *,
+                 on_receive: Callable[[PeerConnection, ControlMessage], bool] | None = None, *,
                  on_error: Callable[[str], None] | None = None, max_events: int = 65536) -> None:
         """``handle(event)`` runs each event; ``tick()`` does periodic work and returns how long the
         engine may sleep before the next call. ``on_receive(conn, msg)`` runs on the control plane's I/O
@@ -289,12 +355,12 @@ class Engine:
         """Make the engine run its tick and look for work now (any thread; usable as a callback)."""
         self._wakeup.set()
 
-    def post(self, kind: str, a: Any = None, b: Any = None) -> None:
+    def post(self, ev: Event) -> None:
         """Queue an event for the engine thread; CapacityError when ``max_events`` already wait."""
         with self._lock:
             if len(self._events) >= self.max_events:
                 raise CapacityError(f"{self.name}: engine busy, {self.max_events} events already waiting")
-            self._events.append((kind, a, b))
+            self._events.append(ev)
         self._wakeup.set()
 
     def _post_internal(self, ev: Event) -> None:
@@ -320,7 +386,7 @@ class Engine:
             finally:
                 done.set()
 
-        self._post_internal(("call", run, None))
+        self._post_internal(Call(run))
         if not done.wait(timeout):
             if self._dead is not None:
                 raise WorkerUnhealthy(f"{self.name}: engine thread ended: {self._dead}")
@@ -330,8 +396,8 @@ class Engine:
         return box.get("value")
 
     def read(self, conn: PeerConnection) -> None:
-        """Serve ``conn``: its messages become ``("message", conn, msg)`` events and its end one
-        ``("lost", conn, reason)`` event (then the engine forgets it)."""
+        """Serve ``conn``: its messages become ``Received`` events and its end one ``Lost`` event (then the
+        engine forgets it)."""
         conn.watch(lambda: self._mark_ready(conn), self._on_receive)
 
     def _mark_ready(self, conn: PeerConnection) -> None:
@@ -381,26 +447,26 @@ class Engine:
             for _ in range(_MESSAGES_PER_ROUND):
                 try:
                     msg = conn.poll()
-                except KvxferError as exc:   # ended: one "lost" event, then it is forgotten
-                    self._dispatch(("lost", conn, str(exc)))
+                except KvxferError as exc:   # ended: one Lost event, then it is forgotten
+                    self._dispatch(Lost(conn, str(exc)))
                     break
                 if msg is None:
                     break
-                self._dispatch(("message", conn, msg))
+                self._dispatch(Received(conn, msg))
             else:
                 self._mark_ready(conn)   # more waiting: after the other connections
         return bool(events or ready)
 
     def _dispatch(self, ev: Event) -> None:
         try:
-            if ev[0] == "call":
-                ev[1]()
+            if isinstance(ev, Call):
+                ev.run()
             else:
                 self._handle(ev)
         except KvxferError as exc:   # a handler that let a request's failure escape: report, keep serving
-            log.warning("%s: %s event failed: %s", self.name, ev[0], exc)
+            log.warning("%s: %s event failed: %s", self.name, type(ev).__name__, exc)
         except Exception as exc:
-            self._unexpected(f"handling a {ev[0]!r} event", exc)
+            self._unexpected(f"handling a {type(ev).__name__} event", exc)
 
     def _unexpected(self, where: str, exc: Exception) -> None:
         """An error the worker did not expect: mark it unhealthy, fail every request with the cause."""
@@ -417,9 +483,9 @@ class Engine:
         with self._lock:
             events, self._events = list(self._events), deque()
         for ev in events:
-            if ev[0] == "call":
+            if isinstance(ev, Call):
                 with contextlib.suppress(BaseException):
-                    ev[1]()
+                    ev.run()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (the caller closes connections first)."""
@@ -442,8 +508,8 @@ class ComputeThread:
         self._thread.start()
 
     def submit(self, key: Any, fn: Callable[[], Any]) -> None:
-        """Run ``fn()``; the engine then gets ``("computed", key, (value, None))`` or ``("computed", key,
-        (None, exception))``."""
+        """Run ``fn()``; the engine then gets ``Computed(key, value, None)`` or ``Computed(key, None,
+        exception)``."""
         self._jobs.put((key, fn, None))
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
@@ -469,7 +535,7 @@ class ComputeThread:
             except BaseException as exc:   # handed to the engine (or the caller), which fails the job with the cause
                 result = (None, exc)
             if reply is None:
-                self._engine._post_internal(("computed", key, result))
+                self._engine._post_internal(Computed(key, *result))
             elif result[1] is None:
                 reply.set_result(result[0])
             else:

@@ -14,6 +14,14 @@ import numpy.typing as npt
 
 from kvxfer.disagg.control import PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
+from kvxfer.disagg.messages import (
+    Generate,
+    GenerateCancel,
+    Generated,
+    GenerateFailed,
+    WorkerStatus,
+    WorkerStatusReply,
+)
 from kvxfer.disagg.oracle import PromptKV
 from kvxfer.disagg.worker_protocol import decode_stats
 from kvxfer.errors import DecodeError, KvxferError, ProtocolError, TransferFailed
@@ -52,22 +60,24 @@ class GenerateClient:
         carries decode's committed KV of up to that many prompt positions (``ClientResult.kv``)."""
         rid = f"r{next(self._ids)}"
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1).tolist()
-        self.conn.send("generate", request_id=rid, tokens=ids, max_new_tokens=max_new_tokens, mode=mode,
-                       layerwise=layerwise, return_kv=int(return_kv))
+        self.conn.send(Generate(request_id=rid, tokens=ids, max_new_tokens=max_new_tokens,
+                                mode=mode,  # type: ignore[arg-type]
+                                layerwise=layerwise, return_kv=int(return_kv)))
         return rid
 
     def recv(self, timeout: float) -> ClientResult:
         """The next answer (ControlTimeout after ``timeout`` s, PeerUnreachable if decode went away)."""
         msg = self.conn.recv(timeout)
-        if msg.type == "generated":
-            try:
-                kv = PromptKV.from_bytes(msg["kv"]) if msg["kv"] else None
-            except DecodeError as exc:
-                raise ProtocolError(f"generated.kv: {exc}") from exc
-            return ClientResult(msg["request_id"], list(msg["tokens"]), decode_stats(msg["stats"]), kv=kv)
-        if msg.type == "generate_failed":
-            return ClientResult(msg["request_id"], [], {}, f"{msg['error']}: {msg['reason']}")
-        raise ProtocolError(f"decode worker sent {msg.type!r} to a client")
+        match msg:
+            case Generated():
+                try:
+                    kv = PromptKV.from_bytes(msg.kv) if msg.kv else None
+                except DecodeError as exc:
+                    raise ProtocolError(f"generated.kv: {exc}") from exc
+                return ClientResult(msg.request_id, list(msg.tokens), decode_stats(msg.stats), kv=kv)
+            case GenerateFailed():
+                return ClientResult(msg.request_id, [], {}, f"{msg.error}: {msg.reason}")
+        raise ProtocolError(f"decode worker sent {msg.kind!r} to a client")
 
     def generate(self, tokens: npt.ArrayLike, max_new_tokens: int, timeout: float = 120.0,
                  **kw: str | bool | int) -> ClientResult:
@@ -83,7 +93,7 @@ class GenerateClient:
 
     def cancel(self, request_id: str, reason: str = "cancelled by the client") -> None:
         """Cancel one of this client's requests; decode answers it with ``generate_failed`` (RequestCancelled)."""
-        self.conn.send("generate_cancel", request_id=request_id, reason=reason[:1024])
+        self.conn.send(GenerateCancel(request_id=request_id, reason=reason[:1024]))
 
     def status(self, timeout: float = 10.0) -> dict[str, int | float | str]:
         """The decode worker's slot accounting and counters."""
@@ -96,12 +106,12 @@ class GenerateClient:
 
 
 def _ask_status(conn: PeerConnection, timeout: float) -> dict[str, int | float | str]:
-    conn.send("worker_status")
+    conn.send(WorkerStatus())
     deadline = time.monotonic() + timeout
     while True:
         msg = conn.recv(max(0.001, deadline - time.monotonic()))
-        if msg.type == "worker_status_reply":
-            return decode_stats(msg["stats"])
+        if isinstance(msg, WorkerStatusReply):
+            return decode_stats(msg.stats)
 
 
 def query_status(address: str, secret: Secret = None, timeout: float = 10.0) -> dict[str, int | float | str]:

@@ -27,6 +27,7 @@ plan a write there, and a pull's plan reaching into one is refused before the re
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import itertools
 import logging
@@ -45,15 +46,40 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.disagg.control import ControlServer, PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
-from kvxfer.disagg.messages import SUPPORTED_VERSIONS, Message
+from kvxfer.disagg.messages import (
+    MODES,
+    SUPPORTED_VERSIONS,
+    ControlMessage,
+    Generate,
+    GenerateCancel,
+    Generated,
+    GenerateFailed,
+    KvBlocks,
+    KvCancel,
+    KvFailed,
+    KvPosted,
+    KvPull,
+    KvPushed,
+    KvRanks,
+    KvRelease,
+    KvRequest,
+    LeaseRenew,
+    WorkerStatus,
+    WorkerStatusReply,
+)
 from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
 from kvxfer.disagg.router import KVRouter, Route
 from kvxfer.disagg.session import Session, SessionState
 from kvxfer.disagg.worker import (
+    Computed,
     ComputeThread,
     Engine,
     Event,
     Health,
+    Lost,
+    Received,
+    Reconnected,
+    Submitted,
     WorkerConfig,
     WorkerCounts,
     accept_loop,
@@ -65,7 +91,6 @@ from kvxfer.disagg.worker import (
     warm_up_model,
 )
 from kvxfer.disagg.worker_protocol import (
-    MODES,
     NOTICE_MAGIC,
     decode_block_ids,
     decode_layouts,
@@ -91,6 +116,7 @@ from kvxfer.errors import (
     PeerUnreachable,
     ProtocolError,
     RequestCancelled,
+    SessionError,
     TransferFailed,
     TransferTimeout,
     WorkerShuttingDown,
@@ -108,9 +134,10 @@ RECONNECT_ATTEMPT_S = 1.0
 RECONNECT_PAUSE_S = 0.2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerationResult:
-    """One finished request: its tokens and where its KV came from."""
+    """One finished request: its tokens, where its KV came from and the timings of each stage (built
+    by keyword: the fields are many and several share a type)."""
 
     request_id: str
     tokens: list[int]
@@ -204,7 +231,61 @@ class _Prefill:
         return conn is not None and conn.alive
 
 
-@dataclass(eq=False)
+class JobState(enum.Enum):
+    """Where a decode request is. ``JOB_TRANSITIONS`` lists the moves; ``DecodeWorker._move`` makes every
+    one of them, and keeps the worker's collection of each state in step (``_waiting``, ``_parked``,
+    ``_jobs``, ``_generating``, ``_zombies``)."""
+
+    NEW = "new"
+    """Submitted, not placed yet."""
+    WAITING = "waiting"
+    """No prefill connected: waits for the outcome of a reconnect attempt (within its deadline)."""
+    PARKED = "parked"
+    """A failover attempt waiting for pages that earlier attempts still hold (quarantined)."""
+    REQUESTED = "requested"
+    """Sent to a prefill: its KV is being computed, written (push) or read (pull)."""
+    GENERATING = "generating"
+    """The KV is in place and committed; the compute thread generates."""
+    QUARANTINED = "quarantined"
+    """Ended, its pages held while a prefill (or decode's own read) may still write into them."""
+    DONE = "done"
+    """Answered with its tokens; pages freed."""
+    FAILED = "failed"
+    """Answered with an error; pages freed."""
+    RETRIED = "retried"
+    """Handed to a fresh attempt on another prefill; its pages went to a stale copy of it."""
+    FREED = "freed"
+    """A quarantined request's (or a stale attempt's) pages freed."""
+
+    @property
+    def terminal(self) -> bool:
+        """Whether nothing more happens to a request in this state."""
+        return not JOB_TRANSITIONS[self]
+
+
+_S = JobState
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    _S.NEW: frozenset({_S.WAITING, _S.PARKED, _S.REQUESTED, _S.FAILED}),
+    _S.WAITING: frozenset({_S.PARKED, _S.REQUESTED, _S.FAILED}),
+    _S.PARKED: frozenset({_S.REQUESTED, _S.FAILED}),
+    _S.REQUESTED: frozenset({_S.GENERATING, _S.QUARANTINED, _S.FAILED, _S.RETRIED, _S.FREED}),
+    _S.GENERATING: frozenset({_S.DONE, _S.FAILED}),
+    _S.QUARANTINED: frozenset({_S.FREED}),
+    _S.DONE: frozenset(), _S.FAILED: frozenset(), _S.RETRIED: frozenset(), _S.FREED: frozenset(),
+}
+"""Every legal move of a decode request. REQUESTED -> FREED and -> QUARANTINED also serve the stale copy
+of a retried attempt (``DecodeWorker._retry``)."""
+
+
+def check_move(request_id: str, old: JobState, new: JobState) -> None:
+    """SessionError unless ``JOB_TRANSITIONS`` allows a request in ``old`` to move to ``new``."""
+    if new not in JOB_TRANSITIONS[old]:
+        allowed = sorted(s.value for s in JOB_TRANSITIONS[old]) or "none (terminal)"
+        raise SessionError(f"decode request {request_id!r}: illegal move {old.value} -> {new.value} "
+                           f"(allowed from {old.value}: {allowed})")
+
+
+@dataclass(eq=False, kw_only=True)
 class _Job:
     request_id: str
     tokens: npt.NDArray[np.int64]
@@ -229,7 +310,8 @@ class _Job:
     """The KV router's decision this request followed (counted in flight there until the KV is in place)."""
     caches: list[KVCache] = field(default_factory=list)
     skip: int = 0
-    pushed: Message | None = None
+    pushed: KvPosted | KvPushed | KvPull | None = None
+    """Prefill's report of the KV: ``kv_posted`` (replaced by ``kv_pushed`` if it comes first), or ``kv_pull``."""
     parts: set[int] = field(default_factory=set)
     read: TransferHandle | None = None
     read_posted: float = 0.0
@@ -254,6 +336,8 @@ class _Job:
     attempt: int = 1
     failover_cause: KvxferError | None = None
     """Why the previous attempt's prefill was left (set on a failover's attempt)."""
+    state: JobState = JobState.NEW
+    """Where the request is; changed only by ``DecodeWorker._move``."""
 
 
 class DecodeWorker(WorkerCounts):
@@ -380,11 +464,11 @@ class DecodeWorker(WorkerCounts):
                                  self.transport.metadata(), self.config.heartbeat_interval)
         conn = connect(address, identity, self._secret, timeout=wait, expect_role="prefill", versions=self.versions)
         try:
-            conn.send("kv_ranks", layouts=encode_layouts(self.layouts))
+            conn.send(KvRanks(layouts=encode_layouts(self.layouts)))
             reply = conn.recv(wait)
-            if reply.type != "kv_ranks":
-                raise ProtocolError(f"prefill answered kv_ranks with {reply.type!r}")
-            return conn, decode_layouts(reply["layouts"])
+            if not isinstance(reply, KvRanks):
+                raise ProtocolError(f"prefill answered kv_ranks with {reply.kind!r}")
+            return conn, decode_layouts(reply.layouts)
         except BaseException:
             conn.close("decode could not finish connecting")
             raise
@@ -454,9 +538,11 @@ class DecodeWorker(WorkerCounts):
             rid = request_id or f"{self.config.name}-{next(self._ids)}"
         fut: Future[GenerationResult] = Future()
         t = now()
-        job = _Job(rid, ids, max_new_tokens, mode, self.layerwise if layerwise is None else layerwise, fut,
-                   Session(rid), t, t + self.config.deadline_s, return_kv=max(0, int(return_kv)), prefer=prefill)
-        self.engine.post("submit", job)
+        job = _Job(request_id=rid, tokens=ids, max_new_tokens=max_new_tokens, mode=mode,
+                   layerwise=self.layerwise if layerwise is None else layerwise, future=fut, session=Session(rid),
+                   submitted=t, deadline=t + self.config.deadline_s, return_kv=max(0, int(return_kv)),
+                   prefer=prefill)
+        self.engine.post(Submitted(job))
         return fut
 
     def generate(self, tokens: npt.ArrayLike, max_new_tokens: int, timeout: float | None = None,
@@ -489,15 +575,10 @@ class DecodeWorker(WorkerCounts):
                 "draining": int(self._draining), **self.counts}
 
     def _cancel(self, request_id: str, reason: str) -> bool:
-        job = self._jobs.get(request_id)
+        job = self._jobs.get(request_id) or next((w for w in self._waiting + self._parked
+                                                  if w.request_id == request_id), None)
         if job is None:
-            job = next((w for w in self._waiting + self._parked if w.request_id == request_id), None)
-            if job is None:
-                return False
-            if job in self._waiting:
-                self._waiting.remove(job)
-            else:
-                self._parked.remove(job)
+            return False
         self.counts["cancelled"] += 1
         self._fail(job, RequestCancelled(f"request {request_id}: {reason}"))
         return True
@@ -622,49 +703,53 @@ class DecodeWorker(WorkerCounts):
         return sum(1 for j in self._jobs.values() if j.conn is conn)
 
     def _on_event(self, ev: Event) -> None:
-        kind, a, b = ev
-        if kind == "submit":
-            self._start(a)
-        elif kind == "computed":
-            self._generated(a, *b)
-        elif kind == "reconnected":
-            self._reconnected(a, b)
-        elif kind == "lost":
-            self._on_prefill_lost(a, b)
-        elif kind == "message":
-            try:
-                if a.peer.role == "client":
-                    self._on_client(a, b)
-                elif self._peer_of(a) is not None:
-                    self._on_prefill(a, b)
-            except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
-                log.warning("%s: %s sent a bad %s: %s", self.config.name, a.peer.name, b.type, exc)
-                a.close(f"protocol error: {exc}")
-                self._on_prefill_lost(a, f"protocol error: {exc}")
+        match ev:
+            case Submitted(job=job):
+                self._start(job)
+            case Computed(job=job, value=value, error=error):
+                self._generated(job, value, error)
+            case Reconnected():
+                self._reconnected(ev)
+            case Lost(conn=conn, reason=reason):
+                self._on_prefill_lost(conn, reason)
+            case Received(conn=conn, message=msg):
+                try:
+                    if conn.peer.role == "client":
+                        self._on_client(conn, msg)
+                    elif self._peer_of(conn) is not None:
+                        self._on_prefill(conn, msg)
+                except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
+                    log.warning("%s: %s sent a bad %s: %s", self.config.name, conn.peer.name, msg.kind, exc)
+                    conn.close(f"protocol error: {exc}")
+                    self._on_prefill_lost(conn, f"protocol error: {exc}")
+            case _:
+                raise TypeError(f"decode worker {self.config.name}: no handler for a {type(ev).__name__} event")
 
-    def _on_client(self, conn: PeerConnection, msg: Message) -> None:
-        if msg.type == "worker_status":
-            with contextlib.suppress(KvxferError):
-                conn.send("worker_status_reply", stats=encode_stats(self._status()))
-            return
-        if msg.type == "generate_cancel":
-            rid = f"{conn.peer.name}/{msg['request_id']}"
-            owner = self._jobs.get(rid) or next((w for w in self._waiting + self._parked if w.request_id == rid), None)
-            if owner is not None and owner.reply is conn:   # a client cancels only what it submitted itself
-                self._cancel(rid, msg["reason"] or "cancelled by the client")
-            return
-        if msg.type != "generate":
-            raise ProtocolError(f"unexpected message {msg.type!r} from a client")
-        rid = f"{conn.peer.name}/{msg['request_id']}"
-        t = now()
-        job = _Job(rid, np.asarray(msg["tokens"], dtype=np.int64), int(msg["max_new_tokens"]),
-                   msg["mode"] or self.mode, msg["layerwise"] or self.layerwise, Future(), Session(rid), t,
-                   t + self.config.deadline_s, reply=conn, client_request_id=msg["request_id"],
-                   return_kv=int(msg["return_kv"]))
-        if not job.tokens.size:
-            self._reply_failed(job, CapacityError("the prompt must hold at least one token"))
-            return
-        self._start(job)
+    def _on_client(self, conn: PeerConnection, msg: ControlMessage) -> None:
+        match msg:
+            case WorkerStatus():
+                with contextlib.suppress(KvxferError):
+                    conn.send(WorkerStatusReply(stats=encode_stats(self._status())))
+            case GenerateCancel(request_id=client_rid, reason=reason):
+                rid = f"{conn.peer.name}/{client_rid}"
+                owner = self._jobs.get(rid) or next((w for w in self._waiting + self._parked if w.request_id == rid),
+                                                    None)
+                if owner is not None and owner.reply is conn:   # a client cancels only what it submitted itself
+                    self._cancel(rid, reason or "cancelled by the client")
+            case Generate():
+                rid = f"{conn.peer.name}/{msg.request_id}"
+                t = now()
+                job = _Job(request_id=rid, tokens=np.asarray(msg.tokens, dtype=np.int64),
+                           max_new_tokens=msg.max_new_tokens, mode=msg.mode or self.mode,
+                           layerwise=msg.layerwise or self.layerwise, future=Future(), session=Session(rid),
+                           submitted=t, deadline=t + self.config.deadline_s, reply=conn,
+                           client_request_id=msg.request_id, return_kv=msg.return_kv)
+                if not job.tokens.size:
+                    self._reply_failed(job, CapacityError("the prompt must hold at least one token"))
+                    return
+                self._start(job)
+            case _:
+                raise ProtocolError(f"unexpected message {msg.kind!r} from a client")
 
     def _start(self, job: _Job) -> None:
         self.counts["requests"] += 1
@@ -683,7 +768,7 @@ class DecodeWorker(WorkerCounts):
             if any(p.reconnecting is not None for p in self._prefills.values()):
                 # Wait for the outcome of a whole attempt begun after the request arrived (a prefill that comes
                 # back between two attempts is then found), bounded by the request's deadline.
-                self._waiting.append(job)
+                self._move(job, JobState.WAITING)
                 return
         self._begin(job)
 
@@ -724,34 +809,34 @@ class DecodeWorker(WorkerCounts):
                     error = PeerUnreachable(f"{type(exc).__name__}: {exc}")
                 last = error is None or isinstance(error, HandshakeRefused) or stopped()
                 with contextlib.suppress(KvxferError):
-                    self.engine._post_internal(("reconnected", (peer, error, started), last))
+                    self.engine._post_internal(Reconnected(peer, error, started, last))
                 if last:
                     return
                 peer.stop.wait(RECONNECT_PAUSE_S)
             with contextlib.suppress(KvxferError):
-                self.engine._post_internal(("reconnected", (peer, None, now()), True))
+                self.engine._post_internal(Reconnected(peer, None, now(), True))
 
         peer.reconnecting = threading.Thread(target=run, name=f"kvxfer-reconnect-{self.config.name}", daemon=True)
         peer.reconnecting.start()
 
-    def _reconnected(self, outcome: tuple[_Prefill, KvxferError | None, float], last: bool) -> None:
+    def _reconnected(self, outcome: Reconnected) -> None:
         """An automatic reconnect attempt (begun at ``started``) ended. Once a prefill is connected, or no
         loop runs any more, every waiting request starts; after a failed attempt, only those that were
         already waiting when it began (or whose deadline passed) start, and so fail with the reason: the
         others wait for the next attempt."""
-        peer, error, started = outcome
+        peer, error, started, last = outcome.peer, outcome.error, outcome.started, outcome.last
         if last:
             peer.reconnecting = None
         if error is not None:
             peer.reconnect_error = f"; reconnecting failed: {type(error).__name__}: {error}"
         if self.connected or not any(p.reconnecting is not None for p in self._prefills.values()):
-            ready, self._waiting = self._waiting, []
+            ready = list(self._waiting)
         else:
             t = now()
             ready = [j for j in self._waiting if j.submitted <= started or t >= j.deadline]
-            self._waiting = [j for j in self._waiting if j not in ready]
         for job in ready:
-            self._begin(job)
+            if job.state is JobState.WAITING:
+                self._begin(job)
 
     def _pick(self, job: _Job) -> _Prefill | None:
         """The prefill for a request: the caller's choice when connected, else the least loaded (rotating
@@ -795,7 +880,8 @@ class DecodeWorker(WorkerCounts):
             except KvxferError as exc:
                 self._close_caches(job)
                 if isinstance(exc, OutOfSlotsError) and self._zombies:
-                    self._parked.append(job)   # tried again as quarantined pages are freed (``_bury``)
+                    if job.state is not JobState.PARKED:   # tried again as quarantined pages are freed (``_bury``)
+                        self._move(job, JobState.PARKED)
                     return
                 self._fail(job, self._after_failover(job, exc))
                 return
@@ -807,13 +893,15 @@ class DecodeWorker(WorkerCounts):
             return
         job.peer, job.prefill, job.conn, job.src_layouts = conn.peer.name, peer, conn, peer.layouts
         job.tried.add(peer.address)
-        self._jobs[job.request_id] = job
+        self._move(job, JobState.REQUESTED)
         try:
             # The prompt goes first: prefill computes while decode allocates (and evicts for) the destination
             # blocks, which follow in kv_blocks long before a prompt worth disaggregating is computed.
-            conn.send_urgent("kv_request", request_id=job.request_id, tokens=encode_tokens(job.tokens), mode=job.mode,
-                             layerwise=job.layerwise, layers_per_send=self.layers_per_send,
-                             lease_s=self.config.lease_s, checksum=encode_checksum_policy(self.config.checksum))
+            conn.send_urgent(KvRequest(request_id=job.request_id, tokens=encode_tokens(job.tokens),
+                                       mode=job.mode,  # type: ignore[arg-type]
+                                       layerwise=job.layerwise, layers_per_send=self.layers_per_send,
+                                       lease_s=self.config.lease_s,
+                                       checksum=encode_checksum_policy(self.config.checksum)))
         except PeerUnreachable as exc:   # the prefill went away before it got the prompt: try another
             if not self._retry(job, exc):
                 self._fail(job, exc)
@@ -829,7 +917,7 @@ class DecodeWorker(WorkerCounts):
             job.session.ready("destination blocks allocated")
             writable = [writable_block_ids(m.layout, c) for m, c in zip(self.managers, job.caches, strict=True)]
             job.session.start_transfer("KV requested from prefill")
-            conn.send_urgent("kv_blocks", request_id=job.request_id, skip=job.skip, blocks=encode_block_ids(writable))
+            conn.send_urgent(KvBlocks(request_id=job.request_id, skip=job.skip, blocks=encode_block_ids(writable)))
             job.allocated = now()
         except PeerUnreachable as exc:
             # The prefill went away (or began to stop) around the destination blocks: another one takes the
@@ -839,7 +927,7 @@ class DecodeWorker(WorkerCounts):
         except KvxferError as exc:
             if not job.session.terminal and job.session.state is not SessionState.TRANSFERRING:
                 # Prefill has the prompt but no destination: it must stop computing (nothing of ours to write).
-                self._send(job, "kv_cancel", request_id=job.request_id, reason=f"decode could not allocate: {exc}"[:1000])
+                self._send(job, KvCancel(request_id=job.request_id, reason=f"decode could not allocate: {exc}"[:1000]))
             self._fail(job, self._after_failover(job, exc))
 
     def _allocate(self, job: _Job) -> None:
@@ -873,65 +961,73 @@ class DecodeWorker(WorkerCounts):
 
     def _unpark(self) -> None:
         """Failover attempts waiting for pages: try each again (pages were just freed)."""
-        parked, self._parked = self._parked, []
-        for job in parked:
-            self._begin(job)
+        for job in list(self._parked):
+            if job.state is JobState.PARKED:
+                self._begin(job)
 
-    def _on_prefill(self, conn: PeerConnection, msg: Message) -> None:
-        rid = msg["request_id"]
+    def _on_prefill(self, conn: PeerConnection, msg: ControlMessage) -> None:
+        if not isinstance(msg, KvPosted | KvPushed | KvPull | KvFailed):
+            raise ProtocolError(f"unexpected message {msg.kind!r} from the prefill worker")
+        rid = msg.request_id
         zombie = self._zombies.get(rid)
         if zombie is not None and zombie.conn is conn:
-            if msg.type == "kv_failed" or (msg.type == "kv_pushed" and zombie.read is None):
-                self._bury(zombie)   # prefill will not write there any more
-            elif msg.type == "kv_pull":
-                self._send_on(conn, "kv_release", request_id=rid)
+            match msg:
+                case KvFailed():
+                    self._bury(zombie)   # prefill will not write there any more
+                case KvPushed() if zombie.read is None:
+                    self._bury(zombie)
+                case KvPull():
+                    self._send_on(conn, KvRelease(request_id=rid))
             return
         generating = self._generating.get(rid)
-        if msg.type == "kv_pushed" and generating is not None and generating.conn is conn \
+        if isinstance(msg, KvPushed) and generating is not None and generating.conn is conn \
                 and generating.result is not None:   # taken at kv_posted: prefill's copy time, for the result
-            generating.result = replace(generating.result, transfer_s=float(msg["transfer_s"]),
-                                        transfer_by_prefill=True)
+            generating.result = replace(generating.result, transfer_s=msg.transfer_s, transfer_by_prefill=True)
             return
         job = self._jobs.get(rid)
         if job is None or job.conn is not conn or job.session.state is not SessionState.TRANSFERRING:
-            if msg.type == "kv_pull":
-                self._send_on(conn, "kv_release", request_id=rid)
+            if isinstance(msg, KvPull):
+                self._send_on(conn, KvRelease(request_id=rid))
             return
-        if msg.type == "kv_posted":
-            if job.pushed is None:
-                self._posted(job, msg)
-        elif msg.type == "kv_pushed":
-            job.pushed = msg   # replaces kv_posted: the same fields, and prefill's transfer time
-        elif msg.type == "kv_pull":
-            job.pushed = msg
-            src_ids = decode_block_ids(msg["blocks"], len(job.src_layouts), "kv_pull.blocks")
-            if now() >= job.lease_until:
-                self._send(job, "kv_release", request_id=rid)
-                self._fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease may "
-                                               f"have expired before decode could read (decode stalled)"),
-                           remote_done=True)
-                return
-            try:
-                plan = plan_between(job.src_layouts, src_ids, self.layouts, job.caches,
-                                    token_range=(job.skip, int(job.tokens.size)), request_id=rid,
-                                    planner=self.config.planner)
-                check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
-                job.read_posted = now()
-                job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
-                job.read.add_done_callback(self.engine.wake)
-            except KvxferError as exc:
-                self._send(job, "kv_release", request_id=rid)
-                self._fail(job, exc)
-        elif msg.type == "kv_failed":
-            error = TransferFailed(f"prefill failed request {rid}: {msg['reason']}")
-            if is_prefill_shutdown(msg["reason"]):   # it is stopping: nothing of this request will come from it
-                if job.prefill is not None:
-                    job.prefill.draining = True
-                if self._retry(job, error):
-                    return
-            self._fail(job, error, remote_done=True)
-        else:
-            raise ProtocolError(f"unexpected message {msg.type!r} from the prefill worker")
+        match msg:
+            case KvPosted():
+                if job.pushed is None:
+                    self._posted(job, msg)
+            case KvPushed():
+                job.pushed = msg   # replaces kv_posted: the same fields, and prefill's transfer time
+            case KvPull():
+                job.pushed = msg
+                self._read(job, msg)
+            case KvFailed(reason=reason):
+                error = TransferFailed(f"prefill failed request {rid}: {reason}")
+                if is_prefill_shutdown(reason):   # it is stopping: nothing of this request will come from it
+                    if job.prefill is not None:
+                        job.prefill.draining = True
+                    if self._retry(job, error):
+                        return
+                self._fail(job, error, remote_done=True)
+
+    def _read(self, job: _Job, msg: KvPull) -> None:
+        """Pull: read the request's KV from where prefill says it is (within prefill's lease)."""
+        rid = job.request_id
+        src_ids = decode_block_ids(msg.blocks, len(job.src_layouts), "kv_pull.blocks")
+        if now() >= job.lease_until:
+            self._send(job, KvRelease(request_id=rid))
+            self._fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease may "
+                                           f"have expired before decode could read (decode stalled)"),
+                       remote_done=True)
+            return
+        try:
+            plan = plan_between(job.src_layouts, src_ids, self.layouts, job.caches,
+                                token_range=(job.skip, int(job.tokens.size)), request_id=rid,
+                                planner=self.config.planner)
+            check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
+            job.read_posted = now()
+            job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
+            job.read.add_done_callback(self.engine.wake)
+        except KvxferError as exc:
+            self._send(job, KvRelease(request_id=rid))
+            self._fail(job, exc)
 
     def _tick(self) -> float:
         t = now()
@@ -950,7 +1046,7 @@ class DecodeWorker(WorkerCounts):
             if job.read is not None:
                 status = job.read.status
                 if status is TransferStatus.DONE:
-                    self._send(job, "kv_release", request_id=job.request_id)
+                    self._send(job, KvRelease(request_id=job.request_id))
                     if t >= job.lease_until:   # prefill may have reused the pages before the read ended
                         self._fail(job, TransferFailed(
                             f"pull of request {job.request_id}: prefill's {self.config.lease_s} s lease may have "
@@ -960,13 +1056,12 @@ class DecodeWorker(WorkerCounts):
                     self._arrived(job, now() - job.read_posted)
                     continue
                 if status.terminal:
-                    self._send(job, "kv_release", request_id=job.request_id)
+                    self._send(job, KvRelease(request_id=job.request_id))
                     self._fail(job, TransferFailed(f"read of request {job.request_id}: {job.read.reason}"))
                     continue
-            elif job.pushed is not None and job.pushed.type in ("kv_posted", "kv_pushed") \
-                    and len(job.parts) >= job.pushed["parts"]:
+            elif isinstance(job.pushed, KvPosted | KvPushed) and len(job.parts) >= job.pushed.parts:
                 # kv_posted: prefill has not seen its writes complete yet; the notifications say they landed.
-                self._arrived(job, float(job.pushed["transfer_s"]) if job.pushed.type == "kv_pushed"
+                self._arrived(job, job.pushed.transfer_s if isinstance(job.pushed, KvPushed)
                               else max(0.0, now() - job.posted_seen))
                 continue
             if t >= job.deadline:
@@ -975,7 +1070,7 @@ class DecodeWorker(WorkerCounts):
                 if t < job.lease_until:   # renewals only extend a lease that has not run out
                     job.lease_until = t + self.config.lease_s
                 job.last_renew = t
-                self._send(job, "lease_renew", request_id=job.request_id)
+                self._send(job, LeaseRenew(request_id=job.request_id))
             due = min(due, job.deadline, job.last_renew + self.config.lease_s / 3)
         for zombie in list(self._zombies.values()):
             if zombie.read is not None and zombie.read.done():
@@ -988,7 +1083,6 @@ class DecodeWorker(WorkerCounts):
                 due = min(due, zombie.zombie_until if zombie.read is None or not zombie.read.completes_when_polled
                           else t + 0.001)
         for job in [j for j in self._parked if t >= j.deadline]:
-            self._parked.remove(job)
             self._fail(job, self._after_failover(job, TransferTimeout(
                 f"request {job.request_id}: its {self.config.deadline_s} s deadline passed while it waited for "
                 f"decode's pages")))
@@ -1032,16 +1126,16 @@ class DecodeWorker(WorkerCounts):
         self.counts["bad_notices"] += 1
         log.warning("%s: notification from %s ignored: %s", self.config.name, peer, reason)
 
-    def _posted(self, job: _Job, msg: Message) -> None:
+    def _posted(self, job: _Job, msg: KvPosted) -> None:
         """Prefill posted every write of ``job`` (``kv_posted``, or a notice's summary)."""
         job.pushed, job.posted_seen = msg, now()
-        job.prefill_clock = (float(msg["computed_at"]), float(msg["posted_at"]))
+        job.prefill_clock = (msg.computed_at, msg.posted_at)
 
     def _late(self, job: _Job) -> str:
         """What is missing when a request's deadline passes."""
         what = f"request {job.request_id}: KV did not arrive within {self.config.deadline_s} s"
-        if job.pushed is not None and job.pushed.type in ("kv_posted", "kv_pushed"):
-            return (f"{what}: prefill reported {job.pushed.type} but only {len(job.parts)} of {job.pushed['parts']} "
+        if isinstance(job.pushed, KvPosted | KvPushed):
+            return (f"{what}: prefill reported {job.pushed.kind} but only {len(job.parts)} of {job.pushed.parts} "
                     f"transfer notifications arrived")
         if job.read is not None:
             return f"{what}: decode's read from prefill did not complete"
@@ -1055,7 +1149,7 @@ class DecodeWorker(WorkerCounts):
         pages (IntegrityError naming the first differing cell)."""
         policy = self.config.checksum
         assert job.pushed is not None and policy is not None
-        raw = job.pushed["digest"]
+        raw = job.pushed.digest
         if not raw:
             raise IntegrityError(f"request {job.request_id}: decode asked for checksums, prefill sent no digest")
         try:
@@ -1086,7 +1180,6 @@ class DecodeWorker(WorkerCounts):
         # it now, as a one-process engine sends its first token before it commits the prompt into its cache.
         ttft = arrived - job.submitted
         job.session.done("KV in place")
-        self._jobs.pop(job.request_id, None)
         self._route_done(job)
         try:
             for cache in job.caches:
@@ -1095,27 +1188,29 @@ class DecodeWorker(WorkerCounts):
                 cache.history_length = int(job.tokens.size)
                 cache.commit(job.tokens[job.skip:])
             kv = self.model.bind(list(zip(self.managers, job.caches, strict=True)))
-            first = int(job.pushed["first_token"])
+            first = job.pushed.first_token
             commit_s = now() - arrived
             prompt_kv = self._prompt_kv(job) if job.return_kv else None   # after TTFT: a check, not serving
         except KvxferError as exc:
             self.counts["failed"] += 1
+            self._move(job, JobState.FAILED)
             self._close_caches(job)
             self._resolve_error(job, exc)
             return
-        nbytes = int(job.pushed["nbytes"]) if job.pushed.type in ("kv_posted", "kv_pushed") else \
+        pushed = job.pushed
+        nbytes = pushed.nbytes if isinstance(pushed, KvPosted | KvPushed) else \
             (job.read.nbytes if job.read is not None else 0)
-        prefill_s, request_s = float(job.pushed["prefill_s"]), job.requested - job.submitted
-        queued_s, post_s, arrival_s = float(job.pushed["queued_s"]), float(job.pushed["post_s"]), arrived - job.submitted
-        job.result = GenerationResult(job.request_id, [], int(job.tokens.size), job.skip,
-                                      int(job.pushed["reused_tokens"]), nbytes, job.mode, job.layerwise,
-                                      prefill_s, transfer_s, arrival_s, ttft, verify_s, prompt_kv,
-                                      job.prefill.address if job.prefill is not None else "",
-                                      request_s, queued_s, post_s, commit_s,
-                                      max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s
-                                          - verify_s), allocate_s=job.allocated - job.requested,
-                                      transfer_by_prefill=job.pushed.type == "kv_pushed", arrived_at=arrived,
-                                      prefill_computed_at=job.prefill_clock[0], prefill_posted_at=job.prefill_clock[1])
+        prefill_s, request_s = pushed.prefill_s, job.requested - job.submitted
+        queued_s, post_s, arrival_s = pushed.queued_s, pushed.post_s, arrived - job.submitted
+        job.result = GenerationResult(
+            request_id=job.request_id, tokens=[], prompt_tokens=int(job.tokens.size), reused_tokens_decode=job.skip,
+            reused_tokens_prefill=pushed.reused_tokens, bytes_moved=nbytes, mode=job.mode, layerwise=job.layerwise,
+            prefill_s=prefill_s, transfer_s=transfer_s, arrival_s=arrival_s, ttft_s=ttft, verify_s=verify_s,
+            prompt_kv=prompt_kv, prefill=job.prefill.address if job.prefill is not None else "",
+            request_s=request_s, queued_s=queued_s, post_s=post_s, commit_s=commit_s,
+            messages_s=max(0.0, arrival_s - request_s - queued_s - prefill_s - post_s - transfer_s - verify_s),
+            allocate_s=job.allocated - job.requested, transfer_by_prefill=isinstance(pushed, KvPushed),
+            arrived_at=arrived, prefill_computed_at=job.prefill_clock[0], prefill_posted_at=job.prefill_clock[1])
         model, max_new = self.model, job.max_new_tokens
 
         def run() -> list[int]:   # compute thread: only this request's pages (and the allocator, locked)
@@ -1123,12 +1218,12 @@ class DecodeWorker(WorkerCounts):
                 return model.continue_greedy(kv, first, max_new)
 
         assert self.compute is not None
-        self._generating[job.request_id] = job
+        self._move(job, JobState.GENERATING)
         self.compute.submit(job, run)
 
     def _generated(self, job: _Job, tokens: list[int] | None, error: BaseException | None) -> None:
         """The compute thread finished a request's generation: free its pages, answer."""
-        self._generating.pop(job.request_id, None)
+        self._move(job, JobState.DONE if error is None and tokens is not None else JobState.FAILED)
         self._close_caches(job)
         if error is not None or tokens is None:
             self.counts["failed"] += 1
@@ -1152,9 +1247,9 @@ class DecodeWorker(WorkerCounts):
                 log.exception("%s: a result observer failed", self.config.name)
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
-                job.reply.send("generated", request_id=job.client_request_id, tokens=tokens,
-                               stats=encode_stats(result.stats()),
-                               kv=result.prompt_kv.to_bytes() if result.prompt_kv is not None else b"")
+                job.reply.send(Generated(request_id=job.client_request_id, tokens=tokens,
+                                         stats=encode_stats(result.stats()),
+                                         kv=result.prompt_kv.to_bytes() if result.prompt_kv is not None else b""))
 
     def _prompt_kv(self, job: _Job) -> PromptKV:
         """The committed prompt KV at up to ``job.return_kv`` positions, read through decode's own pages and
@@ -1164,12 +1259,39 @@ class DecodeWorker(WorkerCounts):
         return read_prompt_kv(list(zip(self.managers, job.caches, strict=True)), positions, c.num_layers,
                               c.num_kv_heads, c.head_dim)
 
+    # --- request states ---------------------------------------------------------------------------
+    def _move(self, job: _Job, state: JobState) -> None:
+        """Move ``job`` to ``state`` (SessionError if ``JOB_TRANSITIONS`` does not allow it), taking it out
+        of the collection of its old state and into that of the new one (engine thread only)."""
+        check_move(job.request_id, job.state, state)
+        match job.state:
+            case JobState.WAITING:
+                self._waiting.remove(job)
+            case JobState.PARKED:
+                self._parked.remove(job)
+            case JobState.REQUESTED if self._jobs.get(job.request_id) is job:
+                del self._jobs[job.request_id]
+            case JobState.GENERATING if self._generating.get(job.request_id) is job:
+                del self._generating[job.request_id]
+            case JobState.QUARANTINED if self._zombies.get(job.request_id) is job:
+                del self._zombies[job.request_id]
+        job.state = state
+        match state:
+            case JobState.WAITING:
+                self._waiting.append(job)
+            case JobState.PARKED:
+                self._parked.append(job)
+            case JobState.REQUESTED:
+                self._jobs[job.request_id] = job
+            case JobState.GENERATING:
+                self._generating[job.request_id] = job
+            case JobState.QUARANTINED:
+                self._zombies[job.request_id] = job
+
     # --- failure ----------------------------------------------------------------------------------
     def _fail(self, job: _Job, error: KvxferError, *, remote_done: bool = False, quarantine_until: float = 0.0) -> None:
         """Fail one request now; its blocks are freed once nothing can still write into them (not before
         ``quarantine_until`` either: a lost prefill may still be writing)."""
-        if self._jobs.get(job.request_id) is job:
-            del self._jobs[job.request_id]
         self._route_done(job)
         self.counts["failed"] += 1
         if not job.session.terminal:
@@ -1178,17 +1300,18 @@ class DecodeWorker(WorkerCounts):
         requested = (not remote_done and job.session.history[-2].state is SessionState.TRANSFERRING
                      and job.conn is not None and job.conn.alive)
         if requested:   # prefill still holds (pull) or may still write (push) this request: tell it
-            self._send(job, "kv_cancel", request_id=job.request_id, reason=str(error)[:1000])
+            self._send(job, KvCancel(request_id=job.request_id, reason=str(error)[:1000]))
         remote_may_write = requested and job.mode == "push"
         if job.read is not None and not job.read.done() and not job.read.cancel():
             remote_may_write = True   # our own read could not be stopped: wait for it to end
         if remote_may_write:
             job.zombie_until = now() + self.config.lease_s + self.config.deadline_s
-            self._zombies[job.request_id] = job
+            self._move(job, JobState.QUARANTINED)
         elif quarantine_until > now():
             job.zombie_until = quarantine_until
-            self._zombies[job.request_id] = job
+            self._move(job, JobState.QUARANTINED)
         else:
+            self._move(job, JobState.FAILED)
             self._close_caches(job)
 
     def _route_done(self, job: _Job) -> None:
@@ -1198,7 +1321,7 @@ class DecodeWorker(WorkerCounts):
             self.router.finished(route)
 
     def _bury(self, job: _Job) -> None:
-        self._zombies.pop(job.request_id, None)
+        self._move(job, JobState.FREED)
         self._close_caches(job)
         if self._parked:
             self._unpark()
@@ -1211,7 +1334,8 @@ class DecodeWorker(WorkerCounts):
     def _reply_failed(self, job: _Job, error: KvxferError) -> None:
         if job.reply is not None:
             with contextlib.suppress(KvxferError):
-                job.reply.send("generate_failed", request_id=job.client_request_id, error=type(error).__name__, reason=str(error)[:1024])
+                job.reply.send(GenerateFailed(request_id=job.client_request_id, error=type(error).__name__[:64],
+                                              reason=str(error)[:1024]))
 
     def _close_caches(self, job: _Job) -> None:
         for cache in job.caches:
@@ -1260,8 +1384,6 @@ class DecodeWorker(WorkerCounts):
         if job.result is not None or now() >= job.deadline or self._reconnect_stop.is_set() \
                 or not any(p.alive and p.address not in job.tried for p in self._prefills.values()):
             return False
-        if self._jobs.get(job.request_id) is job:
-            del self._jobs[job.request_id]
         self._route_done(job)
         if not job.session.terminal:
             job.session.fail(f"{type(error).__name__}: {error}; sent to another prefill")
@@ -1273,20 +1395,19 @@ class DecodeWorker(WorkerCounts):
             stale.zombie_until = now() + self.config.lease_s + self.config.deadline_s   # our read still runs
         elif quarantine_until > now():
             stale.zombie_until = quarantine_until
-        if stale.zombie_until:
-            self._zombies[stale.request_id] = stale
-        else:
+        self._move(job, JobState.RETRIED)
+        self._move(stale, JobState.QUARANTINED if stale.zombie_until else JobState.FREED)
+        if not stale.zombie_until:
             self._close_caches(stale)
-        self._begin(_Job(job.request_id, job.tokens, job.max_new_tokens, job.mode, job.layerwise, job.future,
-                         Session(job.request_id), job.submitted, job.deadline, reply=job.reply,
+        self._begin(_Job(request_id=job.request_id, tokens=job.tokens, max_new_tokens=job.max_new_tokens,
+                         mode=job.mode, layerwise=job.layerwise, future=job.future, session=Session(job.request_id),
+                         submitted=job.submitted, deadline=job.deadline, reply=job.reply,
                          client_request_id=job.client_request_id, return_kv=job.return_kv, tried=job.tried,
                          attempt=job.attempt + 1, failover_cause=job.failover_cause or error))
         return True
 
     def _fail_all(self, error: KvxferError) -> None:
-        waiting, self._waiting = self._waiting + self._parked, []
-        self._parked = []
-        for job in waiting:
+        for job in self._waiting + self._parked:
             self._fail(job, error, remote_done=True)
         for job in list(self._jobs.values()):
             self._fail(job, error, remote_done=True)
@@ -1296,12 +1417,12 @@ class DecodeWorker(WorkerCounts):
                     zombie.read.wait(self.config.lease_s)
             self._bury(zombie)
 
-    def _send(self, job: _Job, type: str, **body: Any) -> None:
+    def _send(self, job: _Job, message: ControlMessage) -> None:
         """Send to the prefill a request went to, over the connection it went over (if still up)."""
         if job.conn is not None:
-            self._send_on(job.conn, type, **body)
+            self._send_on(job.conn, message)
 
-    def _send_on(self, conn: PeerConnection, type: str, **body: Any) -> None:
+    def _send_on(self, conn: PeerConnection, message: ControlMessage) -> None:
         if conn.alive:
             with contextlib.suppress(KvxferError):
-                conn.send(type, **body)
+                conn.send(message)

@@ -35,14 +35,33 @@ from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.pins import PinnedPages
 from kvxfer.disagg.control import ControlServer, PeerConnection, Secret
 from kvxfer.disagg.handshake import LocalIdentity, check_compatible
-from kvxfer.disagg.messages import Message
+from kvxfer.disagg.messages import (
+    ControlMessage,
+    KvBlocks,
+    KvCancel,
+    KvFailed,
+    KvPosted,
+    KvPull,
+    KvPushed,
+    KvRanks,
+    KvRelease,
+    KvRequest,
+    LeaseRenew,
+    WorkerStatus,
+    WorkerStatusReply,
+)
 from kvxfer.disagg.session import LeaseTable, Session, SessionState
 from kvxfer.disagg.worker import (
+    Computed,
     ComputeThread,
     Engine,
     Event,
     Health,
+    LayerDone,
     LayerwiseKV,
+    Lost,
+    Received,
+    Reserved,
     StallWatch,
     WorkerConfig,
     WorkerCounts,
@@ -291,65 +310,69 @@ class PrefillWorker(WorkerCounts):
         accept_loop(self.engine, self.server)
 
     def _on_event(self, ev: Event) -> None:
-        kind, conn, payload = ev
-        if kind == "computed":
-            self._computed(conn, *payload)
-        elif kind == "reserved":
-            self._on_reserved(conn)
-        elif kind == "layer_done":
-            self._on_layer(conn, payload)
-        elif kind == "lost":
-            self._on_lost(conn, payload)
-        elif kind == "message":
-            try:
-                self._on_message(conn, payload)
-            except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
-                log.warning("%s: %s sent a bad %s: %s", self.config.name, conn.peer.name, payload.type, exc)
-                conn.close(f"protocol error: {exc}")
-                self._on_lost(conn, f"protocol error: {exc}")
+        match ev:
+            case Computed(job=job, value=value, error=error):
+                self._computed(job, value, error)
+            case Reserved(job=job):
+                self._on_reserved(job)
+            case LayerDone(job=job, layer=layer):
+                self._on_layer(job, layer)
+            case Lost(conn=conn, reason=reason):
+                self._on_lost(conn, reason)
+            case Received(conn=conn, message=msg):
+                try:
+                    self._on_message(conn, msg)
+                except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
+                    log.warning("%s: %s sent a bad %s: %s", self.config.name, conn.peer.name, msg.kind, exc)
+                    conn.close(f"protocol error: {exc}")
+                    self._on_lost(conn, f"protocol error: {exc}")
+            case _:
+                raise TypeError(f"prefill worker {self.config.name}: no handler for a {type(ev).__name__} event")
 
-    def _on_receive(self, conn: PeerConnection, msg: Message) -> bool:
+    def _on_receive(self, conn: PeerConnection, msg: ControlMessage) -> bool:
         """Reader thread: a decode peer's lease renewal takes effect on arrival, even while the engine
         computes a long prompt (queued, it would let the lease run out before the write is posted)."""
-        if msg.type != "lease_renew" or conn.peer.role != "decode":
+        if not isinstance(msg, LeaseRenew) or conn.peer.role != "decode":
             return False
         with contextlib.suppress(SessionError):   # unknown, released or expired: nothing to extend
-            self.leases.renew((conn.peer.name, msg["request_id"]))
+            self.leases.renew((conn.peer.name, msg.request_id))
         return True
 
-    def _on_message(self, conn: PeerConnection, msg: Message) -> None:
+    def _on_message(self, conn: PeerConnection, msg: ControlMessage) -> None:
         peer = conn.peer.name
-        if msg.type == "worker_status":
-            self._send(conn, "worker_status_reply", stats=encode_stats(self._status()))
+        if isinstance(msg, WorkerStatus):
+            self._send(conn, WorkerStatusReply(stats=encode_stats(self._status())))
             return
         if conn.peer.role != "decode":
-            raise ProtocolError(f"a {conn.peer.role} may only ask for worker_status, not send {msg.type!r}")
-        if msg.type == "kv_ranks":
+            raise ProtocolError(f"a {conn.peer.role} may only ask for worker_status, not send {msg.kind!r}")
+        if isinstance(msg, KvRanks):
             self._on_ranks(conn, msg)
             return
         if peer not in self._peer_layouts:
-            raise ProtocolError(f"{msg.type!r} before kv_ranks")
-        rid = msg["request_id"]
-        job = self._jobs.get((peer, rid))
-        if msg.type == "kv_request":
-            self._on_request(conn, msg)
-        elif msg.type == "kv_blocks":
-            if job is not None:   # else ended already (kv_failed is on its way to decode)
-                self._on_destinations(job, msg)
-        elif msg.type == "kv_release":
-            if job is not None:
-                self._finish(job, None)
-        elif msg.type == "kv_cancel":
-            if job is not None:
-                self._end(job, SessionState.CANCELLED, f"cancelled by decode: {msg['reason']}", tell=False)
-            # Acknowledge even unknown ids: decode may free its blocks once we will not write there.
-            self._send(conn, "kv_failed", request_id=rid, reason=f"cancelled: {msg['reason']}")
-        else:
-            raise ProtocolError(f"unexpected message {msg.type!r} from a decode peer")
+            raise ProtocolError(f"{msg.kind!r} before kv_ranks")
+        match msg:
+            case KvRequest():
+                self._on_request(conn, msg)
+            case KvBlocks(request_id=rid):
+                job = self._jobs.get((peer, rid))
+                if job is not None:   # else ended already (kv_failed is on its way to decode)
+                    self._on_destinations(job, msg)
+            case KvRelease(request_id=rid):
+                job = self._jobs.get((peer, rid))
+                if job is not None:
+                    self._finish(job, None)
+            case KvCancel(request_id=rid, reason=reason):
+                job = self._jobs.get((peer, rid))
+                if job is not None:
+                    self._end(job, SessionState.CANCELLED, f"cancelled by decode: {reason}", tell=False)
+                # Acknowledge even unknown ids: decode may free its blocks once we will not write there.
+                self._send(conn, KvFailed(request_id=rid, reason=f"cancelled: {reason}"[:1024]))
+            case _:
+                raise ProtocolError(f"unexpected message {msg.kind!r} from a decode peer")
 
-    def _on_ranks(self, conn: PeerConnection, msg: Message) -> None:
+    def _on_ranks(self, conn: PeerConnection, msg: KvRanks) -> None:
         peer = conn.peer.name
-        layouts = decode_layouts(msg["layouts"])
+        layouts = decode_layouts(msg.layouts)
         for i, lay in enumerate(layouts):
             try:
                 check_compatible(self.layouts[0], lay)
@@ -363,27 +386,27 @@ class PrefillWorker(WorkerCounts):
         self.transport.connect(peer, conn.peer.metadata)
         self._peer_layouts[peer] = layouts
         self._peers[peer] = conn
-        self._send(conn, "kv_ranks", layouts=encode_layouts(self.layouts))
+        self._send(conn, KvRanks(layouts=encode_layouts(self.layouts)))
 
     # --- requests ---------------------------------------------------------------------------------
-    def _on_request(self, conn: PeerConnection, msg: Message) -> None:
-        peer, rid = conn.peer.name, msg["request_id"]
+    def _on_request(self, conn: PeerConnection, msg: KvRequest) -> None:
+        peer, rid = conn.peer.name, msg.request_id
         self.stats.requests += 1
         if (peer, rid) in self._jobs:
-            self._send(conn, "kv_failed", request_id=rid, reason="duplicate request id")
+            self._send(conn, KvFailed(request_id=rid, reason="duplicate request id"))
             return
         if self._draining:
-            self._send(conn, "kv_failed", request_id=rid,
-                       reason=f"{PREFILL_SHUTDOWN} ({self.config.name}): draining, not taking new requests")
+            self._send(conn, KvFailed(request_id=rid, reason=f"{PREFILL_SHUTDOWN} ({self.config.name}): draining, "
+                                                             f"not taking new requests"))
             return
         try:
-            tokens = decode_tokens(msg["tokens"], "kv_request.tokens")
+            tokens = decode_tokens(msg.tokens, "kv_request.tokens")
         except ProtocolError as exc:
-            self._send(conn, "kv_failed", request_id=rid, reason=str(exc))
+            self._send(conn, KvFailed(request_id=rid, reason=str(exc)[:1024]))
             return
-        checksum = decode_checksum_policy(msg["checksum"])
-        session = Session(rid, lease=self.leases.grant((peer, rid), float(msg["lease_s"])))
-        job = _Job(peer, rid, conn, session, [], msg["mode"], None, (0, int(tokens.size)), checksum)
+        checksum = decode_checksum_policy(msg.checksum)
+        session = Session(rid, lease=self.leases.grant((peer, rid), msg.lease_s))
+        job = _Job(peer, rid, conn, session, [], msg.mode, None, (0, int(tokens.size)), checksum)
         self._jobs[(peer, rid)] = job
         try:
             self._allocate(job, tokens)
@@ -392,16 +415,16 @@ class PrefillWorker(WorkerCounts):
             return
         self._start_compute(job, tokens, msg)
 
-    def _on_destinations(self, job: _Job, msg: Message) -> None:
+    def _on_destinations(self, job: _Job, msg: KvBlocks) -> None:
         """Decode's destination blocks (``kv_blocks``, sent while this side computes): what was waiting for
         them (layer groups done, the whole compute done) is posted now."""
         if job.dst_ids is not None:
             raise ProtocolError(f"kv_blocks: a second one for request {job.request_id!r}")
-        skip, size = int(msg["skip"]), job.span[1]
+        skip, size = msg.skip, job.span[1]
         if not 0 <= skip < size:
             self._end(job, SessionState.FAILED, f"kv_blocks.skip={skip} outside [0, {size})")
             return
-        job.dst_ids = decode_block_ids(msg["blocks"], len(self._peer_layouts[job.peer]), "kv_blocks.blocks")
+        job.dst_ids = decode_block_ids(msg.blocks, len(self._peer_layouts[job.peer]), "kv_blocks.blocks")
         job.span = (skip, size)
         if job.session.terminal:   # ended meanwhile; its pages are freed where it ended
             return
@@ -435,15 +458,15 @@ class PrefillWorker(WorkerCounts):
         self.stats.reused_tokens += job.reused_tokens
         job.session.ready("source blocks allocated")
 
-    def _start_compute(self, job: _Job, tokens: np.ndarray, msg: Message) -> None:
+    def _start_compute(self, job: _Job, tokens: np.ndarray, msg: KvRequest) -> None:
         """Hand the model work to the compute thread; its layers (layer-wise push) and its end come back
         as ``layer_done`` and ``computed`` events."""
         assert self.compute is not None
         shards = list(zip(self.managers, job.caches, strict=True))
-        if msg["mode"] == "push" and msg["layerwise"]:
-            job.groups = {g[-1]: g for g in layer_groups(self.model.kv_spec.num_layers, int(msg["layers_per_send"]))}
+        if msg.mode == "push" and msg.layerwise:
+            job.groups = {g[-1]: g for g in layer_groups(self.model.kv_spec.num_layers, msg.layers_per_send)}
         model, chunk, engine = self.model, self.config.chunk_size, self.engine
-        plan_early = msg["mode"] == "push" and not job.groups
+        plan_early = msg.mode == "push" and not job.groups
 
         def on_layer(layer: int) -> None:   # compute thread
             if job.session.terminal:
@@ -452,7 +475,7 @@ class PrefillWorker(WorkerCounts):
                 # Take (and pin) the pages the writes read now, on this thread: the commit at the end of the
                 # prompt may swap the last block for the prefix tree's copy before the engine posts them.
                 self._source_ids(job)
-                engine._post_internal(("layer_done", job, layer))
+                engine._post_internal(LayerDone(job, layer))
 
         def run() -> tuple[int, float]:   # compute thread: only this request's pages are touched
             started = job.compute_started = now()
@@ -460,7 +483,7 @@ class PrefillWorker(WorkerCounts):
                 else model.bind(shards)
             if plan_early:   # every page of the prompt now (the model would take them chunk by chunk)
                 kv.reserve(int(tokens.size))
-                engine._post_internal(("reserved", job, None))
+                engine._post_internal(Reserved(job))
             with torch.inference_mode():
                 logits = model.prefill(kv, tokens[job.reused_tokens:], chunk, last_only=True)
             return greedy(logits[-1]), now() - started
@@ -526,9 +549,10 @@ class PrefillWorker(WorkerCounts):
                 digest = self._digest(job)   # before decode may read: the pages are final
                 job.session.start_transfer("waiting for decode to read")
                 queued_s, post_s = self._stages(job, now())
-                self._send(job.conn, "kv_pull", urgent=True, request_id=job.request_id, first_token=job.first_token,
-                           blocks=encode_block_ids(src_ids), reused_tokens=job.reused_tokens, prefill_s=job.prefill_s,
-                           digest=digest, queued_s=queued_s, post_s=post_s)
+                self._send(job.conn, KvPull(request_id=job.request_id, first_token=job.first_token,
+                                            blocks=encode_block_ids(src_ids), reused_tokens=job.reused_tokens,
+                                            prefill_s=job.prefill_s, digest=digest, queued_s=queued_s, post_s=post_s),
+                           urgent=True)
                 return
             if not job.groups:
                 src_ids = self._source_ids(job)
@@ -549,7 +573,7 @@ class PrefillWorker(WorkerCounts):
                 summary = None
                 if job.checksum is None and job.conn.peer.version >= 2:
                     # No digest to take: the write's own notice tells decode all that kv_posted would.
-                    summary = self._posted_fields(job, 1, plan.total_bytes)
+                    summary = self._posted(job, 1, plan.total_bytes, b"")
                     job.announced = True
                 # Settled: the compute thread read the first token, a device sync after every kernel that
                 # wrote these pages; the copy need not wait for what it queued since (the next prompt).
@@ -585,18 +609,17 @@ class PrefillWorker(WorkerCounts):
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
             return
-        self._send(job.conn, "kv_posted", urgent=True, request_id=job.request_id, digest=digest,
-                   **self._posted_fields(job, expected, sum(h.nbytes for h in job.handles)))
+        self._send(job.conn, self._posted(job, expected, sum(h.nbytes for h in job.handles), digest), urgent=True)
 
-    def _posted_fields(self, job: _Job, parts: int, nbytes: int) -> dict[str, Any]:
-        """What ``kv_posted`` says (but ``request_id`` and ``digest``), for a notice's summary as well."""
+    def _posted(self, job: _Job, parts: int, nbytes: int, digest: bytes) -> KvPosted:
+        """What ``kv_posted`` says (a notice's summary too, without the digest)."""
         queued_s, post_s = self._stages(job, job.last_posted)
-        return {"first_token": job.first_token, "parts": parts, "nbytes": nbytes, "reused_tokens": job.reused_tokens,
-                "prefill_s": job.prefill_s, "queued_s": queued_s, "post_s": post_s,
-                "computed_at": job.compute_started + job.prefill_s, "posted_at": job.last_posted}
+        return KvPosted(request_id=job.request_id, first_token=job.first_token, parts=parts, nbytes=nbytes,
+                        reused_tokens=job.reused_tokens, prefill_s=job.prefill_s, digest=digest, queued_s=queued_s,
+                        post_s=post_s, computed_at=job.compute_started + job.prefill_s, posted_at=job.last_posted)
 
     @staticmethod
-    def _notice(job: _Job, part: int, summary: dict[str, Any] | None = None) -> bytes:
+    def _notice(job: _Job, part: int, summary: KvPosted | None = None) -> bytes:
         """The notification that follows part ``part`` of a request's KV: ``"<request id>#<part>"`` for a
         protocol-1 peer, else a notice tagged with the connection's key (``encode_notice``), which decode
         trusts as "landed" only once the tag checks."""
@@ -741,13 +764,14 @@ class PrefillWorker(WorkerCounts):
             except KvxferError as exc:
                 self._end(job, SessionState.FAILED, f"checksum of the source pages failed: {exc}")
                 return
-            fields = self._posted_fields(job, len(job.handles), nbytes)
-            del fields["computed_at"], fields["posted_at"]   # kv_pushed: kv_posted's fields but the clocks
+            p = self._posted(job, len(job.handles), nbytes, digest)
             # Announced (kv_posted or the notice's summary): decode has, or is about to take, the KV without
             # it, so it is no longer urgent (it frees a cancelled request's blocks; its transfer time is
-            # for the statistics).
-            self._send(job.conn, "kv_pushed", urgent=not job.announced, request_id=job.request_id,
-                       transfer_s=transfer_s, digest=digest, **fields)
+            # for the statistics). kv_pushed: kv_posted's fields but the clocks, and the transfer time.
+            self._send(job.conn, KvPushed(request_id=p.request_id, first_token=p.first_token, parts=p.parts,
+                                          nbytes=p.nbytes, reused_tokens=p.reused_tokens, prefill_s=p.prefill_s,
+                                          transfer_s=transfer_s, digest=p.digest, queued_s=p.queued_s,
+                                          post_s=p.post_s), urgent=not job.announced)
         self.stats.bytes_sent += nbytes
         self.stats.completed += 1
         job.session.done("decode has the KV" if transfer_s is None else "written")
@@ -766,7 +790,7 @@ class PrefillWorker(WorkerCounts):
         self.stats.reasons.append(reason)
         log.info("%s: request %s of %s ended: %s", self.config.name, job.request_id, job.peer, reason)
         if tell:
-            self._send(job.conn, "kv_failed", request_id=job.request_id, reason=reason)
+            self._send(job.conn, KvFailed(request_id=job.request_id, reason=reason[:1024]))
         self._free(job)
 
     def _free(self, job: _Job) -> None:
@@ -807,11 +831,11 @@ class PrefillWorker(WorkerCounts):
         for job in list(self._jobs.values()):
             self._end(job, SessionState.FAILED, reason)
 
-    def _send(self, conn: PeerConnection, type: str, *, urgent: bool = False, **body: Any) -> None:
+    def _send(self, conn: PeerConnection, message: ControlMessage, *, urgent: bool = False) -> None:
         """Send, ignoring a lost peer (its reader's "lost" event handles it); ``urgent``: on a request's
         critical path, handed to the I/O thread before the engine goes on (``send_urgent``)."""
         with contextlib.suppress(KvxferError):
-            (conn.send_urgent if urgent else conn.send)(type, **body)
+            (conn.send_urgent if urgent else conn.send)(message)
 
 
 def reusable_plan(early: tuple[BlockIdMaps, TransferPlan] | None, src_ids: BlockIdMaps) -> TransferPlan | None:

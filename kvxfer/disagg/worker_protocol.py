@@ -1,24 +1,19 @@
-"""Worker message types (registered with the control plane) and the bounded codecs of their payloads.
+"""The workers' protocol: the bounded codecs of their messages' payloads, and completion notices.
 
-Decode <-> prefill, after the authenticated handshake (see docs/disagg.md):
-``kv_ranks`` (both ways, once: every tensor-parallel rank's layout), ``kv_request`` (decode asks for a
-request's KV: the prompt, so prefill starts computing at once), ``kv_blocks`` (right after, once decode
-allocated them: which tokens decode already holds and where the rest must go), ``kv_posted`` (push,
-protocol 2: every write is posted; the first token and what decode checks at arrival, sent while the data
-moves, so that decode takes the KV as soon as the transport's notifications say it landed), ``kv_pushed``
-(push: the pages are written, prefill reads them no more: what frees a cancelled request's blocks), ``kv_pull`` (pull: where to read them from), ``kv_release`` (pull: read done),
-``lease_renew``, ``kv_cancel``, ``kv_failed``. Client <-> decode: ``generate``, ``generate_cancel``,
-``generated``, ``generate_failed`` (``generate.return_kv`` > 0 asks for the committed prompt KV of that
-many positions in ``generated.kv``: the KV oracle's input, see ``kvxfer.disagg.oracle``). Any authenticated peer (clients included, on both workers):
-``worker_status`` -> ``worker_status_reply`` (slot accounting and counters, for operators and tests).
+The messages themselves (``KvRanks``, ``KvRequest``, ``KvBlocks``, ``KvPosted``, ``KvPushed``, ``KvPull``,
+``KvRelease``, ``LeaseRenew``, ``KvCancel``, ``KvFailed`` between decode and prefill; ``Generate``,
+``GenerateCancel``, ``Generated``, ``GenerateFailed`` between a client and decode; ``WorkerStatus`` ->
+``WorkerStatusReply`` for any authenticated peer) are typed structs of ``kvxfer.disagg.messages``; see
+docs/disagg.md for their sequence. ``Generate.return_kv`` > 0 asks for the committed prompt KV of that
+many positions in ``Generated.kv``: the KV oracle's input, see ``kvxfer.disagg.oracle``.
 
-Integrity (optional, decode decides): ``kv_request.checksum`` carries decode's ChecksumPolicy; prefill
+Integrity (optional, decode decides): ``KvRequest.checksum`` carries decode's ChecksumPolicy; prefill
 answers with a position-keyed KVDigest of the source pages over the tokens decode asked for in
-``kv_pushed.digest`` or ``kv_pull.digest``; decode digests its own destination pages the same way and
+``KvPushed.digest`` or ``KvPull.digest``; decode digests its own destination pages the same way and
 compares before it commits them (no plan is involved, so a mispaired plan cannot agree with itself).
-``kv_blocks.blocks`` names decode's read-only blocks (committed, shared with its prefix tree) as -1.
+``KvBlocks.blocks`` names decode's read-only blocks (committed, shared with its prefix tree) as -1.
 
-Shutdown: a prefill that stops (drains, or closes) answers ``kv_failed`` with a reason beginning with
+Shutdown: a prefill that stops (drains, or closes) answers ``KvFailed`` with a reason beginning with
 ``PREFILL_SHUTDOWN``; such a request's KV did not reach decode and never will from there, so decode sends
 it to another prefill (``is_prefill_shutdown``).
 """
@@ -27,76 +22,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
-from kvxfer.disagg.messages import MAX_MESSAGE_BYTES, Field, Message, MessageSpec, register
+from kvxfer.disagg.messages import MAX_MESSAGE_BYTES, MAX_PROMPT_TOKENS, KvPosted, RequestId
 from kvxfer.disagg.seal import NOTICE_TAG_BYTES
 from kvxfer.errors import ConfigError, DecodeError, LayoutError, ProtocolError
 from kvxfer.transport.integrity import ChecksumPolicy
 
-MODES = ("push", "pull")
 MAX_RANKS = 64
-MAX_PROMPT_TOKENS = 1 << 20
 MAX_LAYER_GROUPS = 1024
-_TOKEN_ID_MAX = (1 << 31) - 1
+_NOTICE_SUMMARY = msgspec.msgpack.Decoder(
+    tuple[RequestId, Annotated[int, msgspec.Meta(ge=1, le=1 << 16)], dict[str, Any] | None])
 
-_RID = Field("request_id", "str", min_len=1, max_len=128)
-_REASON = Field("reason", "str", max_len=1024)
-_SECONDS = (0.0, 1e6)
-#: Prefill's control time around its compute, reported for decode's TTFT split: request arrival to the
-#: compute thread starting it, and compute end to the transfer posted (``kv_pull`` sent).
-_STAGES = (Field("queued_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
-           Field("post_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]))
-
-KV_RANKS = register(MessageSpec("kv_ranks", (Field("layouts", "bytes", max_len=MAX_MESSAGE_BYTES // 2),)))
-KV_REQUEST = register(MessageSpec("kv_request", (
-    _RID,
-    Field("tokens", "bytes", max_len=4 * MAX_PROMPT_TOKENS),   # int32 little-endian: encode_tokens
-    Field("mode", "str", max_len=8, choices=MODES),
-    Field("layerwise", "bool"),
-    Field("layers_per_send", "int", lo=1, hi=1 << 16),
-    Field("lease_s", "float", lo=0.01, hi=3600.0),
-    Field("checksum", "bytes", max_len=64),
-)))
-KV_BLOCKS = register(MessageSpec("kv_blocks", (
-    _RID,
-    Field("skip", "int", hi=MAX_PROMPT_TOKENS),
-    Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
-)))
-KV_PUSHED = register(MessageSpec("kv_pushed", (
-    _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("parts", "int", hi=1 << 16),
-    Field("nbytes", "int"), Field("reused_tokens", "int", hi=MAX_PROMPT_TOKENS),
-    Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
-    Field("transfer_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
-    Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
-    *_STAGES,
-)))
-#: ``kv_pushed`` without the transfer time (unknown when sent), plus prefill's clock readings at its
-#: compute's end and at the last post: monotonic seconds, comparable with decode's clock only when both
-#: run on one host (``kvxfer bench e2e`` then splits "after prefill" exactly; decode never relies on them).
-KV_POSTED = register(MessageSpec("kv_posted", (
-    _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("parts", "int", hi=1 << 16),
-    Field("nbytes", "int"), Field("reused_tokens", "int", hi=MAX_PROMPT_TOKENS),
-    Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
-    Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
-    *_STAGES,
-    Field("computed_at", "float", lo=0.0, hi=1e15), Field("posted_at", "float", lo=0.0, hi=1e15),
-)))
-KV_PULL = register(MessageSpec("kv_pull", (
-    _RID, Field("first_token", "int", hi=_TOKEN_ID_MAX), Field("blocks", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
-    Field("reused_tokens", "int", hi=MAX_PROMPT_TOKENS), Field("prefill_s", "float", lo=_SECONDS[0], hi=_SECONDS[1]),
-    Field("digest", "bytes", max_len=MAX_MESSAGE_BYTES // 4),
-    *_STAGES,
-)))
-KV_RELEASE = register(MessageSpec("kv_release", (_RID,)))
-LEASE_RENEW = register(MessageSpec("lease_renew", (_RID,)))
-KV_CANCEL = register(MessageSpec("kv_cancel", (_RID, _REASON)))
-KV_FAILED = register(MessageSpec("kv_failed", (_RID, _REASON)))
 #: How ``kv_failed.reason`` begins when prefill fails a request because it is stopping (draining or closing).
 PREFILL_SHUTDOWN = "prefill worker shutting down"
 
@@ -106,25 +49,9 @@ def is_prefill_shutdown(reason: str) -> bool:
     return reason.startswith(PREFILL_SHUTDOWN)
 
 
-GENERATE = register(MessageSpec("generate", (
-    _RID, Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=MAX_PROMPT_TOKENS),
-    Field("max_new_tokens", "int", hi=1 << 20), Field("mode", "str", max_len=8, choices=("", *MODES)),
-    Field("layerwise", "bool"), Field("return_kv", "int", hi=MAX_PROMPT_TOKENS),
-)))
-GENERATE_CANCEL = register(MessageSpec("generate_cancel", (_RID, _REASON)))
-WORKER_STATUS = register(MessageSpec("worker_status", ()))
-WORKER_STATUS_REPLY = register(MessageSpec("worker_status_reply", (Field("stats", "bytes", max_len=1 << 16),)))
-GENERATED = register(MessageSpec("generated", (
-    _RID, Field("tokens", "ints", hi=_TOKEN_ID_MAX, max_len=1 << 20), Field("stats", "bytes", max_len=1 << 16),
-    Field("kv", "bytes", max_len=MAX_MESSAGE_BYTES // 2),
-)))
-GENERATE_FAILED = register(MessageSpec("generate_failed", (_RID, Field("error", "str", max_len=64), _REASON)))
-
-
 #: Protocol 2: a write's completion notice (what the transport delivers after the data) starts with this.
 NOTICE_MAGIC = b"KVX2"
 _NOTICE_MAX_BYTES = 2048
-_PART = Field("part", "int", lo=1, hi=1 << 16)
 
 
 @dataclass(frozen=True)
@@ -135,18 +62,18 @@ class Notice:
 
     request_id: str
     part: int
-    summary: Message | None
+    summary: KvPosted | None
     signed: bytes
     tag: bytes
 
 
-def encode_notice(request_id: str, part: int, summary: Mapping[str, Any] | None,
-                  sign: Callable[[bytes], bytes]) -> bytes:
+def encode_notice(request_id: str, part: int, summary: KvPosted | None, sign: Callable[[bytes], bytes]) -> bytes:
     """``NOTICE_MAGIC`` + msgpack ``[request_id, part, summary or nil]`` + the connection's tag of both
-    (``PeerConnection.sign_notice``). ``summary``: the fields of ``kv_posted`` but ``request_id`` and
-    ``digest`` (a notice carries no digest: with checksums, ``kv_posted`` does)."""
-    signed = NOTICE_MAGIC + bytes(msgpack.packb([request_id, part, None if summary is None else dict(summary)],
-                                                use_bin_type=True))
+    (``PeerConnection.sign_notice``). ``summary``: the fields of ``kv_posted`` but ``type``, ``request_id``
+    and ``digest`` (a notice carries no digest: with checksums, ``kv_posted`` does)."""
+    fields = None if summary is None else \
+        {k: v for k, v in msgspec.structs.asdict(summary).items() if k not in ("request_id", "digest")}
+    signed = NOTICE_MAGIC + bytes(msgpack.packb([request_id, part, fields], use_bin_type=True))
     return signed + sign(signed)
 
 
@@ -157,16 +84,19 @@ def decode_notice(raw: bytes) -> Notice:
         raise ProtocolError(f"notice: {len(raw)} bytes, not a tagged {NOTICE_MAGIC!r} notice of at most "
                             f"{_NOTICE_MAX_BYTES} bytes")
     signed, tag = raw[:-NOTICE_TAG_BYTES], raw[-NOTICE_TAG_BYTES:]
-    obj = _unpack(signed[len(NOTICE_MAGIC):], "notice")
-    if not isinstance(obj, list) or len(obj) != 3:
-        raise ProtocolError("notice: expected [request_id, part, summary]")
-    rid, part, summary = obj
-    _RID.check(rid, "notice")
-    _PART.check(part, "notice")
-    if summary is not None and not isinstance(summary, dict):
-        raise ProtocolError("notice.summary: expected a map or nil")
-    message = None if summary is None else \
-        Message("kv_posted", KV_POSTED.check_body({**summary, "request_id": rid, "digest": b""}, "notice.summary"))
+    try:
+        rid, part, summary = _NOTICE_SUMMARY.decode(signed[len(NOTICE_MAGIC):])
+    except msgspec.ValidationError as exc:
+        where = str(exc).replace("`$[0]`", "`notice.request_id`").replace("`$[1]`", "`notice.part`") \
+            .replace("`$[2]`", "`notice.summary`")
+        raise ProtocolError(f"notice: expected [request_id, part, summary]: {where}") from exc
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"notice: invalid msgpack ({exc})") from exc
+    try:
+        message = None if summary is None else \
+            msgspec.convert({**summary, "request_id": rid, "digest": b"", "type": "kv_posted"}, KvPosted)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"notice.summary: {exc}") from exc
     return Notice(rid, part, message, signed, tag)
 
 

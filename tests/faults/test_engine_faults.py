@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvxfer.cli import serve as serve_cli
+from kvxfer.disagg.messages import KvPosted, KvPushed
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import query_status
 from kvxfer.disagg.worker_decode import DecodeWorker
@@ -91,13 +92,13 @@ def test_an_unexpected_error_in_an_engine_handler_fails_the_requests_and_marks_t
         real = decode._on_prefill
 
         def buggy(conn: Any, msg: Any) -> None:
-            if msg.type in ("kv_posted", "kv_pushed"):
+            if isinstance(msg, KvPosted | KvPushed):
                 raise RuntimeError("injected bug in a message handler")
             real(conn, msg)
         monkeypatch.setattr(decode, "_on_prefill", buggy)
         tokens = prompts(61)[0]
         with pytest.raises(WorkerUnhealthy, match=r"decode worker unhealthy: unexpected error while handling a "
-                                                  r"'message' event: RuntimeError: injected bug in a message handler"):
+                                                  r"Received event: RuntimeError: injected bug in a message handler"):
             decode.generate(tokens, NEW, timeout=30)
         assert not decode.health.ok and "injected bug" in decode.health.reason
         status = decode.status()                      # the engine still answers

@@ -17,7 +17,23 @@ import zmq
 
 from kvxfer.disagg.auth import AuthKey
 from kvxfer.disagg.handshake import ClientHandshake, LocalIdentity, PeerInfo, ServerHandshake
-from kvxfer.disagg.messages import Message, decode, encode
+from kvxfer.disagg.messages import (
+    Auth,
+    Bye,
+    Challenge,
+    ControlMessage,
+    Frame,
+    Heartbeat,
+    Hello,
+    KvBlocks,
+    KvPull,
+    KvRanks,
+    KvRequest,
+    Refuse,
+    decode,
+    encode,
+    encode_frame,
+)
 from kvxfer.disagg.seal import SealedChannel
 from kvxfer.disagg.worker import WorkerConfig, all_regions
 from kvxfer.disagg.worker_decode import DecodeWorker
@@ -51,7 +67,7 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def recv(sock: zmq.Socket[bytes], timeout: float, channel: SealedChannel | None = None) -> Message:
+def recv(sock: zmq.Socket[bytes], timeout: float, channel: SealedChannel | None = None) -> Frame:
     """The next message other than a heartbeat on a raw socket, opened with ``channel`` after the handshake
     (AssertionError after ``timeout`` s)."""
     deadline = time.monotonic() + timeout
@@ -59,9 +75,9 @@ def recv(sock: zmq.Socket[bytes], timeout: float, channel: SealedChannel | None 
         left = deadline - time.monotonic()
         assert left > 0 and sock.poll(int(left * 1000) + 1, zmq.POLLIN), "no message in time"
         frame = sock.recv()
-        msg = decode(frame if channel is None else channel.open(frame), (0, 1 << 16))
-        if msg.type != "heartbeat":
-            return msg
+        got = decode(frame if channel is None else channel.open(frame), (0, 1 << 16))
+        if not isinstance(got.message, Heartbeat):
+            return got
 
 
 def serve_one(prefill: PrefillWorker, seed: int) -> None:
@@ -99,9 +115,9 @@ def _half_open_handshake_is_dropped(prefill: PrefillWorker, ctx: zmq.Context[zmq
     sock.connect(prefill.address)
     hs = ClientHandshake(LocalIdentity("decode", "half-open"), KEY, expect_role="prefill")
     t0 = time.monotonic()
-    sock.send(encode(hs.hello()))
+    sock.send(encode_frame(hs.hello()))
     challenge = recv(sock, 5)
-    assert challenge.type == "challenge" and isinstance(hs.on_message(challenge), Message)  # a valid one
+    assert isinstance(challenge.message, Challenge) and isinstance(hs.on_message(challenge), Frame)  # a valid one
     assert prefill.server.num_pending == 1
     sock.close()                               # gone before auth
     wait_for("the half-open handshake to be dropped", lambda: prefill.server.num_pending == 0, 1.0 + MARGIN)
@@ -139,25 +155,25 @@ class FakePrefill:
         self._thread = threading.Thread(target=self._run, name="fake-prefill", daemon=True)
         self._thread.start()
 
-    def messages(self) -> list[Message]:
+    def messages(self) -> list[ControlMessage]:
         """What the client sent, decoded (opened first once the handshake is done)."""
-        return [decode(f, (0, 1 << 16)) for f in list(self.received)]
+        return [decode(f, (0, 1 << 16)).message for f in list(self.received)]
 
     def _answer(self, frame: bytes) -> bytes | None:
-        msg = decode(frame, (0, 1 << 16))
+        got = decode(frame, (0, 1 << 16))
         if self.channel is not None:
-            return None if msg.type != "kv_ranks" or self.behaviour != "bad_ranks" else \
-                self.channel.seal(encode(Message("kv_ranks", {"layouts": b"\x01"}, self.version)))
-        if msg.type in ("hello", "auth"):
+            return None if not isinstance(got.message, KvRanks) or self.behaviour != "bad_ranks" else \
+                self.channel.seal(encode(KvRanks(layouts=b"\x01"), self.version))
+        if isinstance(got.message, Hello | Auth):
             if self.behaviour == "silent":
                 return None
             if self.behaviour == "garbage":
                 return b"\xc1 this is not msgpack"
-            reply, peer = self.handshake.on_message(msg)
+            reply, peer = self.handshake.on_message(got)
             if peer is not None:
                 self.version = peer.version
                 self.channel = self.handshake.channel()
-            out = encode(reply)
+            out = encode_frame(reply)
             return out[: len(out) // 2] if self.behaviour == "truncated" else out
         return None
 
@@ -199,14 +215,17 @@ def test_decode_fails_fast_against_a_broken_server(ctx: zmq.Context[zmq.Socket[b
         if error is ControlTimeout:
             assert took >= 1.0
         # The server is told why (refuse before the handshake completed, bye after), then nothing more.
-        expected = {"silent": None, "garbage": "refuse", "truncated": "refuse", "mute": "bye", "bad_ranks": "bye"}
+        expected: dict[str, type[Refuse | Bye] | None] = {"silent": None, "garbage": Refuse, "truncated": Refuse,
+                                                           "mute": Bye, "bad_ranks": Bye}
         last = expected[behaviour]
         if last is not None:
-            wait_for(f"decode's {last}", lambda: fake.messages()[-1].type == last, 5)
-        if last == "refuse":
-            assert "invalid msgpack" in fake.messages()[-1]["reason"]
-        if last == "bye":
-            assert fake.messages()[-1]["reason"] == "decode could not finish connecting"
+            wait_for(f"decode's {last.__name__}", lambda: isinstance(fake.messages()[-1], last), 5)
+            told = fake.messages()[-1]
+            assert isinstance(told, Refuse | Bye)
+            if last is Refuse:
+                assert "invalid msgpack" in told.reason
+            else:
+                assert told.reason == "decode could not finish connecting"
     finally:
         fake.close()
     assert not fake._thread.is_alive()
@@ -229,20 +248,20 @@ class RawDecode:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         hs = ClientHandshake(ident, KEY, expect_role="prefill")
-        self.sock.send(encode(hs.hello()))
+        self.sock.send(encode_frame(hs.hello()))
         auth = hs.on_message(recv(self.sock, 5))
-        assert isinstance(auth, Message)
-        self.sock.send(encode(auth))
+        assert isinstance(auth, Frame)
+        self.sock.send(encode_frame(auth))
         peer = hs.on_message(recv(self.sock, 5))
         assert isinstance(peer, PeerInfo) and peer.role == "prefill"
         self.version = peer.version
         self.channel = hs.channel()
 
-    def send(self, type: str, **body: object) -> None:
-        self.sock.send(self.channel.seal(encode(Message(type, body, self.version))))
+    def send(self, message: ControlMessage) -> None:
+        self.sock.send(self.channel.seal(encode(message, self.version)))
 
-    def recv(self, timeout: float) -> Message:
-        return recv(self.sock, timeout, self.channel)
+    def recv(self, timeout: float) -> ControlMessage:
+        return recv(self.sock, timeout, self.channel).message
 
     def vanish(self) -> None:
         self.sock.close()
@@ -268,19 +287,19 @@ def test_vanished_decode_is_forgotten(prefill: PrefillWorker, ctx: zmq.Context[z
     try:
         wait_for("prefill to accept the raw decode", lambda: len(prefill.server.peers) == 1, 5)
         if stage != "after_auth":
-            raw.send("kv_ranks", layouts=encode_layouts([m.layout for m in raw.managers]))
-            assert raw.recv(5).type == "kv_ranks"
+            raw.send(KvRanks(layouts=encode_layouts([m.layout for m in raw.managers])))
+            assert isinstance(raw.recv(5), KvRanks)
         if stage == "after_kv_request":
             tokens = prompt(2, 40)
             cache = raw.managers[0].create_kv_cache_for_prompt(tokens)
             assert cache.resume() and cache.resize(int(tokens.size))
-            raw.send("kv_request", request_id="r1", tokens=encode_tokens(tokens), mode="pull", layerwise=False,
-                     layers_per_send=1, lease_s=30.0, checksum=encode_checksum_policy(None))
-            raw.send("kv_blocks", request_id="r1", skip=0, blocks=encode_block_ids([cache.block_id_map()]))
+            raw.send(KvRequest(request_id="r1", tokens=encode_tokens(tokens), mode="pull", layerwise=False,
+                               layers_per_send=1, lease_s=30.0, checksum=encode_checksum_policy(None)))
+            raw.send(KvBlocks(request_id="r1", skip=0, blocks=encode_block_ids([cache.block_id_map()])))
             pull = raw.recv(10)
-            assert pull.type == "kv_pull" and pull["request_id"] == "r1"
+            assert isinstance(pull, KvPull) and pull.request_id == "r1"
             last_frame = time.monotonic()
-            raw.send("heartbeat")
+            raw.send(Heartbeat())
             assert prefill.held_slots() > 0 and prefill.status()["jobs"] == 1
             cache.close()
         if how == "close":

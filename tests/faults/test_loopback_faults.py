@@ -14,10 +14,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
 
+from kvxfer.disagg.messages import ControlMessage, KvCancel, KvPosted, KvPushed
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.disagg.worker_prefill import PrefillWorker
@@ -294,7 +296,7 @@ def hold_cancel_answers(prefill: Any) -> threading.Event:
     answer, real_on_message = threading.Event(), prefill._on_message
 
     def held(conn: Any, msg: Any) -> None:
-        if msg.type == "kv_cancel":
+        if isinstance(msg, KvCancel):
             answer.wait(10)
         real_on_message(conn, msg)
 
@@ -438,15 +440,15 @@ def test_no_notification_is_left_pending_after_requests(mode: str) -> None:
 
 
 # --- 7. protocol 2: decode takes the KV when it landed, not when prefill confirms --------------------
-def record_sends(prefill: PrefillWorker, withhold: frozenset[str] = frozenset()) -> list[str]:
+def record_sends(prefill: PrefillWorker, withhold: tuple[type[ControlMessage], ...] = ()) -> list[type[ControlMessage]]:
     """The types of every message prefill sends from now on; those in ``withhold`` are dropped."""
-    sent: list[str] = []
+    sent: list[type[ControlMessage]] = []
     real = prefill._send
 
-    def send(conn: Any, type: str, **body: Any) -> None:
-        sent.append(type)
-        if type not in withhold:
-            real(conn, type, **body)
+    def send(conn: Any, message: ControlMessage, *, urgent: bool = False) -> None:
+        sent.append(type(message))
+        if not isinstance(message, withhold):
+            real(conn, message, urgent=urgent)
     prefill._send = send  # type: ignore[method-assign]
     return sent
 
@@ -463,12 +465,12 @@ def test_decode_takes_the_kv_when_it_landed_without_kv_pushed(layerwise: bool, c
     requests out.)"""
     with pair(layerwise=layerwise, deadline_s=5.0, checksum=ChecksumPolicy() if checksum else None) \
             as (prefill, decode):
-        sent = record_sends(prefill, frozenset({"kv_pushed"}))
+        sent = record_sends(prefill, (KvPushed,))
         requests = three()
         futures = submit_all(decode, requests)
         assert_survivors(futures, requests, ())
-        wait_for("prefill to see its writes complete", lambda: sent.count("kv_pushed") == 3)
-        assert sent.count("kv_posted") == posted
+        wait_for("prefill to see its writes complete", lambda: sent.count(KvPushed) == 3)
+        assert sent.count(KvPosted) == posted
         for fut in futures.values():   # one process: the two clocks are one
             r = fut.result()
             # layer-wise: the last write may be posted before the compute (the logits) ends
@@ -486,7 +488,7 @@ def test_a_protocol_1_decode_gets_no_kv_posted_and_waits_for_kv_pushed() -> None
         tokens = prompt(7, 40)
         res = decode.generate(tokens, NEW, timeout=30, return_kv=KV)
         assert_matches_reference(res, tokens, NEW)
-        assert "kv_posted" not in sent and "kv_pushed" in sent
+        assert KvPosted not in sent and KvPushed in sent
         assert res.prefill_computed_at == 0.0 and res.arrived_at > 0
         assert_settled(prefill, decode)
 
@@ -613,8 +615,8 @@ def wp_reusable(early: Any, src_ids: Any) -> Any:
 
 
 # --- 9. notices: only the request's prefill can say its KV landed ----------------------------------
-SUMMARY = {"first_token": 1, "parts": 1, "nbytes": 1, "reused_tokens": 0, "prefill_s": 0.0, "queued_s": 0.0,
-           "post_s": 0.0, "computed_at": 1.0, "posted_at": 1.0}
+SUMMARY = KvPosted(request_id="F", first_token=1, parts=1, nbytes=1, reused_tokens=0, prefill_s=0.0, digest=b"",
+                   queued_s=0.0, post_s=0.0, computed_at=1.0, posted_at=1.0)
 
 
 def test_a_forged_or_untagged_notice_does_not_complete_a_request() -> None:
@@ -624,10 +626,10 @@ def test_a_forged_or_untagged_notice_does_not_complete_a_request() -> None:
     the forged notice, and the bad-notice count stays 1.)"""
     from kvxfer.disagg.worker_protocol import encode_notice
     with pair(prefill_faults=LoopbackFaults(drop_notification=1), deadline_s=10.0) as (prefill, decode):
-        sent = record_sends(prefill, frozenset({"kv_pushed"}))
+        sent = record_sends(prefill, (KvPushed,))
         tokens = prompt(9, 40)
         fut = decode.submit(tokens, NEW, request_id="F", return_kv=KV)
-        wait_for("F's write to complete on prefill", lambda: "kv_pushed" in sent)
+        wait_for("F's write to complete on prefill", lambda: KvPushed in sent)
         src = prefill.transport.name
         for note in (encode_notice("F", 1, SUMMARY, lambda signed: bytes(16)),   # wrong tag
                      b"F#1",                                                      # protocol 1, untagged
@@ -638,9 +640,8 @@ def test_a_forged_or_untagged_notice_does_not_complete_a_request() -> None:
         time.sleep(0.2)
         assert not fut.done()
         conn = prefill.engine.call(lambda: next(iter(prefill._peers.values())), 5.0)
-        decode.transport._deliver(src, encode_notice("F", 1, {**SUMMARY, "nbytes": tokens.size * BYTES_PER_TOKEN,
-                                                              "first_token": reference(tokens, 1)[0]},
-                                                     conn.sign_notice))
+        decode.transport._deliver(src, encode_notice("F", 1, msgspec.structs.replace(
+            SUMMARY, nbytes=int(tokens.size) * BYTES_PER_TOKEN, first_token=reference(tokens, 1)[0]), conn.sign_notice))
         decode.engine.wake()
         assert_matches_reference(fut.result(10), tokens, NEW)
         assert_settled(prefill, decode)
@@ -653,7 +654,7 @@ def test_a_forged_or_untagged_notice_does_not_complete_a_request() -> None:
     (b"KVX2" + b"\x93\xa1F\x01\xc0" + bytes(16), None),                      # well formed, no summary
     (b"KVX2" + b"\x93\xa1F\x00\xc0" + bytes(16), r"notice\.part"),
     (b"KVX2" + b"\x92\xa1F\x01" + bytes(16), r"expected \[request_id, part, summary\]"),
-    (b"KVX2" + b"\x93\xa1F\x01\x81\xa5parts\x01" + bytes(16), r"notice\.summary.*missing field"),
+    (b"KVX2" + b"\x93\xa1F\x01\x81\xa5parts\x01" + bytes(16), r"notice\.summary.*missing required field"),
     (b"KVX2" + b"\x93\xa0\x01\xc0" + bytes(16), r"notice\.request_id"),
 ])
 def test_malformed_notices_name_what_is_wrong(raw: bytes, pattern: str | None) -> None:

@@ -18,12 +18,14 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.cli.serve import best_backend
+from kvxfer.disagg.messages import ControlMessage, KvPull
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
@@ -444,11 +446,11 @@ def test_decode_frozen_past_the_pull_lease_then_resumed(backend: str) -> None:
             send = prefill._send
             stopped: list[float] = []
 
-            def freeze_then_send(conn: object, type: str, **body: object) -> None:
-                if type == "kv_pull" and not stopped:
+            def freeze_then_send(conn: Any, message: ControlMessage, *, urgent: bool = False) -> None:
+                if isinstance(message, KvPull) and not stopped:
                     frozen.proc.send_signal(signal.SIGSTOP)
                     stopped.append(time.monotonic())
-                send(conn, type, **body)  # type: ignore[arg-type]
+                send(conn, message, urgent=urgent)
             prefill._send = freeze_then_send  # type: ignore[method-assign]
             client = GenerateClient(decode.address, SECRET, name=name("client"))
             tokens, nxt = long_prompts(61, 2, 300)

@@ -33,29 +33,21 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.engine_layouts import EngineKV
 from kvxfer.disagg.control import ControlServer, PeerConnection, connect
 from kvxfer.disagg.handshake import LocalIdentity
-from kvxfer.disagg.messages import Field, MessageSpec, register
+from kvxfer.disagg.messages import VllmKvDone, VllmKvPushed, VllmKvWant
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.extractor import plan_transfer
 from kvxfer.transport import Transport, create
 
 log = logging.getLogger(__name__)
 
-_RID = Field("request_id", "str", max_len=512)
 #: Heartbeats of the connector's control connections: a vLLM process holds the GIL through long
 #: forward passes, so a peer is declared lost only after 5 missed 2-second heartbeats.
 HEARTBEAT_S = 2.0
 HEARTBEAT_MISSES = 5
-#: decode -> prefill: this decode rank finished reading ``request_id`` (``ok``: the bytes landed);
-#: ``readers`` decode ranks read this prefill rank for it.
-KV_DONE = register(MessageSpec("vllm_kv_done", (_RID, Field("readers", "int", lo=1, hi=1 << 16), Field("ok", "bool"))))
-#: decode -> prefill (push): write ``request_id``'s tokens ``[start, stop)`` into these blocks of mine
-#: (``readers`` decode ranks ask this prefill rank for it).
-KV_WANT = register(MessageSpec("vllm_kv_want", (
-    _RID, Field("block_ids", "ints", max_len=1 << 20), Field("start", "int"), Field("stop", "int"),
-    Field("readers", "int", lo=1, hi=1 << 16))))
-#: prefill -> decode (push): the write for ``request_id`` ended (``ok``; ``reason`` when it did not).
-KV_PUSHED = register(MessageSpec("vllm_kv_pushed", (
-    _RID, Field("ok", "bool"), Field("nbytes", "int"), Field("reason", "str", max_len=1024))))
+#: The connector's messages (``kvxfer.disagg.messages``): decode -> prefill ``VllmKvDone`` (this decode rank
+#: finished reading a request; ``ok``: the bytes landed; ``readers`` decode ranks read this prefill rank
+#: for it) and, push, ``VllmKvWant`` (write tokens ``[start, stop)`` into these blocks of mine);
+#: prefill -> decode ``VllmKvPushed`` (the write ended; ``reason`` when it failed).
 
 
 @dataclass(frozen=True)
@@ -184,15 +176,15 @@ class TransferEngine:
     def _drain(self, conn: PeerConnection) -> None:
         try:
             while (msg := conn.poll()) is not None:
-                if msg.type == KV_DONE.type:
-                    self._on_done(msg["request_id"], msg["readers"], msg["ok"])
-                elif msg.type == KV_WANT.type:
-                    self._on_want(conn, msg["request_id"], list(msg["block_ids"]), msg["start"], msg["stop"],
-                                  msg["readers"])
-                elif msg.type == KV_PUSHED.type:
-                    self._on_pushed(msg["request_id"], msg["ok"], msg["nbytes"], msg["reason"])
-                else:
-                    log.warning("vLLM connector %s: unexpected %r from %s", self.name, msg.type, conn.peer.name)
+                match msg:
+                    case VllmKvDone():
+                        self._on_done(msg.request_id, msg.readers, msg.ok)
+                    case VllmKvWant():
+                        self._on_want(conn, msg.request_id, list(msg.block_ids), msg.start, msg.stop, msg.readers)
+                    case VllmKvPushed():
+                        self._on_pushed(msg.request_id, msg.ok, msg.nbytes, msg.reason)
+                    case _:
+                        log.warning("vLLM connector %s: unexpected %r from %s", self.name, msg.kind, conn.peer.name)
         except KvxferError as exc:
             self._peers.pop(conn, None)
             self._lost(conn, str(exc))
@@ -298,7 +290,7 @@ class TransferEngine:
             reason = f"{type(exc).__name__}: {exc}"[:1024]
             log.warning("vLLM connector %s: push of %s to %s failed: %s", self.name, request_id, peer.name, reason)
         try:
-            want.conn.send(KV_PUSHED.type, request_id=request_id, ok=not reason, nbytes=nbytes, reason=reason)
+            want.conn.send(VllmKvPushed(request_id=request_id, ok=not reason, nbytes=nbytes, reason=reason[:1024]))
         except KvxferError as exc:
             log.warning("vLLM connector %s: cannot tell %s the push ended: %s", self.name, peer.name, exc)
         self._on_done(request_id, want.readers, not reason)
@@ -374,7 +366,7 @@ class TransferEngine:
 
     def _tell_done(self, conn: PeerConnection, remote_id: str, readers: int, *, ok: bool) -> None:
         try:
-            conn.send(KV_DONE.type, request_id=remote_id, readers=readers, ok=ok)
+            conn.send(VllmKvDone(request_id=remote_id, readers=readers, ok=ok))
         except KvxferError as exc:   # the prefill frees the blocks at its hold timeout
             log.warning("vLLM connector %s: cannot tell %s that %s was read: %s", self.name, conn.peer.name,
                         remote_id, exc)
@@ -398,8 +390,8 @@ class TransferEngine:
                 self.stats.tokens_skipped += start
             for c in sharing:
                 assert c.peer.layout is not None
-                c.send(KV_WANT.type, request_id=remote.request_id, block_ids=block_ids, start=start,
-                       stop=remote.num_tokens, readers=readers_of(c.peer.layout, self.layout))
+                c.send(VllmKvWant(request_id=remote.request_id, block_ids=block_ids, start=start,
+                                  stop=remote.num_tokens, readers=readers_of(c.peer.layout, self.layout)))
         except (KvxferError, OSError) as exc:
             self._fail(request_id, f"{type(exc).__name__}: {exc}")
 
@@ -458,5 +450,5 @@ def _overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
     return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
 
 
-__all__ = ["KV_DONE", "KV_PUSHED", "KV_WANT", "RemoteKV", "TransferEngine", "TransferStats", "head_range",
+__all__ = ["RemoteKV", "TransferEngine", "TransferStats", "head_range",
            "readers_of"]
