@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvxfer.cache.common import div_up
-from kvxfer.cache.hashing import ReuseScope, block_keys
+from kvxfer.cache.hashing import ReuseScope, TokenIdExt, block_keys
 from kvxfer.cache.stats import StorageStatistics
 from kvxfer.errors import ConfigError
 
@@ -146,17 +146,15 @@ def active_page_stats(kv_cache: Any) -> tuple[list[int], list[int]]:
     return counts, movable
 
 
-def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[int], lc_id: int,
+def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt], lc_id: int,
                       enable_partial: bool = False) -> tuple[int, list[tuple[int, int | None] | None]]:
     """Match ``tokens`` against the prefix tree: (tokens matched, per matched block ``(slot, tokens in
     the block)`` of layer group ``lc_id``'s page, or None where that block has no page there)."""
-    import numpy as np
-
     scope = reuse_scope or ReuseScope()
     algo = manager.resolved_hash_algo
     root = scope.root_key_for(algo)
-    arr = np.asarray(list(tokens), dtype=np.int64)
-    keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope)
+    arr = manager.lifecycle.encode_tokens(list(tokens), "reuse_match_pages")
+    keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
     match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
     nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
     pages: list[tuple[int, int | None] | None] = []

@@ -29,7 +29,7 @@ from kvxfer.cache.common import (
     ScratchDesc,
 )
 from kvxfer.cache.descriptors import CacheLayoutDesc
-from kvxfer.cache.hashing import DEFAULT_SCOPE, ReuseScope, as_token_ids
+from kvxfer.cache.hashing import DEFAULT_SCOPE, ReuseScope, TokenIdExt
 from kvxfer.cache.radix_tree import BlockNode, check_priority
 from kvxfer.cache.stats import KVCacheStatsDelta, PendingStats
 from kvxfer.errors import (
@@ -60,6 +60,10 @@ class CacheOps(Protocol):
     def suspend(self, cache: KVCache) -> None: ...
 
     def resize(self, cache: KVCache, capacity: int) -> None: ...
+
+    def encode_tokens(self, tokens: Any, what: str) -> npt.NDArray[np.int64]: ...
+
+    def decode_tokens(self, tokens: npt.NDArray[np.int64]) -> list[int | bytes]: ...
 
     def on_commit(self, cache: KVCache, priority: int | None = None) -> None: ...
 
@@ -199,9 +203,9 @@ class KVCache:
         return int(self.record.tokens.size)
 
     @property
-    def committed_tokens(self) -> list[int]:
-        """The committed token ids (a new list)."""
-        return [int(t) for t in self.record.tokens.tolist()]
+    def committed_tokens(self) -> list[int | bytes]:
+        """The committed tokens (a new list): ids, and the 32-byte digests of multimodal tokens."""
+        return self._ops.decode_tokens(self.record.tokens)
 
     @property
     def committed_token_array(self) -> npt.NDArray[np.int64]:
@@ -499,7 +503,7 @@ class KVCache:
         if not self.resize(capacity):
             raise OutOfPagesError(f"KVCache {self.id}: no pages for capacity {capacity}")
 
-    def commit(self, accepted_input_tokens: Sequence[int] | npt.ArrayLike, beam_search_indices: Sequence[int] | None = None,
+    def commit(self, accepted_input_tokens: Sequence[TokenIdExt] | npt.ArrayLike, beam_search_indices: Sequence[int] | None = None,
                is_end: bool = False, *, priority: int | None = None) -> None:
         """Declare the KV of ``accepted_input_tokens`` (appended after the committed ones) written and
         final; ``is_end`` also stops committing.
@@ -514,7 +518,7 @@ class KVCache:
             raise LogicError(f"KVCache {self.id}.commit: committing was stopped (stop_committing or is_end)")
         if priority is not None:
             priority = check_priority(priority, f"KVCache {self.id}.commit")
-        arr = as_token_ids(accepted_input_tokens, f"KVCache {self.id}.commit")
+        arr = self._ops.encode_tokens(accepted_input_tokens, f"KVCache {self.id}.commit")
         if self.num_committed_tokens + arr.size > self.record.capacity:
             raise CapacityError(f"KVCache {self.id}: commit of {arr.size} tokens past capacity "
                                 f"({self.num_committed_tokens} committed, capacity {self.record.capacity})")

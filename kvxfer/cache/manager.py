@@ -50,9 +50,10 @@ from kvxfer.cache.event_forwarding import ReferenceEventForwarder
 from kvxfer.cache.events import AllCleared, Created, EventQueue, KVEvent, layer_group_subset
 from kvxfer.cache.eviction import EvictionController
 from kvxfer.cache.hashing import (
+    DigestTable,
     ExtraKeys,
     ReuseScope,
-    as_token_ids,
+    TokenIdExt,
     block_keys,
     check_extra_keys,
     resolve_hash_algo,
@@ -124,7 +125,7 @@ class CacheLifecycle:
         for tier in np.unique(tiers[live]).tolist():
             self.state.alloc_of(tier, pg).decref(ids[live & (tiers == tier)])
 
-    def open_cache(self, reuse_scope: ReuseScope | None, tokens: Sequence[int] | npt.ArrayLike | None, id: Any,
+    def open_cache(self, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt] | npt.ArrayLike | None, id: Any,
                     holdback: int, extra_keys: ExtraKeys | None = None, expected_prompt_length: int | None = None,
                     priority_callback: PriorityCallback | None = None, text_only: bool | None = None,
                     enable_request_stats: bool = False) -> KVCache:
@@ -142,7 +143,7 @@ class CacheLifecycle:
             what = f"create_kv_cache({cache_id})"
             scope = check_scope(reuse_scope, what)
             extras = check_extra_keys(extra_keys, what)
-            arr = None if tokens is None else as_token_ids(tokens, what)
+            arr = None if tokens is None else self.state.encode_tokens(tokens, what)
             prompt_length = _check_prompt_length(expected_prompt_length, arr, what)
             cache = KVCache(self.parts.manager, cache_id, arr, scope, extras, expected_prompt_length=prompt_length,
                             swa_scratch_reuse=self.state.config.swa_scratch_reuse)
@@ -280,6 +281,15 @@ class CacheLifecycle:
                                       f"step uses scratch slots (resize first)")
             if not enable:
                 self.release_scratch(cache)
+
+    def encode_tokens(self, tokens: Any, what: str) -> TokenArray:
+        """``tokens`` (ids, or 32-byte multimodal digests under ``v2_sha256_packed`` keys) as the manager's
+        int64 token array."""
+        return self.state.encode_tokens(tokens, what)
+
+    def decode_tokens(self, tokens: TokenArray) -> list[int | bytes]:
+        """The ids and digests an int64 token array of this manager stands for."""
+        return self.state.digests.decode(tokens)
 
     def on_commit(self, cache: KVCache, priority: int | None = None) -> None:
         """After a commit: publish the newly full blocks to other streams and enter them into the prefix tree."""
@@ -485,6 +495,7 @@ class KVCacheManager:
         self._state.event_manager = event_manager
         self._state.current = config
         self._state.key_algo = resolve_hash_algo(config.hash_algo)
+        self._state.digests = DigestTable()
         primary = config.primary
         plan = plan_layout(config)
         device = torch.device(primary.device)
@@ -613,7 +624,7 @@ class KVCacheManager:
 
     # --- KVCache lifecycle (called by KVCache) ------------------------------------------------
     def create_kv_cache(self, reuse_scope: ReuseScope | None = None,
-                        input_tokens: Sequence[int] | npt.ArrayLike | None = None, id: Any = None,
+                        input_tokens: Sequence[TokenIdExt] | npt.ArrayLike | None = None, id: Any = None,
                         custom_priority_callback: PriorityCallback | None = None,
                         expected_prompt_length: int | None = None, text_only: bool | None = None,
                         enable_request_stats: bool = False, *, extra_keys: ExtraKeys | None = None) -> KVCache:
@@ -633,7 +644,7 @@ class KVCacheManager:
                                 expected_prompt_length=expected_prompt_length, priority_callback=custom_priority_callback,
                                 text_only=text_only, enable_request_stats=enable_request_stats)
 
-    def create_kv_cache_for_prompt(self, prompt: Sequence[int] | npt.ArrayLike | None = None, id: Any = None, *,
+    def create_kv_cache_for_prompt(self, prompt: Sequence[TokenIdExt] | npt.ArrayLike | None = None, id: Any = None, *,
                                    reuse_scope: ReuseScope | None = None, extra_keys: ExtraKeys | None = None,
                                    expected_prompt_length: int | None = None) -> KVCache:
         """kvxfer's prompt-first form of ``create_kv_cache``: the prompt's prefix is reused except its
@@ -778,23 +789,24 @@ class KVCacheManager:
         return PageIndexConverter(self.get_page_index_scale(layer_id, data_role), 1, exact_div(offset, size))
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None,
-                    input_tokens: Sequence[int] | npt.ArrayLike | None = None, *,
+                    input_tokens: Sequence[TokenIdExt] | npt.ArrayLike | None = None, *,
                     extra_keys: ExtraKeys | None = None) -> int:
         """How many of ``input_tokens`` ``create_kv_cache(reuse_scope, input_tokens)`` would reuse now;
         takes nothing (no page, no LRU update, no statistics)."""
         return self._parts.reuse.probe(reuse_scope, input_tokens, extra_keys, holdback=0, what="probe_reuse")
 
     def probe_first_new_block_key(self, reuse_scope: ReuseScope | None = None,
-                                  input_tokens: Sequence[int] | npt.ArrayLike | None = None) -> bytes | None:
+                                  input_tokens: Sequence[TokenIdExt] | npt.ArrayLike | None = None) -> bytes | None:
         """The key of the first full block of ``input_tokens`` that the prefix tree lacks (None: every
         full block is there, or there is none)."""
         with self._state.lock:
             scope = check_scope(reuse_scope, "probe_first_new_block_key")
             if input_tokens is None:
                 return None
-            arr = as_token_ids(input_tokens, "probe_first_new_block_key")
+            arr = self._state.encode_tokens(input_tokens, "probe_first_new_block_key")
             root = scope.root_key_for(self._state.key_algo)
-            keys = block_keys(arr, self._state.layout.tokens_per_block, root, algo=self._state.key_algo, scope=scope)
+            keys = block_keys(arr, self._state.layout.tokens_per_block, root, algo=self._state.key_algo, scope=scope,
+                              digests=self._state.digests)
             matched = len(self._state.tree.match(root, keys).nodes)
             return keys[matched] if matched < len(keys) else None
 
@@ -1035,7 +1047,7 @@ class KVCacheManager:
         """The prefix tree (read-only use: inspection, tests, benchmarks)."""
         return self._state.prefix_tree
 
-    def probe_prompt_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
+    def probe_prompt_reuse(self, tokens: Sequence[TokenIdExt] | npt.ArrayLike, scope: ReuseScope | None = None,
                            extra_keys: ExtraKeys | None = None) -> int:
         """How many tokens ``create_kv_cache_for_prompt(tokens, reuse_scope=scope)`` would reuse now (never the last prompt token); takes nothing (no page, no LRU update, no statistics)."""
         return self._parts.reuse.probe_prompt_reuse(tokens, scope, extra_keys)
@@ -1051,6 +1063,11 @@ class KVCacheManager:
     def resize_quota(self, tier: int | type[PrimaryTier | HostTier | DiskTier], quota_bytes: int) -> None:
         """Give a tier a new quota; only while no request is ACTIVE (ManagerBusyError)."""
         return self._parts.quotas.resize_quota(tier, quota_bytes)
+
+    @property
+    def digest_table(self) -> DigestTable:
+        """The codes this manager keeps for multimodal digest tokens in its token arrays."""
+        return self._state.digests
 
     @property
     def resolved_hash_algo(self) -> str:

@@ -18,7 +18,7 @@ from kvxfer.cache.hashing import (
     DEFAULT_SCOPE,
     ExtraKeys,
     ReuseScope,
-    as_token_ids,
+    TokenIdExt,
     block_keys,
     check_extra_keys,
 )
@@ -62,7 +62,8 @@ class PrefixReuse:
     def keys(self, cache: KVCache, tokens: TokenArray, parent: bytes, first_block: int = 0) -> list[bytes]:
         """Block keys of ``tokens`` for a request, chained from ``parent``, under the manager's algorithm."""
         return block_keys(tokens, self.state.layout.tokens_per_block, parent, first_block=first_block,
-                          extra_keys=cache.record.extra_keys, algo=self.state.key_algo, scope=cache.reuse_scope)
+                          extra_keys=cache.record.extra_keys, algo=self.state.key_algo, scope=cache.reuse_scope,
+                          digests=self.state.digests)
 
     def count_reuse(self, cache: KVCache, plan: _ReusePlan) -> None:
         """Pending counters of a prefix match, as the reference counts them: per layer group the pages
@@ -82,13 +83,13 @@ class PrefixReuse:
             it.iter_partial_reused_blocks += partial_pages
         self.parts.usage.mark_pending(cache)
 
-    def probe_prompt_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
+    def probe_prompt_reuse(self, tokens: Sequence[TokenIdExt] | npt.ArrayLike, scope: ReuseScope | None = None,
                            extra_keys: ExtraKeys | None = None) -> int:
         """How many tokens ``create_kv_cache_for_prompt(tokens, reuse_scope=scope)`` would reuse now
         (never the last prompt token); takes nothing (no page, no LRU update, no statistics)."""
         return self.probe(scope, tokens, extra_keys, holdback=1, what="probe_prompt_reuse")
 
-    def probe(self, scope: ReuseScope | None, tokens: Sequence[int] | npt.ArrayLike | None,
+    def probe(self, scope: ReuseScope | None, tokens: Sequence[TokenIdExt] | npt.ArrayLike | None,
                extra_keys: ExtraKeys | None, holdback: int, what: str) -> int:
         """How many tokens a match of ``tokens`` (less ``holdback`` at the end) would reuse now."""
         with self.state.lock:
@@ -96,12 +97,12 @@ class PrefixReuse:
             extras = check_extra_keys(extra_keys, what)
             if tokens is None:
                 return 0
-            arr = as_token_ids(tokens, what)
+            arr = self.state.encode_tokens(tokens, what)
             if not self.state.config.enable_prefix_reuse:
                 return 0
             root = scope.root_key_for(self.state.key_algo)
             keys = block_keys(arr, self.state.layout.tokens_per_block, root, extra_keys=extras, algo=self.state.key_algo,
-                              scope=scope)
+                              scope=scope, digests=self.state.digests)
             return self.plan_matching(root, keys, arr, extras, holdback).num_tokens
 
     def plan_matching(self, root_key: bytes, keys: list[bytes], tokens: TokenArray, extras: dict[int, bytes],
