@@ -342,7 +342,9 @@ class CacheLifecycle:
                     released_tiers = cache.record.tiers[lg.layer_group_id][sink_blocks:first_needed].copy()
                     self.release(lg.layer_group_id, released, released_tiers, cache.record.stream)
                     blocks[sink_blocks:first_needed] = -1
-                    self.parts.reuse.drop_window_pages(cache, lg.layer_group_id, sink_blocks, released, released_tiers)
+                    if self.state.drops_stale_window_pages:
+                        self.parts.reuse.drop_window_pages(cache, lg.layer_group_id, sink_blocks, released,
+                                                           released_tiers)
 
     def close(self, cache: KVCache) -> None:
         """Release every page and scratch slot of the cache and commit its pending statistics."""
@@ -378,11 +380,24 @@ class CacheLifecycle:
                 (rec.full if b < full else rec.partial)[int(plan.tiers[b][lg])] += 1
 
     def plan_drop(self, cache: KVCache) -> PlannedDropHandle | None:
-        """A handle dropping the cache's committed chain from the tree later (None: it has none there)."""
+        """A handle dropping, later, what the tree keeps only to continue exactly where the cache ends
+        (None: it has no block there). With sliding-window layer groups that is their pages of the
+        window (and sinks) before the end, as the reference drops a conversation's endpoint: older
+        full-attention blocks stay reusable, and so do other conversations' windows. Without one, the
+        cache's chain leaves the tree from its end back while only the tree holds it."""
         nodes = [n for n in cache.record.tree_nodes if n is not None]
         if not nodes:
             return None
+        if self.state.has_windows:
+            pairs = self.parts.reuse.window_nodes(cache)
+            return PlannedDropHandle(lambda: self.drop_pages(pairs))
         return PlannedDropHandle(lambda: self.drop_chain(nodes))
+
+    def drop_pages(self, pairs: list[tuple[BlockNode, int]]) -> None:
+        """Run a planned drop of sliding-window pages (see ``plan_drop``)."""
+        with self.state.lock:
+            self.parts.reuse.drop_node_pages(pairs)
+            self.parts.usage.sample_usage()
 
     def drop_chain(self, nodes: list[BlockNode]) -> None:
         """Take a chain's blocks out of the tree from its end back, while each is a leaf that only the

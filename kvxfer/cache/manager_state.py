@@ -20,7 +20,7 @@ from kvxfer.cache.descriptors import CacheLayoutDesc, PoolGroupDesc
 from kvxfer.cache.events import EventQueue
 from kvxfer.cache.hashing import HASH_V2_SHA256_PACKED, DigestTable, TokenArray
 from kvxfer.cache.kv_cache import CacheState, KVCache
-from kvxfer.cache.manager_config import KVCacheManagerConfig
+from kvxfer.cache.manager_config import EXTRA_COMMIT_MIN_SNAPSHOT, KVCacheManagerConfig
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree
 from kvxfer.cache.stats import ReusedBlocksByLevel, StatsCollector, TierTrafficCounter
 from kvxfer.cache.streams import SlotReadiness
@@ -75,6 +75,13 @@ class ManagerState:
         """The configuration in force now: ``config`` with the quotas ``resize_quota`` set and without
         a host tier that could not be set up."""
         return self.current
+
+    @property
+    def drops_stale_window_pages(self) -> bool:
+        """Whether the tree lets go of sliding-window pages a request moved past (kvxfer's ``CacheConfig``
+        default, and ``KVCacheManagerConfig.commit_min_snapshot``); a ``KVCacheManagerConfig`` manager
+        without it keeps them reusable (evictable) as the reference does."""
+        return bool(dict(self.config.extra).get(EXTRA_COMMIT_MIN_SNAPSHOT, True))
 
     def encode_tokens(self, tokens: Any, what: str) -> TokenArray:
         """``tokens`` as the manager's int64 token array: ids, and under ``v2_sha256_packed`` keys also

@@ -109,11 +109,14 @@ class PrefixReuse:
                        holdback: int) -> _ReusePlan:
         """The reuse plan of the first ``len(tokens) - holdback`` tokens, trimmed by the configured
         ``reuse_match_backoff`` (the match then ends that many tokens earlier)."""
-        plan = self.plan_reuse(root_key, keys, tokens, extras, tokens.size - holdback)
+        limit = tokens.size - holdback
         backoff = self.state.reuse_match_backoff
-        if backoff and plan.num_tokens:
-            plan = self.plan_reuse(root_key, keys, tokens, extras, plan.num_tokens - backoff)
-        return plan
+        if backoff:     # trim the raw walk (what the tree holds), then keep what every layer group can use
+            match = self.state.tree.match(root_key, keys, tokens if self.state.config.enable_partial_reuse else None,
+                                          max_tokens=max(limit, 0))
+            partial = match.partial_tokens if match.partial is not None and len(match.nodes) not in extras else 0
+            limit = len(match.nodes) * self.state.layout.tokens_per_block + partial - backoff
+        return self.plan_reuse(root_key, keys, tokens, extras, limit)
 
     def plan_reuse(self, root_key: bytes, keys: list[bytes], tokens: TokenArray,
                     extras: dict[int, bytes], max_tokens: int) -> _ReusePlan:
@@ -413,6 +416,42 @@ class PrefixReuse:
         if run:
             self.state.events.put(Removed(tuple(run), self.state.media[run_tier], groups))
         for tier, pages in drops.items():
+            self.state.alloc_of(tier, pg).decref_each(np.array(pages, dtype=np.int32))
+        self.state.tree.touch_all(touched)
+
+    def window_nodes(self, cache: KVCache) -> list[tuple[BlockNode, int]]:
+        """(tree block, sliding-window layer group) of every page a request continuing exactly where
+        ``cache`` ends would need from the tree: the window (and sinks) before its committed length."""
+        n = cache.num_committed_tokens
+        nodes = cache.record.tree_nodes
+        out: list[tuple[BlockNode, int]] = []
+        for lg, group in enumerate(self.state.layout.layer_groups):
+            if group.window is None:
+                continue
+            lo, sink = self.window_start(lg, np.array([n], dtype=np.int64))
+            needed = [*range(min(sink, len(nodes))), *range(max(int(lo[0]), sink), len(nodes))]
+            out.extend((node, lg) for b in needed if (node := nodes[b]) is not None)
+        return out
+
+    def drop_node_pages(self, pairs: list[tuple[BlockNode, int]]) -> None:
+        """The tree lets go of layer group ``lg``'s page of each ``(node, lg)`` that only the tree holds
+        (the node keeps -1 there; a page a request shares stays). One Removed per block and layer group."""
+        drops: dict[tuple[int, int], list[int]] = {}
+        touched: list[BlockNode | None] = []
+        n_lg = len(self.state.layout.layer_groups)
+        for node, lg in pairs:
+            page, tier = int(node.pages[lg]), int(node.tiers[lg])
+            pg = self.state.lg_pool_group[lg]
+            if node.removed or page < 0 or not self.state.in_tree_t[tier][pg][page] \
+                    or self.state.alloc_of(tier, pg).refcount[page] != 1:
+                continue
+            drops.setdefault((tier, pg), []).append(page)
+            self.state.unmark_tree_page(tier, pg, page)
+            node.pages[lg] = -1
+            self.state.events.put(Removed((node.key,), self.state.media[tier],
+                                          layer_group_subset([i == lg for i in range(n_lg)])))
+            touched.append(node)
+        for (tier, pg), pages in drops.items():
             self.state.alloc_of(tier, pg).decref_each(np.array(pages, dtype=np.int32))
         self.state.tree.touch_all(touched)
 

@@ -1,0 +1,83 @@
+"""Sliding-window pages in the prefix tree of a ``KVCacheManagerConfig`` manager: kept after a request
+moves past them (dropped with ``commit_min_snapshot``), planned drops of a conversation's endpoint window,
+and ``reuse_match_backoff`` trimming the raw match before the window check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvxfer.cache import (
+    AttentionLayerConfig,
+    BufferConfig,
+    DataRole,
+    GpuCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LayerConfig,
+    LayerId,
+    PlannedDropHandle,
+)
+from kvxfer.errors import LogicError
+
+TPB = 8
+WINDOW = 8
+
+
+def swa_manager(**kw: Any) -> KVCacheManager:
+    """Layer 0 sliding window (8 tokens), layer 1 full attention."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(LayerId(0), [BufferConfig(DataRole("key"), 256)], sliding_window_size=WINDOW,
+                             num_sink_tokens=0),
+        AttentionLayerConfig(LayerId(1), [BufferConfig(DataRole("key"), 256)])]
+    return KVCacheManager(KVCacheManagerConfig(tokens_per_block=TPB, cache_tiers=[GpuCacheTierConfig(256 << 10)],
+                                               layers=layers, **kw))
+
+
+def commit_closed(mgr: KVCacheManager, tokens: list[int], plan: bool = False) -> PlannedDropHandle | None:
+    kv = mgr.create_kv_cache(None, tokens)
+    assert kv.resume() and kv.resize(len(tokens))
+    kv.commit(tokens[kv.num_committed_tokens:])
+    kv.stop_committing()
+    handle = kv.plan_committed_block_drop() if plan else None
+    kv.close()
+    return handle
+
+
+def test_window_pages_stay_reusable_unless_commit_min_snapshot() -> None:
+    prompt = list(range(4 * TPB))
+    keep = swa_manager()
+    commit_closed(keep, prompt)
+    assert keep.probe_reuse(None, prompt[:2 * TPB]) == 2 * TPB      # block 1's window page is still there
+    drop = swa_manager(commit_min_snapshot=True)
+    commit_closed(drop, prompt)
+    assert drop.probe_reuse(None, prompt) == len(prompt)
+    assert drop.probe_reuse(None, prompt[:2 * TPB]) == 0             # only the endpoint window was kept
+
+
+@pytest.mark.parametrize("backoff", [0, 1])
+def test_planned_drop_takes_the_endpoint_window_only(backoff: int) -> None:
+    mgr = swa_manager(reuse_match_backoff=backoff)
+    long = list(range(100, 100 + 3 * TPB))
+    short = long[:TPB]
+    long_handle = commit_closed(mgr, long, plan=True)
+    short_handle = commit_closed(mgr, short, plan=True)
+    assert long_handle is not None and short_handle is not None
+    assert mgr.probe_reuse(None, short) == TPB - backoff
+    short_handle.drop()
+    assert mgr.probe_reuse(None, short) == 0                          # block 0's window page is gone
+    assert mgr.probe_reuse(None, long) == len(long) - backoff         # the long endpoint does not need it
+    long_handle.drop()
+    assert mgr.probe_reuse(None, long) == len(long) - WINDOW          # full attention and block 1 remain
+    with pytest.raises(LogicError, match="already been dropped"):
+        long_handle.drop()
+
+
+def test_planned_drop_is_none_without_committed_blocks() -> None:
+    mgr = swa_manager()
+    kv = mgr.create_kv_cache()
+    assert kv.resume()
+    kv.stop_committing()
+    assert kv.plan_committed_block_drop() is None
+    kv.close()
