@@ -93,7 +93,8 @@ class RequestState:
     and the tree node tied to each (None once the chain could not be inserted); ``partial_src``: the
     tree block a partially reused block was taken from (until it is copied); ``prompt_keys``: the
     prompt's block keys; ``scratch`` / ``scratch_range``: scratch slots per layer group and the block
-    range they stand in for; ``pending``: statistics not yet committed.
+    range they stand in for; ``pending``: statistics not yet committed; ``block_priority``: the
+    eviction priority ``custom_priority_callback`` gave each block when it was allocated.
     """
 
     blocks: list[IntArray]
@@ -114,6 +115,7 @@ class RequestState:
     history: int
     capacity: int
     swa_scratch_reuse: bool
+    block_priority: dict[int, int]
 
 
 class CacheState(enum.Enum):
@@ -168,6 +170,7 @@ class KVCache:
         self.record.partial_src = None
         self.record.prompt_keys = []
         self.record.root_key = b""   # the scope's root under the manager's hash algorithm
+        self.record.block_priority = {}
         self.record.published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
         self.record.pending = PendingStats()
         # Scratch slots per layer group (held by this cache) and the block range they stand in for.

@@ -241,6 +241,8 @@ class CacheLifecycle:
                     self.set_scratch(cache, g, begin, end)
                     self.parts.streams.wait_slots(g, fresh, cache.record.stream)
                 self.parts.usage.count_allocation(cache, old_n, new_n, spans)
+                if cache.priority_callback is not None:
+                    self.prioritize_blocks(cache, old_n, new_n)
             else:
                 if new_n < old_n:
                     self.parts.usage.uncount_allocation(cache, new_n, old_n)
@@ -310,19 +312,26 @@ class CacheLifecycle:
         tpb = self.state.layout.tokens_per_block
         return [AttnLifeCycle.make(lg.window, lg.sink_tokens, tpb) for lg in self.state.layout.layer_groups]
 
-    def apply_priority_callback(self, cache: KVCache, start: int, stop: int) -> None:
-        """Give the tree blocks of the cache's newly committed blocks ``[start, stop)`` the priority its
-        ``custom_priority_callback(ordinal, life cycle)`` returns (the highest over its life cycles)."""
+    def prioritize_blocks(self, cache: KVCache, start: int, stop: int) -> None:
+        """Ask the cache's ``custom_priority_callback(ordinal, life cycle)`` for the eviction priority of
+        blocks ``[start, stop)`` as they are allocated (the highest over its life cycles); their tree
+        blocks get it when committed."""
         callback = cache.priority_callback
         assert callback is not None
         cycles = self.life_cycles()
+        for ordinal in range(start, stop):
+            if ordinal not in cache.record.block_priority:
+                cache.record.block_priority[ordinal] = check_priority(
+                    max(int(callback(ordinal, lc)) for lc in cycles), f"KVCache {cache.id}.custom_priority_callback")
+
+    def apply_priority_callback(self, cache: KVCache, start: int, stop: int) -> None:
+        """Give the tree blocks of the cache's newly committed blocks ``[start, stop)`` the priority
+        ``custom_priority_callback`` gave them (asked now for a block that has none yet)."""
+        self.prioritize_blocks(cache, start, stop)
         for ordinal in range(start, min(stop, len(cache.record.tree_nodes))):
             node = cache.record.tree_nodes[ordinal]
-            if node is None:
-                continue
-            priority = check_priority(max(int(callback(ordinal, lc)) for lc in cycles),
-                                      f"KVCache {cache.id}.custom_priority_callback")
-            self.parts.reuse.set_node_priority(node, priority)
+            if node is not None:
+                self.parts.reuse.set_node_priority(node, cache.record.block_priority[ordinal])
 
     def release_out_of_window(self, cache: KVCache) -> None:
         """Free sliding-window pages no future token can attend to (their ids become -1)."""
