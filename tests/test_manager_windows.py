@@ -19,7 +19,7 @@ from kvxfer.cache import (
     LayerId,
     PlannedDropHandle,
 )
-from kvxfer.errors import LogicError
+from kvxfer.errors import ConfigError, LogicError
 
 TPB = 8
 WINDOW = 8
@@ -81,3 +81,12 @@ def test_planned_drop_is_none_without_committed_blocks() -> None:
     kv.stop_committing()
     assert kv.plan_committed_block_drop() is None
     kv.close()
+
+
+@pytest.mark.parametrize(("ratio", "error"), [([1.0], "length 1 does not match the 2 layer groups"),
+                                               ([0.0, 1.0], "must be positive"),
+                                               ([0.4, 0.5], "must sum to 1.0")])
+def test_initial_pool_ratio_is_one_positive_share_per_layer_group(ratio: list[float], error: str) -> None:
+    assert len(swa_manager(initial_pool_ratio=[0.25, 0.75]).layer_grouping) == 2
+    with pytest.raises(ConfigError, match=error):
+        swa_manager(initial_pool_ratio=ratio)

@@ -532,6 +532,7 @@ class KVCacheManager:
         self._state.allocators = [SlotAllocator(pg.num_slots, f"pool group {pg.pool_group_index}")
                             for pg in self._state.layout.pool_groups]
         self._state.lg_pool_group = [lg.pool_group_index for lg in self._state.layout.layer_groups]
+        _check_initial_pool_ratio(self._state.init_config, len(self._state.layout.layer_groups))
         self._state.tree = PrefixTree(len(self._state.layout.layer_groups), self._state.layout.tokens_per_block)
         self._state.in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in self._state.layout.pool_groups]
         self._state.events = EventQueue(config.event_queue_capacity, sink=None if event_manager is None else
@@ -1146,3 +1147,20 @@ def check_layer_group(layout: CacheLayoutDesc, layer_group: int) -> None:
     """Raise LayoutError when ``layer_group`` is not a layer group of ``layout``."""
     if not 0 <= layer_group < len(layout.layer_groups):
         raise LayoutError(f"no layer group {layer_group} (have 0..{len(layout.layer_groups) - 1})")
+
+
+def _check_initial_pool_ratio(config: Any, num_layer_groups: int) -> None:
+    """``KVCacheManagerConfig.initial_pool_ratio``: None, or one positive share per layer group summing to 1
+    (ConfigError otherwise). kvxfer sizes its pools from the layers themselves; the shares are validated
+    as the reference validates them."""
+    ratio = getattr(config, "initial_pool_ratio", None)
+    if ratio is None:
+        return
+    values = [float(r) for r in ratio]
+    if len(values) != num_layer_groups:
+        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio length {len(values)} does not match the "
+                          f"{num_layer_groups} layer groups")
+    if not all(v > 0 for v in values):
+        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio values must be positive, got {values}")
+    if abs(sum(values) - 1.0) > 1e-6:
+        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio values must sum to 1.0, got {sum(values)}")
