@@ -12,7 +12,9 @@ from kvxfer.cache import (
     AttentionLayerConfig,
     BufferConfig,
     DataRole,
+    DiskCacheTierConfig,
     GpuCacheTierConfig,
+    HostCacheTierConfig,
     KVCacheManager,
     KVCacheManagerConfig,
     LayerConfig,
@@ -90,3 +92,33 @@ def test_initial_pool_ratio_is_one_positive_share_per_layer_group(ratio: list[fl
     assert len(swa_manager(initial_pool_ratio=[0.25, 0.75]).layer_grouping) == 2
     with pytest.raises(ConfigError, match=error):
         swa_manager(initial_pool_ratio=ratio)
+
+
+def test_reused_stale_window_blocks_hold_no_colder_page(tmp_path: Any) -> None:
+    """A request reusing a chain whose pages went to colder tiers takes no page for the window blocks it
+    does not need: after resume every block id is readable (primary tier) and block ids stay -1 there."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(LayerId(i), [BufferConfig(DataRole("key"), 1024)],
+                             sliding_window_size=16 if i % 2 == 0 else None, num_sink_tokens=1 if i % 2 == 0 else None)
+        for i in range(4)]
+    tiers: list[Any] = [GpuCacheTierConfig(64 << 10), HostCacheTierConfig(64 << 10),
+                        DiskCacheTierConfig(1 << 20, str(tmp_path))]
+    mgr = KVCacheManager(KVCacheManagerConfig(tokens_per_block=4, cache_tiers=tiers, layers=layers))
+    first: list[int] = []
+    for r in range(3):
+        kv = mgr.create_kv_cache()
+        assert kv.resume()
+        tokens = list(range(1000 * r, 1000 * r + 80))
+        for i in range(0, 80, 4):       # decode-like growth: the window's stale pages go as it moves
+            assert kv.resize(i + 4)
+            kv.commit(tokens[i:i + 4])
+        first = first or tokens
+        kv.close()
+    assert {int(t) for n in mgr.prefix_tree.nodes() for t in n.tiers.tolist()} > {0}
+    kv = mgr.create_kv_cache(None, first[:37])
+    assert kv.num_committed_tokens == 37        # partial reuse into block 9
+    swa = next(g for g, lc in enumerate(mgr.lifecycle.life_cycles()) if lc.window_size is not None)
+    assert kv.resume() and kv.resize(48)
+    ids = kv.block_ids(swa)
+    assert (kv.page_tiers(swa) == 0).all() and (ids[1:5] == -1).all() and (ids[5:] >= 0).all()
+    kv.close()

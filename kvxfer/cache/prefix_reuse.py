@@ -192,6 +192,7 @@ class PrefixReuse:
             return
         for lg in range(plan.pages.shape[1]):
             col, tiers = plan.pages[:, lg].copy(), plan.tiers[:, lg].copy()
+            tiers[col < 0] = 0      # a block the request does not need (stale window) has no page anywhere
             for tier in np.unique(tiers[col >= 0]).tolist():
                 self.state.alloc_of(tier, self.state.lg_pool_group[lg]).incref(col[(col >= 0) & (tiers == tier)])
             cache.record.blocks[lg] = col
