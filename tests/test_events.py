@@ -484,7 +484,7 @@ def test_published_hashes_follow_the_cache_hash_algorithm(algo: str) -> None:
               if isinstance(e, VLLM.BlockStored)]
     wire = [h for e in stored for h in e.block_hashes]
     assert wire == [bytes.fromhex(h) if isinstance(h, str) else h for h in expected]
-    assert all(isinstance(h, bytes) and len(h) == 32 for h in wire) if algo in ("v2_sha256", "v2_blake3") \
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in wire) if algo in ("v2_sha256", "v2_blake3", "v2_sha256_packed") \
         else all(isinstance(h, int) and 0 <= h < 2**64 for h in wire)
     ref = msgspec.msgpack.decode(encode_batch(events, 1.0, rctx) or b"")["events"]
     ref_stored = [r for r in ref if r["data"]["type"] == "stored"]

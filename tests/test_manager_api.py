@@ -234,8 +234,10 @@ def test_custom_priority_callback_sets_each_committed_blocks_priority() -> None:
 
     kv = mgr.create_kv_cache(custom_priority_callback=priority)
     assert kv.resume() and kv.resize(12)
+    assert sorted({o for o, _ in seen}) == [0, 1, 2]        # asked as the blocks are allocated
+    asked = len(seen)
     kv.commit(list(range(12)))
-    assert sorted({o for o, _ in seen}) == [0, 1, 2]
+    assert len(seen) == asked
     assert {lc.window_size for _, lc in seen} == {None, 8}
     nodes = sorted(mgr.prefix_tree.nodes(), key=lambda n: n.depth)
     assert [n.priority for n in nodes] == [10, 11, 12]
@@ -417,7 +419,7 @@ def test_events_reach_the_event_manager_and_the_queue_alike() -> None:
     queued = mgr.drain_events()
     assert any(isinstance(e, Created) for e in queued) and any(isinstance(e, Stored) for e in queued)
     kinds = [kind for kind, _ in em.calls]
-    assert kinds[0] == "created" and kinds.count("stored") >= 1
+    assert "created" not in kinds and kinds[0] == "stored"     # the event manager's owner announces the cache
     stored_hashes = [h for kind, args in em.calls if kind == "stored" for h in args[1]]
     assert len(stored_hashes) == 2
 

@@ -46,7 +46,7 @@ def test_manager_keys_blocks_with_the_configured_algorithm(algo: str) -> None:
     assert keys == block_keys(tokens, TPB, scope.root_key_for(algo), algo=algo, scope=scope)
     assert {len(k) for k in keys} == {key_width(algo)}
     published = [block_hash_for_event(k, mgr.resolved_hash_algo) for k in keys]
-    assert all(isinstance(p, str) and len(p) == 64 for p in published) if algo in ("v2_sha256", "v2_blake3") \
+    assert all(isinstance(p, str) and len(p) == 64 for p in published) if algo in ("v2_sha256", "v2_blake3", "v2_sha256_packed") \
         else all(isinstance(p, int) and 0 <= p < 2**64 for p in published)
     assert mgr.probe_prompt_reuse(tokens, scope) == 20 and mgr.probe_prompt_reuse(tokens, ReuseScope(lora_id=2)) == 0
 

@@ -2,17 +2,19 @@
 the extractor and sparse-attention managers read off a manager or a kv cache, computed from their
 public interfaces only, plus the pool-sizing arithmetic (grains of a memory granularity to slots).
 
-The reference's helpers that reach into its C++ backend (test blocks with hand-set life-cycle
-coverage, the padding cold-page codec, auto-tuner knobs) have no kvxfer counterpart and are absent.
+Test blocks for event tests (``make_test_block``) are stand-alone blocks keyed as the manager keys its
+tree blocks. The reference's helpers that reach into its C++ backend (the padding cold-page codec,
+auto-tuner knobs) have no kvxfer counterpart and are absent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.cache.common import div_up
-from kvxfer.cache.hashing import ReuseScope, block_keys
+from kvxfer.cache.common import GPU_LEVEL, PRIORITY_DEFAULT, div_up
+from kvxfer.cache.hashing import ReuseScope, TokenIdExt, block_keys
 from kvxfer.cache.stats import StorageStatistics
 from kvxfer.errors import ConfigError
 
@@ -146,17 +148,15 @@ def active_page_stats(kv_cache: Any) -> tuple[list[int], list[int]]:
     return counts, movable
 
 
-def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[int], lc_id: int,
+def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt], lc_id: int,
                       enable_partial: bool = False) -> tuple[int, list[tuple[int, int | None] | None]]:
     """Match ``tokens`` against the prefix tree: (tokens matched, per matched block ``(slot, tokens in
     the block)`` of layer group ``lc_id``'s page, or None where that block has no page there)."""
-    import numpy as np
-
     scope = reuse_scope or ReuseScope()
     algo = manager.resolved_hash_algo
     root = scope.root_key_for(algo)
-    arr = np.asarray(list(tokens), dtype=np.int64)
-    keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope)
+    arr = manager.lifecycle.encode_tokens(list(tokens), "reuse_match_pages")
+    keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
     match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
     nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
     pages: list[tuple[int, int | None] | None] = []
@@ -166,3 +166,82 @@ def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequ
     num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if match.partial else 0)
     return num_tokens, pages
 
+
+
+# --- test blocks for event tests ----------------------------------------------------------------------
+
+
+@dataclass
+class TestPage:
+    """A page of a test block: its cache level, eviction priority and the tokens of the block it holds."""
+
+    num_tokens: int
+    cache_level: int = GPU_LEVEL
+    priority: int = PRIORITY_DEFAULT
+
+
+@dataclass
+class TestRoot:
+    """The root a first test block hangs from: the reuse scope's root key."""
+
+    reuse_scope: ReuseScope
+    key: bytes
+    ordinal: int = -1
+
+
+@dataclass
+class TestBlock:
+    """A block shaped as the manager's prefix-tree blocks are for the event manager (``EventSourceBlock``):
+    its key chained from ``prev`` with the manager's block-key algorithm, its key tokens, and per life cycle
+    a page covering ``coverage`` tokens. It holds no slot and is not in the manager's tree."""
+
+    tokens: list[TokenIdExt]
+    prev: TestBlock | TestRoot
+    storage: list[TestPage | None] = field(default_factory=list)
+    key: bytes = b""
+    closed: bool = False
+
+
+def make_test_block(manager: Any, tokens: Sequence[TokenIdExt], coverage_per_lc: Sequence[int],
+                    parent: TestBlock | None = None, reuse_scope: ReuseScope | None = None) -> TestBlock:
+    """A test block of ``tokens`` under ``parent`` (None: the root of ``reuse_scope``), keyed as ``manager``
+    keys blocks, whose page of life cycle ``i`` covers ``coverage_per_lc[i]`` tokens (0: no page)."""
+    num_lc = len(manager.layer_grouping)
+    if len(coverage_per_lc) != num_lc:
+        raise ConfigError(f"make_test_block: {len(coverage_per_lc)} coverages for {num_lc} life cycles")
+    if not 0 < len(tokens) <= manager.tokens_per_block:
+        raise ConfigError(f"make_test_block: a block holds 1..{manager.tokens_per_block} tokens, got {len(tokens)}")
+    if any(not 0 <= c <= len(tokens) for c in coverage_per_lc):
+        raise ConfigError(f"make_test_block: coverages must be in [0, {len(tokens)}], got {list(coverage_per_lc)}")
+    algo = manager.resolved_hash_algo
+    prev: TestBlock | TestRoot
+    if parent is None:
+        scope = reuse_scope or ReuseScope()
+        prev = TestRoot(scope, scope.root_key_for(algo))
+    else:
+        prev = parent
+    arr = manager.lifecycle.encode_tokens(list(tokens), "make_test_block")
+    key = block_keys(arr, len(tokens), prev.key, algo=algo, digests=manager.digest_table)[0]
+    pages: list[TestPage | None] = [TestPage(c) if c else None for c in coverage_per_lc]
+    return TestBlock(list(tokens), prev, pages, key)
+
+
+def close_test_block(block: TestBlock) -> None:
+    """Release a test block (its pages are gone; a closed block publishes nothing)."""
+    block.storage = [None] * len(block.storage)
+    block.closed = True
+
+
+def test_block_key(block: TestBlock) -> bytes:
+    """A test block's key."""
+    return block.key
+
+
+def event_manager_add_stored_block(event_manager: Any, block: Any) -> None:
+    """Publish ``block`` as stored (``KVCacheEventManager.add_stored_block_event_from_block``)."""
+    event_manager.add_stored_block_event_from_block(block)
+
+
+def event_manager_add_stored_life_cycle(event_manager: Any, block: Any, life_cycle_id: int) -> None:
+    """Publish that ``block`` got a page for ``life_cycle_id`` (``add_stored_life_cycle_event_from_block``)."""
+    event_manager.add_stored_life_cycle_event_from_block(block, life_cycle_id)

@@ -19,7 +19,13 @@ from kvxfer.cache.common import (
     typed_range,
     value_or,
 )
-from kvxfer.cache.cuda_streams import CachedCudaStream, CudaEvent, TemporaryCudaStream, init_cuda_once
+from kvxfer.cache.cuda_streams import (
+    CachedCudaEvent,
+    CachedCudaStream,
+    CudaEvent,
+    TemporaryCudaStream,
+    init_cuda_once,
+)
 
 
 @contextmanager
@@ -36,6 +42,7 @@ def temporary_sys_path(path: str) -> Iterator[None]:
 
 
 __all__ = [
+    "CachedCudaEvent",
     "CachedCudaStream",
     "CudaEvent",
     "HalfOpenRange",

@@ -11,7 +11,7 @@ import torch
 
 from kvxfer.cache.common import CacheTier, DataRole, LayerId
 from kvxfer.cache.dtypes import dtype_name, itemsize
-from kvxfer.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
+from kvxfer.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS, HASH_V2_SHA256_PACKED
 from kvxfer.cache.manager_config import (
     EXTRA_COMMIT_MIN_SNAPSHOT,
     EXTRA_REUSE_MATCH_BACKOFF,
@@ -398,6 +398,7 @@ def cache_config_of(config: KVCacheManagerConfig) -> CacheConfig:
     extra = ((EXTRA_REUSE_MATCH_BACKOFF, backoff), (EXTRA_COMMIT_MIN_SNAPSHOT, bool(config.commit_min_snapshot)),
              (EXTRA_TEXT_ONLY, bool(config.text_only)))
     return CacheConfig(layers=tuple(specs), tokens_per_block=tpb, dtype="uint8", tiers=tuple(tiers),
+                       hash_algo=HASH_V2_SHA256_PACKED,
                        enable_partial_reuse=bool(config.enable_partial_reuse), enable_stats=bool(config.enable_stats),
                        resume_max_utilization=float(config.max_util_for_resume),
                        swa_scratch_reuse=config.swa_scratch_reuse is not None, extra=extra)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -86,6 +86,35 @@ class CudaEvent:
     def __del__(self) -> None:
         if getattr(self, "_event", None) is not None:
             self.close()
+
+
+class CachedCudaEvent(CudaEvent):
+    """The reference design's event name: a ``CudaEvent`` recorded on a stream when created, with
+    ``NULL``, an event that is already complete (waiting on it or synchronizing does nothing)."""
+
+    NULL: ClassVar[CachedCudaEvent]
+
+    @classmethod
+    def completed(cls) -> CachedCudaEvent:
+        """An event with nothing to wait for (what ``NULL`` is)."""
+        event = cls.__new__(cls)
+        event._event = None
+        return event
+
+
+CachedCudaEvent.NULL = CachedCudaEvent.completed()
+
+
+def memcpy_async(dst: Iterable[int], src: Iterable[int], num_bytes: int, stream: CudaStream | int) -> int:
+    """Queue a copy of ``num_bytes`` bytes from each ``src[i]`` to ``dst[i]`` (device or pinned/registered
+    host addresses, any direction) on ``stream``; returns how many copies were queued."""
+    drv = _driver()
+    count = 0
+    for d, s in zip(dst, src, strict=True):
+        _check(drv.cuMemcpyAsync(drv.CUdeviceptr(int(d)), drv.CUdeviceptr(int(s)), int(num_bytes), int(stream)),
+               f"cuMemcpyAsync({int(d):#x} <- {int(s):#x}, {num_bytes} bytes)")
+        count += 1
+    return count
 
 
 class CachedCudaStream:

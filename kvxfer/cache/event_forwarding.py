@@ -1,9 +1,11 @@
 """Forwards the manager's KV events to a reference-style event manager (``KVCacheEventManager``):
 the manager's one event hook, so that its prefix tree and tiers never call an event manager directly.
 
-The forwarder speaks the event manager's public hooks only (``add_created_event``,
-``add_stored_event``, ``add_removed_event``, ``add_updated_event``), so any object with those
-methods works; the record types come from ``kvxfer.cache.event_manager``, imported when the first
+The forwarder speaks the event manager's public hooks only (``add_stored_event``,
+``add_removed_event``, ``add_updated_event``), so any object with those methods works. As in the
+reference, the manager does not announce itself to an event manager: whoever owns the event manager
+calls ``add_created_event`` (the manager's own queue still carries its ``Created``). The record types
+come from ``kvxfer.cache.event_manager``, imported when the first
 stored event is forwarded.
 """
 
@@ -44,18 +46,16 @@ class ReferenceEventForwarder:
         return self._records
 
     def publish(self, event: KVEvent) -> None:
-        """Forward one event (an ``AllCleared`` or ``EventsDropped`` has no reference counterpart)."""
+        """Forward one event (``Created`` is the event manager owner's to announce; an ``AllCleared`` or
+        ``EventsDropped`` has no reference counterpart)."""
         em = self.event_manager
-        if isinstance(event, Created):
-            em.add_created_event(list(event.num_blocks_per_medium),
-                                 None if event.layer_groups is None else list(event.layer_groups))
-        elif isinstance(event, Stored):
+        if isinstance(event, Stored):
             self._stored(event)
         elif isinstance(event, Removed):
             em.add_removed_event([bytes(h) for h in event.block_hashes])
         elif isinstance(event, Updated):
             self._updated(event)
-        elif isinstance(event, AllCleared | EventsDropped):
+        elif isinstance(event, Created | AllCleared | EventsDropped):
             return
 
     def _stored(self, event: Stored) -> None:

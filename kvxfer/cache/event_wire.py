@@ -36,6 +36,7 @@ from kvxfer.cache.hashing import (
     HASH_V2_BLAKE3,
     HASH_V2_BLAKE3_64,
     HASH_V2_SHA256,
+    HASH_V2_SHA256_PACKED,
     block_hash_for_event,
     resolve_hash_algo,
 )
@@ -59,7 +60,7 @@ ExternalBlockHash = bytes | int
 #: full-width names send the whole key (msgpack bin on vLLM's wire, hex in reference records), every
 #: other one the key's 64-bit hash as an unsigned int (``hashing.block_hash_for_event``).
 EVENT_HASH_ALGOS: tuple[str, ...] = HASH_ALGOS
-FULL_WIDTH_ALGOS: tuple[str, ...] = (HASH_V2_SHA256, HASH_V2_BLAKE3)
+FULL_WIDTH_ALGOS: tuple[str, ...] = (HASH_V2_SHA256, HASH_V2_BLAKE3, HASH_V2_SHA256_PACKED)
 
 
 def manager_hash_algo(manager: Any) -> str:

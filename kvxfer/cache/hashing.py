@@ -12,6 +12,12 @@ with ``H`` = SHA-256 (``v2_sha256``, ``v2_sha256_64``) or BLAKE3 (``v2_blake3``,
 The ``_64`` names differ only in what events publish (the first 8 digest bytes as a big-endian
 integer); the full-width names publish the digest as a hex string.
 
+``v2_sha256_packed`` is the chain of the reference's v2 manager (``sequence_to_blockchain_keys``): the
+same root, then ``key(block i) = SHA-256(key(block i-1) || each token as 4 little-endian bytes, or a
+multimodal item's 32-byte digest as itself)``; token ids must be below 2**31. Its tokens may be such
+digests (``TokenIdExt``): a manager keeps them in its int64 token arrays as negative codes of a
+``DigestTable`` and packs the digest itself into the key. Events publish the digest as a hex string.
+
 ``v1_block_key`` (and ``auto``, which resolves to it as in the reference) is TensorRT-LLM's
 ``BlockKeyHasher``: a 64-bit chain where ``seed = num_tokens ^ (parent * 0xbf58476d1ce4e5b9)``, the
 cache-salt id is mixed into a first block (parent 0), each token id with the 32-bit mix, the LoRA
@@ -48,10 +54,13 @@ HASH_V2_SHA256 = "v2_sha256"
 HASH_V2_SHA256_64 = "v2_sha256_64"
 HASH_V2_BLAKE3 = "v2_blake3"
 HASH_V2_BLAKE3_64 = "v2_blake3_64"
-HashAlgo = Literal["auto", "v1_block_key", "v2_sha256", "v2_sha256_64", "v2_blake3", "v2_blake3_64"]
-#: Every algorithm name ``CacheConfig.hash_algo`` accepts (the reference design's list).
+HASH_V2_SHA256_PACKED = "v2_sha256_packed"
+HashAlgo = Literal["auto", "v1_block_key", "v2_sha256", "v2_sha256_64", "v2_blake3", "v2_blake3_64",
+                   "v2_sha256_packed"]
+#: Every algorithm name ``CacheConfig.hash_algo`` accepts (the reference design's list, then
+#: ``v2_sha256_packed``: the key chain of the reference's v2 manager, which ``KVCacheManagerConfig`` selects).
 HASH_ALGOS: tuple[str, ...] = (HASH_AUTO, HASH_V1_BLOCK_KEY, HASH_V2_SHA256, HASH_V2_SHA256_64, HASH_V2_BLAKE3,
-                               HASH_V2_BLAKE3_64)
+                               HASH_V2_BLAKE3_64, HASH_V2_SHA256_PACKED)
 #: kvxfer's default: BLAKE3 keys (cryptographic, one hash per block), 64-bit prefixes in events.
 DEFAULT_HASH_ALGO: HashAlgo = "v2_blake3_64"
 #: Hash names the event publisher of this module's first version accepted (kept for kvxfer.cache.events).
@@ -239,7 +248,7 @@ def _v1_hash(premixed: list[int], num_tokens: int, parent: int, lora_id: int | N
 # --- the chain ------------------------------------------------------------------------------------
 def block_keys(tokens: Sequence[int] | npt.ArrayLike, tokens_per_block: int, parent: bytes,
                *, first_block: int = 0, extra_keys: ExtraKeys | None = None, algo: str = DEFAULT_HASH_ALGO,
-               scope: ReuseScope | None = None) -> list[bytes]:
+               scope: ReuseScope | None = None, digests: DigestTable | None = None) -> list[bytes]:
     """Keys of every full block of ``tokens`` under ``algo``, chained from ``parent``.
 
     ``tokens`` starts at block ``first_block`` of the request (only used to look up ``extra_keys``,
@@ -247,6 +256,8 @@ def block_keys(tokens: Sequence[int] | npt.ArrayLike, tokens_per_block: int, par
     block gets no key. ``scope`` matters only to ``v1_block_key`` (its LoRA id is mixed into every
     block, its salt into the first): pass the scope whose root ``parent`` descends from. Token ids
     are converted in one numpy step; the loop runs once per block because each key needs the last.
+    ``digests`` resolves the negative digest codes a ``v2_sha256_packed`` manager keeps for multimodal
+    tokens (see ``DigestTable``); the other algorithms take token ids only.
     """
     if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block <= 0:
         raise ConfigError(f"block_keys: tokens_per_block must be an int > 0, got {tokens_per_block!r}")
@@ -254,6 +265,9 @@ def block_keys(tokens: Sequence[int] | npt.ArrayLike, tokens_per_block: int, par
     width = key_width(concrete)
     if not isinstance(parent, bytes) or len(parent) != width:
         raise ConfigError(f"block_keys: parent key must be {width} bytes under {concrete}, got {parent!r:.80}")
+    if concrete == HASH_V2_SHA256_PACKED:
+        return _packed_block_keys(tokens, tokens_per_block, parent, first_block,
+                                  check_extra_keys(extra_keys, "block_keys"), digests)
     arr = as_token_ids(tokens, "block_keys")
     extras = check_extra_keys(extra_keys, "block_keys")
     n_blocks = arr.size // tokens_per_block
@@ -288,6 +302,100 @@ def block_keys(tokens: Sequence[int] | npt.ArrayLike, tokens_per_block: int, par
     return keys
 
 
+def _packed_block_keys(tokens: Sequence[int] | npt.ArrayLike, tokens_per_block: int, parent: bytes, first_block: int,
+                       extras: dict[int, bytes], digests: DigestTable | None) -> list[bytes]:
+    """``block_keys`` under ``v2_sha256_packed``: ids as 4 little-endian bytes, digest codes as their digests."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise CapacityError(f"block_keys: token ids must be a 1-D integer sequence, got shape {arr.shape} "
+                            f"dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and int(arr.max()) >= _TOKEN_ID_LIMIT:
+        raise CapacityError(f"block_keys: v2_sha256_packed token ids must be below 2**31, got {int(arr.max())}")
+    coded = arr < 0
+    if coded.any() and digests is None:
+        raise CapacityError(f"block_keys: token id {int(arr[coded][0])} is negative (a digest code needs the "
+                            f"DigestTable that issued it)")
+    n_blocks = arr.size // tokens_per_block
+    full = arr[:n_blocks * tokens_per_block]
+    data = memoryview(np.where(coded[:full.size], 0, full).astype("<u4").tobytes())
+    stride = 4 * tokens_per_block
+    keys: list[bytes] = []
+    key = parent
+    for b in range(n_blocks):
+        lo, hi = b * tokens_per_block, (b + 1) * tokens_per_block
+        h = hashlib.sha256(key)
+        if digests is not None and coded[lo:hi].any():
+            h.update(b"".join(digests.digest(t) if t < 0 else t.to_bytes(4, "little")
+                              for t in full[lo:hi].tolist()))
+        else:
+            h.update(data[b * stride:(b + 1) * stride])
+        extra = extras.get(first_block + b)
+        if extra is not None:
+            h.update(extra)
+        key = h.digest()
+        keys.append(key)
+    return keys
+
+
+class DigestTable:
+    """Codes for multimodal digest tokens: a manager keeps token ids in int64 arrays and each 32-byte digest
+    as a negative code (stable while the table lives, never equal to a token id), so prefix matching
+    compares codes while block keys and ``committed_tokens`` give back the digest itself."""
+
+    __slots__ = ("_codes", "_digests")
+
+    def __init__(self) -> None:
+        self._codes: dict[bytes, int] = {}
+        self._digests: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._codes)
+
+    def code(self, digest: bytes) -> int:
+        """The negative code of ``digest`` (32 bytes), issued on first sight."""
+        code = self._codes.get(digest)
+        if code is not None:
+            return code
+        if not isinstance(digest, bytes) or len(digest) != _DIGEST_BYTES:
+            raise CapacityError(f"a multimodal digest token must be {_DIGEST_BYTES} bytes, got {digest!r:.80}")
+        code = -1 - (int.from_bytes(digest[:8], "little") & ((1 << 62) - 1))
+        while code in self._digests:      # two digests share their 62 low bits: take the next free code
+            code -= 1
+        self._codes[digest] = code
+        self._digests[code] = digest
+        return code
+
+    def digest(self, code: int) -> bytes:
+        """The digest of ``code`` (CapacityError for a code this table did not issue)."""
+        try:
+            return self._digests[code]
+        except KeyError:
+            raise CapacityError(f"token {code} is not a digest code of this manager") from None
+
+    def encode(self, tokens: Sequence[Any] | npt.ArrayLike, what: str) -> TokenArray:
+        """``tokens`` (ids, 32-byte digests or ``MmItemContext``) as an int64 array of ids and digest codes."""
+        if isinstance(tokens, np.ndarray) or not isinstance(tokens, Sequence) or not any(
+                isinstance(t, bytes | bytearray | MmItemContext) for t in tokens):
+            return as_token_ids(tokens, what)
+        out = np.empty(len(tokens), dtype=np.int64)
+        for i, t in enumerate(tokens):
+            if isinstance(t, MmItemContext):
+                out[i] = self.code(t.digest)
+            elif isinstance(t, bytes | bytearray):
+                out[i] = self.code(bytes(t))
+            elif isinstance(t, int | np.integer) and not isinstance(t, bool) and 0 <= t <= _MASK32:
+                out[i] = int(t)
+            else:
+                raise CapacityError(f"{what}: token {i} must be an id in [0, 2**32) or a 32-byte digest, "
+                                    f"got {t!r:.80}")
+        return out
+
+    def decode(self, tokens: npt.ArrayLike) -> list[int | bytes]:
+        """Token ids and digests of an int64 array of ids and codes (a new list)."""
+        return [self.digest(t) if t < 0 else t for t in np.asarray(tokens, dtype=np.int64).tolist()]
+
+
 def block_hash_for_event(key: bytes, algo: str) -> int | str:
     """A block key as KV events publish it under ``algo``: the 64-bit hash as an unsigned int for
     ``v1_block_key``/``auto`` and the ``_64`` names, the full digest as a lowercase hex string for
@@ -296,7 +404,7 @@ def block_hash_for_event(key: bytes, algo: str) -> int | str:
     width = key_width(concrete)
     if not isinstance(key, bytes) or len(key) != width:
         raise ConfigError(f"block_hash_for_event: a {concrete} key is {width} bytes, got {key!r:.80}")
-    if concrete in (HASH_V2_SHA256, HASH_V2_BLAKE3):
+    if concrete in (HASH_V2_SHA256, HASH_V2_BLAKE3, HASH_V2_SHA256_PACKED):
         return key.hex()
     return int.from_bytes(key[:8], "big")
 

@@ -29,7 +29,7 @@ from kvxfer.cache.common import (
     ScratchDesc,
 )
 from kvxfer.cache.descriptors import CacheLayoutDesc
-from kvxfer.cache.hashing import DEFAULT_SCOPE, ReuseScope, as_token_ids
+from kvxfer.cache.hashing import DEFAULT_SCOPE, ReuseScope, TokenIdExt
 from kvxfer.cache.radix_tree import BlockNode, check_priority
 from kvxfer.cache.stats import KVCacheStatsDelta, PendingStats
 from kvxfer.errors import (
@@ -61,6 +61,10 @@ class CacheOps(Protocol):
 
     def resize(self, cache: KVCache, capacity: int) -> None: ...
 
+    def encode_tokens(self, tokens: Any, what: str) -> npt.NDArray[np.int64]: ...
+
+    def decode_tokens(self, tokens: npt.NDArray[np.int64]) -> list[int | bytes]: ...
+
     def on_commit(self, cache: KVCache, priority: int | None = None) -> None: ...
 
     def release_out_of_window(self, cache: KVCache) -> None: ...
@@ -89,7 +93,8 @@ class RequestState:
     and the tree node tied to each (None once the chain could not be inserted); ``partial_src``: the
     tree block a partially reused block was taken from (until it is copied); ``prompt_keys``: the
     prompt's block keys; ``scratch`` / ``scratch_range``: scratch slots per layer group and the block
-    range they stand in for; ``pending``: statistics not yet committed.
+    range they stand in for; ``pending``: statistics not yet committed; ``block_priority``: the
+    eviction priority ``custom_priority_callback`` gave each block when it was allocated.
     """
 
     blocks: list[IntArray]
@@ -110,6 +115,7 @@ class RequestState:
     history: int
     capacity: int
     swa_scratch_reuse: bool
+    block_priority: dict[int, int]
 
 
 class CacheState(enum.Enum):
@@ -164,6 +170,7 @@ class KVCache:
         self.record.partial_src = None
         self.record.prompt_keys = []
         self.record.root_key = b""   # the scope's root under the manager's hash algorithm
+        self.record.block_priority = {}
         self.record.published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
         self.record.pending = PendingStats()
         # Scratch slots per layer group (held by this cache) and the block range they stand in for.
@@ -199,9 +206,9 @@ class KVCache:
         return int(self.record.tokens.size)
 
     @property
-    def committed_tokens(self) -> list[int]:
-        """The committed token ids (a new list)."""
-        return [int(t) for t in self.record.tokens.tolist()]
+    def committed_tokens(self) -> list[int | bytes]:
+        """The committed tokens (a new list): ids, and the 32-byte digests of multimodal tokens."""
+        return self._ops.decode_tokens(self.record.tokens)
 
     @property
     def committed_token_array(self) -> npt.NDArray[np.int64]:
@@ -499,7 +506,7 @@ class KVCache:
         if not self.resize(capacity):
             raise OutOfPagesError(f"KVCache {self.id}: no pages for capacity {capacity}")
 
-    def commit(self, accepted_input_tokens: Sequence[int] | npt.ArrayLike, beam_search_indices: Sequence[int] | None = None,
+    def commit(self, accepted_input_tokens: Sequence[TokenIdExt] | npt.ArrayLike, beam_search_indices: Sequence[int] | None = None,
                is_end: bool = False, *, priority: int | None = None) -> None:
         """Declare the KV of ``accepted_input_tokens`` (appended after the committed ones) written and
         final; ``is_end`` also stops committing.
@@ -514,7 +521,7 @@ class KVCache:
             raise LogicError(f"KVCache {self.id}.commit: committing was stopped (stop_committing or is_end)")
         if priority is not None:
             priority = check_priority(priority, f"KVCache {self.id}.commit")
-        arr = as_token_ids(accepted_input_tokens, f"KVCache {self.id}.commit")
+        arr = self._ops.encode_tokens(accepted_input_tokens, f"KVCache {self.id}.commit")
         if self.num_committed_tokens + arr.size > self.record.capacity:
             raise CapacityError(f"KVCache {self.id}: commit of {arr.size} tokens past capacity "
                                 f"({self.num_committed_tokens} committed, capacity {self.record.capacity})")

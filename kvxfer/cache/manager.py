@@ -50,9 +50,10 @@ from kvxfer.cache.event_forwarding import ReferenceEventForwarder
 from kvxfer.cache.events import AllCleared, Created, EventQueue, KVEvent, layer_group_subset
 from kvxfer.cache.eviction import EvictionController
 from kvxfer.cache.hashing import (
+    DigestTable,
     ExtraKeys,
     ReuseScope,
-    as_token_ids,
+    TokenIdExt,
     block_keys,
     check_extra_keys,
     resolve_hash_algo,
@@ -124,7 +125,7 @@ class CacheLifecycle:
         for tier in np.unique(tiers[live]).tolist():
             self.state.alloc_of(tier, pg).decref(ids[live & (tiers == tier)])
 
-    def open_cache(self, reuse_scope: ReuseScope | None, tokens: Sequence[int] | npt.ArrayLike | None, id: Any,
+    def open_cache(self, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt] | npt.ArrayLike | None, id: Any,
                     holdback: int, extra_keys: ExtraKeys | None = None, expected_prompt_length: int | None = None,
                     priority_callback: PriorityCallback | None = None, text_only: bool | None = None,
                     enable_request_stats: bool = False) -> KVCache:
@@ -142,7 +143,7 @@ class CacheLifecycle:
             what = f"create_kv_cache({cache_id})"
             scope = check_scope(reuse_scope, what)
             extras = check_extra_keys(extra_keys, what)
-            arr = None if tokens is None else as_token_ids(tokens, what)
+            arr = None if tokens is None else self.state.encode_tokens(tokens, what)
             prompt_length = _check_prompt_length(expected_prompt_length, arr, what)
             cache = KVCache(self.parts.manager, cache_id, arr, scope, extras, expected_prompt_length=prompt_length,
                             swa_scratch_reuse=self.state.config.swa_scratch_reuse)
@@ -240,6 +241,8 @@ class CacheLifecycle:
                     self.set_scratch(cache, g, begin, end)
                     self.parts.streams.wait_slots(g, fresh, cache.record.stream)
                 self.parts.usage.count_allocation(cache, old_n, new_n, spans)
+                if cache.priority_callback is not None:
+                    self.prioritize_blocks(cache, old_n, new_n)
             else:
                 if new_n < old_n:
                     self.parts.usage.uncount_allocation(cache, new_n, old_n)
@@ -281,6 +284,15 @@ class CacheLifecycle:
             if not enable:
                 self.release_scratch(cache)
 
+    def encode_tokens(self, tokens: Any, what: str) -> TokenArray:
+        """``tokens`` (ids, or 32-byte multimodal digests under ``v2_sha256_packed`` keys) as the manager's
+        int64 token array."""
+        return self.state.encode_tokens(tokens, what)
+
+    def decode_tokens(self, tokens: TokenArray) -> list[int | bytes]:
+        """The ids and digests an int64 token array of this manager stands for."""
+        return self.state.digests.decode(tokens)
+
     def on_commit(self, cache: KVCache, priority: int | None = None) -> None:
         """After a commit: publish the newly full blocks to other streams and enter them into the prefix tree."""
         with self.state.lock:
@@ -300,19 +312,26 @@ class CacheLifecycle:
         tpb = self.state.layout.tokens_per_block
         return [AttnLifeCycle.make(lg.window, lg.sink_tokens, tpb) for lg in self.state.layout.layer_groups]
 
-    def apply_priority_callback(self, cache: KVCache, start: int, stop: int) -> None:
-        """Give the tree blocks of the cache's newly committed blocks ``[start, stop)`` the priority its
-        ``custom_priority_callback(ordinal, life cycle)`` returns (the highest over its life cycles)."""
+    def prioritize_blocks(self, cache: KVCache, start: int, stop: int) -> None:
+        """Ask the cache's ``custom_priority_callback(ordinal, life cycle)`` for the eviction priority of
+        blocks ``[start, stop)`` as they are allocated (the highest over its life cycles); their tree
+        blocks get it when committed."""
         callback = cache.priority_callback
         assert callback is not None
         cycles = self.life_cycles()
+        for ordinal in range(start, stop):
+            if ordinal not in cache.record.block_priority:
+                cache.record.block_priority[ordinal] = check_priority(
+                    max(int(callback(ordinal, lc)) for lc in cycles), f"KVCache {cache.id}.custom_priority_callback")
+
+    def apply_priority_callback(self, cache: KVCache, start: int, stop: int) -> None:
+        """Give the tree blocks of the cache's newly committed blocks ``[start, stop)`` the priority
+        ``custom_priority_callback`` gave them (asked now for a block that has none yet)."""
+        self.prioritize_blocks(cache, start, stop)
         for ordinal in range(start, min(stop, len(cache.record.tree_nodes))):
             node = cache.record.tree_nodes[ordinal]
-            if node is None:
-                continue
-            priority = check_priority(max(int(callback(ordinal, lc)) for lc in cycles),
-                                      f"KVCache {cache.id}.custom_priority_callback")
-            self.parts.reuse.set_node_priority(node, priority)
+            if node is not None:
+                self.parts.reuse.set_node_priority(node, cache.record.block_priority[ordinal])
 
     def release_out_of_window(self, cache: KVCache) -> None:
         """Free sliding-window pages no future token can attend to (their ids become -1)."""
@@ -332,7 +351,9 @@ class CacheLifecycle:
                     released_tiers = cache.record.tiers[lg.layer_group_id][sink_blocks:first_needed].copy()
                     self.release(lg.layer_group_id, released, released_tiers, cache.record.stream)
                     blocks[sink_blocks:first_needed] = -1
-                    self.parts.reuse.drop_window_pages(cache, lg.layer_group_id, sink_blocks, released, released_tiers)
+                    if self.state.drops_stale_window_pages:
+                        self.parts.reuse.drop_window_pages(cache, lg.layer_group_id, sink_blocks, released,
+                                                           released_tiers)
 
     def close(self, cache: KVCache) -> None:
         """Release every page and scratch slot of the cache and commit its pending statistics."""
@@ -368,11 +389,24 @@ class CacheLifecycle:
                 (rec.full if b < full else rec.partial)[int(plan.tiers[b][lg])] += 1
 
     def plan_drop(self, cache: KVCache) -> PlannedDropHandle | None:
-        """A handle dropping the cache's committed chain from the tree later (None: it has none there)."""
+        """A handle dropping, later, what the tree keeps only to continue exactly where the cache ends
+        (None: it has no block there). With sliding-window layer groups that is their pages of the
+        window (and sinks) before the end, as the reference drops a conversation's endpoint: older
+        full-attention blocks stay reusable, and so do other conversations' windows. Without one, the
+        cache's chain leaves the tree from its end back while only the tree holds it."""
         nodes = [n for n in cache.record.tree_nodes if n is not None]
         if not nodes:
             return None
+        if self.state.has_windows:
+            pairs = self.parts.reuse.window_nodes(cache)
+            return PlannedDropHandle(lambda: self.drop_pages(pairs))
         return PlannedDropHandle(lambda: self.drop_chain(nodes))
+
+    def drop_pages(self, pairs: list[tuple[BlockNode, int]]) -> None:
+        """Run a planned drop of sliding-window pages (see ``plan_drop``)."""
+        with self.state.lock:
+            self.parts.reuse.drop_node_pages(pairs)
+            self.parts.usage.sample_usage()
 
     def drop_chain(self, nodes: list[BlockNode]) -> None:
         """Take a chain's blocks out of the tree from its end back, while each is a leaf that only the
@@ -485,6 +519,7 @@ class KVCacheManager:
         self._state.event_manager = event_manager
         self._state.current = config
         self._state.key_algo = resolve_hash_algo(config.hash_algo)
+        self._state.digests = DigestTable()
         primary = config.primary
         plan = plan_layout(config)
         device = torch.device(primary.device)
@@ -497,6 +532,7 @@ class KVCacheManager:
         self._state.allocators = [SlotAllocator(pg.num_slots, f"pool group {pg.pool_group_index}")
                             for pg in self._state.layout.pool_groups]
         self._state.lg_pool_group = [lg.pool_group_index for lg in self._state.layout.layer_groups]
+        _check_initial_pool_ratio(self._state.init_config, len(self._state.layout.layer_groups))
         self._state.tree = PrefixTree(len(self._state.layout.layer_groups), self._state.layout.tokens_per_block)
         self._state.in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in self._state.layout.pool_groups]
         self._state.events = EventQueue(config.event_queue_capacity, sink=None if event_manager is None else
@@ -613,7 +649,7 @@ class KVCacheManager:
 
     # --- KVCache lifecycle (called by KVCache) ------------------------------------------------
     def create_kv_cache(self, reuse_scope: ReuseScope | None = None,
-                        input_tokens: Sequence[int] | npt.ArrayLike | None = None, id: Any = None,
+                        input_tokens: Sequence[TokenIdExt] | npt.ArrayLike | None = None, id: Any = None,
                         custom_priority_callback: PriorityCallback | None = None,
                         expected_prompt_length: int | None = None, text_only: bool | None = None,
                         enable_request_stats: bool = False, *, extra_keys: ExtraKeys | None = None) -> KVCache:
@@ -633,7 +669,7 @@ class KVCacheManager:
                                 expected_prompt_length=expected_prompt_length, priority_callback=custom_priority_callback,
                                 text_only=text_only, enable_request_stats=enable_request_stats)
 
-    def create_kv_cache_for_prompt(self, prompt: Sequence[int] | npt.ArrayLike | None = None, id: Any = None, *,
+    def create_kv_cache_for_prompt(self, prompt: Sequence[TokenIdExt] | npt.ArrayLike | None = None, id: Any = None, *,
                                    reuse_scope: ReuseScope | None = None, extra_keys: ExtraKeys | None = None,
                                    expected_prompt_length: int | None = None) -> KVCache:
         """kvxfer's prompt-first form of ``create_kv_cache``: the prompt's prefix is reused except its
@@ -778,23 +814,24 @@ class KVCacheManager:
         return PageIndexConverter(self.get_page_index_scale(layer_id, data_role), 1, exact_div(offset, size))
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None,
-                    input_tokens: Sequence[int] | npt.ArrayLike | None = None, *,
+                    input_tokens: Sequence[TokenIdExt] | npt.ArrayLike | None = None, *,
                     extra_keys: ExtraKeys | None = None) -> int:
         """How many of ``input_tokens`` ``create_kv_cache(reuse_scope, input_tokens)`` would reuse now;
         takes nothing (no page, no LRU update, no statistics)."""
         return self._parts.reuse.probe(reuse_scope, input_tokens, extra_keys, holdback=0, what="probe_reuse")
 
     def probe_first_new_block_key(self, reuse_scope: ReuseScope | None = None,
-                                  input_tokens: Sequence[int] | npt.ArrayLike | None = None) -> bytes | None:
+                                  input_tokens: Sequence[TokenIdExt] | npt.ArrayLike | None = None) -> bytes | None:
         """The key of the first full block of ``input_tokens`` that the prefix tree lacks (None: every
         full block is there, or there is none)."""
         with self._state.lock:
             scope = check_scope(reuse_scope, "probe_first_new_block_key")
             if input_tokens is None:
                 return None
-            arr = as_token_ids(input_tokens, "probe_first_new_block_key")
+            arr = self._state.encode_tokens(input_tokens, "probe_first_new_block_key")
             root = scope.root_key_for(self._state.key_algo)
-            keys = block_keys(arr, self._state.layout.tokens_per_block, root, algo=self._state.key_algo, scope=scope)
+            keys = block_keys(arr, self._state.layout.tokens_per_block, root, algo=self._state.key_algo, scope=scope,
+                              digests=self._state.digests)
             matched = len(self._state.tree.match(root, keys).nodes)
             return keys[matched] if matched < len(keys) else None
 
@@ -1035,7 +1072,7 @@ class KVCacheManager:
         """The prefix tree (read-only use: inspection, tests, benchmarks)."""
         return self._state.prefix_tree
 
-    def probe_prompt_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
+    def probe_prompt_reuse(self, tokens: Sequence[TokenIdExt] | npt.ArrayLike, scope: ReuseScope | None = None,
                            extra_keys: ExtraKeys | None = None) -> int:
         """How many tokens ``create_kv_cache_for_prompt(tokens, reuse_scope=scope)`` would reuse now (never the last prompt token); takes nothing (no page, no LRU update, no statistics)."""
         return self._parts.reuse.probe_prompt_reuse(tokens, scope, extra_keys)
@@ -1051,6 +1088,11 @@ class KVCacheManager:
     def resize_quota(self, tier: int | type[PrimaryTier | HostTier | DiskTier], quota_bytes: int) -> None:
         """Give a tier a new quota; only while no request is ACTIVE (ManagerBusyError)."""
         return self._parts.quotas.resize_quota(tier, quota_bytes)
+
+    @property
+    def digest_table(self) -> DigestTable:
+        """The codes this manager keeps for multimodal digest tokens in its token arrays."""
+        return self._state.digests
 
     @property
     def resolved_hash_algo(self) -> str:
@@ -1105,3 +1147,20 @@ def check_layer_group(layout: CacheLayoutDesc, layer_group: int) -> None:
     """Raise LayoutError when ``layer_group`` is not a layer group of ``layout``."""
     if not 0 <= layer_group < len(layout.layer_groups):
         raise LayoutError(f"no layer group {layer_group} (have 0..{len(layout.layer_groups) - 1})")
+
+
+def _check_initial_pool_ratio(config: Any, num_layer_groups: int) -> None:
+    """``KVCacheManagerConfig.initial_pool_ratio``: None, or one positive share per layer group summing to 1
+    (ConfigError otherwise). kvxfer sizes its pools from the layers themselves; the shares are validated
+    as the reference validates them."""
+    ratio = getattr(config, "initial_pool_ratio", None)
+    if ratio is None:
+        return
+    values = [float(r) for r in ratio]
+    if len(values) != num_layer_groups:
+        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio length {len(values)} does not match the "
+                          f"{num_layer_groups} layer groups")
+    if not all(v > 0 for v in values):
+        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio values must be positive, got {values}")
+    if abs(sum(values) - 1.0) > 1e-6:
+        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio values must sum to 1.0, got {sum(values)}")

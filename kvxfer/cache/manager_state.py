@@ -18,13 +18,14 @@ from kvxfer.cache.config import CacheConfig, DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.copy_engine import CopyEngine
 from kvxfer.cache.descriptors import CacheLayoutDesc, PoolGroupDesc
 from kvxfer.cache.events import EventQueue
+from kvxfer.cache.hashing import HASH_V2_SHA256_PACKED, DigestTable, TokenArray
 from kvxfer.cache.kv_cache import CacheState, KVCache
-from kvxfer.cache.manager_config import KVCacheManagerConfig
+from kvxfer.cache.manager_config import EXTRA_COMMIT_MIN_SNAPSHOT, KVCacheManagerConfig
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree
 from kvxfer.cache.stats import ReusedBlocksByLevel, StatsCollector, TierTrafficCounter
 from kvxfer.cache.streams import SlotReadiness
 from kvxfer.cache.tiers import TierStorage
-from kvxfer.errors import KVCacheError, ManagerBusyError, TierError
+from kvxfer.errors import CapacityError, KVCacheError, ManagerBusyError, TierError
 
 
 class ManagerState:
@@ -33,6 +34,8 @@ class ManagerState:
     config: CacheConfig
     current: CacheConfig
     key_algo: str
+    #: Codes of the multimodal digest tokens this manager has seen (``v2_sha256_packed`` keys only).
+    digests: DigestTable
     device: torch.device
     pools: list[list[torch.Tensor]]
     layout: CacheLayoutDesc
@@ -72,6 +75,22 @@ class ManagerState:
         """The configuration in force now: ``config`` with the quotas ``resize_quota`` set and without
         a host tier that could not be set up."""
         return self.current
+
+    @property
+    def drops_stale_window_pages(self) -> bool:
+        """Whether the tree lets go of sliding-window pages a request moved past (kvxfer's ``CacheConfig``
+        default, and ``KVCacheManagerConfig.commit_min_snapshot``); a ``KVCacheManagerConfig`` manager
+        without it keeps them reusable (evictable) as the reference does."""
+        return bool(dict(self.config.extra).get(EXTRA_COMMIT_MIN_SNAPSHOT, True))
+
+    def encode_tokens(self, tokens: Any, what: str) -> TokenArray:
+        """``tokens`` as the manager's int64 token array: ids, and under ``v2_sha256_packed`` keys also
+        32-byte multimodal digests (as their ``DigestTable`` codes); CapacityError for anything else."""
+        arr = self.digests.encode(tokens, what)
+        if self.key_algo != HASH_V2_SHA256_PACKED and arr.size and int(arr.min()) < 0:
+            raise CapacityError(f"{what}: multimodal digest tokens need hash_algo {HASH_V2_SHA256_PACKED!r} "
+                                f"(the manager keys blocks with {self.key_algo!r})")
+        return arr
 
     @property
     def hash_algo(self) -> str:

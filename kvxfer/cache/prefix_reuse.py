@@ -18,7 +18,7 @@ from kvxfer.cache.hashing import (
     DEFAULT_SCOPE,
     ExtraKeys,
     ReuseScope,
-    as_token_ids,
+    TokenIdExt,
     block_keys,
     check_extra_keys,
 )
@@ -62,7 +62,8 @@ class PrefixReuse:
     def keys(self, cache: KVCache, tokens: TokenArray, parent: bytes, first_block: int = 0) -> list[bytes]:
         """Block keys of ``tokens`` for a request, chained from ``parent``, under the manager's algorithm."""
         return block_keys(tokens, self.state.layout.tokens_per_block, parent, first_block=first_block,
-                          extra_keys=cache.record.extra_keys, algo=self.state.key_algo, scope=cache.reuse_scope)
+                          extra_keys=cache.record.extra_keys, algo=self.state.key_algo, scope=cache.reuse_scope,
+                          digests=self.state.digests)
 
     def count_reuse(self, cache: KVCache, plan: _ReusePlan) -> None:
         """Pending counters of a prefix match, as the reference counts them: per layer group the pages
@@ -82,13 +83,13 @@ class PrefixReuse:
             it.iter_partial_reused_blocks += partial_pages
         self.parts.usage.mark_pending(cache)
 
-    def probe_prompt_reuse(self, tokens: Sequence[int] | npt.ArrayLike, scope: ReuseScope | None = None,
+    def probe_prompt_reuse(self, tokens: Sequence[TokenIdExt] | npt.ArrayLike, scope: ReuseScope | None = None,
                            extra_keys: ExtraKeys | None = None) -> int:
         """How many tokens ``create_kv_cache_for_prompt(tokens, reuse_scope=scope)`` would reuse now
         (never the last prompt token); takes nothing (no page, no LRU update, no statistics)."""
         return self.probe(scope, tokens, extra_keys, holdback=1, what="probe_prompt_reuse")
 
-    def probe(self, scope: ReuseScope | None, tokens: Sequence[int] | npt.ArrayLike | None,
+    def probe(self, scope: ReuseScope | None, tokens: Sequence[TokenIdExt] | npt.ArrayLike | None,
                extra_keys: ExtraKeys | None, holdback: int, what: str) -> int:
         """How many tokens a match of ``tokens`` (less ``holdback`` at the end) would reuse now."""
         with self.state.lock:
@@ -96,23 +97,26 @@ class PrefixReuse:
             extras = check_extra_keys(extra_keys, what)
             if tokens is None:
                 return 0
-            arr = as_token_ids(tokens, what)
+            arr = self.state.encode_tokens(tokens, what)
             if not self.state.config.enable_prefix_reuse:
                 return 0
             root = scope.root_key_for(self.state.key_algo)
             keys = block_keys(arr, self.state.layout.tokens_per_block, root, extra_keys=extras, algo=self.state.key_algo,
-                              scope=scope)
+                              scope=scope, digests=self.state.digests)
             return self.plan_matching(root, keys, arr, extras, holdback).num_tokens
 
     def plan_matching(self, root_key: bytes, keys: list[bytes], tokens: TokenArray, extras: dict[int, bytes],
                        holdback: int) -> _ReusePlan:
         """The reuse plan of the first ``len(tokens) - holdback`` tokens, trimmed by the configured
         ``reuse_match_backoff`` (the match then ends that many tokens earlier)."""
-        plan = self.plan_reuse(root_key, keys, tokens, extras, tokens.size - holdback)
+        limit = tokens.size - holdback
         backoff = self.state.reuse_match_backoff
-        if backoff and plan.num_tokens:
-            plan = self.plan_reuse(root_key, keys, tokens, extras, plan.num_tokens - backoff)
-        return plan
+        if backoff:     # trim the raw walk (what the tree holds), then keep what every layer group can use
+            match = self.state.tree.match(root_key, keys, tokens if self.state.config.enable_partial_reuse else None,
+                                          max_tokens=max(limit, 0))
+            partial = match.partial_tokens if match.partial is not None and len(match.nodes) not in extras else 0
+            limit = len(match.nodes) * self.state.layout.tokens_per_block + partial - backoff
+        return self.plan_reuse(root_key, keys, tokens, extras, limit)
 
     def plan_reuse(self, root_key: bytes, keys: list[bytes], tokens: TokenArray,
                     extras: dict[int, bytes], max_tokens: int) -> _ReusePlan:
@@ -188,6 +192,7 @@ class PrefixReuse:
             return
         for lg in range(plan.pages.shape[1]):
             col, tiers = plan.pages[:, lg].copy(), plan.tiers[:, lg].copy()
+            tiers[col < 0] = 0      # a block the request does not need (stale window) has no page anywhere
             for tier in np.unique(tiers[col >= 0]).tolist():
                 self.state.alloc_of(tier, self.state.lg_pool_group[lg]).incref(col[(col >= 0) & (tiers == tier)])
             cache.record.blocks[lg] = col
@@ -412,6 +417,42 @@ class PrefixReuse:
         if run:
             self.state.events.put(Removed(tuple(run), self.state.media[run_tier], groups))
         for tier, pages in drops.items():
+            self.state.alloc_of(tier, pg).decref_each(np.array(pages, dtype=np.int32))
+        self.state.tree.touch_all(touched)
+
+    def window_nodes(self, cache: KVCache) -> list[tuple[BlockNode, int]]:
+        """(tree block, sliding-window layer group) of every page a request continuing exactly where
+        ``cache`` ends would need from the tree: the window (and sinks) before its committed length."""
+        n = cache.num_committed_tokens
+        nodes = cache.record.tree_nodes
+        out: list[tuple[BlockNode, int]] = []
+        for lg, group in enumerate(self.state.layout.layer_groups):
+            if group.window is None:
+                continue
+            lo, sink = self.window_start(lg, np.array([n], dtype=np.int64))
+            needed = [*range(min(sink, len(nodes))), *range(max(int(lo[0]), sink), len(nodes))]
+            out.extend((node, lg) for b in needed if (node := nodes[b]) is not None)
+        return out
+
+    def drop_node_pages(self, pairs: list[tuple[BlockNode, int]]) -> None:
+        """The tree lets go of layer group ``lg``'s page of each ``(node, lg)`` that only the tree holds
+        (the node keeps -1 there; a page a request shares stays). One Removed per block and layer group."""
+        drops: dict[tuple[int, int], list[int]] = {}
+        touched: list[BlockNode | None] = []
+        n_lg = len(self.state.layout.layer_groups)
+        for node, lg in pairs:
+            page, tier = int(node.pages[lg]), int(node.tiers[lg])
+            pg = self.state.lg_pool_group[lg]
+            if node.removed or page < 0 or not self.state.in_tree_t[tier][pg][page] \
+                    or self.state.alloc_of(tier, pg).refcount[page] != 1:
+                continue
+            drops.setdefault((tier, pg), []).append(page)
+            self.state.unmark_tree_page(tier, pg, page)
+            node.pages[lg] = -1
+            self.state.events.put(Removed((node.key,), self.state.media[tier],
+                                          layer_group_subset([i == lg for i in range(n_lg)])))
+            touched.append(node)
+        for (tier, pg), pages in drops.items():
             self.state.alloc_of(tier, pg).decref_each(np.array(pages, dtype=np.int32))
         self.state.tree.touch_all(touched)
 
