@@ -7,11 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from module_loader import load_module
 
-ROOT = Path(__file__).resolve().parents[1]
-
-pool_bench_gpu = load_module("kvxfer_pool_bench_gpu", ROOT / "benchmarks" / "pool_bench_gpu.py")
+from benchmarks import pool_bench_gpu
 
 
 def result(col: list[float], base: list[float], case: str = "identical") -> dict:

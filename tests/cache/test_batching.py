@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reuse_support import make_manager
 
 from kvxfer.cache.allocator import SlotAllocator
 from kvxfer.cache.events import EventQueue, KVEvent, Removed, Stored, Updated
 from kvxfer.cache.radix_tree import PrefixTree
 from kvxfer.errors import BlockIdError, KVCacheError
+from tests.support.reuse_support import make_manager
 
 KEYS = [bytes([i]) * 4 for i in range(12)]
 

@@ -30,11 +30,7 @@ from kvxfer.cache.tiers import (
     primary_tier_of,
 )
 from kvxfer.errors import LayoutMismatch, TierError, TransferTimeout
-
-try:
-    from tier_helpers import fill_random, multi_pool_config, slot_bytes_of, whole_pool
-except ImportError:  # tests collected as a package
-    from tests.tier_helpers import fill_random, multi_pool_config, slot_bytes_of, whole_pool
+from tests.support.tier_helpers import fill_random, multi_pool_config, slot_bytes_of, whole_pool
 
 U64 = np.uint64
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

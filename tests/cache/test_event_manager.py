@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from test_hashing import v1_oracle
 
 from kvxfer.cache import (
     KVCacheCreatedData,
@@ -37,6 +36,7 @@ from kvxfer.cache import (
 from kvxfer.cache.event_manager import EventSourceBlock, event_to_json
 from kvxfer.cache.hashing import ReuseScope, pack_key_tokens, reuse_scope_to_bytes
 from kvxfer.errors import ConfigError
+from tests.cache.test_hashing import v1_oracle
 
 IMG = bytes(range(32))
 IMG2 = bytes(range(32, 64))

@@ -12,8 +12,6 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from module_loader import load_module
-from reuse_support import TPB, make_manager, prefill, write_kv
 
 from kvxfer.cache import (
     AllCleared,
@@ -34,8 +32,8 @@ from kvxfer.cache.event_wire import WIRE_ARRAY, encode_batch, reference_events
 from kvxfer.cache.events import EventQueue, stored_extra_keys
 from kvxfer.cache.hashing import HASH_ALGOS
 from kvxfer.errors import ConfigError
-
-VLLM = load_module("vllm_kv_events_schema", Path(__file__).parent / "data" / "vllm_kv_events_schema.py")
+from tests.data import vllm_kv_events_schema as VLLM
+from tests.support.reuse_support import TPB, make_manager, prefill, write_kv
 
 
 def drained(mgr: KVCacheManager) -> KVCacheManager:

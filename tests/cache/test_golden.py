@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cache_workload import RANDOM_SEEDS, compact, digests, run_random_workloads, run_workload
 
 from kvxfer.cache import events
 from kvxfer.cache.allocator import SlotAllocator
+from tests.support.cache_workload import RANDOM_SEEDS, compact, digests, run_random_workloads, run_workload
 
-GOLDEN = pathlib.Path(__file__).parent / "data" / "cache_golden.json"
-GOLDEN_RANDOM = pathlib.Path(__file__).parent / "data" / "cache_golden_random.txt"
+GOLDEN = pathlib.Path(__file__).parents[1] / "data" / "cache_golden.json"
+GOLDEN_RANDOM = pathlib.Path(__file__).parents[1] / "data" / "cache_golden_random.txt"
 
 
 def _differences(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> list[str]:

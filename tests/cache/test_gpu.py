@@ -12,11 +12,7 @@ from kvxfer.cache.copy_engine import CopyEngine
 from kvxfer.cache.cuda_utils import cuda_usable
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.tiers import DiskTierStorage, open_host_tier, primary_tier_of
-
-try:
-    from tier_helpers import fill_random, multi_pool_config, slot_bytes_of, whole_pool
-except ImportError:  # tests collected as a package
-    from tests.tier_helpers import fill_random, multi_pool_config, slot_bytes_of, whole_pool
+from tests.support.tier_helpers import fill_random, multi_pool_config, slot_bytes_of, whole_pool
 
 pytestmark = pytest.mark.gpu
 

@@ -216,7 +216,7 @@ def test_decoder_rejects_field_mutations(layer: int, role: str, junk: int) -> No
 
 def test_reference_descriptor_walk_in_docs_runs() -> None:
     """docs/cache.md's example, written against the reference design's descriptor API, runs here."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "cache.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cache.md").read_text()
     section = text.split("## Published descriptors: the reference design's shapes", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "pool_group_descs" in code and "slot_desc.variants" in code and "get_aggregated_pages" in code

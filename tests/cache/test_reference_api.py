@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from reuse_support import TPB, check_kv, check_references, make_manager, prefill, write_kv
 
 import kvxfer.cache.tiers as tiers_module
 from kvxfer.cache import (
@@ -31,6 +30,7 @@ from kvxfer.cache import (
 from kvxfer.cache.hashing import HASH_ALGOS, key_width
 from kvxfer.cache.streams import SlotReadiness
 from kvxfer.errors import CacheStateError, ConfigError, ManagerBusyError, TierError
+from tests.support.reuse_support import TPB, check_kv, check_references, make_manager, prefill, write_kv
 
 
 # --- hash options in the manager --------------------------------------------------------------------

@@ -15,7 +15,6 @@ import blake3
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_hashing import v1_oracle
 
 from kvxfer.cache import MmItemContext, gen_multimodal_cache_key_tokens, sequence_to_blockchain_keys
 from kvxfer.cache.hashing import (
@@ -40,6 +39,7 @@ from kvxfer.cache.hashing import (
     v1_block_hash,
 )
 from kvxfer.errors import ConfigError
+from tests.cache.test_hashing import v1_oracle
 
 DIGEST = bytes(range(100, 132))
 

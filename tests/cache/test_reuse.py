@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from reuse_support import TPB, check_kv, check_references, make_manager, prefill, slot_bytes, write_kv
 
 from kvxfer.cache import AllCleared, CacheState, Created, Removed, ReuseScope, Stored, block_keys
 from kvxfer.errors import CapacityError, ConfigError
+from tests.support.reuse_support import (
+    TPB,
+    check_kv,
+    check_references,
+    make_manager,
+    prefill,
+    slot_bytes,
+    write_kv,
+)
 
 
 def toks(seed: int, n: int, lo: int = 0, hi: int = 1000) -> np.ndarray:

@@ -13,9 +13,9 @@ import numpy as np
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from reuse_support import TPB, check_kv, check_references, make_manager, write_kv
 
 from kvxfer.cache import CacheState, KVCache, ReuseScope
+from tests.support.reuse_support import TPB, check_kv, check_references, make_manager, write_kv
 
 BASES = [np.arange(100, 124), np.arange(200, 224), np.concatenate([np.arange(100, 110), np.arange(300, 314)])]
 SCOPES = [None, ReuseScope(lora_id=7)]

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from reuse_support import TPB, make_manager, prefill, write_kv
 
 from kvxfer.cache import (
     KVCacheIterationStatsDelta,
@@ -17,6 +16,7 @@ from kvxfer.cache import (
     SlotAccounting,
 )
 from kvxfer.errors import KVCacheError
+from tests.support.reuse_support import TPB, make_manager, prefill, write_kv
 
 
 def run_workload(enable_stats: bool) -> dict[str, Any]:

@@ -15,14 +15,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reuse_support import TPB, check_kv, make_manager, write_kv
-from tier_helpers import multi_pool_config
 
 from kvxfer.cache import DiskTier, HostTier, KVCache, KVCacheManager, Removed, TierTraffic, Updated
 from kvxfer.cache.cuda_utils import cuda_usable
 from kvxfer.cache.hashing import DEFAULT_SCOPE, block_keys
 from kvxfer.cache.manager import DISK_MEDIUM, HOST_MEDIUM
 from kvxfer.errors import CacheStateError, ManagerBusyError, TierError
+from tests.support.reuse_support import TPB, check_kv, make_manager, write_kv
+from tests.support.tier_helpers import multi_pool_config
 
 HOST, DISK = 1, 2
 

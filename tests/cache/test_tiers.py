@@ -20,11 +20,7 @@ from kvxfer.cache.tiers import (
     primary_tier_of,
 )
 from kvxfer.errors import BlockIdError, ConfigError, TierError
-
-try:
-    from tier_helpers import fill_random, multi_pool_config, slot_bytes_of
-except ImportError:  # tests collected as a package
-    from tests.tier_helpers import fill_random, multi_pool_config, slot_bytes_of
+from tests.support.tier_helpers import fill_random, multi_pool_config, slot_bytes_of
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from test_cli_ops import StubWorker
 
 import kvxfer
 from kvxfer.cache import CacheLayoutDesc
@@ -24,6 +23,7 @@ from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.ops.http import OpsServer
 from kvxfer.ops.metrics import WorkerMetrics
 from kvxfer.transport import BACKENDS, LoopbackFaults, available_backends, backend_names
+from tests.ops.test_worker_ops import StubWorker
 
 SECRET = "cli-test-secret-0123456789abcdef"
 

@@ -31,7 +31,8 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError, PeerUnreachable, ProtocolError
-from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
+from tests.disagg.test_router import prefills_with_events
+from tests.e2e.test_loopback import (  # noqa: F401 (_one_thread: autouse leak check)
     KV,
     NEW,
     SECRET,
@@ -40,7 +41,6 @@ from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
     name,
     prompts,
 )
-from tests.test_router import prefills_with_events
 
 ETCD = shutil.which("etcd")
 pytestmark = pytest.mark.skipif(ETCD is None, reason="needs an etcd server binary: apt-get install etcd-server")

@@ -20,8 +20,8 @@ from kvxfer.errors import BlockIdError, IntegrityError
 from kvxfer.model import preset
 from kvxfer.transport import LoopbackFaults, available_backends
 from kvxfer.transport.integrity import ChecksumPolicy
+from tests.e2e.test_loopback import SECRET, _one_thread, name, reference  # noqa: F401  (autouse fixture)
 from tests.faults.conftest import assert_settled
-from tests.test_e2e import SECRET, _one_thread, name, reference  # noqa: F401  (autouse fixture)
 
 NEW = 8
 

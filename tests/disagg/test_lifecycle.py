@@ -13,7 +13,8 @@ import pytest
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import PeerUnreachable, TransferFailed, WorkerShuttingDown
-from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
+from tests.disagg.test_xpyd import close_all, prefills, wait_idle
+from tests.e2e.test_loopback import (  # noqa: F401 (_one_thread: autouse leak check)
     KV,
     NEW,
     SECRET,
@@ -22,7 +23,6 @@ from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
     name,
     prompts,
 )
-from tests.test_xpyd import close_all, prefills, wait_idle
 
 
 def long_prompt(seed: int, length: int = 900) -> np.ndarray:

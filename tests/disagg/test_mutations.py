@@ -22,8 +22,8 @@ from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError, IntegrityError
 from kvxfer.extractor import multirank
 from kvxfer.transport.integrity import ChecksumPolicy
-from tests.faulty_planner import MUTATIONS, PER_REQUEST, FaultyPlanner
-from tests.test_e2e import KV, NEW, SECRET, kv_oracle, name
+from tests.e2e.test_loopback import KV, NEW, SECRET, kv_oracle, name
+from tests.support.faulty_planner import MUTATIONS, PER_REQUEST, FaultyPlanner
 
 LAYOUTS: dict[str, dict[str, Any]] = {"same": {}, "tp1to2": {"tokens_per_block": 8, "head_order": "NHD", "tp_size": 2}}
 MODES = [("push", False), ("pull", False), ("layerwise", True)]

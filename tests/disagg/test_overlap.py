@@ -18,8 +18,7 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import OutOfSlotsError, PeerUnreachable
-from tests.faults.test_loopback_faults import wait_for
-from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
+from tests.e2e.test_loopback import (  # noqa: F401 (_one_thread: autouse leak check)
     KV,
     NEW,
     SECRET,
@@ -30,6 +29,7 @@ from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
     name,
     prompts,
 )
+from tests.faults.test_loopback_faults import wait_for
 
 
 @pytest.fixture

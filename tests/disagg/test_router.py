@@ -12,7 +12,6 @@ from contextlib import ExitStack, contextmanager
 import numpy as np
 import pytest
 import zmq
-from reuse_support import make_manager
 
 from kvxfer.cache.event_publisher import KVEventPublisher
 from kvxfer.cache.event_wire import WireContext, decode_batch, encode_batch
@@ -23,7 +22,7 @@ from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError
 from kvxfer.ops.events import EventPump
-from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
+from tests.e2e.test_loopback import (  # noqa: F401 (_one_thread: autouse leak check)
     KV,
     NEW,
     SECRET,
@@ -31,6 +30,7 @@ from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
     assert_matches_reference,
     name,
 )
+from tests.support.reuse_support import make_manager
 
 TPB = 16
 

@@ -26,8 +26,8 @@ from kvxfer.errors import ReadOnlyPageError
 from kvxfer.extractor import check_writable, plan_transfer, writable_block_ids
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport.copy import copy_plan
+from tests.e2e.test_loopback import SECRET, _one_thread, name, prompts, reference  # noqa: F401  (autouse fixture)
 from tests.faults.conftest import assert_settled
-from tests.test_e2e import SECRET, _one_thread, name, prompts, reference  # noqa: F401  (autouse fixture)
 
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4     # tiny: layers x (K, V) x kv heads x head_dim x float32
 

@@ -32,7 +32,7 @@ from kvxfer.errors import (
 )
 from kvxfer.transport import LoopbackFaults
 from kvxfer.transport.integrity import ChecksumPolicy
-from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
+from tests.e2e.test_loopback import (  # noqa: F401 (_one_thread: autouse leak check)
     KV,
     NEW,
     SECRET,

@@ -16,7 +16,7 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError, KvxferError, PeerUnreachable
-from tests.test_e2e import (  # noqa: F401 (_one_thread: autouse leak check)
+from tests.e2e.test_loopback import (  # noqa: F401 (_one_thread: autouse leak check)
     KV,
     NEW,
     SECRET,

@@ -20,12 +20,12 @@ import pytest
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.disagg.worker_client import GenerateClient
 from kvxfer.transport.nixl import nixl_unavailable_reason
-from tests.test_e2e import KV, NEW, assert_matches_reference, prompts
+from tests.e2e.test_loopback import KV, NEW, assert_matches_reference, prompts
 
 pytestmark = [pytest.mark.ucx,
               pytest.mark.skipif(nixl_unavailable_reason() is not None, reason=str(nixl_unavailable_reason()))]
 SECRET = "exit-status-secret-0123456789abcdef"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:

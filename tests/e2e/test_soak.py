@@ -5,6 +5,7 @@ stalling on serial reconnect attempts while its prefill does not answer)."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import json
 import pathlib
@@ -16,21 +17,19 @@ from typing import Any
 
 import numpy as np
 import pytest
-from module_loader import load_module
 
 from kvxfer.cli.serve import best_backend
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import BackendUnavailable, PeerUnreachable, RequestCancelled
-from tests.test_e2e import (
+from tests.e2e.test_loopback import (
     KV,
     NEW,
     _one_thread,  # noqa: F401 (autouse leak check)
     assert_matches_reference,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECRET = "soak-test-secret-0123456789abcdef"
 _names = itertools.count()
 EXPECTED_REASONS = {
@@ -47,8 +46,8 @@ EXPECTED_REASONS = {
 
 
 def load_soak() -> ModuleType:
-    """benchmarks/soak.py as a module (benchmarks/ is not a package)."""
-    return load_module("kvxfer_soak", ROOT / "benchmarks" / "soak.py")
+    """The soak benchmark (``benchmarks/soak.py``), imported when a test first needs it."""
+    return importlib.import_module("benchmarks.soak")
 
 
 @pytest.fixture(scope="module")

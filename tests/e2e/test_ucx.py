@@ -24,14 +24,14 @@ from kvxfer.cli.serve import best_backend
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import BackendUnavailable, PeerUnreachable
-from tests.faulty_planner import PLUGIN_ENV
-from tests.test_e2e import (
+from tests.e2e.test_loopback import (
     KV,
     NEW,
     _one_thread,  # noqa: F401 (autouse leak check)
     assert_matches_reference,
     prompts,
 )
+from tests.support.faulty_planner import PLUGIN_ENV
 
 pytestmark = pytest.mark.ucx
 SECRET = "e2e-ucx-secret-0123456789abcdef"
@@ -50,7 +50,7 @@ def backend() -> str:
 def faulty_planner_env(setting: str) -> dict[str, str]:
     """The environment of a process whose workers plan with ``tests/faulty_planner.py``'s ``setting``
     (through the test plugin ``tests/plugins/faulty_planner``, which Python imports at start-up)."""
-    plugin = str(Path(__file__).resolve().parent / "plugins" / "faulty_planner")
+    plugin = str(Path(__file__).resolve().parents[1] / "support" / "plugins" / "faulty_planner")
     return {PLUGIN_ENV: setting,
             "PYTHONPATH": os.pathsep.join([plugin, os.getcwd(), os.environ.get("PYTHONPATH", "")])}
 

@@ -20,9 +20,9 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import BackendUnavailable
 from kvxfer.transport.integrity import ChecksumPolicy
-from tests.faulty_planner import MUTATIONS, PER_REQUEST, FaultyPlanner
-from tests.test_e2e_ucx import SECRET, faulty_planner_env, spawn_prefill
-from tests.test_mutations import run_mutation_case
+from tests.disagg.test_mutations import run_mutation_case
+from tests.e2e.test_ucx import SECRET, faulty_planner_env, spawn_prefill
+from tests.support.faulty_planner import MUTATIONS, PER_REQUEST, FaultyPlanner
 
 pytestmark = pytest.mark.ucx
 _names = itertools.count()

@@ -365,7 +365,7 @@ def test_the_oracle_catches_a_wrong_description() -> None:
 
 def test_readme_engine_example_runs() -> None:
     """README's first-look example (vLLM-shaped prefill -> SGLang-shaped decode) runs as written."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     code_text = text.split("### An engine's own KV tensors", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert "vllm_flash_attn" in code_text and "plan_transfer" in code_text
     scope: dict[str, object] = {}

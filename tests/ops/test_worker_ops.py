@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
-from reuse_support import make_manager, prefill
-from test_events import VLLM, replay_all
 
 from kvxfer.cli import main as cli_main
 from kvxfer.cli.demo import WorkerProcess
@@ -29,6 +27,8 @@ from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.errors import BackendUnavailable, PeerUnreachable
 from kvxfer.ops.http import OpsServer
 from kvxfer.ops.metrics import WorkerMetrics
+from tests.cache.test_events import VLLM, replay_all
+from tests.support.reuse_support import make_manager, prefill
 
 SECRET = "cli-ops-secret-0123456789abcdef"
 _names = itertools.count()

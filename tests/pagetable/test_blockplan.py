@@ -14,7 +14,7 @@ from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import LayoutMismatch, PageTableError, ReadOnlyPageError
 from kvxfer.extractor import plan_blocks, plan_transfer
 from kvxfer.pagetable import BlockPlan, TransferPlan
-from tests.test_extractor_plan import (
+from tests.extractor.test_plan import (
     RELATIONS,
     check_plans,
     fill_source,

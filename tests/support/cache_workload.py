@@ -21,10 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from tier_helpers import multi_pool_config
 
 from kvxfer.cache import CacheConfig, KVCache, KVCacheManager
 from kvxfer.cache.hashing import ReuseScope
+from tests.support.tier_helpers import multi_pool_config
 
 TPB = 4
 Record = list[dict[str, Any]]

@@ -12,8 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from transport_helpers.peer import serve, table_wire
-from transport_helpers.plans import (
+
+from kvxfer.errors import PageTableError, PeerUnreachable, TransferCancelled, TransferTimeout, TransportError
+from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.transport import TransferStatus, Transport, available_backends, create
+from tests.support.transport_helpers.peer import serve, table_wire
+from tests.support.transport_helpers.plans import (
     PAGE,
     expected_after,
     expected_after_blocks,
@@ -23,10 +27,6 @@ from transport_helpers.plans import (
     random_pages,
     regions_of,
 )
-
-from kvxfer.errors import PageTableError, PeerUnreachable, TransferCancelled, TransferTimeout, TransportError
-from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
-from kvxfer.transport import TransferStatus, Transport, available_backends, create
 
 AVAILABLE = available_backends()
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(AVAILABLE[b] is not None, reason=str(AVAILABLE[b])))

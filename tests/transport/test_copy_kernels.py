@@ -27,9 +27,8 @@ CASES = [f"{kind} {op} {order}" for op in ("write", "read") for order in ("run-m
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, int]]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = Path(__file__).with_name("kernel_interpreter.py")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240,
-                          cwd=Path(__file__).parents[1])
+    done = subprocess.run([sys.executable, "-m", "tests.support.kernel_interpreter"], env=env, capture_output=True,
+                          text=True, timeout=240, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {row["case"]: row for row in rows}

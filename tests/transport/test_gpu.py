@@ -13,8 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transport_helpers.gpu_peer import serve_gpu
-from transport_helpers.plans import (
+
+from kvxfer.cache.memory import MemoryRegion
+from kvxfer.errors import PageTableError
+from kvxfer.pagetable.table import PageTable
+from kvxfer.transport import available_backends, create
+from tests.support.transport_helpers.gpu_peer import serve_gpu
+from tests.support.transport_helpers.plans import (
     PAGE,
     expected_after,
     expected_after_blocks,
@@ -22,11 +27,6 @@ from transport_helpers.plans import (
     random_block_plan,
     random_pages,
 )
-
-from kvxfer.cache.memory import MemoryRegion
-from kvxfer.errors import PageTableError
-from kvxfer.pagetable.table import PageTable
-from kvxfer.transport import available_backends, create
 
 pytestmark = pytest.mark.gpu
 AVAILABLE = available_backends() if torch.cuda.is_available() else {}

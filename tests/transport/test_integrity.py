@@ -37,9 +37,9 @@ from kvxfer.transport.integrity import (
     digest_kv,
     verify_kv,
 )
-from tests.test_extractor_expanded import HEADS as EHEADS
-from tests.test_extractor_expanded import Side as ExpandedSide
-from tests.test_extractor_expanded import code as expanded_code
+from tests.extractor.test_expanded import HEADS as EHEADS
+from tests.extractor.test_expanded import Side as ExpandedSide
+from tests.extractor.test_expanded import code as expanded_code
 
 LAYERS, HEADS, DIM = 3, 4, 8
 PROMPT = 70                      # not a multiple of any block size used here

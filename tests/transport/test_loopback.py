@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import (
@@ -29,6 +28,14 @@ from kvxfer.errors import (
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import LoopbackFaults, TransferStatus, TransportMetadata, available_backends, create
 from kvxfer.transport.copy import GATHER_MIN_RUNS, copy_plan, merge_adjacent
+from tests.support.transport_helpers.plans import (
+    PAGE,
+    expected_after,
+    make_buffers,
+    pair,
+    random_pages,
+    regions_of,
+)
 
 _n = iter(range(1_000_000))
 

@@ -9,10 +9,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
 
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import TransferStatus, Transport, available_backends, create
+from tests.support.transport_helpers.plans import (
+    PAGE,
+    expected_after,
+    make_buffers,
+    pair,
+    random_pages,
+    regions_of,
+)
 
 REASON = available_backends()["nixl"]
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))

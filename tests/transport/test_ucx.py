@@ -9,13 +9,20 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-from transport_helpers.plans import PAGE, expected_after, make_buffers, pair, random_pages, regions_of
 
 from kvxfer.errors import DecodeError, KvxferError, TransferFailed, TransferTimeout
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
 from kvxfer.transport.metadata import TransportMetadata
+from tests.support.transport_helpers.plans import (
+    PAGE,
+    expected_after,
+    make_buffers,
+    pair,
+    random_pages,
+    regions_of,
+)
 
 REASON = available_backends()["ucx"]
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))

@@ -11,7 +11,7 @@ import numpy as np
 from kvxfer.errors import TransportError
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import create
-from transport_helpers.plans import make_buffers, regions_of
+from tests.support.transport_helpers.plans import make_buffers, regions_of
 
 
 def _table(arrays: tuple[bytes, bytes, bytes]) -> PageTable:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 _setting = os.environ.get("TEST_FAULTY_PLANNER", "")
 if _setting:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))   # the repository root: `tests` importable
-    from tests.faulty_planner import install
+    sys.path.insert(0, str(Path(__file__).resolve().parents[4]))   # the repository root: `tests` importable
+    from tests.support.faulty_planner import install
 
     install(_setting)
