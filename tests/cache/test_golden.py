@@ -1,4 +1,4 @@
-"""The cache manager's observable behaviour on a mixed workload (tests/cache_workload.py) is exactly the
+"""The cache manager's observable behaviour on a mixed workload (tests/support/cache_workload.py) is exactly the
 golden one: every drained event (type, ids, contents, order), statistics, reference counts, free stacks,
 tree contents and request pages after each step."""
 

@@ -1,4 +1,4 @@
-"""Mutation tests of the checks themselves: each class of pairing bug (``tests/faulty_planner.py``: block
+"""Mutation tests of the checks themselves: each class of pairing bug (``tests/support/faulty_planner.py``: block
 swap, token shift by one, head ranges swapped between TP ranks, a block from another request, one layer
 left unwritten) is injected into the real workers' plans (their ``WorkerConfig.planner``) over loopback, in push, pull and layer-wise, on
 identical layouts and on a TP 1 -> 2 pair with other block size and head order. The KV oracle must see

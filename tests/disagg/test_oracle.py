@@ -1,7 +1,7 @@
 """The KV oracle's parts: stratified position samples, the bounded PromptKV codec, reading K/V by logical
 position through any layout (TP split, block size, head order), and a comparison that names the worst
 (layer, role, token, head) -- and misses nothing outside its tolerance (its mutation tests are
-tests/test_mutations.py and tests/test_e2e_ucx_mutations.py)."""
+tests/disagg/test_mutations.py and tests/e2e/test_ucx_mutations.py)."""
 
 from __future__ import annotations
 

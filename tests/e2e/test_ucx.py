@@ -1,7 +1,7 @@
 """End to end across processes on 127.0.0.1 over the best installed UCX transport (nixl, else ucx): a
 prefill process started with ``kvxfer serve prefill``, a decode worker in this process; a SIGKILLed
 prefill fails the in-flight requests within the heartbeat deadline and decode serves on; ``kvxfer demo``;
-a pairing bug tokens cannot see makes the demo exit non-zero (tests/test_e2e_ucx_mutations.py: every
+a pairing bug tokens cannot see makes the demo exit non-zero (tests/e2e/test_ucx_mutations.py: every
 mutation over UCX)."""
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def backend() -> str:
 
 
 def faulty_planner_env(setting: str) -> dict[str, str]:
-    """The environment of a process whose workers plan with ``tests/faulty_planner.py``'s ``setting``
-    (through the test plugin ``tests/plugins/faulty_planner``, which Python imports at start-up)."""
+    """The environment of a process whose workers plan with ``tests/support/faulty_planner.py``'s ``setting``
+    (through the test plugin ``tests/support/plugins/faulty_planner``, which Python imports at start-up)."""
     plugin = str(Path(__file__).resolve().parents[1] / "support" / "plugins" / "faulty_planner")
     return {PLUGIN_ENV: setting,
             "PYTHONPATH": os.pathsep.join([plugin, os.getcwd(), os.environ.get("PYTHONPATH", "")])}

@@ -1,9 +1,9 @@
-"""Every pairing mutation (``tests/faulty_planner.py``) through real workers over UCX (NIXL, else ucxx, on
+"""Every pairing mutation (``tests/support/faulty_planner.py``) through real workers over UCX (NIXL, else ucxx, on
 127.0.0.1): one prefill process that mutates the requests whose id names a mutation (the test plugin
-``tests/plugins/faulty_planner``), and a TP 1 -> 2
+``tests/support/plugins/faulty_planner``), and a TP 1 -> 2
 decode (8 tokens/block, NHD) in this process per checksum setting, in push, pull and layer-wise. The KV
 oracle must catch each, ``--checksum full`` must refuse each, the unmutated requests pass both. The
-workers live for the whole module (no per-test leak check here: tests/test_e2e_ucx.py has those)."""
+workers live for the whole module (no per-test leak check here: tests/e2e/test_ucx.py has those)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """A deterministic mixed workload over the cache manager, recording everything a consumer or the
 allocator could observe: the drained event stream (ids included), statistics, reference counts, free
 stacks, tree-page marks, tree contents (keys, pages, tiers, priorities, LRU stamps) and each open
-request's pages. ``tests/test_cache_golden.py`` compares it with ``tests/data/cache_golden.json`` (made by the per-block
+request's pages. ``tests/cache/test_golden.py`` compares it with ``tests/data/cache_golden.json`` (made by the per-block
 code this round replaced: events whole, each state section as a digest).
 
 ``run_random_workloads`` adds seeded random workloads, compared by digest with
 ``tests/data/cache_golden_random.txt``. Regenerate both only for an intended behaviour change:
-``PYTHONPATH=. python tests/cache_workload.py tests/data/cache_golden.json tests/data/cache_golden_random.txt``.
+``PYTHONPATH=. python tests/support/cache_workload.py tests/data/cache_golden.json tests/data/cache_golden_random.txt``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ prove each check (the KV oracle, the demo's check, ``--checksum full``) catches 
   above): one worker pair then serves healthy and mutated requests side by side.
 
 Worker processes a test starts (``kvxfer serve``, ``kvxfer demo``) get it through the test plugin
-``tests/plugins/faulty_planner`` (``install``).
+``tests/support/plugins/faulty_planner`` (``install``).
 """
 
 from __future__ import annotations

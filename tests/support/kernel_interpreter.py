@@ -1,5 +1,5 @@
 """The cuda_ipc copy kernels run by Triton's interpreter on host memory (``TRITON_INTERPRET=1``, set by
-``tests/test_copy_kernels.py``, which runs this file in a process of its own): plans packed by
+``tests/transport/test_copy_kernels.py``, which runs this file in a process of its own): plans packed by
 ``cuda_copy``'s own packers and launched with its own grid, each result checked byte by byte against
 the plan's runs copied by position with numpy. Prints one JSON line per case:
 ``{"case": ..., "wrong": bytes that differ from the oracle, "copied": bytes the oracle moved}``."""
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_copy_kernels.py"
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/transport/test_copy_kernels.py"
 
 from kvxfer.pagetable import BlockPlan  # noqa: E402
 from kvxfer.transport import copy_kernels, cuda_copy  # noqa: E402

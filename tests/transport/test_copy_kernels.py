@@ -1,5 +1,5 @@
 """The cuda_ipc copy kernels' logic on any machine: Triton's interpreter runs them on host memory
-(``tests/kernel_interpreter.py``, in a process of its own since the interpreter is chosen when Triton
+(``tests/support/kernel_interpreter.py``, in a process of its own since the interpreter is chosen when Triton
 compiles), packed and launched as ``cuda_copy`` does, in both program orders; every byte of both buffers
 is checked against the plan's runs copied by position, including runs the kernel must refuse (outside
 their region, region out of the table). The GPU tests run the same kernels compiled (``-m gpu``)."""

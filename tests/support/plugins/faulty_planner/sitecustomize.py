@@ -1,5 +1,5 @@
 """Test plugin: put this folder first on PYTHONPATH and set ``TEST_FAULTY_PLANNER`` to a mutation of
-``tests/faulty_planner.py`` (or ``per_request``), and every worker that process configures plans with
+``tests/support/faulty_planner.py`` (or ``per_request``), and every worker that process configures plans with
 that faulty planner. Tests use it for worker processes they start but cannot pass a config to (``kvxfer
 serve``, the worker processes of ``kvxfer demo``). Python imports ``sitecustomize`` at start-up."""
 
