@@ -50,8 +50,8 @@ test: venv vllm-venv
 	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get update -q >/dev/null 2>&1 || true; } && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1; } || \
-		echo "etcd not installed (apt-get install etcd-server): tests/test_discovery.py skips"
-	@# The RDMA user libraries every InfiniBand/RoCE/EFA host has: tests/test_exit_status.py then checks
+		echo "etcd not installed (apt-get install etcd-server): tests/disagg/test_discovery.py skips"
+	@# The RDMA user libraries every InfiniBand/RoCE/EFA host has: tests/e2e/test_exit_status.py then checks
 	@# that processes which loaded NIXL still exit with their own status there.
 	@ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get update -q >/dev/null 2>&1 || true; } && \

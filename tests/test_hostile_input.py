@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transport_helpers.plans import PAGE, make_buffers, pair, random_pages, regions_of
 
 from kvxfer.cache.config import CacheConfig, LayerSpec, PrimaryTier, RoleSpec
 from kvxfer.cache.descriptors import CacheLayoutDesc
@@ -38,6 +37,7 @@ from kvxfer.errors import DecodeError, PageTableError, ProtocolError, TransferFa
 from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import Transport, TransportMetadata, available_backends, create
 from kvxfer.transport.integrity import ChecksumPolicy, DigestBuffer, KVDigest
+from tests.support.transport_helpers.plans import PAGE, make_buffers, pair, random_pages, regions_of
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,7 +15,7 @@ from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cache.stats import SlotAccounting
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
-from tests.test_e2e import _one_thread  # noqa: F401  (autouse: one torch thread, no kvxfer-* thread left)
+from tests.e2e.test_loopback import _one_thread  # noqa: F401  (autouse: one torch thread, no kvxfer-* thread left)
 
 _HERE = Path(__file__).parent
 

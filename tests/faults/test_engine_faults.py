@@ -28,8 +28,8 @@ from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError, PeerUnreachable, RequestCancelled, TransferFailed, WorkerUnhealthy
 from kvxfer.transport import create
 from kvxfer.transport.integrity import ChecksumPolicy
+from tests.e2e.test_loopback import SECRET, name, prompts, reference
 from tests.faults.conftest import assert_settled, wait_until
-from tests.test_e2e import SECRET, name, prompts, reference
 
 NEW = 8
 

@@ -46,8 +46,8 @@ from kvxfer.disagg.worker_protocol import (
 )
 from kvxfer.errors import ControlTimeout, ProtocolError
 from kvxfer.transport import create
+from tests.e2e.test_loopback import KV, NEW, SECRET, assert_matches_reference, name
 from tests.faults.conftest import assert_settled
-from tests.test_e2e import KV, NEW, SECRET, assert_matches_reference, name
 
 MARGIN = 3.0
 KEY = AuthKey.load(SECRET)

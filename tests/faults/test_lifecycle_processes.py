@@ -24,6 +24,7 @@ from kvxfer.disagg.worker_client import ClientResult, GenerateClient, query_stat
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import KvxferError
+from tests.e2e.test_loopback import KV, NEW, assert_matches_reference
 from tests.faults.conftest import wait_until
 from tests.faults.test_process_faults import (  # noqa: F401 (fixtures: backend, autouse child check)
     HEARTBEAT_LIMIT,
@@ -38,7 +39,6 @@ from tests.faults.test_process_faults import (  # noqa: F401 (fixtures: backend,
     reap,
     spawn,
 )
-from tests.test_e2e import KV, NEW, assert_matches_reference
 
 Outcome = tuple[np.ndarray, GenerationResult | KvxferError]
 

@@ -27,8 +27,8 @@ from kvxfer.errors import IntegrityError, RequestCancelled, TransferFailed, Tran
 from kvxfer.model import preset
 from kvxfer.transport import LoopbackFaults
 from kvxfer.transport.integrity import ChecksumPolicy
+from tests.e2e.test_loopback import KV, NEW, SECRET, assert_matches_reference, kv_oracle, name, reference
 from tests.faults.conftest import assert_settled
-from tests.test_e2e import KV, NEW, SECRET, assert_matches_reference, kv_oracle, name, reference
 
 LAYERS = preset("tiny").num_layers
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4         # tiny: layers x (K, V) x kv heads x head_dim x float32

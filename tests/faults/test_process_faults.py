@@ -34,14 +34,14 @@ from kvxfer.disagg.worker_protocol import decode_notice
 from kvxfer.errors import BackendUnavailable, KvxferError, PeerUnreachable, TransferFailed, TransferTimeout
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import PreparedTransfer, TransferHandle, available_backends
-from tests.faults.conftest import wait_until
-from tests.test_e2e import (
+from tests.e2e.test_loopback import (
     KV,
     NEW,
     _one_thread,  # noqa: F401 (autouse leak check)
     assert_matches_reference,
     prompts,
 )
+from tests.faults.conftest import wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.ucx]
 SECRET = "faults-proc-secret-0123456789abcdef"

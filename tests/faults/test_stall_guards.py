@@ -19,8 +19,8 @@ from kvxfer.disagg.worker import StallWatch, WorkerConfig
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
 from kvxfer.errors import ConfigError, PeerUnreachable, TransferFailed
+from tests.e2e.test_loopback import KV, NEW, SECRET, assert_matches_reference, name, prompts
 from tests.faults.conftest import assert_settled
-from tests.test_e2e import KV, NEW, SECRET, assert_matches_reference, name, prompts
 
 MARGIN = 3.0
 

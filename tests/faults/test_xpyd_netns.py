@@ -25,6 +25,7 @@ import pytest
 
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.disagg.worker_client import ClientResult, GenerateClient, query_status
+from tests.e2e.test_loopback import KV, NEW, assert_matches_reference, prompts
 from tests.faults.conftest import wait_until
 from tests.faults.test_process_faults import (  # noqa: F401 (autouse child check)
     HEARTBEAT_LIMIT,
@@ -36,7 +37,6 @@ from tests.faults.test_process_faults import (  # noqa: F401 (autouse child chec
     name,
     reap,
 )
-from tests.test_e2e import KV, NEW, assert_matches_reference, prompts
 
 NODES = 4
 SUBNET = 79

@@ -15,6 +15,7 @@ from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
 from kvxfer.errors import KvxferError
+from tests.e2e.test_loopback import KV, NEW, assert_matches_reference, prompts
 from tests.faults.conftest import assert_settled, wait_until
 from tests.faults.test_process_faults import (  # noqa: F401 (fixtures: backend, autouse child check)
     HEARTBEAT_LIMIT,
@@ -28,7 +29,6 @@ from tests.faults.test_process_faults import (  # noqa: F401 (fixtures: backend,
     reap,
     spawn,
 )
-from tests.test_e2e import KV, NEW, assert_matches_reference, prompts
 
 
 def outcome(fut: Future[GenerationResult]) -> GenerationResult | KvxferError:

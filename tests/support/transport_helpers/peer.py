@@ -1,0 +1,65 @@
+"""A transport peer in its own process, driven over a multiprocessing Pipe by the test process."""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from kvxfer.errors import TransportError
+from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.transport import create
+from tests.support.transport_helpers.plans import make_buffers, regions_of
+
+
+def _table(arrays: tuple[bytes, bytes, bytes]) -> PageTable:
+    return PageTable(np.frombuffer(arrays[0], np.uint64), np.frombuffer(arrays[1], np.uint64),
+                     np.frombuffer(arrays[2], np.uint32))
+
+
+def table_wire(t: PageTable) -> tuple[bytes, bytes, bytes]:
+    return t.addr.tobytes(), t.nbytes.tobytes(), t.region.tobytes()
+
+
+def serve(conn: Connection, backend: str, name: str, sizes: list[int], seed: int) -> None:
+    """Create a transport with seeded regions, hand out its metadata, then obey commands until exit."""
+    bufs = make_buffers(sizes, seed)
+    transport = create(backend, name)
+    transport.register(regions_of(bufs))
+    conn.send((transport.metadata(), [(r.base_address, r.nbytes) for r in transport.regions]))
+    while True:
+        cmd, *args = conn.recv()
+        reply: Any = None
+        if cmd == "connect":
+            transport.connect(args[0], args[1])
+        elif cmd == "dump":
+            reply = [b.tobytes() for b in bufs]
+        elif cmd == "fill":
+            for i, b in enumerate(bufs):
+                b[:] = np.random.default_rng(args[0] * 1000 + i).integers(0, 256, b.size, dtype=np.uint8)
+        elif cmd == "notifications":
+            want, timeout = args
+            got: dict[str, list[bytes]] = {}
+            deadline = time.monotonic() + timeout
+            while True:
+                for k, v in transport.notifications().items():
+                    got.setdefault(k, []).extend(v)
+                if sum(map(len, got.values())) >= want or time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+            reply = got
+        elif cmd in ("write", "read"):
+            peer, src, dst, notify, timeout = args
+            plan = TransferPlan(_table(src), _table(dst))
+            try:
+                getattr(transport, cmd)(peer, plan, notify).wait(timeout)
+                reply = "done"
+            except TransportError as exc:
+                reply = f"{type(exc).__name__}: {exc}"
+        elif cmd == "exit":
+            transport.close()
+            conn.send(None)
+            return
+        conn.send(reply)
