@@ -18,7 +18,15 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make vllm-venv`
                                    ".venv-vllm/bin/python -m pytest tests/integrations")
 
 import torch
-from vllm_support import request, runner_output, scheduler, tiny_llama, vllm_config, worker_connector
+
+from tests.integrations.vllm_support import (
+    request,
+    runner_output,
+    scheduler,
+    tiny_llama,
+    vllm_config,
+    worker_connector,
+)
 
 BS = 16
 NUM_BLOCKS = 64

@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make vllm-venv`
 if not any(__import__("importlib").util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
     pytest.skip("NIXL is not installed in this environment", allow_module_level=True)
 
-from vllm_support import SECRET, tiny_llama
+from tests.integrations.vllm_support import SECRET, tiny_llama
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 #: bytes of one token's KV in the tiny Llama: layers x K/V x kv heads x head_dim x fp32

@@ -21,7 +21,7 @@ from kvxfer.pagetable import BlockPlan
 from kvxfer.pagetable.relayout import landing_plan, relayout_host, relayout_torch
 from kvxfer.transport import LoopbackFaults, TransferStatus, create
 from kvxfer.transport.relayout import read_relayout
-from tests.test_extractor_plan import (
+from tests.extractor.test_plan import (
     RELATIONS,
     Side,
     expectation,
