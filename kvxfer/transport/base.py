@@ -77,7 +77,9 @@ class Transport(ABC):
         return TransportMetadata(self.backend, self.name, self._regions, self._backend_blob()).encode()
 
     def connect(self, peer: str, metadata: bytes) -> None:
-        """Make ``peer`` reachable using the bytes its ``metadata()`` returned."""
+        """Make ``peer`` reachable using the bytes its ``metadata()`` returned. Connecting a connected peer
+        with the same metadata changes nothing (its transfers in flight go on); new metadata (a restarted
+        peer) replaces the old connection."""
         self._check_open()
         md = TransportMetadata.decode(metadata)
         if md.backend != self.backend:
@@ -89,6 +91,8 @@ class Transport(ABC):
         if peer == self.name:
             raise TransportError(f"transport {self.name!r}: cannot connect to itself")
         if peer in self._peers:
+            if self._peers[peer] == md:
+                return   # the same endpoint again: its transfers in flight stay valid
             self.disconnect(peer)
         self._backend_connect(peer, md)
         self._peers[peer] = md
