@@ -268,6 +268,18 @@ def test_a_prepared_transfer_is_bound_to_its_connection(pair_of: Pair) -> None:
         third.post()
 
 
+def test_connecting_a_connected_peer_again_with_the_same_metadata_keeps_its_connection(pair_of: Pair) -> None:
+    """Two callers that each make sure a peer is connected (concurrent requests) must not cut each other's
+    transfers: the same metadata again leaves the connection, and what was prepared on it, as it was."""
+    p = pair_of
+    plan = make_plan(np.random.default_rng(31), p.a.regions, p.b.regions, 8, False)
+    prepared = p.a.prepare("write", p.b.name, plan)
+    p.a.connect(p.b.name, p.b.metadata())
+    prepared.post(notify=b"same").wait(10.0)
+    prepared.release()
+    assert drain(p.b, 1) == {p.a.name: [b"same"]}
+
+
 def test_empty_plan_completes_and_notifies(pair_of: Pair) -> None:
     p = pair_of
     empty = TransferPlan(PageTable.empty(), PageTable.empty())
