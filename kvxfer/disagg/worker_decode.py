@@ -920,9 +920,9 @@ class DecodeWorker(WorkerCounts):
             conn.send_urgent(KvBlocks(request_id=job.request_id, skip=job.skip, blocks=encode_block_ids(writable)))
             job.allocated = now()
         except PeerUnreachable as exc:
-            # The prefill went away (or began to stop) around the destination blocks: another one takes the
-            # request. Its pages stay held for one lease in case the old prefill saw the blocks and still writes.
-            if not self._retry(job, exc, quarantine_until=now() + self.config.lease_s):
+            # The prefill went away before the destination blocks could be queued to it (the connection
+            # raises before it enqueues): it never learnt them, so their pages are freed and another takes it.
+            if not self._retry(job, exc):
                 self._fail(job, self._after_failover(job, exc))
         except KvxferError as exc:
             if not job.session.terminal and job.session.state is not SessionState.TRANSFERRING:
