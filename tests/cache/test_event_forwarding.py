@@ -151,3 +151,19 @@ def test_record_hooks_get_digests_as_hex_token_ids() -> None:
     commit(mgr, [3, IMG, 1001, 4])
     (stored,) = em.blocks
     assert [t.token_id for t in stored.tokens] == [3, IMG.hex(), 1001, 4]
+
+
+def test_priority_updates_name_the_stored_blocks() -> None:
+    em = KVCacheEventManager(32, window_size=128)
+    mgr = manager(em)
+    tokens = list(range(8))
+    commit(mgr, tokens)
+    stored = stored_hashes(drain(em))
+    kv = mgr.create_kv_cache()                        # no reuse match: its commit duplicates the tree's blocks
+    assert kv.resume() and kv.resize(len(tokens))
+    kv.commit(tokens, priority=80)
+    kv.close()
+    updated = [(e["layer_group_id"], e["data"]["block_hash"], e["data"]["priority"])
+               for e in drain(em) if e["data"]["type"] == "updated"]
+    diff = {"type": "event_diff", "old_value": 35, "new_value": 80}
+    assert sorted(updated, key=str) == sorted([(0, h, diff) for h in stored], key=str)
