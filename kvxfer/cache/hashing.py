@@ -343,11 +343,12 @@ class DigestTable:
     as a negative code (stable while the table lives, never equal to a token id), so prefix matching
     compares codes while block keys and ``committed_tokens`` give back the digest itself."""
 
-    __slots__ = ("_codes", "_digests")
+    __slots__ = ("_codes", "_digests", "_uuids")
 
     def __init__(self) -> None:
         self._codes: dict[bytes, int] = {}
         self._digests: dict[int, bytes] = {}
+        self._uuids: dict[int, str] = {}       # code -> routing uuid last seen with its digest
 
     def __len__(self) -> int:
         return len(self._codes)
@@ -382,6 +383,8 @@ class DigestTable:
         for i, t in enumerate(tokens):
             if isinstance(t, MmItemContext):
                 out[i] = self.code(t.digest)
+                if t.uuid is not None:
+                    self._uuids[int(out[i])] = t.uuid
             elif isinstance(t, bytes | bytearray):
                 out[i] = self.code(bytes(t))
             elif isinstance(t, int | np.integer) and not isinstance(t, bool) and 0 <= t <= _MASK32:
@@ -394,6 +397,18 @@ class DigestTable:
     def decode(self, tokens: npt.ArrayLike) -> list[int | bytes]:
         """Token ids and digests of an int64 array of ids and codes (a new list)."""
         return [self.digest(t) if t < 0 else t for t in np.asarray(tokens, dtype=np.int64).tolist()]
+
+    def key_tokens(self, tokens: npt.ArrayLike) -> list[TokenIdExt]:
+        """Like ``decode``, but a digest that came with a routing uuid comes back as its ``MmItemContext``
+        (what events put in a block's ``mm_keys``)."""
+        out: list[TokenIdExt] = []
+        for t in np.asarray(tokens, dtype=np.int64).tolist():
+            if t >= 0:
+                out.append(t)
+                continue
+            uuid = self._uuids.get(t)
+            out.append(self.digest(t) if uuid is None else MmItemContext(self.digest(t), uuid))
+        return out
 
 
 def block_hash_for_event(key: bytes, algo: str) -> int | str:

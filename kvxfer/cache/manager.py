@@ -536,7 +536,9 @@ class KVCacheManager:
         self._state.tree = PrefixTree(len(self._state.layout.layer_groups), self._state.layout.tokens_per_block)
         self._state.in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in self._state.layout.pool_groups]
         self._state.events = EventQueue(config.event_queue_capacity, sink=None if event_manager is None else
-                                  ReferenceEventForwarder(event_manager, self._state.key_algo, lambda: self._state.media))
+                                  ReferenceEventForwarder(event_manager, self._state.key_algo, lambda: self._state.media,
+                                                          decode=self._state.digests.key_tokens,
+                                                          num_layer_groups=len(self._state.layout.layer_groups)))
         self._state.medium = "GPU" if device.type == "cuda" else "CPU"
         self._state.has_windows = any(lg.window is not None for lg in self._state.layout.layer_groups)
         self._state.caches = {}
