@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from typing import Any
 
 from kvxfer.errors import BackendUnavailable
 from kvxfer.transport.ucp_iov import UCS_INPROGRESS, UCS_OK, ucp_iov
 
 UCS_THREAD_MODE_MULTI = 2
+#: ``ucs_status_t`` is a packed enum: one signed byte (a wider return type reads garbage above it).
+UCS_STATUS_T = ctypes.c_int8
 _UCS_ERR_LAST = -100
 _PTR_ERR_MIN = (1 << 64) + _UCS_ERR_LAST
 _MEM_MAP_FIELD_ADDRESS = 1 << 0
@@ -107,20 +110,21 @@ class UcpRma:
     """ctypes view of the UCP calls the one-sided path needs."""
 
     def __init__(self, lib: Any) -> None:
-        vp, sz, u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
+        vp, sz, u64, status_t = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, UCS_STATUS_T
         param_p = ctypes.POINTER(_RequestParam)
         sigs: dict[str, tuple[Any, list[Any]]] = {
-            "ucp_mem_map": (ctypes.c_int, [vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)]),
-            "ucp_mem_unmap": (ctypes.c_int, [vp, vp]),
-            "ucp_rkey_pack": (ctypes.c_int, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
+            "ucp_mem_map": (status_t, [vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)]),
+            "ucp_mem_unmap": (status_t, [vp, vp]),
+            "ucp_rkey_pack": (status_t, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
             "ucp_rkey_buffer_release": (None, [vp]),
-            "ucp_ep_rkey_unpack": (ctypes.c_int, [vp, vp, ctypes.POINTER(vp)]),
+            "ucp_ep_rkey_unpack": (status_t, [vp, vp, ctypes.POINTER(vp)]),
             "ucp_rkey_destroy": (None, [vp]),
             "ucp_put_nbx": (vp, [vp, vp, sz, u64, vp, param_p]),
             "ucp_get_nbx": (vp, [vp, vp, sz, u64, vp, param_p]),
             "ucp_ep_flush_nbx": (vp, [vp, param_p]),
-            "ucp_worker_query": (ctypes.c_int, [vp, ctypes.POINTER(_WorkerAttr)]),
-            "ucp_request_check_status": (ctypes.c_int, [vp]),
+            "ucp_worker_query": (status_t, [vp, ctypes.POINTER(_WorkerAttr)]),
+            "ucp_request_check_status": (status_t, [vp]),
+            "ucp_worker_progress": (ctypes.c_uint, [vp]),
             "ucp_request_free": (None, [vp]),
         }
         try:
@@ -190,6 +194,18 @@ class UcpRma:
                     raise UcpRmaError(f"ucp_{'put' if op == 'write' else 'get'}_nbx of {n} bytes", ptr - (1 << 64))
                 free(ptr)
         return self.flush(endpoint_handle)
+
+    def progress_until(self, worker_handle: int, flush: FlushRequest, seconds: float) -> bool:
+        """Progress the worker from this thread until ``flush`` completes or ``seconds`` pass; whether it did.
+        (Thread-safe workers only: UCX serializes this with the service thread's progress.)"""
+        progress = self.lib.ucp_worker_progress
+        deadline = time.perf_counter() + seconds
+        while True:
+            progress(worker_handle)
+            if flush.completed:
+                return True
+            if time.perf_counter() >= deadline:
+                return False
 
     def flush(self, endpoint_handle: int) -> FlushRequest:
         """An endpoint flush: completes once every RMA posted on it before completed."""

@@ -87,6 +87,11 @@ _CAP_IOV = 1
 _CAP_RMA = 2
 #: Bounds on the remote keys a peer's blob carries (one per advertised region; UCX packs a few dozen bytes).
 MAX_RKEY_BYTES = 1 << 16
+#: A one-sided post progresses the worker from the caller's thread this long for its flush before it
+#: hands the flush to the service thread: over shared memory/CMA the runs are written within the
+#: post and one progress pass completes the flush; the hand-off (a wake-up and a condition) costs more
+#: than the transfer of a page.
+_RMA_SPIN_S = 100e-6
 #: Transfers one peer may have in flight into or out of this side; its requests beyond are refused
 #: (the table of them is keyed by peer input, so it is bounded).
 MAX_INCOMING_PER_PEER = 4096
@@ -228,6 +233,7 @@ class UcxTransport(Transport):
         self._ctx = ucx_api.UCXContext(feature_flags=features)
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
+        self._worker_handle = int(self._worker.handle)
         if self._rma is not None and self._rma.worker_thread_mode(self._worker.handle) != UCS_THREAD_MODE_MULTI:
             # One-sided posts run on the caller's thread beside the service thread's progress.
             self._rma, self.rma_unavailable_reason = None, "the ucxx worker is not thread-safe (UCS_THREAD_MODE_MULTI)"
@@ -575,7 +581,7 @@ class UcxTransport(Transport):
                 except UcpRmaError as exc:
                     _fail_rma(handle, exc.status, str(exc))
                     return handle
-        if flush.completed:
+        if flush.completed or rma.progress_until(self._worker_handle, flush, _RMA_SPIN_S):
             self._rma_finished(handle, flush, notify)
         else:
             out = _Outgoing(handle, op, peer, plan, notify, stage="rma", flush=flush)
