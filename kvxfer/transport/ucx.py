@@ -1,6 +1,19 @@
-"""ucx backend: two-sided UCX tag transfers through ucxx, with a service thread on every endpoint.
+"""ucx backend: UCX transfers through ucxx, one-sided where both sides can, with a service thread on
+every endpoint.
 
-A plan's data travels as one UCX scatter-gather message (host memory, >= SCATTER_GATHER_MIN_RUNS
+One-sided (the default between host regions of two sides that both advertise remote keys): each side
+maps its host regions for RMA at ``register`` and puts their packed keys in its metadata blob; the
+initiator unpacks the peer's keys on its endpoint at ``connect`` and posts a plan as one
+``ucp_put_nbx`` (write) or ``ucp_get_nbx`` (read) per run plus one endpoint flush, from the caller's
+thread (ucxx workers are thread-safe), progressing the worker itself for a moment so that a flush UCX
+finishes at once completes within the post; otherwise the service thread watches it. The target's
+application and service thread take no part (over tcp UCX emulates RMA with the target's progress,
+which its service thread provides). The notification follows the flush as a ``note`` control
+message. Posted runs cannot be withdrawn: ``cancel`` of a one-sided transfer returns False.
+``ucp_rma.py`` has the binding; plans touching CUDA memory, and peers without keys, use the two-sided
+protocol below.
+
+Two-sided: a plan's data travels as one UCX scatter-gather message (host memory, >= SCATTER_GATHER_MIN_RUNS
 runs, both sides capable; ``ucp_iov.py``) or as one tagged message per run, received straight into
 its destination pages either way (no staging): the receiving side posts its receives before it
 lets the sender send. Control
@@ -17,11 +30,10 @@ remote application - its service thread answers:
   receives of a cancelled transfer are withdrawn; per-run receives already posted for a cancelled
   or refused transfer stay with UCX under tags that are never reused.
 
-All UCX calls happen on the service thread (ucxx workers are not shared between threads); callers
-enqueue work and wake it through a pipe. Progress is event driven (``arm`` + ``select`` on the
+The two-sided protocol's UCX calls happen on the service thread; callers enqueue work and wake it
+through a pipe. Progress is event driven (``arm`` + ``select`` on the
 worker's epoll descriptor), which is far cheaper on few cores than ucxx's progress thread. Peers
-connect by worker address with endpoint error handling off (a listener would force it on, and with
-it UCX restricts itself to tcp): a dead peer is detected by the caller's deadline.
+connect by worker address, with UCX peer-failure handling unless ``error_handling=False``.
 """
 
 from __future__ import annotations
@@ -167,6 +179,8 @@ class _RmaPeer:
     endpoint: Any
     rkeys: npt.NDArray[np.uint64]
     all_keyed: bool
+    #: Per advertised region: (base, end, key), for the one-run path's checks in plain Python.
+    bounds: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -183,7 +197,7 @@ class _Incoming:
 
 
 class UcxTransport(Transport):
-    """Two-sided transport over a ucxx worker; see the module docstring for the protocol."""
+    """Transport over a ucxx worker, one-sided where both sides can; see the module docstring."""
 
     backend = "ucx"
 
@@ -243,6 +257,8 @@ class UcxTransport(Transport):
         self._memhs: list[int] = []
         self._packed_rkeys: list[bytes] = []
         self._host_mask = np.zeros(0, dtype=bool)
+        self._all_host = True
+        self._local_bounds: list[tuple[int, int, bool]] = []
         self._stale_rkeys: list[int] = []
         self._endpoint_addrs: dict[str, bytes] = {}
         self._address = bytes(self._worker.address.tobytes())
@@ -330,6 +346,8 @@ class UcxTransport(Transport):
         self._views = [None if r.memory_kind == "cuda" else host_view(r).data for r in regions]
         self._region_bases = np.array([r.base_address for r in regions], dtype=np.uint64)
         self._host_mask = np.array([r.memory_kind != "cuda" for r in regions], dtype=bool)
+        self._all_host = bool(self._host_mask.all())
+        self._local_bounds = [(r.base_address, r.end_address, r.memory_kind != "cuda") for r in regions]
         rma = self._rma
         if rma is None:
             return
@@ -419,8 +437,9 @@ class UcxTransport(Transport):
             except UcpRmaError:
                 self._stale_rkeys.extend(int(k) for k in rkeys if k)
                 return   # this peer is served two-sided
+            bounds = [(r.base_address, r.end_address, int(k)) for r, k in zip(md.regions, rkeys, strict=True)]
             with self._rma_lock:
-                self._rma_peers[peer] = _RmaPeer(ep, rkeys, bool((rkeys != 0).all()))
+                self._rma_peers[peer] = _RmaPeer(ep, rkeys, bool((rkeys != 0).all()), bounds)
 
         try:
             self._call(make, f"connect {peer!r}")
@@ -544,7 +563,8 @@ class UcxTransport(Transport):
         rp = self._rma_peers.get(peer)
         if rp is not None:
             local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
-            if (rp.all_keyed or bool(rp.rkeys[remote.region].all())) and bool(self._host_mask[local.region].all()):
+            if (rp.all_keyed or bool(rp.rkeys[remote.region].all())) and \
+                    (self._all_host or bool(self._host_mask[local.region].all())):
                 return self._post_rma(op, peer, plan, notify, transfer_id, local, remote)
         if len(plan) >= MAX_RUNS:
             raise TransportError(f"ucx {op} with peer {peer!r}: {len(plan)} runs exceeds {MAX_RUNS - 1}; "
@@ -558,8 +578,33 @@ class UcxTransport(Transport):
         self._submit(lambda: self._start(out))
         return out.handle
 
+    def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
+                               transfer_id: int, check: Callable[[], None], *,
+                               settled: bool = False) -> TransferHandle | None:
+        """The one-run one-sided post (a page, a coalesced layer): its checks in straight-line Python
+        over bounds kept at register/connect (the same ones ``Transport._check_plan`` makes), then the
+        post. Anything else (more runs, a run outside its region, no keys): None, and the general path
+        checks the plan (naming the fault) and posts it."""
+        rp = self._rma_peers.get(peer)
+        src, dst = plan.src, plan.dst
+        if rp is None or len(src.addr) != 1:
+            return None
+        local, remote = (src, dst) if op == "write" else (dst, src)
+        (la,), (ra,), (n,) = local.addr.tolist(), remote.addr.tolist(), local.nbytes.tolist()
+        (li,), (ri,) = local.region.tolist(), remote.region.tolist()
+        lbounds, rbounds = self._local_bounds, rp.bounds
+        if li >= len(lbounds) or ri >= len(rbounds):
+            return None
+        lbase, lend, host = lbounds[li]
+        rbase, rend, rkey = rbounds[ri]
+        if not (host and rkey and lbase <= la and la + n <= lend and rbase <= ra and ra + n <= rend):
+            return None
+        return self._post_rma(op, peer, plan, notify, transfer_id, local, remote, ([la], [ra], [n], [rkey]), rp)
+
     def _post_rma(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None, transfer_id: int,
-                  local: PageTable, remote: PageTable) -> TransferHandle:
+                  local: PageTable, remote: PageTable,
+                  runs: tuple[list[int], list[int], list[int], list[int]] | None = None,
+                  checked_with: _RmaPeer | None = None) -> TransferHandle:
         """One-sided: one put (write) or get (read) per run and one endpoint flush, posted from this thread
         (the worker is thread-safe). A flush UCX finishes within the call (shared memory/CMA does) completes
         the handle here; otherwise the service thread watches it. The notification follows the data as a
@@ -569,15 +614,18 @@ class UcxTransport(Transport):
         assert rma is not None
         with self._rma_lock:
             rp = self._rma_peers.get(peer)
-            if rp is None:
-                handle._finish(TransferStatus.FAILED, "peer is not connected", PeerUnreachable)
+            if rp is None or (checked_with is not None and rp is not checked_with):
+                why = "peer is not connected" if rp is None else "peer reconnected while this transfer was posted"
+                handle._finish(TransferStatus.FAILED, why, PeerUnreachable)
                 return handle
             if len(local) == 0:
                 flush = FlushRequest(rma.lib, None)
             else:
+                if runs is None:
+                    runs = (local.addr.tolist(), remote.addr.tolist(), local.nbytes.tolist(),
+                            rp.rkeys[remote.region].tolist())
                 try:
-                    flush = rma.post(rp.endpoint.handle, op, local.addr.tolist(), remote.addr.tolist(),
-                                     local.nbytes.tolist(), rp.rkeys[remote.region].tolist())
+                    flush = rma.post(rp.endpoint.handle, op, *runs)
                 except UcpRmaError as exc:
                     _fail_rma(handle, exc.status, str(exc))
                     return handle
