@@ -195,16 +195,20 @@ class UcpRma:
                 free(ptr)
         return self.flush(endpoint_handle)
 
-    def progress_until(self, worker_handle: int, flush: FlushRequest, seconds: float) -> bool:
-        """Progress the worker from this thread until ``flush`` completes or ``seconds`` pass; whether it did.
+    def progress_until(self, worker_handle: int, flush: FlushRequest, idle_s: float, limit_s: float) -> bool:
+        """Progress the worker from this thread until ``flush`` completes; give up once a pass has found
+        nothing to do for ``idle_s`` (the rest waits on the peer) or after ``limit_s``. Whether it completed.
         (Thread-safe workers only: UCX serializes this with the service thread's progress.)"""
-        progress = self.lib.ucp_worker_progress
-        deadline = time.perf_counter() + seconds
+        progress, now = self.lib.ucp_worker_progress, time.perf_counter
+        start = active = now()
         while True:
-            progress(worker_handle)
+            events = progress(worker_handle)
             if flush.completed:
                 return True
-            if time.perf_counter() >= deadline:
+            t = now()
+            if events:
+                active = t
+            elif t - active >= idle_s or t - start >= limit_s:
                 return False
 
     def flush(self, endpoint_handle: int) -> FlushRequest:

@@ -99,11 +99,16 @@ _CAP_IOV = 1
 _CAP_RMA = 2
 #: Bounds on the remote keys a peer's blob carries (one per advertised region; UCX packs a few dozen bytes).
 MAX_RKEY_BYTES = 1 << 16
-#: A one-sided post progresses the worker from the caller's thread this long for its flush before it
-#: hands the flush to the service thread: over shared memory/CMA the runs are written within the
-#: post and one progress pass completes the flush; the hand-off (a wake-up and a condition) costs more
-#: than the transfer of a page.
-_RMA_SPIN_S = 100e-6
+#: A one-sided post progresses the worker from the caller's thread until its flush completes, while
+#: progress finds work (over shared memory/CMA UCX moves the runs in these passes: the post then
+#: takes as long as the copy, as NIXL's does) and for ``_RMA_IDLE_S`` more without any; then (over
+#: tcp, waiting on the peer) it hands the flush to the service thread. The hand-off (a wake-up and a
+#: condition) costs more than the transfer of a page. ``_RMA_LIMIT_S`` bounds the caller's share.
+_RMA_IDLE_S = 100e-6
+_RMA_LIMIT_S = 2.0
+#: The service thread's longest sleep while it watches one-sided flushes: UCX completes some (shared
+#: memory/CMA) without an event on the worker's descriptor.
+_RMA_SELECT_TIMEOUT_S = 0.001
 #: Transfers one peer may have in flight into or out of this side; its requests beyond are refused
 #: (the table of them is keyed by peer input, so it is bounded).
 MAX_INCOMING_PER_PEER = 4096
@@ -329,7 +334,9 @@ class UcxTransport(Transport):
                 if (self._outgoing or self._incoming) and time.monotonic() - last_event < _SPIN_AFTER_EVENT_S:
                     continue
                 if self._worker.arm():
-                    ready, _, _ = select.select([epoll_fd, self._wake_r], [], [], _SELECT_TIMEOUT_S)
+                    watched = any(o.flush is not None for o in self._outgoing.values())
+                    timeout = _RMA_SELECT_TIMEOUT_S if watched else _SELECT_TIMEOUT_S
+                    ready, _, _ = select.select([epoll_fd, self._wake_r], [], [], timeout)
                     if self._wake_r in ready:
                         with contextlib.suppress(BlockingIOError):
                             while os.read(self._wake_r, 4096):
@@ -629,7 +636,7 @@ class UcxTransport(Transport):
                 except UcpRmaError as exc:
                     _fail_rma(handle, exc.status, str(exc))
                     return handle
-        if flush.completed or rma.progress_until(self._worker_handle, flush, _RMA_SPIN_S):
+        if flush.completed or rma.progress_until(self._worker_handle, flush, _RMA_IDLE_S, _RMA_LIMIT_S):
             self._rma_finished(handle, flush, notify)
         else:
             out = _Outgoing(handle, op, peer, plan, notify, stage="rma", flush=flush)
