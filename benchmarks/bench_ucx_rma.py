@@ -1,7 +1,8 @@
 """The ucx backend against raw NIXL, interleaved in one run: the rows of ``kvxfer bench transport
 --table`` (scattered pages: 4096 x 16 KiB write, 256 x 1 MiB read, 64 x 4 MiB write) and the one-page
 write+wait, with raw NIXL (its own agent; descriptor lists prepared once) timed between kvxfer ucx's
-iterations, the order alternating, so that both see the same machine. ``--table`` measures each backend
+iterations, the order alternating, so that both see the same machine; so is plain UCP RMA on the ucx
+transport's own ucxx handles (no kvxfer code on the way: the limit of ucxx's UCX here). ``--table`` measures each backend
 in its own stretch of time, which on a shared machine moves a ratio by 2x.
 
 Every timed iteration is verified: the destination pages are poisoned before and checked (blake3, plan
@@ -56,22 +57,45 @@ def _timed(fn: Any, verify: Verifier) -> float:
     return seconds
 
 
+def _raw_ucp(pair: _Pair, mode: str, lt: PageTable, rt: PageTable) -> Any:
+    """Plain UCP RMA on the ucx transport's own ucxx worker and endpoint, no kvxfer on the way: the
+    runs' puts/gets and one flush (``ucp_rma``), lists built once, then the worker progressed back to
+    back until the flush completes."""
+    t: Any = pair.local
+    rma, rp, worker = t._rma, t._rma_peers["bench-peer"], t._worker_handle
+    if rma is None:
+        return None
+    runs = (lt.addr.tolist(), rt.addr.tolist(), lt.nbytes.tolist(), rp.rkeys[rt.region].tolist())
+    progress = rma.lib.ucp_worker_progress
+
+    def run() -> None:
+        flush = rma.post(rp.endpoint.handle, mode, *runs)
+        while not flush.completed:
+            progress(worker)
+        flush.check_error()
+    return run
+
+
 def bandwidth_row(ucx: _Pair, nixl: _Pair, pages: int, page_bytes: int, mode: str, iters: int) -> dict[str, Any]:
     """GB/s medians of kvxfer ucx and raw NIXL over the same slot choice, iterations interleaved."""
     rng = np.random.default_rng(1234)
     lslots, rslots = _slots(rng, pages, "scattered"), _slots(rng, pages, "scattered")
     sides: dict[str, tuple[Any, Verifier]] = {}
-    for who, pair in (("ucx", ucx), ("raw_nixl", nixl)):
+    for who, pair in (("ucx", ucx), ("raw_nixl", nixl), ("raw_ucp", ucx)):
         lt, rt = _plan(pair.local_region, lslots, pair.peer_region, rslots, page_bytes)
         plan = TransferPlan(lt, rt) if mode == "write" else TransferPlan(rt, lt)
         if who == "ucx":
             def op(plan: TransferPlan = plan) -> None:
                 getattr(ucx.local, mode)("bench-peer", plan).wait(60.0)
+        elif who == "raw_ucp":
+            op = _raw_ucp(ucx, mode, lt, rt)
+            if op is None:   # one-sided calls off (--no-rma)
+                continue
         else:
             op = _raw_nixl(nixl.local, "bench-peer", mode, plan)
         sides[who] = (op, _verifier(pair, mode, lt, rt))
-    times: dict[str, list[float]] = {"ucx": [], "raw_nixl": []}
-    order = ["ucx", "raw_nixl"]
+    times: dict[str, list[float]] = {who: [] for who in sides}
+    order = list(sides)
     for i in range(iters + 1):   # the first round warms both up
         for who in (order if i % 2 else order[::-1]):
             op, verify = sides[who]
@@ -81,7 +105,7 @@ def bandwidth_row(ucx: _Pair, nixl: _Pair, pages: int, page_bytes: int, mode: st
     total = pages * page_bytes
     med = {who: total / statistics.median(ts) / 1e9 for who, ts in times.items()}
     return {"what": f"{pages} x {page_bytes >> 10} KiB {mode}, GB/s", "ucx": med["ucx"], "raw_nixl": med["raw_nixl"],
-            "ratio": med["ucx"] / med["raw_nixl"],
+            "raw_ucp": med.get("raw_ucp"), "ratio": med["ucx"] / med["raw_nixl"],
             "verified": all(v.failed == 0 and v.checked > 0 for _, v in sides.values())}
 
 
@@ -159,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{'':40} {'raw NIXL':>10} {'kvxfer ucx':>12} {'ratio':>7}  (ucx {ucx_opts}, nixl {nixl_opts})")
+        print(f"{'':40} {'raw NIXL':>10} {'kvxfer ucx':>12} {'ratio':>7} {'raw UCP RMA':>12} {'ratio':>7}"
+              f"  (ucx {ucx_opts}, nixl {nixl_opts})")
         for r in rows:
-            print(f"{r['what']:40} {r['raw_nixl']:>10.2f} {r['ucx']:>12.2f} {r['ratio']:>6.2f}x")
+            raw_ucp = r.get("raw_ucp")
+            extra = "" if raw_ucp is None else f" {raw_ucp:>12.2f} {raw_ucp / r['raw_nixl']:>6.2f}x"
+            print(f"{r['what']:40} {r['raw_nixl']:>10.2f} {r['ucx']:>12.2f} {r['ratio']:>6.2f}x{extra}")
         print(f"every timed iteration verified: {out['verified']} (medians, interleaved)")
     return 0 if out["verified"] else 1
 
