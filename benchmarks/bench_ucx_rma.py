@@ -65,14 +65,19 @@ def _raw_ucp(pair: _Pair, mode: str, lt: PageTable, rt: PageTable) -> Any:
     rma, rp, worker = t._rma, t._rma_peers["bench-peer"], t._worker_handle
     if rma is None:
         return None
-    runs = (lt.addr.tolist(), rt.addr.tolist(), lt.nbytes.tolist(), rp.rkeys[rt.region].tolist())
+    params = [t._region_params[r] for r in lt.region.tolist()]   # the local region's memory handle
+    runs = (lt.addr.tolist(), rt.addr.tolist(), lt.nbytes.tolist(), rp.rkeys[rt.region].tolist(), params)
     progress = rma.lib.ucp_worker_progress
 
     def run() -> None:
-        flush = rma.post(rp.endpoint.handle, mode, *runs)
-        while not flush.completed:
-            progress(worker)
-        flush.check_error()
+        t._rma_callers += 1   # the transport's service thread keeps off the worker meanwhile, as for its own posts
+        try:
+            flush = rma.post(rp.endpoint.handle, mode, *runs)
+            while not flush.completed:
+                progress(worker)
+            flush.check_error()
+        finally:
+            t._rma_callers -= 1
     return run
 
 

@@ -51,9 +51,20 @@ class _WorkerAttr(ctypes.Structure):
 
 
 class _RequestParam(ctypes.Structure):
-    """``ucp_request_param_t`` with no field set (contiguous bytes, no callback), padded."""
+    """``ucp_request_param_t`` (UCP 1.x) up to ``memh``, padded; only ``memory_type`` and ``memh`` are
+    ever set (contiguous bytes, no callback)."""
 
-    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("_pad", ctypes.c_uint8 * 120)]
+    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("request", ctypes.c_void_p),
+                ("cb", ctypes.c_void_p), ("datatype", ctypes.c_uint64), ("user_data", ctypes.c_void_p),
+                ("reply_buffer", ctypes.c_void_p), ("memory_type", ctypes.c_int), ("recv_info", ctypes.c_void_p),
+                ("memh", ctypes.c_void_p), ("_pad", ctypes.c_uint8 * 64)]
+
+
+_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
+_OP_ATTR_FIELD_MEMH = 1 << 8
+_UCS_MEMORY_TYPE_HOST = 0
+#: ``ucp_request_param_t.memh`` arrived in UCP 1.13; older libraries get no memory handle per run.
+_MEMH_MIN_VERSION = (1, 13)
 
 
 _STATUS_NAMES = {0: "OK", 1: "INPROGRESS", -3: "IO_ERROR", -4: "NO_MEMORY", -5: "INVALID_PARAM",
@@ -136,6 +147,21 @@ class UcpRma:
         self.lib = lib
         self._param = _RequestParam()
         self._param_ref = ctypes.byref(self._param)
+        self._keep: list[_RequestParam] = []
+        major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+        lib.ucp_get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+        self.takes_memh = (major.value, minor.value) >= _MEMH_MIN_VERSION
+
+    def local_param(self, memh: int) -> Any:
+        """Request parameters for runs of one locally mapped host region: its memory handle and memory type
+        given, so UCX neither looks the buffer up in its registration cache nor detects its type per run.
+        (The plain parameters where the library predates the field.)"""
+        if not self.takes_memh:
+            return self._param_ref
+        param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE | _OP_ATTR_FIELD_MEMH,
+                              memory_type=_UCS_MEMORY_TYPE_HOST, memh=memh)
+        self._keep.append(param)   # lives as long as the binding (one per mapped region)
+        return ctypes.byref(param)
 
     def worker_thread_mode(self, worker_handle: int) -> int:
         """The worker's UCS thread mode (2: multi-threaded access allowed)."""
@@ -179,16 +205,17 @@ class UcpRma:
         self.lib.ucp_rkey_destroy(rkey)
 
     def post(self, endpoint_handle: int, op: str, local: list[int], remote: list[int], nbytes: list[int],
-             rkeys: list[int]) -> FlushRequest:
+             rkeys: list[int], params: list[Any] | None = None) -> FlushRequest:
         """One put (``op="write"``) or get per run, then one endpoint flush. Requests of the runs are
         released at once (the flush reports their completion and any error); the returned
-        ``FlushRequest`` completes when every run landed."""
+        ``FlushRequest`` completes when every run landed. ``params``: per run, ``local_param`` of the
+        local region it lies in (default: plain parameters)."""
         lib, ref = self.lib, self._param_ref
         fn = lib.ucp_put_nbx if op == "write" else lib.ucp_get_nbx
         free = lib.ucp_request_free
         ep = endpoint_handle
-        for la, ra, n, rk in zip(local, remote, nbytes, rkeys, strict=True):
-            ptr = fn(ep, la, n, ra, rk, ref)
+        for la, ra, n, rk, pr in zip(local, remote, nbytes, rkeys, params or [ref] * len(local), strict=True):
+            ptr = fn(ep, la, n, ra, rk, pr)
             if ptr is not None:
                 if ptr >= _PTR_ERR_MIN:
                     raise UcpRmaError(f"ucp_{'put' if op == 'write' else 'get'}_nbx of {n} bytes", ptr - (1 << 64))

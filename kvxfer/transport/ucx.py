@@ -109,6 +109,8 @@ _RMA_LIMIT_S = 2.0
 #: The service thread's longest sleep while it watches one-sided flushes: UCX completes some (shared
 #: memory/CMA) without an event on the worker's descriptor.
 _RMA_SELECT_TIMEOUT_S = 0.001
+#: How long the service thread stays off the worker while a caller's thread progresses it.
+_RMA_BACKOFF_S = 0.0005
 #: Transfers one peer may have in flight into or out of this side; its requests beyond are refused
 #: (the table of them is keyed by peer input, so it is bounded).
 MAX_INCOMING_PER_PEER = 4096
@@ -260,11 +262,17 @@ class UcxTransport(Transport):
         self._rma_lock = threading.Lock()
         self._rma_peers: dict[str, _RmaPeer] = {}
         self._memhs: list[int] = []
+        #: Per local host region index: the request parameters naming its memory handle (``local_param``).
+        self._region_params: dict[int, Any] = {}
         self._packed_rkeys: list[bytes] = []
         self._host_mask = np.zeros(0, dtype=bool)
         self._all_host = True
         self._local_bounds: list[tuple[int, int, bool]] = []
         self._stale_rkeys: list[int] = []
+        #: Callers' threads now posting one-sided runs and progressing the worker (the service thread
+        #: keeps off it meanwhile).
+        self._rma_callers = 0
+        self._rma_callers_lock = threading.Lock()
         self._endpoint_addrs: dict[str, bytes] = {}
         self._address = bytes(self._worker.address.tobytes())
         self._views: list[memoryview | None] = []
@@ -311,6 +319,11 @@ class UcxTransport(Transport):
             raise value
         return value
 
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+
     def _serve(self) -> None:
         epoll_fd = self._worker.epoll_file_descriptor
         last_event = time.monotonic()
@@ -324,6 +337,13 @@ class UcxTransport(Transport):
                         break
                     fn()
                     busy = True
+                if self._rma_callers:
+                    # A caller's thread is progressing the worker for its one-sided post: keep off the
+                    # worker's lock meanwhile (contending for it took a third of a transfer's time).
+                    ready, _, _ = select.select([self._wake_r], [], [], _RMA_BACKOFF_S)
+                    if ready:
+                        self._drain_wake()
+                    continue
                 while self._worker.progress_once():
                     busy = True
                 busy |= self._poll_control()
@@ -338,9 +358,7 @@ class UcxTransport(Transport):
                     timeout = _RMA_SELECT_TIMEOUT_S if watched else _SELECT_TIMEOUT_S
                     ready, _, _ = select.select([epoll_fd, self._wake_r], [], [], timeout)
                     if self._wake_r in ready:
-                        with contextlib.suppress(BlockingIOError):
-                            while os.read(self._wake_r, 4096):
-                                pass
+                        self._drain_wake()
         except BaseException as exc:
             self._service_error = exc
             for out in list(self._outgoing.values()):
@@ -368,6 +386,7 @@ class UcxTransport(Transport):
                 memh, packed = rma.mem_map(self._ctx.handle, r.base_address, r.nbytes)
                 self._memhs.append(memh)
                 self._packed_rkeys.append(packed)
+                self._region_params[len(self._packed_rkeys) - 1] = rma.local_param(memh)
 
         try:
             self._call(map_all, "map regions for RMA")
@@ -382,7 +401,7 @@ class UcxTransport(Transport):
         if self._rma is not None:
             for memh in self._memhs:
                 self._rma.mem_unmap(self._ctx.handle, memh)
-        self._memhs, self._packed_rkeys = [], []
+        self._memhs, self._packed_rkeys, self._region_params = [], [], {}
 
     def _backend_blob(self) -> bytes:
         """One capability byte (bit 0: takes scatter-gather messages; bit 1: one-sided, its keys follow as
@@ -606,11 +625,12 @@ class UcxTransport(Transport):
         rbase, rend, rkey = rbounds[ri]
         if not (host and rkey and lbase <= la and la + n <= lend and rbase <= ra and ra + n <= rend):
             return None
-        return self._post_rma(op, peer, plan, notify, transfer_id, local, remote, ([la], [ra], [n], [rkey]), rp)
+        return self._post_rma(op, peer, plan, notify, transfer_id, local, remote,
+                              ([la], [ra], [n], [rkey], [self._region_params[li]]), rp)
 
     def _post_rma(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None, transfer_id: int,
                   local: PageTable, remote: PageTable,
-                  runs: tuple[list[int], list[int], list[int], list[int]] | None = None,
+                  runs: tuple[list[int], list[int], list[int], list[int], list[Any]] | None = None,
                   checked_with: _RmaPeer | None = None) -> TransferHandle:
         """One-sided: one put (write) or get (read) per run and one endpoint flush, posted from this thread
         (the worker is thread-safe). A flush UCX finishes within the call (shared memory/CMA does) completes
@@ -619,6 +639,18 @@ class UcxTransport(Transport):
         handle = TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=_too_late)
         rma = self._rma
         assert rma is not None
+        with self._rma_callers_lock:
+            self._rma_callers += 1
+        try:
+            return self._post_rma_counted(op, peer, plan, notify, local, remote, runs, checked_with, handle, rma)
+        finally:
+            with self._rma_callers_lock:
+                self._rma_callers -= 1
+
+    def _post_rma_counted(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None, local: PageTable,
+                          remote: PageTable,
+                          runs: tuple[list[int], list[int], list[int], list[int], list[Any]] | None,
+                          checked_with: _RmaPeer | None, handle: TransferHandle, rma: UcpRma) -> TransferHandle:
         with self._rma_lock:
             rp = self._rma_peers.get(peer)
             if rp is None or (checked_with is not None and rp is not checked_with):
@@ -629,8 +661,13 @@ class UcxTransport(Transport):
                 flush = FlushRequest(rma.lib, None)
             else:
                 if runs is None:
+                    regions = local.region.tolist()
+                    params = self._region_params
+                    first = params[regions[0]] if regions else None
+                    per_run = [first] * len(regions) if len(self._region_params) == 1 else \
+                        [params[r] for r in regions]
                     runs = (local.addr.tolist(), remote.addr.tolist(), local.nbytes.tolist(),
-                            rp.rkeys[remote.region].tolist())
+                            rp.rkeys[remote.region].tolist(), per_run)
                 try:
                     flush = rma.post(rp.endpoint.handle, op, *runs)
                 except UcpRmaError as exc:
