@@ -62,8 +62,8 @@ def _raw_ucp(pair: _Pair, mode: str, lt: PageTable, rt: PageTable) -> Any:
     runs' puts/gets and one flush (``ucp_rma``), lists built once, then the worker progressed back to
     back until the flush completes."""
     t: Any = pair.local
-    rma, rp, worker = t._rma, t._rma_peers["bench-peer"], t._worker_handle
-    if rma is None:
+    rma, rp, worker = t._rma, t._rma_peers.get("bench-peer"), t._worker_handle
+    if rma is None or rp is None:
         return None
     params = [t._region_params[r] for r in lt.region.tolist()]   # the local region's memory handle
     runs = (lt.addr.tolist(), rt.addr.tolist(), lt.nbytes.tolist(), rp.rkeys[rt.region].tolist(), params)
