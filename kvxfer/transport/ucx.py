@@ -94,13 +94,6 @@ SCATTER_GATHER_MIN_RUNS = 32
 #: before it blocks: a scattered plan completes thousands of requests, and one arm + select per
 #: completion costs more than the data movement of a small page.
 _SPIN_AFTER_EVENT_S = 0.002
-#: Plans of at least this many runs averaging at most ``SMALL_RUN_BYTES`` take the two-sided
-#: scatter-gather message even where one-sided calls are possible: UCX reads up to 16 runs per CMA
-#: call for it, against one call (and one progress pass, and two Python-to-C calls) per run one-sidedly.
-#: Measured interleaved (shared memory/CMA): 4096 x 16 KiB 5.6 GB/s scatter-gather against 2.6
-#: one-sided, 1024 x 16 KiB 4.6 against 2.9, but 256 x 64 KiB 2.2 against 4.4.
-SMALL_RUNS_MIN = 1024
-SMALL_RUN_BYTES = 32 * 1024
 #: Capability bits of the metadata blob's first byte.
 _CAP_IOV = 1
 _CAP_RMA = 2
@@ -596,9 +589,6 @@ class UcxTransport(Transport):
     def _backend_post(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
                       transfer_id: int, *, settled: bool = False) -> TransferHandle:
         rp = self._rma_peers.get(peer)
-        if rp is not None and len(plan) >= SMALL_RUNS_MIN and plan.total_bytes <= len(plan) * SMALL_RUN_BYTES and \
-                self._iov is not None and self._peer_iov.get(peer, False):
-            rp = None   # many small runs: one scatter-gather message moves them faster (see SMALL_RUNS_MIN)
         if rp is not None:
             local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
             if (rp.all_keyed or bool(rp.rkeys[remote.region].all())) and \
