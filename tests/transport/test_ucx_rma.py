@@ -291,7 +291,9 @@ def test_cross_process_stalled_peer_times_out_then_a_killed_one_fails_clearly() 
         rng = np.random.default_rng(9)
         plan = pair(random_pages(rng, list(r.local.regions), 512, 16 * PAGE, coalesced=False),
                     random_pages(rng, list(r.local.peer_regions(r.name)), 512, 16 * PAGE, coalesced=False))
-        os.kill(r.proc.pid, signal.SIGSTOP)
+        pid = r.proc.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
         h = r.local.write(r.name, plan, notify=b"lost")
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout, match=f"transfer {h.id}"):
