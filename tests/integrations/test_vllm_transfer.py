@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 import pytest
 import torch
 
 from kvxfer.integrations.vllm.layouts import describe_kv_caches, infer_axes, layer_ids
 from kvxfer.integrations.vllm.transfer import RemoteKV, TransferEngine, readers_of
-from kvxfer.transport import available_backends
+from kvxfer.transport import TransferHandle, TransferStatus, available_backends
 
 SECRET = "vllm-connector-test-secret-0123456789"
 LAYERS, HEADS, DIM = 2, 4, 8
@@ -261,17 +262,7 @@ def test_vllm_is_imported_only_by_the_connector_module() -> None:
     assert importers == {"integrations/vllm/connector.py"}
 
 
-#: Over NIXL this case fails intermittently on a loaded 2-core host ("remote agent was invalidated or
-#: re-registered during transfer"), and the requests it leaves behind make UCX abort the whole pytest process
-#: at a later garbage collection: an open defect of the connector's NIXL path (docs/vllm.md, "Known
-#: defects"), kept out of the suite until it is fixed; loopback runs here, and the vLLM end-to-end tests
-#: run over NIXL.
-CONCURRENT_BACKENDS = [pytest.param(b, marks=pytest.mark.skip(reason="known intermittent NIXL failure of "
-                                                               "concurrent first reads (docs/vllm.md)"))
-                       if b == "nixl" else b for b in BACKENDS]
-
-
-@pytest.mark.parametrize("backend", CONCURRENT_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_concurrent_first_reads_share_one_connection(backend: str) -> None:
     """Several receives starting at once against a prefill not yet connected all land."""
     bs = 16
@@ -293,4 +284,70 @@ def test_concurrent_first_reads_share_one_connection(backend: str) -> None:
         assert decode.stats.requests_read == 6 and decode.stats.failures == 0
     finally:
         decode.close()
+        prefill.close()
+
+
+class StalledDecode:
+    """A decode engine whose loopback reads never complete (a stalled peer), with every transfer it posted
+    and each one's state when the engine closed its transport."""
+
+    def __init__(self, timeout: float) -> None:
+        from kvxfer.transport.loopback import LoopbackFaults, LoopbackTransport
+
+        name = f"vllm-test-stalled-{next(_names)}"
+        transport = LoopbackTransport(name, LoopbackFaults(never_complete=True))
+        self.handles: list[TransferHandle] = []
+        self.at_close: list[TransferStatus] = []
+        read, close = transport.read, transport.close
+
+        def recorded_read(peer: str, plan: Any, notify: bytes | None = None) -> TransferHandle:
+            handle = read(peer, plan, notify)
+            self.handles.append(handle)
+            return handle
+
+        def recorded_close() -> None:
+            self.at_close = [h.status for h in self.handles]
+            close()
+
+        transport.read = recorded_read  # type: ignore[method-assign]
+        transport.close = recorded_close  # type: ignore[method-assign]
+        kv, _ = describe_kv_caches(caches(4, 16), block_size=16, kv_heads=HEADS, head_dim=DIM)
+        self.engine = TransferEngine(name, kv, backend="loopback", secret=SECRET, timeout=timeout,
+                                     transport=transport)
+
+
+def test_a_read_that_times_out_is_cancelled_not_left_in_flight() -> None:
+    prefill = engine(caches(4, 16, fill=True), 16, "loopback")
+    stalled = StalledDecode(timeout=0.5)
+    try:
+        prefill.hold("p-8")
+        stalled.engine.start_read("d-8", RemoteKV("p-8", (prefill.address,), (0, 1), 20), [2, 3], 0)
+        ok, reason = wait_received(stalled.engine, "d-8")
+        assert not ok and "not complete" in reason
+        assert [h.status for h in stalled.handles] == [TransferStatus.CANCELLED]
+    finally:
+        stalled.engine.close()
+        prefill.close()
+
+
+def test_close_cancels_the_transfers_in_flight_before_closing_the_transport() -> None:
+    prefill = engine(caches(4, 16, fill=True), 16, "loopback")
+    stalled = StalledDecode(timeout=30.0)
+    try:
+        for i in range(2):
+            prefill.hold(f"p-9{i}")
+            stalled.engine.start_read(f"d-9{i}", RemoteKV(f"p-9{i}", (prefill.address,), (2 * i, 2 * i + 1), 20),
+                                      [3 - 2 * i, 2 - 2 * i], 0)
+        deadline = time.monotonic() + 10
+        while len(stalled.handles) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(stalled.handles) == 2
+        began = time.monotonic()
+        stalled.engine.close()
+        assert time.monotonic() - began < 5.0   # not the transfers' 30 s
+        assert stalled.at_close == [TransferStatus.CANCELLED] * 2
+        _, failed = stalled.engine.finished_receiving()
+        assert set(failed) == {"d-90", "d-91"}
+    finally:
+        stalled.engine.close()
         prefill.close()
