@@ -263,16 +263,22 @@ def test_vllm_is_imported_only_by_the_connector_module() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_concurrent_first_reads_share_one_connection(backend: str) -> None:
-    """Several receives starting at once against a prefill not yet connected all land."""
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_concurrent_first_reads_share_one_connection(backend: str, mode: str) -> None:
+    """Several receives starting at once against a prefill not yet connected all land, bit for bit (push:
+    the prefill's threads connect the unseen decode and write to it at once)."""
     bs = 16
     src_c, dst_c = caches(16, bs, fill=True), caches(16, bs)
     prefill, decode = engine(src_c, bs, backend), engine(dst_c, bs, backend)
     try:
         for i in range(6):
             prefill.hold(f"p-c{i}")
-            decode.start_read(f"d-c{i}", RemoteKV(f"p-c{i}", (prefill.address,), (2 * i, 2 * i + 1), 20),
-                              [15 - 2 * i, 14 - 2 * i], 0)
+            remote = RemoteKV(f"p-c{i}", (prefill.address,), (2 * i, 2 * i + 1), 20)
+            if mode == "pull":
+                decode.start_read(f"d-c{i}", remote, [15 - 2 * i, 14 - 2 * i], 0)
+            else:
+                prefill.computed(f"p-c{i}", [2 * i, 2 * i + 1])
+                decode.start_push(f"d-c{i}", remote, [15 - 2 * i, 14 - 2 * i], 0)
         done: set[str] = set()
         deadline = time.monotonic() + 20
         while len(done) < 6 and time.monotonic() < deadline:
@@ -282,6 +288,10 @@ def test_concurrent_first_reads_share_one_connection(backend: str) -> None:
             time.sleep(0.01)
         assert done == {f"d-c{i}" for i in range(6)}
         assert decode.stats.requests_read == 6 and decode.stats.failures == 0
+        for i in range(6):
+            want = token_values(src_c, [2 * i, 2 * i + 1], bs, range(20))
+            got = token_values(dst_c, [15 - 2 * i, 14 - 2 * i], bs, range(20))
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     finally:
         decode.close()
         prefill.close()
