@@ -361,3 +361,57 @@ def test_close_cancels_the_transfers_in_flight_before_closing_the_transport() ->
     finally:
         stalled.engine.close()
         prefill.close()
+
+
+def wait_asked(prefill: TransferEngine, rid: str, timeout: float = 10.0) -> None:
+    """Until the decode's push request for ``rid`` reached the prefill."""
+    deadline = time.monotonic() + timeout
+    while rid not in prefill._wants and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rid in prefill._wants, f"{rid}: the decode's push request did not arrive"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["every-layer", "one-layer", "asked-mid-prompt"])
+def test_layerwise_saves_during_the_forward_pass_are_the_push(backend: str, case: str) -> None:
+    """The decode asks first; the prefill writes each layer as its forward pass computes it (the prompt in
+    two chunks). With every layer of every token saved the finished request is not written again; with a
+    layer missing, or the decode's ask arriving after the first chunk (a gap: no later chunk is written
+    layer by layer then), the whole request is written when the prefill finishes. Either way the decode's blocks hold exactly the tokens it lacks."""
+    bs, n_tokens, skip, cut = 16, 50, 16, 30
+    src_c, dst_c = caches(8, bs, fill=True), caches(8, bs)
+    src_blocks, dst_blocks = [5, 1, 6, 2], [3, 0, 7, 4]
+    prefill, decode = engine(src_c, bs, backend), engine(dst_c, bs, backend)
+    layers = 1 if case == "one-layer" else LAYERS
+    try:
+        if case == "asked-mid-prompt":   # the first chunk is computed before anyone asked
+            for layer in range(layers):
+                prefill.save_layer("p-lw", layer, src_blocks, 0, cut)
+            prefill.wait_saves()
+        decode.start_push("d-lw", RemoteKV("p-lw", (prefill.address,), (), n_tokens), dst_blocks, skip)
+        wait_asked(prefill, "p-lw")
+        if case != "asked-mid-prompt":
+            for layer in range(layers):
+                prefill.save_layer("p-lw", layer, src_blocks, 0, cut)
+            prefill.wait_saves()
+        for layer in range(layers):
+            prefill.save_layer("p-lw", layer, src_blocks, cut, n_tokens)
+        prefill.wait_saves()
+        prefill.hold("p-lw")
+        prefill.computed("p-lw", src_blocks)
+        assert wait_received(decode, "d-lw") == (True, "")
+        wait_sent(prefill, "p-lw")
+        want = token_values(src_c, src_blocks, bs, range(skip, n_tokens))
+        got = token_values(dst_c, dst_blocks, bs, range(skip, n_tokens))
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert all(bool((u == 0).all()) for u in token_values(dst_c, dst_blocks, bs, range(0, skip)))
+        per_token_layer = 2 * HEADS * DIM * 4
+        # after a gap nothing more is written layer by layer: the whole request follows anyway
+        early = 0 if case == "asked-mid-prompt" else layers * (n_tokens - skip) * per_token_layer
+        whole = 0 if case == "every-layer" else LAYERS * (n_tokens - skip) * per_token_layer
+        assert prefill.stats.bytes_written_layerwise == early
+        assert prefill.stats.bytes_written == early + whole
+        assert decode.stats.bytes_read == (whole or early)
+    finally:
+        decode.close()
+        prefill.close()

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -86,6 +86,8 @@ class TransferStats:
     failures: int = 0
     tokens_skipped: int = 0
     """Prompt tokens the decode already held (prefix cache hits), not moved."""
+    bytes_written_layerwise: int = 0
+    """Of ``bytes_written``: written layer by layer during the prefill's forward pass (``save_layer``)."""
 
 
 def head_range(layout: CacheLayoutDesc) -> tuple[int, int, int]:
@@ -113,6 +115,9 @@ class _Want:
     start: int
     stop: int
     readers: int
+    saved: dict[int, int] = field(default_factory=dict)
+    """Layer-wise saves: per layer, the token up to which ``[start, ...)`` was written without a gap."""
+    saved_bytes: int = 0
 
 
 class TransferEngine:
@@ -157,6 +162,8 @@ class TransferEngine:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvxfer-vllm-{name}")
         self._tasks: set[Future[None]] = set()
         self._moving: set[TransferHandle] = set()   # transfers posted and not yet finished
+        self._saves: list[tuple[_Want, int, int, int, TransferHandle]] = []   # this step's layer-wise writes
+        self._layers = tuple(sorted({i for g in kv.layout.layer_groups for i in g.layer_ids}))
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kvxfer-vllm-ctl-{name}", daemon=True)
@@ -263,7 +270,72 @@ class TransferEngine:
             self._ready[request_id] = [int(b) for b in block_ids]
             wants = self._wants.pop(request_id, [])
         for w in wants:
-            self._submit(self._push, request_id, w)
+            self._submit(self._pushed_layerwise if self._saved_whole(w) else self._push, request_id, w)
+
+    # --- prefill side, layer-wise push -------------------------------------------------------------
+    def save_layer(self, request_id: str, layer: int, block_ids: Sequence[int], start: int, stop: int) -> None:
+        """Push, during the prefill's forward pass: layer ``layer`` of tokens ``[start, stop)`` of
+        ``request_id`` (in ``block_ids``) is computed; write it now to every decode rank that already asked
+        for it. Started, not awaited (``wait_saves``). A decode rank that asked later, or a range with a
+        gap, gets the whole request written when the prefill finishes (``computed``), as without it."""
+        with self._lock:
+            wants = list(self._wants.get(request_id, ()))
+        for w in wants:
+            lo, hi = max(start, w.start), min(stop, w.stop)
+            if hi <= lo or w.saved.get(layer, w.start) < lo:
+                continue
+            peer = w.conn.peer
+            try:
+                assert peer.layout is not None
+                if peer.name not in self._transport_peers:
+                    self.transport.connect(peer.name, peer.metadata)
+                    self._transport_peers.add(peer.name)
+                plan = plan_transfer(self.layout, {0: np.asarray(block_ids, dtype=np.int64)}, peer.layout,
+                                     {0: np.asarray(w.block_ids, dtype=np.int64)}, layers=[layer],
+                                     token_range=(lo, hi))
+                handle = self.transport.write(peer.name, plan)
+            except (KvxferError, AssertionError) as exc:
+                log.warning("vLLM connector %s: layer %d of %s not saved to %s: %s", self.name, layer, request_id,
+                            peer.name, exc)
+                continue
+            with self._lock:
+                self._moving.add(handle)
+            self._saves.append((w, layer, hi, plan.total_bytes, handle))
+
+    def wait_saves(self) -> None:
+        """Wait for the layer-wise writes ``save_layer`` started in this forward pass; one that failed or
+        timed out is cancelled and leaves its layer to the whole-request write."""
+        saves, self._saves = self._saves, []
+        for w, layer, hi, nbytes, handle in saves:
+            try:
+                handle.wait(self.timeout)
+            except KvxferError as exc:
+                log.warning("vLLM connector %s: a layer-wise write to %s failed: %s", self.name, w.conn.peer.name,
+                            exc)
+                continue
+            finally:
+                with self._lock:
+                    self._moving.discard(handle)
+                if not handle.done():
+                    handle.cancel()
+            w.saved[layer] = hi
+            w.saved_bytes += nbytes
+            with self._lock:
+                self.stats.bytes_written += nbytes
+                self.stats.bytes_written_layerwise += nbytes
+
+    def _saved_whole(self, want: _Want) -> bool:
+        return all(want.saved.get(layer, want.start) >= want.stop for layer in self._layers)
+
+    def _pushed_layerwise(self, request_id: str, want: _Want) -> None:
+        """Every layer of ``want``'s tokens was written during the forward pass: tell the decode rank."""
+        with self._lock:
+            self.stats.requests_written += 1
+        try:
+            want.conn.send(VllmKvPushed(request_id=request_id, ok=True, nbytes=want.saved_bytes, reason=""))
+        except KvxferError as exc:
+            log.warning("vLLM connector %s: cannot tell %s the push ended: %s", self.name, want.conn.peer.name, exc)
+        self._on_done(request_id, want.readers, True)
 
     def _on_want(self, conn: PeerConnection, request_id: str, block_ids: list[int], start: int, stop: int,
                  readers: int) -> None:
