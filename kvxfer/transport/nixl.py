@@ -117,6 +117,11 @@ class NixlTransport(Transport):
     """One-sided transport over a NIXL agent (name = agent name) with a UCX backend."""
 
     backend = "nixl"
+    #: NIXL's agent lock. Without a listen thread NIXL's default is none, and its UCX worker is then
+    #: created for serialized use (one thread in it at a time): two threads posting or polling one agent at
+    #: once (a vLLM rank's concurrent reads, a worker's pushes) corrupted UCX's worker, so transfers
+    #: stalled or the process crashed (docs/transport.md "Threads"). STRICT: NIXL serializes every call.
+    _THREAD_SYNC = "NIXL_THREAD_SYNC_STRICT"
 
     def __init__(self, name: str, *, num_threads: int = 0, progress_thread: bool = False,
                  error_handling: bool = False) -> None:
@@ -142,7 +147,11 @@ class NixlTransport(Transport):
             raise BackendUnavailable(f"{module} is not importable: {exc}") from exc
         nixl_logs_to_stderr()
 
-        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        sync = getattr(api, "nixl_thread_sync_t", None)
+        if sync is not None:   # bindings that predate the choice lock as they always did
+            config.sync_mode = getattr(sync, self._THREAD_SYNC)
+        self._agent = nixl_agent(name, config)
         params = {"ucx_error_handling_mode": "peer" if error_handling else "none"}
         if num_threads > 0:
             params["num_threads"] = str(num_threads)
@@ -232,6 +241,10 @@ class NixlTransport(Transport):
         handle = self._agent.prep_xfer_dlist(side or "NIXL_INIT_AGENT", descs, mem)
         grid = _Grid(handle, first, total)
         with self._grid_lock:
+            made = self._grids.get(key)
+            if made is not None:   # another thread made it meanwhile: one grid per key, ours released
+                handle.release()
+                return made
             self._grids[key] = grid
             while len(self._grids) > MAX_CACHED_GRIDS:   # the oldest made goes first
                 self._grids.popitem(last=False)[1].handle.release()

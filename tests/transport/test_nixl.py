@@ -306,3 +306,65 @@ def test_uniform_plans_are_refused_as_every_plan_is(one_region_each: Any, fault:
         a.write(b.name, bad, notify=b"never")
     assert notifications(b, 1, timeout=0.1, settle=0.05) == []
     assert all(np.array_equal(got, w) for got, w in zip(b_bufs, before, strict=True))
+
+
+_THREADS_SCRIPT = r"""
+import sys, threading
+import numpy as np
+from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.transport import create
+from tests.support.transport_helpers.plans import PAGE, make_buffers, regions_of
+
+threads, rounds, slots = int(sys.argv[1]), int(sys.argv[2]), 4
+src, dst = make_buffers([threads * slots * PAGE], 3), make_buffers([threads * slots * PAGE], None)
+a, b = create("nixl", "threads-a"), create("nixl", "threads-b")
+a.register(regions_of(dst))
+b.register(regions_of(src))
+a.connect(b.name, b.metadata())
+base_a, base_b = a.regions[0].base_address, b.regions[0].base_address
+errors = []
+
+def reads(t):
+    # thread t reads source page (t*slots + (i+k) % slots) into its own slot k: every thread its own pages
+    try:
+        for i in range(rounds):
+            pages = [t * slots + (i + k) % slots for k in range(slots)]
+            here = [t * slots + k for k in range(slots)]
+            n = np.full(slots, PAGE, np.uint64)
+            plan = TransferPlan(PageTable(np.array([base_b + p * PAGE for p in pages], np.uint64), n,
+                                          np.zeros(slots, np.uint32)),
+                                PageTable(np.array([base_a + p * PAGE for p in here], np.uint64), n,
+                                          np.zeros(slots, np.uint32)))
+            a.read(b.name, plan).wait(20)
+            for p, h in zip(pages, here):
+                if not np.array_equal(dst[0][h * PAGE:(h + 1) * PAGE], src[0][p * PAGE:(p + 1) * PAGE]):
+                    raise AssertionError(f"thread {t} round {i}: page {p} did not land in slot {h}")
+    except Exception as exc:
+        errors.append(repr(exc))
+
+workers = [threading.Thread(target=reads, args=(t,)) for t in range(threads)]
+for w in workers:
+    w.start()
+for w in workers:
+    w.join()
+a.close()
+b.close()
+print("ERRORS", errors)
+sys.exit(1 if errors else 0)
+"""
+
+
+def test_threads_sharing_one_agent_post_and_poll_at_once() -> None:
+    """Several threads reading through one transport at once (a vLLM rank's concurrent receives, a worker's
+    pushes) all land, bit for bit, and the process exits cleanly: NIXL's agent serializes its calls. (An
+    agent left unsynchronized crashes this process or stalls its transfers.) Run in a child process, whose
+    crash is this test's failure rather than the suite's end."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, "3", "1500"], cwd=root, capture_output=True,
+                         text=True, timeout=240, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+    assert "ERRORS []" in out.stdout
