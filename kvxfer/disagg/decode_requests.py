@@ -16,7 +16,7 @@ from kvxfer.disagg.decode_jobs import DecodeJob, GenerationResult, JobState, che
 from kvxfer.disagg.decode_peers import PrefillPeers
 from kvxfer.disagg.messages import ControlMessage, Generated, GenerateFailed, KvBlocks, KvCancel, KvRequest
 from kvxfer.disagg.session import Session, SessionState
-from kvxfer.disagg.worker import ComputeThread, Reconnected, WorkerConfig, now
+from kvxfer.disagg.worker import ComputeThread, Reconnected, WorkerConfig, now, resume_ranks
 from kvxfer.disagg.worker_protocol import (
     encode_block_ids,
     encode_checksum_policy,
@@ -24,7 +24,6 @@ from kvxfer.disagg.worker_protocol import (
     encode_tokens,
 )
 from kvxfer.errors import (
-    CacheStateError,
     ConfigError,
     KvxferError,
     OutOfSlotsError,
@@ -179,13 +178,7 @@ class DecodeRequests(PrefillPeers):
         base = job.request_id if job.attempt == 1 else f"{job.request_id}~{job.attempt}"
         for i, m in enumerate(self.managers):
             job.caches.append(m.create_kv_cache_for_prompt(job.tokens, id=f"{base}/{i}"))
-        for cache in job.caches:
-            if not cache.resume():
-                raise OutOfSlotsError(f"decode cache {cache.id}: no free slot for copy-on-write")
-        reused = {c.num_reused_tokens for c in job.caches}
-        if len(reused) != 1:
-            raise CacheStateError(f"decode ranks reused different prefixes: {sorted(reused)} tokens")
-        job.skip = reused.pop()
+        job.skip = resume_ranks(job.caches, "decode")
         for m, cache in zip(self.managers, job.caches, strict=True):
             if not cache.resize(int(job.tokens.size)):
                 raise OutOfSlotsError(f"decode cache {cache.id}: no free slots for {job.tokens.size} tokens "

@@ -24,15 +24,18 @@ import numpy as np
 import torch
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.disagg.health import HealthState
 from kvxfer.disagg.messages import ControlMessage
 from kvxfer.errors import (
+    CacheStateError,
     CapacityError,
     ConfigError,
     ControlTimeout,
     KvxferError,
+    OutOfSlotsError,
     SessionError,
     WorkerUnhealthy,
 )
@@ -156,6 +159,19 @@ def held_slots(managers: Sequence[KVCacheManager]) -> int:
             acc = m.slot_accounting(pg)
             total += acc.request_only + acc.shared
     return total
+
+
+def resume_ranks(caches: Sequence[KVCache], role: str) -> int:
+    """Resume a request's caches on every rank (copy-on-write of a reused partial block) and return the
+    prompt tokens they reused, which must be the same on every rank (OutOfSlotsError / CacheStateError
+    naming ``role`` otherwise; the caller closes what it opened)."""
+    for cache in caches:
+        if not cache.resume():
+            raise OutOfSlotsError(f"{role} cache {cache.id}: no free slot for copy-on-write of a reused block")
+    reused = {c.num_reused_tokens for c in caches}
+    if len(reused) != 1:
+        raise CacheStateError(f"{role} ranks reused different prefixes: {sorted(reused)} tokens")
+    return reused.pop()
 
 
 def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Any],

@@ -71,6 +71,7 @@ from kvxfer.disagg.worker import (
     now,
     plan_between,
     release_managers,
+    resume_ranks,
     warm_up_model,
 )
 from kvxfer.disagg.worker_protocol import (
@@ -88,7 +89,6 @@ from kvxfer.disagg.worker_protocol import (
 from kvxfer.errors import (
     CacheStateError,
     KvxferError,
-    OutOfSlotsError,
     ProtocolError,
     RequestCancelled,
     SessionError,
@@ -445,13 +445,7 @@ class PrefillWorker(WorkerBase):
                 c.close()
                 job.caches[i] = m.create_kv_cache_for_prompt(tokens[:common + 1], id=f"{job.peer}/{job.request_id}/{i}",
                                                   expected_prompt_length=len(tokens))
-        for cache in job.caches:
-            if not cache.resume():
-                raise OutOfSlotsError(f"prefill cache {cache.id}: no free slot for copy-on-write of a reused block")
-        reused = {c.num_reused_tokens for c in job.caches}
-        if len(reused) != 1:
-            raise CacheStateError(f"prefill ranks reused different prefixes: {sorted(reused)} tokens")
-        job.reused_tokens = reused.pop()
+        job.reused_tokens = resume_ranks(job.caches, "prefill")
         self.stats.reused_tokens += job.reused_tokens
         job.session.ready("source blocks allocated")
 
@@ -505,9 +499,7 @@ class PrefillWorker(WorkerBase):
             job.parts += 1
             self._check_may_write(job)
             job.last_posted = now()
-            handle = self.transport.write(job.peer, plan, self._notice(job, job.parts))
-            job.handles.append(handle)
-            handle.add_done_callback(self.engine.wake)
+            self._track(job, self.transport.write(job.peer, plan, self._notice(job, job.parts)))
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
             return
@@ -586,12 +578,16 @@ class PrefillWorker(WorkerBase):
                         prepared.release()
                 else:
                     handle = self.transport.write(job.peer, plan, notice, settled=True)
-                job.handles.append(handle)
-                handle.add_done_callback(self.engine.wake)
+                self._track(job, handle)
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
             return
         self._announce(job)
+
+    def _track(self, job: _Job, handle: TransferHandle) -> None:
+        """A transfer of ``job`` was posted: the request waits for it, and its end wakes the engine."""
+        job.handles.append(handle)
+        handle.add_done_callback(self.engine.wake)
 
     def _announce(self, job: _Job) -> None:
         """Push: once every write is posted and the first token is known, tell decode (``kv_posted``,
