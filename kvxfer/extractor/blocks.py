@@ -34,7 +34,7 @@ from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.extractor.block_ids import BlockIds, block_id_map, check_distinct
 from kvxfer.extractor.compat import paired_layers
 from kvxfer.extractor.pairing import plan_transfer
-from kvxfer.extractor.tokens import check_token_range, refuse_read_only, token_segments
+from kvxfer.extractor.tokens import Segments, check_token_range, refuse_read_only, token_segments
 from kvxfer.extractor.writable import committed_tokens, lacking_range
 from kvxfer.pagetable import BlockPlan, TransferPlan
 
@@ -57,17 +57,8 @@ def plan_blocks(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_
     tpb = src_layout.tokens_per_block
     if dst_layout.tokens_per_block != tpb or len(src_layout.layer_groups) != 1 or len(dst_layout.layer_groups) != 1:
         return None
-    tr = check_token_range(token_range)
-    committed = committed_tokens(dst_block_ids, dst_committed)
-    if tr is None:
-        tr = lacking_range(dst_block_ids, dst_committed)
-    layer_ids = tuple(paired_layers(src_layout, dst_layout, layers))
-    gs, gd = src_layout.layer_groups[0].layer_group_id, dst_layout.layer_groups[0].layer_group_id
-    src_ids = block_id_map(src_layout, src_block_ids, [gs], "source")[gs]
-    dst_ids = block_id_map(dst_layout, dst_block_ids, [gd], "destination")
-    check_distinct(dst_layout, dst_ids, "destination")
-    segs = token_segments(src_ids, tpb, dst_ids[gd], tpb, tr)
-    refuse_read_only(segs, gd, committed // tpb * tpb, tpb)
+    layer_ids, segs = _segments(src_layout, src_block_ids, dst_layout, dst_block_ids, layers, token_range,
+                                dst_committed)
     if not bool((segs.length == tpb).all()):
         return None
     template = block_template(src_layout, dst_layout, layer_ids)
@@ -86,18 +77,8 @@ def plan_templated(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, d
     ``plan_transfer``)."""
     if len(src_layout.layer_groups) != 1 or len(dst_layout.layer_groups) != 1:
         return None
-    ts, td = src_layout.tokens_per_block, dst_layout.tokens_per_block
-    tr = check_token_range(token_range)
-    committed = committed_tokens(dst_block_ids, dst_committed)
-    if tr is None:
-        tr = lacking_range(dst_block_ids, dst_committed)
-    layer_ids = tuple(paired_layers(src_layout, dst_layout, layers))
-    gs, gd = src_layout.layer_groups[0].layer_group_id, dst_layout.layer_groups[0].layer_group_id
-    src_ids = block_id_map(src_layout, src_block_ids, [gs], "source")[gs]
-    dst_ids = block_id_map(dst_layout, dst_block_ids, [gd], "destination")
-    check_distinct(dst_layout, dst_ids, "destination")
-    segs = token_segments(src_ids, ts, dst_ids[gd], td, tr)
-    refuse_read_only(segs, gd, committed // td * td, td)
+    layer_ids, segs = _segments(src_layout, src_block_ids, dst_layout, dst_block_ids, layers, token_range,
+                                dst_committed)
     if not len(segs):
         return []
     # One key per segment shape: (source offset, destination offset, length), each below 2**20 tokens.
@@ -114,6 +95,26 @@ def plan_templated(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, d
         plans.append((i, BlockPlan(segs.src_slot[mine].astype(np.uint64), segs.dst_slot[mine].astype(np.uint64),
                                    *template)))
     return [bp for _, bp in sorted(plans, key=lambda item: item[0])]
+
+
+def _segments(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_layout: CacheLayoutDesc,
+              dst_block_ids: BlockIds | Any, layers: Iterable[int] | None, token_range: tuple[int, int] | None,
+              dst_committed: int | None) -> tuple[tuple[int, ...], Segments]:
+    """The paired layers and the token segments of a transfer between two one-layer-group layouts, with
+    ``plan_transfer``'s checks (token range, distinct destination blocks, no write into a committed page)."""
+    ts, td = src_layout.tokens_per_block, dst_layout.tokens_per_block
+    tr = check_token_range(token_range)
+    committed = committed_tokens(dst_block_ids, dst_committed)
+    if tr is None:
+        tr = lacking_range(dst_block_ids, dst_committed)
+    layer_ids = tuple(paired_layers(src_layout, dst_layout, layers))
+    gs, gd = src_layout.layer_groups[0].layer_group_id, dst_layout.layer_groups[0].layer_group_id
+    src_ids = block_id_map(src_layout, src_block_ids, [gs], "source")[gs]
+    dst_ids = block_id_map(dst_layout, dst_block_ids, [gd], "destination")
+    check_distinct(dst_layout, dst_ids, "destination")
+    segs = token_segments(src_ids, ts, dst_ids[gd], td, tr)
+    refuse_read_only(segs, gd, committed // td * td, td)
+    return layer_ids, segs
 
 
 def segment_template(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...],
