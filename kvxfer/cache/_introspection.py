@@ -101,8 +101,8 @@ def current_gpu_ratio(manager: Any) -> list[float]:
 
 
 def attention_life_cycle_ids(manager: Any) -> list[int]:
-    """Every layer group (all of kvxfer's layer groups are attention life cycles)."""
-    return list(range(len(manager.layer_grouping)))
+    """The attention layer groups (every layer group but the recurrent one)."""
+    return [lg.layer_group_id for lg in manager.layout.layer_groups if not lg.recurrent]
 
 
 def swa_life_cycle_ids(manager: Any) -> list[int]:
@@ -111,9 +111,8 @@ def swa_life_cycle_ids(manager: Any) -> list[int]:
 
 
 def ssm_life_cycle_id(manager: Any) -> int | None:
-    """The recurrent (SSM) life cycle: None, kvxfer keeps none."""
-    del manager
-    return None
+    """The recurrent (SSM) layer group, None when the manager has no recurrent layers."""
+    return next((lg.layer_group_id for lg in manager.layout.layer_groups if lg.recurrent), None)
 
 
 def is_commit_allowed(kv_cache: Any) -> bool:

@@ -411,13 +411,18 @@ class PoolGroupDesc:
 
 @dataclass(frozen=True)
 class LayerGroupDesc:
-    """Layers with the same attention window; a request holds one block-id list per layer group."""
+    """Layers with the same attention window; a request holds one block-id list per layer group.
+
+    ``recurrent``: the group's layers are recurrent (SSM) layers, whose state is one slot per request
+    (its block-id list has one entry, whatever the request's length) rather than one page per block.
+    """
 
     layer_group_id: int
     layer_ids: tuple[int, ...]
     window: int | None
     sink_tokens: int
     pool_group_index: int
+    recurrent: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
@@ -426,17 +431,25 @@ class LayerGroupDesc:
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
                                         or self.window <= 0):
             raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: window must be None or > 0, got {self.window!r}")
+        if not isinstance(self.recurrent, bool):
+            raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: recurrent must be a bool, got {self.recurrent!r}")
+        if self.recurrent and (self.window is not None or self.sink_tokens):
+            raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: a recurrent layer group has no window or sinks")
 
     def to_wire(self) -> dict[str, Any]:
-        return {"layer_group_id": self.layer_group_id, "layer_ids": list(self.layer_ids), "window": self.window,
-                "sink_tokens": self.sink_tokens, "pool_group_index": self.pool_group_index}
+        out = {"layer_group_id": self.layer_group_id, "layer_ids": list(self.layer_ids), "window": self.window,
+               "sink_tokens": self.sink_tokens, "pool_group_index": self.pool_group_index}
+        if self.recurrent:      # only when set: attention-only layouts keep their wire form and fingerprint
+            out["recurrent"] = True
+        return out
 
     @classmethod
     def from_wire(cls, v: Any, where: str = "LayerGroupDesc") -> LayerGroupDesc:
         ids = _seq(v, "layer_ids", where, lambda x, w: _int({"v": x}, "v", w, 0, 1 << 20), 1 << 16)
         return _build(cls, where, layer_group_id=_int(v, "layer_group_id", where, 0, 1 << 20), layer_ids=ids,
                       window=_opt_int(v, "window", where), sink_tokens=_int(v, "sink_tokens", where, 0, 1 << 40),
-                      pool_group_index=_int(v, "pool_group_index", where, 0, 1 << 20))
+                      pool_group_index=_int(v, "pool_group_index", where, 0, 1 << 20),
+                      recurrent=_recurrent(v, where))
 
 
 @dataclass(frozen=True)
@@ -655,6 +668,13 @@ def _check_no_overlap(pool_groups: tuple[PoolGroupDesc, ...]) -> None:
         if a[:2] == b[:2] and b[2] < a[3]:
             raise LayoutError(f"pool {a[4]}.{a[5]} [{a[2]:#x}, {a[3]:#x}) overlaps pool {b[4]}.{b[5]} "
                               f"[{b[2]:#x}, {b[3]:#x})")
+
+
+def _recurrent(v: Any, where: str) -> bool:
+    flag = v.get("recurrent", False) if isinstance(v, dict) else False
+    if not isinstance(flag, bool):
+        raise DecodeError(f"{where}.recurrent must be a bool, got {flag!r}")
+    return flag
 
 
 def _fingerprint(layout: CacheLayoutDesc) -> bytes:
