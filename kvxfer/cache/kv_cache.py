@@ -100,7 +100,8 @@ class RequestState:
     layer group's ``blocks[lg]`` holds one entry, the request's state slot (none before the first
     resume); ``ssm_shared``: the recurrent layer groups whose entry is still the prefix tree's snapshot
     (copied into a private slot at resume); ``unpruned_tokens``: the prefix match's length before the
-    recurrent layer groups' snapshots cut it.
+    recurrent layer groups' snapshots cut it; ``walked_tokens``: how far the lookup's content matched the
+    tree before any page was checked.
     """
 
     blocks: list[IntArray]
@@ -124,6 +125,7 @@ class RequestState:
     block_priority: dict[int, int]
     ssm_shared: set[int]
     unpruned_tokens: int
+    walked_tokens: int
 
 
 class CacheState(enum.Enum):
@@ -181,6 +183,7 @@ class KVCache:
         self.record.block_priority = {}
         self.record.ssm_shared = set()
         self.record.unpruned_tokens = 0
+        self.record.walked_tokens = 0
         #: Layer groups whose block-id list is one state slot (recurrent layers), not pages per block.
         self._recurrent = frozenset(lg.layer_group_id for lg in manager.layout.layer_groups if lg.recurrent)
         self.record.published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
@@ -377,10 +380,18 @@ class KVCache:
             return BAD_PAGE_INDEX
         return int(blocks[0])
 
-    def _get_num_tokens_before_hybrid_pruning(self) -> int:
+    def _get_num_reusable_tokens_before_hybrid_pruning(self) -> int:
         """Tokens the prefix match reached before the recurrent layer groups' snapshots cut it back to
-        ``num_committed_tokens`` (equal to it when nothing was cut, or without recurrent layers)."""
+        the reused length (equal to it when nothing was cut, or without recurrent layers)."""
         return max(self.record.unpruned_tokens, self.num_reused_tokens)
+
+    #: The name this diagnostic had in earlier versions of the reference design.
+    _get_num_tokens_before_hybrid_pruning = _get_num_reusable_tokens_before_hybrid_pruning
+
+    def _get_num_reusable_tokens_before_pruning(self) -> int:
+        """How far the lookup's content matched the prefix tree (where it forks from what the tree
+        holds), before any layer group's missing pages or snapshots cut the match."""
+        return max(self.record.walked_tokens, self._get_num_reusable_tokens_before_hybrid_pruning())
 
     def get_aggregated_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = DEFAULT_BEAM_INDEX,
                                     valid_only: bool = False) -> Iterator[int]:

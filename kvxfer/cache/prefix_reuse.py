@@ -25,7 +25,7 @@ from kvxfer.cache.hashing import (
 )
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.manager_state import ManagerState
-from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode
+from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode, PrefixMatch
 from kvxfer.errors import ConfigError, KVCacheError, OutOfSlotsError
 
 IntArray = npt.NDArray[np.int32]
@@ -44,6 +44,8 @@ class _ReusePlan:
     tiers: TierArray
     #: Tokens the match reached before the recurrent layer groups' snapshots cut it (0: not cut).
     unpruned: int = 0
+    #: Tokens the tree walk matched before any page check (where the lookup's content leaves the tree).
+    walked: int = 0
 
 
 def check_scope(scope: ReuseScope | None, what: str) -> ReuseScope:
@@ -134,6 +136,15 @@ class PrefixReuse:
                                  max_tokens=max_tokens)
         nodes = match.nodes
         partial = match.partial if len(nodes) not in extras else None
+        walked = len(nodes) * tpb + (match.partial_tokens if partial is not None else 0)
+        plan = self._plan_pages(match, nodes, partial, n_lg)
+        return dataclasses.replace(plan, walked=walked)
+
+    def _plan_pages(self, match: PrefixMatch, nodes: tuple[BlockNode, ...], partial: BlockNode | None,
+                    n_lg: int) -> _ReusePlan:
+        """The plan of a tree walk: the longest prefix of it whose pages every layer group needs exist."""
+        tpb = self.state.layout.tokens_per_block
+        none = _ReusePlan(0, (), None, np.empty((0, n_lg), dtype=np.int32), np.empty((0, n_lg), dtype=np.int8))
         rows = [n.pages for n in nodes] + ([partial.pages] if partial is not None else [])
         if not rows:
             return none
@@ -211,6 +222,7 @@ class PrefixReuse:
     def lock_reuse(self, cache: KVCache, tokens: TokenArray, plan: _ReusePlan) -> None:
         """Take a reference on the planned pages and make them the cache's first blocks."""
         cache.record.unpruned_tokens = plan.unpruned
+        cache.record.walked_tokens = plan.walked
         if plan.num_tokens == 0:
             return
         for lg in range(plan.pages.shape[1]):

@@ -187,11 +187,16 @@ def test_a_match_stops_at_the_last_snapshot() -> None:
         assert mgr.probe_reuse(input_tokens=prompt[:n]) == reused, n
     cut = mgr.create_kv_cache(input_tokens=prompt[:2 * TPB + 3])
     assert cut.num_committed_tokens == TPB
-    assert cut._get_num_tokens_before_hybrid_pruning() == 2 * TPB + 3   # the attention pages went further
+    assert cut._get_num_reusable_tokens_before_hybrid_pruning() == 2 * TPB + 3   # the attention pages went further
+    assert cut._get_num_reusable_tokens_before_pruning() == 2 * TPB + 3
     cut.close()
     whole = mgr.create_kv_cache(input_tokens=prompt[:3 * TPB])
-    assert whole._get_num_tokens_before_hybrid_pruning() == whole.num_committed_tokens == 3 * TPB
+    assert whole._get_num_reusable_tokens_before_hybrid_pruning() == whole.num_committed_tokens == 3 * TPB
     whole.close()
+    fork = mgr.create_kv_cache(input_tokens=prompt[:2 * TPB] + tokens(2 * TPB))
+    assert fork._get_num_reusable_tokens_before_pruning() == 2 * TPB     # where the content leaves the tree
+    assert fork.num_committed_tokens == TPB
+    fork.close()
 
 
 def test_no_snapshot_no_reuse_even_with_attention_pages() -> None:
