@@ -167,6 +167,21 @@ def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequ
 
 
 
+def reuse_match_planned_drop_counts(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt],
+                                    lc_id: int, enable_partial: bool = False) -> tuple[int, list[int]]:
+    """Match ``tokens`` against the prefix tree: (tokens matched, per matched block the open planned drops
+    naming its page of layer group ``lc_id``)."""
+    scope = reuse_scope or ReuseScope()
+    algo = manager.resolved_hash_algo
+    root = scope.root_key_for(algo)
+    arr = manager.lifecycle.encode_tokens(list(tokens), "reuse_match_planned_drop_counts")
+    keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
+    match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
+    nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
+    counts = [manager.lifecycle.planned_drop_count(node, lc_id) for node in nodes]
+    num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if match.partial else 0)
+    return num_tokens, counts
+
 # --- test blocks for event tests ----------------------------------------------------------------------
 
 

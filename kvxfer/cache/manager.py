@@ -427,6 +427,10 @@ class CacheLifecycle:
             return PlannedDropHandle(lambda: self.drop_pages(pairs))
         return PlannedDropHandle(lambda: self.drop_chain(nodes))
 
+    def planned_drop_count(self, node: BlockNode, layer_group: int) -> int:
+        """Open planned drops naming ``node``'s page of ``layer_group``."""
+        return self.state.planned_drops.get((id(node), layer_group), 0)
+
     def drop_pages(self, pairs: list[tuple[BlockNode, int]]) -> None:
         """Run a planned drop of sliding-window pages and recurrent snapshots (see ``plan_drop``): the
         pages no other open plan names."""

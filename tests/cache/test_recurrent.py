@@ -274,6 +274,8 @@ def test_planned_drop_takes_the_endpoint_snapshot_after_the_last_plan() -> None:
     first, second = kv.plan_committed_block_drop(), kv.plan_committed_block_drop()
     kv.close()
     assert first is not None and second is not None
+    matched, counts = _introspection.reuse_match_planned_drop_counts(mgr, None, prompt, ssm_group(mgr))
+    assert (matched, counts) == (2 * TPB, [0, 2])   # both plans name the endpoint snapshot only
     assert mgr.probe_reuse(input_tokens=prompt) == 2 * TPB
     first.drop()
     assert mgr.probe_reuse(input_tokens=prompt) == 2 * TPB     # the other plan still names it
