@@ -368,15 +368,16 @@ class KVCache:
         return array.array("i", self.block_ids(layer_group_id).tolist())
 
     def get_ssm_block_base_index(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = DEFAULT_BEAM_INDEX) -> int:
-        """The slot of this request's state in a recurrent layer group (``BAD_PAGE_INDEX`` before the
-        first resume); ConfigError for an attention layer group."""
+        """The primary-tier slot of this request's state in a recurrent layer group (``BAD_PAGE_INDEX``
+        before the first resume, and while a suspended request's state is offloaded to a colder tier);
+        ConfigError for an attention layer group."""
         self._check_beam(beam_id, "get_ssm_block_base_index")
         self._check_layer_group(layer_group_id)
         if layer_group_id not in self._recurrent:
             raise ConfigError(f"KVCache {self.id}.get_ssm_block_base_index: layer group {layer_group_id} is not "
                               f"a recurrent (SSM) layer group")
         blocks = self.record.blocks[layer_group_id]
-        if blocks.size == 0 or layer_group_id in self.record.ssm_shared:
+        if blocks.size == 0 or layer_group_id in self.record.ssm_shared or self.record.tiers[layer_group_id][0] != 0:
             return BAD_PAGE_INDEX
         return int(blocks[0])
 

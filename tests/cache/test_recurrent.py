@@ -14,6 +14,7 @@ from kvxfer.cache import (
     CacheConfig,
     DataRole,
     GpuCacheTierConfig,
+    HostCacheTierConfig,
     KVCacheManager,
     KVCacheManagerConfig,
     LayerGroupId,
@@ -150,6 +151,29 @@ def test_one_state_slot_per_request_whatever_its_length() -> None:
         kv.get_ssm_block_base_index(LayerGroupId(0))
     kv.close()
     assert mgr.num_free_slots(pg) == free
+
+
+def test_a_suspended_state_is_offloaded_and_comes_back_intact() -> None:
+    layers: list[AttentionLayerConfig | SsmLayerConfig] = [SsmLayerConfig(LayerId(0), [BufferConfig(STATE, 4096)])]
+    mgr = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, cache_tiers=[GpuCacheTierConfig(4 * 4096), HostCacheTierConfig(2 * 4096)],
+        layers=layers, commit_min_snapshot=True, max_util_for_resume=1.0))
+    caches = []
+    for i in range(6):          # 4 primary slots, 2 host slots: the last two resumes offload older states
+        kv = mgr.create_kv_cache()
+        assert kv.resume()
+        write_state(mgr, kv.get_ssm_block_base_index(LayerGroupId(0)), i + 1)
+        kv.suspend()
+        caches.append(kv)
+    away = [i for i, kv in enumerate(caches) if kv.page_tiers(0)[0] != 0]
+    assert len(away) == 2
+    assert all(caches[i].get_ssm_block_base_index(LayerGroupId(0)) == BAD_PAGE_INDEX for i in away)
+    assert not mgr.create_kv_cache().resume()      # no slot anywhere for a seventh state
+    for kv in caches[4:]:
+        kv.close()
+    for i in away:
+        assert caches[i].resume()
+        assert state_values(mgr, caches[i].get_ssm_block_base_index(LayerGroupId(0))) == {i + 1}
 
 
 # --- snapshots and reuse --------------------------------------------------------------------------------
