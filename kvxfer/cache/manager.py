@@ -972,7 +972,8 @@ class KVCacheManager:
 
     def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
         """The longest sequence (at most ``token_num_upper_bound``) of which ``batch_size`` fit in the
-        primary level at once, counting each layer group's window and sink blocks."""
+        primary level at once, counting each layer group's window and sink blocks (and one state slot
+        per sequence in a recurrent layer group)."""
         if batch_size <= 0:
             raise ConfigError(f"clamp_max_seq_len_for_mem: batch_size must be > 0, got {batch_size}")
         tpb = self._state.layout.tokens_per_block
@@ -983,7 +984,9 @@ class KVCacheManager:
                 for lg in self._state.pg_layer_groups[pg]:
                     desc = self._state.layout.layer_groups[lg]
                     blocks = div_up(seq_len, tpb)
-                    if desc.window is not None:
+                    if desc.recurrent:      # one state slot, whatever the length
+                        blocks = 1
+                    elif desc.window is not None:
                         blocks = min(blocks, div_up(desc.window, tpb) + 1 + div_up(desc.sink_tokens, tpb))
                     need += blocks
                 if need * batch_size > alloc.usable:

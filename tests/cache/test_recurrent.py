@@ -176,6 +176,17 @@ def test_a_suspended_state_is_offloaded_and_comes_back_intact() -> None:
         assert state_values(mgr, caches[i].get_ssm_block_base_index(LayerGroupId(0))) == {i + 1}
 
 
+def test_clamp_max_seq_len_counts_one_state_slot_per_sequence() -> None:
+    cfg = config(quota=64 << 10, attn_layers=1, ssm_layers=1, state_size=4096)
+    cfg.layers[0].sliding_window_size = 2 * TPB     # the window holds 3 blocks of a sequence of any length
+    mgr = KVCacheManager(cfg)
+    state_slots = mgr.get_storage_statistics()[mgr.layout.layer_groups[1].pool_group_index].total
+    assert mgr.clamp_max_seq_len_for_mem(1, 1 << 20) == 1 << 20       # a state never limits a length
+    assert mgr.clamp_max_seq_len_for_mem(state_slots, 1 << 20) == TPB   # one attention block each, not 3
+    assert mgr.clamp_max_seq_len_for_mem(state_slots // 3, 1 << 20) == 1 << 20
+    assert mgr.clamp_max_seq_len_for_mem(state_slots + 1, 1) == 0      # every sequence needs a state slot
+
+
 # --- snapshots and reuse --------------------------------------------------------------------------------
 def test_reuse_restores_the_snapshot_into_a_private_slot() -> None:
     mgr = KVCacheManager(config())
