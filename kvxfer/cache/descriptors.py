@@ -314,13 +314,18 @@ class PoolGroupDesc:
 
 @dataclass(frozen=True)
 class LayerGroupDesc:
-    """Layers with the same attention window; a request holds one block-id list per layer group."""
+    """Layers with the same attention window; a request holds one block-id list per layer group.
+
+    ``recurrent``: the group's layers are recurrent (SSM) layers, whose state is one slot per request
+    (its block-id list has one entry, whatever the request's length) rather than one page per block.
+    """
 
     layer_group_id: int
     layer_ids: tuple[int, ...]
     window: int | None
     sink_tokens: int
     pool_group_index: int
+    recurrent: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
@@ -329,8 +334,10 @@ class LayerGroupDesc:
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
                                         or self.window <= 0):
             raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: window must be None or > 0, got {self.window!r}")
-
-
+        if not isinstance(self.recurrent, bool):
+            raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: recurrent must be a bool, got {self.recurrent!r}")
+        if self.recurrent and (self.window is not None or self.sink_tokens):
+            raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: a recurrent layer group has no window or sinks")
 
 
 @dataclass(frozen=True)
@@ -620,6 +627,7 @@ class LayerGroupDescWire(_Wire, frozen=True):
     window: Annotated[int, msgspec.Meta(ge=1)] | None
     sink_tokens: Count
     pool_group_index: Small
+    recurrent: bool = False
 
 
 class FormatWire(msgspec.Struct, frozen=True):
@@ -678,6 +686,9 @@ def plain(value: Any) -> Any:
                 "layer_groups": plain(value.layer_groups), "pool_groups": plain(value.pool_groups),
                 "formats": [{"buffer_id": plain(b), "format": plain(f)} for b, f in value.formats],
                 "fingerprint": value.fingerprint.hex()}
+    if isinstance(value, LayerGroupDesc) and not value.recurrent:
+        # ``recurrent`` only when set: attention-only layouts keep their wire form and fingerprint
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "recurrent"}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):

@@ -46,6 +46,11 @@ class ManagerState:
     events: EventQueue
     medium: str
     has_windows: bool
+    #: The recurrent (SSM) layer groups, and the pool groups holding only their state slots.
+    recurrent_groups: list[int]
+    recurrent_pool_groups: set[int]
+    #: (id of a tree block, layer group) -> open planned drops naming that page.
+    planned_drops: dict[tuple[int, int], int]
     caches: dict[str, KVCache]
     ids: Iterator[int]
     lock: threading.RLock
