@@ -358,6 +358,11 @@ class CacheLifecycle:
     def close(self, cache: KVCache) -> None:
         """Release every page and scratch slot of the cache and commit its pending statistics."""
         with self.state.lock:
+            if self.state.config.enable_prefix_reuse and self.state.stores_tail_blocks \
+                    and self.parts.reuse.enter_tail(cache) is not None:
+                b = cache.num_committed_tokens // self.state.layout.tokens_per_block
+                for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
+                    self.parts.streams.stamp(g, blocks[b:b + 1], tiers[b:b + 1], cache.record.stream)
             for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
                 self.release(g, blocks, tiers, cache.record.stream)
             self.release_scratch(cache)
