@@ -358,11 +358,7 @@ class CacheLifecycle:
     def close(self, cache: KVCache) -> None:
         """Release every page and scratch slot of the cache and commit its pending statistics."""
         with self.state.lock:
-            if self.state.config.enable_prefix_reuse and self.state.stores_tail_blocks \
-                    and self.parts.reuse.enter_tail(cache) is not None:
-                b = cache.num_committed_tokens // self.state.layout.tokens_per_block
-                for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
-                    self.parts.streams.stamp(g, blocks[b:b + 1], tiers[b:b + 1], cache.record.stream)
+            self.store_tail(cache)
             for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
                 self.release(g, blocks, tiers, cache.record.stream)
             self.release_scratch(cache)
@@ -373,6 +369,17 @@ class CacheLifecycle:
                 cache.record.partial_src = None
             self.state.stats.commit(cache.id, cache.record.pending)
             self.parts.usage.sample_usage()
+
+    def store_tail(self, cache: KVCache) -> None:
+        """Enter the cache's partial last committed block into the prefix tree (a reference-API
+        manager's request ending its commits: ``stop_committing``, ``commit(is_end=True)``, close); its
+        page is published to other streams once the request's writes are done."""
+        with self.state.lock:
+            if self.state.config.enable_prefix_reuse and self.state.stores_tail_blocks \
+                    and self.parts.reuse.enter_tail(cache) is not None:
+                b = cache.num_committed_tokens // self.state.layout.tokens_per_block
+                for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
+                    self.parts.streams.stamp(g, blocks[b:b + 1], tiers[b:b + 1], cache.record.stream)
 
     def count_reused_levels(self, cache: KVCache, plan: Any) -> None:
         """Record where the reused pages of a new cache were: per block, the coldest level among its

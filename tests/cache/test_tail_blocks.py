@@ -147,3 +147,28 @@ def test_the_tree_refuses_to_continue_a_tail_block() -> None:
     # a partial match never reads past a tail block's tokens
     match = tree.match(b"r" * 32, [], np.array([1, 2, 3, 4], dtype=np.int64))
     assert match.partial is tail and match.partial_tokens == 2
+
+
+@pytest.mark.parametrize("how", ["stop_committing", "is_end"])
+def test_ending_the_commits_stores_the_tail_with_the_requests_own_page(how: str) -> None:
+    mgr = ref_manager()
+    tokens = list(range(60, 66))                        # 1 full block + 2 tokens
+    kv = mgr.create_kv_cache()
+    assert kv.resume()
+    assert kv.resize(8)
+    lg = mgr.get_layer_group_id(LayerId(0))
+    tail_page = int(kv.get_base_page_indices(lg)[1])
+    if how == "is_end":
+        kv.commit(tokens, is_end=True)
+    else:
+        kv.commit(tokens)
+        assert mgr.probe_reuse(None, tokens) == 4       # only the full block before the commits end
+        kv.stop_committing()
+    assert [list(e.token_ids) for e in stored(mgr)][-1][-2:] == [64, 65]
+    assert mgr.probe_reuse(None, tokens) == 6           # while the request is still open
+    kv.stop_committing()                                # a second end stores nothing more
+    kv.close()
+    assert stored(mgr) == []
+    reuser = mgr.create_kv_cache(None, tokens)
+    assert int(reuser.get_base_page_indices(lg)[1]) == tail_page   # the tree holds the request's page
+    reuser.close()
