@@ -534,6 +534,10 @@ class KVCacheManager:
         self._state.digests = DigestTable()
         primary = config.primary
         plan = plan_layout(config)
+        planned = sum(pool.nbytes for pg in plan.pool_groups for pool in pg.pools)
+        if planned > primary.quota_bytes:     # slot floors raised the primary level past its quota
+            self._state.current = dataclasses.replace(
+                config, tiers=(dataclasses.replace(primary, quota_bytes=planned), *config.tiers[1:]))
         device = torch.device(primary.device)
         self._state.device = device
         self._state.pools = [
@@ -937,7 +941,8 @@ class KVCacheManager:
 
     def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
         """The longest sequence (at most ``token_num_upper_bound``) of which ``batch_size`` fit in the
-        primary level at once, counting each layer group's window and sink blocks."""
+        primary level at once, counting of a sliding-window layer group the blocks it still needs at
+        that length (its sink blocks and window)."""
         if batch_size <= 0:
             raise ConfigError(f"clamp_max_seq_len_for_mem: batch_size must be > 0, got {batch_size}")
         tpb = self._state.layout.tokens_per_block
@@ -948,21 +953,27 @@ class KVCacheManager:
                 for lg in self._state.pg_layer_groups[pg]:
                     desc = self._state.layout.layer_groups[lg]
                     blocks = div_up(seq_len, tpb)
-                    if desc.window is not None:
-                        blocks = min(blocks, div_up(desc.window, tpb) + 1 + div_up(desc.sink_tokens, tpb))
+                    if desc.window is not None:       # what the window still needs at seq_len, sinks kept
+                        lo, sink = self._parts.reuse.window_start(lg, np.array([seq_len], dtype=np.int64))
+                        blocks = blocks - max(0, int(lo[0]) - sink)
                     need += blocks
                 if need * batch_size > alloc.usable:
                     return False
             return True
 
-        lo, hi = 0, max(0, int(token_num_upper_bound))
+        upper = max(0, int(token_num_upper_bound))
+        if fits(upper):
+            return upper
+        # A window's need is not monotonic inside a block (a block starts before the oldest leaves the
+        # window); at block boundaries it is: the longest whole number of blocks that fits.
+        lo, hi = 0, upper // tpb
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(mid):
+            if fits(mid * tpb):
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return lo * tpb
 
     @property
     def need_adjustment(self) -> bool:
