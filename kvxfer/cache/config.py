@@ -15,6 +15,8 @@ from kvxfer.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS, HASH_V2_SHA256_P
 from kvxfer.cache.manager_config import (
     EXTRA_COMMIT_MIN_SNAPSHOT,
     EXTRA_REUSE_MATCH_BACKOFF,
+    EXTRA_SLOT_FLOORS,
+    EXTRA_STORE_TAIL_BLOCKS,
     EXTRA_TEXT_ONLY,
     AttentionLayerConfig,
     BufferConfig,
@@ -410,7 +412,8 @@ def cache_config_of(config: KVCacheManagerConfig) -> CacheConfig:
     if isinstance(backoff, bool) or not isinstance(backoff, int) or backoff < 0:
         raise ConfigError(f"KVCacheManagerConfig.reuse_match_backoff must be an int >= 0, got {backoff!r}")
     extra = ((EXTRA_REUSE_MATCH_BACKOFF, backoff), (EXTRA_COMMIT_MIN_SNAPSHOT, bool(config.commit_min_snapshot)),
-             (EXTRA_TEXT_ONLY, bool(config.text_only)))
+             (EXTRA_TEXT_ONLY, bool(config.text_only)), (EXTRA_STORE_TAIL_BLOCKS, True),
+             (EXTRA_SLOT_FLOORS, True))
     return CacheConfig(layers=tuple(specs), tokens_per_block=tpb, dtype="uint8", tiers=tuple(tiers),
                        hash_algo=HASH_V2_SHA256_PACKED,
                        enable_partial_reuse=bool(config.enable_partial_reuse), enable_stats=bool(config.enable_stats),

@@ -75,6 +75,8 @@ class CacheOps(Protocol):
 
     def close(self, cache: KVCache) -> None: ...
 
+    def store_tail(self, cache: KVCache) -> None: ...
+
     def commit_stats(self, cache: KVCache) -> KVCacheStatsDelta: ...
 
     def discard_stats(self, cache: KVCache) -> None: ...
@@ -443,8 +445,11 @@ class KVCache:
         return None
 
     def stop_committing(self) -> None:
-        """No further ``commit``: the request's remaining tokens advance ``history_length`` only."""
+        """No further ``commit``: the request's remaining tokens advance ``history_length`` only (a
+        reference-API manager enters its partial last committed block into the prefix tree now)."""
         self._check_open("stop_committing")
+        if self._commit_allowed:
+            self._ops.store_tail(self)
         self._commit_allowed = False
 
     @property
@@ -577,6 +582,7 @@ class KVCache:
         self._ops.release_out_of_window(self)
         self._sync_index_bufs()
         if is_end:
+            self._ops.store_tail(self)
             self._commit_allowed = False
 
     def set_priority(self, priority: int) -> None:

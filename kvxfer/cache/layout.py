@@ -29,6 +29,7 @@ from kvxfer.cache.descriptors import (
     SlotDesc,
     SlotDescVariant,
 )
+from kvxfer.cache.manager_config import EXTRA_SLOT_FLOORS
 from kvxfer.errors import ConfigError, LayoutError
 
 __all__ = [
@@ -87,6 +88,18 @@ def _role_rank(config: CacheConfig, bid: BufferId) -> int:
     raise LayoutError(f"buffer {bid} has no layer")
 
 
+def slot_floors(config: CacheConfig, group_keys: Sequence[tuple[int | None, int, bool]]) -> list[int]:
+    """Slots one request may hold at once in each layer group (keyed ``(window, sink blocks, recurrent)``),
+    at worst: a sliding window its sink blocks, the blocks of ``window - 1`` tokens and the block being
+    written; full attention the largest of the windows' (1 without any); a recurrent group its one state
+    slot."""
+    tpb = config.tokens_per_block
+    swa = [sink + -(-(window - 1) // tpb) + 1 for window, sink, _ in group_keys if window is not None]
+    full = max(swa, default=1)
+    return [1 if recurrent else full if window is None else sink + -(-(window - 1) // tpb) + 1
+            for window, sink, recurrent in group_keys]
+
+
 def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLayoutDesc:
     """The layout of ``config`` with unplaced pools (base address 0) sized to ``quota_bytes``
     (default: the primary tier's quota)."""
@@ -113,6 +126,8 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
     quota = config.primary.quota_bytes if quota_bytes is None else quota_bytes
     bytes_per_group_slot = sum(sum(v.slot_size_list) for v in variants)
     per_layer_group_slots = quota // bytes_per_group_slot
+    if dict(config.extra).get(EXTRA_SLOT_FLOORS):
+        per_layer_group_slots = max(per_layer_group_slots, max(slot_floors(config, [gk for gk, _ in ordered])))
     if per_layer_group_slots < 1:
         raise ConfigError(f"quota_bytes={quota} holds no block: one block of every layer group needs "
                           f"{bytes_per_group_slot} bytes")

@@ -379,6 +379,7 @@ class CacheLifecycle:
     def close(self, cache: KVCache) -> None:
         """Release every page and scratch slot of the cache and commit its pending statistics."""
         with self.state.lock:
+            self.store_tail(cache)
             for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
                 self.release(g, blocks, tiers, cache.record.stream)
             self.release_scratch(cache)
@@ -389,6 +390,17 @@ class CacheLifecycle:
                 cache.record.partial_src = None
             self.state.stats.commit(cache.id, cache.record.pending)
             self.parts.usage.sample_usage()
+
+    def store_tail(self, cache: KVCache) -> None:
+        """Enter the cache's partial last committed block into the prefix tree (a reference-API
+        manager's request ending its commits: ``stop_committing``, ``commit(is_end=True)``, close); its
+        page is published to other streams once the request's writes are done."""
+        with self.state.lock:
+            if self.state.config.enable_prefix_reuse and self.state.stores_tail_blocks \
+                    and self.parts.reuse.enter_tail(cache) is not None:
+                b = cache.num_committed_tokens // self.state.layout.tokens_per_block
+                for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
+                    self.parts.streams.stamp(g, blocks[b:b + 1], tiers[b:b + 1], cache.record.stream)
 
     def count_reused_levels(self, cache: KVCache, plan: Any) -> None:
         """Record where the reused pages of a new cache were: per block, the coldest level among its
@@ -562,6 +574,10 @@ class KVCacheManager:
         self._state.digests = DigestTable()
         primary = config.primary
         plan = plan_layout(config)
+        planned = sum(pool.nbytes for pg in plan.pool_groups for pool in pg.pools)
+        if planned > primary.quota_bytes:     # slot floors raised the primary level past its quota
+            self._state.current = dataclasses.replace(
+                config, tiers=(dataclasses.replace(primary, quota_bytes=planned), *config.tiers[1:]))
         device = torch.device(primary.device)
         self._state.device = device
         self._state.pools = [
@@ -972,8 +988,8 @@ class KVCacheManager:
 
     def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
         """The longest sequence (at most ``token_num_upper_bound``) of which ``batch_size`` fit in the
-        primary level at once, counting each layer group's window and sink blocks (and one state slot
-        per sequence in a recurrent layer group)."""
+        primary level at once, counting of a sliding-window layer group the blocks it still needs at
+        that length (its sink blocks and window), and one state slot per sequence in a recurrent one."""
         if batch_size <= 0:
             raise ConfigError(f"clamp_max_seq_len_for_mem: batch_size must be > 0, got {batch_size}")
         tpb = self._state.layout.tokens_per_block
@@ -986,21 +1002,27 @@ class KVCacheManager:
                     blocks = div_up(seq_len, tpb)
                     if desc.recurrent:      # one state slot, whatever the length
                         blocks = 1
-                    elif desc.window is not None:
-                        blocks = min(blocks, div_up(desc.window, tpb) + 1 + div_up(desc.sink_tokens, tpb))
+                    elif desc.window is not None:       # what the window still needs at seq_len, sinks kept
+                        lo, sink = self._parts.reuse.window_start(lg, np.array([seq_len], dtype=np.int64))
+                        blocks = blocks - max(0, int(lo[0]) - sink)
                     need += blocks
                 if need * batch_size > alloc.usable:
                     return False
             return True
 
-        lo, hi = 0, max(0, int(token_num_upper_bound))
+        upper = max(0, int(token_num_upper_bound))
+        if fits(upper):
+            return upper
+        # A window's need is not monotonic inside a block (a block starts before the oldest leaves the
+        # window); at block boundaries it is: the longest whole number of blocks that fits.
+        lo, hi = 0, upper // tpb
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(mid):
+            if fits(mid * tpb):
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return lo * tpb
 
     @property
     def need_adjustment(self) -> bool:

@@ -21,6 +21,13 @@ DEFAULT_MAX_UTIL_FOR_RESUME = 1.0
 EXTRA_REUSE_MATCH_BACKOFF = "reuse_match_backoff"
 EXTRA_COMMIT_MIN_SNAPSHOT = "commit_min_snapshot"
 EXTRA_TEXT_ONLY = "text_only"
+#: ``CacheConfig.extra`` flag: a closing request enters its partial last block into the prefix tree
+#: (set for ``KVCacheManagerConfig`` managers, as the reference does; off for ``CacheConfig`` ones).
+EXTRA_STORE_TAIL_BLOCKS = "store_tail_blocks"
+#: ``CacheConfig.extra`` flag: every layer group gets at least the slots one request needs at worst
+#: (a sliding window: its sink blocks, the window and one more; full attention: the largest of those),
+#: the primary quota raised where it holds fewer (``KVCacheManagerConfig`` managers, as the reference).
+EXTRA_SLOT_FLOORS = "slot_floors"
 
 
 @runtime_checkable

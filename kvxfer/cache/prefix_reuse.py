@@ -375,6 +375,55 @@ class PrefixReuse:
             self.mark_tree_pages(node, [lg])
             self.state.allocators[self.state.lg_pool_group[lg]].decref(np.array([slot], dtype=np.int32))
 
+    def enter_tail(self, cache: KVCache) -> BlockNode | None:
+        """Enter the cache's partial last committed block (its committed tokens end inside a block)
+        into the tree as a tail block: a leaf holding those tokens and the cache's pages of that block,
+        keyed by the chain key of its tokens, with one Stored event. Nothing is entered when the block
+        before it is not in the tree, a page of it is already a tree page, or a block already there
+        begins with the same tokens (a longer or equal sibling covers it: it is touched instead).
+        The cache must not write into the block afterwards (it is closing)."""
+        if self.state.recurrent_groups:   # a tail block would need a state snapshot at its end: none is taken
+            return None
+        tpb = self.state.layout.tokens_per_block
+        n = cache.num_committed_tokens
+        full, rem = divmod(n, tpb)
+        if rem == 0 or len(cache.record.tree_nodes) != full or full >= cache.record.blocks[0].size:
+            return None
+        parent = cache.record.tree_nodes[full - 1] if full else None
+        if full and (parent is None or parent.removed):
+            return None
+        tail = cache.record.tokens[full * tpb:n]
+        extra = full in cache.record.extra_keys
+        siblings = (parent if parent is not None else self.state.tree.root(cache.record.root_key))
+        for child in ([] if siblings is None else siblings.children.values()):
+            if child.num_tokens >= rem and child.has_extra_key == extra and np.array_equal(child.tokens[:rem], tail):
+                self.state.tree.touch(child)
+                return None
+        pages = np.array([int(blocks[full]) for blocks in cache.record.blocks], dtype=np.int32)
+        tiers = np.array([int(t[full]) for t in cache.record.tiers], dtype=np.int8)
+        if not (pages >= 0).any():
+            return None
+        for lg in np.flatnonzero(pages >= 0).tolist():
+            if self.state.in_tree_t[int(tiers[lg])][self.state.lg_pool_group[lg]][int(pages[lg])]:
+                return None
+        parent_key = parent.key if parent is not None else cache.record.root_key
+        key = block_keys(tail, rem, parent_key, first_block=full, extra_keys=cache.record.extra_keys,
+                         algo=self.state.key_algo, scope=cache.reuse_scope, digests=self.state.digests)[0]
+        priority = cache.record.block_priority.get(full, DEFAULT_PRIORITY)
+        node = self.state.tree.insert(cache.record.root_key, parent, key, tail, pages, has_extra_key=extra,
+                                      priority=priority)
+        node.tiers[:] = tiers
+        live = np.flatnonzero(pages >= 0).tolist()
+        self.mark_tree_pages(node, live)
+        scope = cache.reuse_scope
+        media = {int(tiers[lg]) for lg in live}
+        groups = None if len(live) == pages.size else tuple(live)
+        medium = self.state.media[media.pop()] if len(media) == 1 else self.state.node_medium(node)
+        self.state.events.put(Stored(None if parent is None else parent.key, (key,), tuple(tail.tolist()), tpb,
+                                     scope.lora_id, medium,
+                                     stored_extra_keys(full, 1, scope.salt, cache.record.extra_keys), groups))
+        return node
+
     def enter_chain(self, cache: KVCache, first: int, keys: list[bytes], pages: IntArray, priority: int) -> None:
         """Enter the cache's blocks ``first, first + 1, ...`` (keys ``keys``, primary pages ``pages[i]``
         per layer group, -1: none) into the tree as a chain of new blocks, give the tree its references
