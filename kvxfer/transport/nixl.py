@@ -32,7 +32,7 @@ import numpy.typing as npt
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, PageTableError, PeerUnreachable, TransferFailed, TransportError
 from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
-from kvxfer.transport.base import Op, Transport
+from kvxfer.transport.base import MAX_NOTIFY_BYTES, Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
 from kvxfer.transport.prepared import PreparedTransfer
@@ -95,6 +95,8 @@ class _Grid:
 
     def __init__(self, handle: Any, first: npt.NDArray[np.int64], units: int) -> None:
         self.handle = handle
+        #: NIXL's own number for the list (what its binding takes), or None where the wrapper hides it.
+        self.raw: int | None = getattr(handle, "_handle", None)
         self.first = first  # per region index: grid index of its first unit (-1: other memory type)
         self.first_list: list[int] = first.tolist()
         self.units = units
@@ -164,6 +166,7 @@ class NixlTransport(Transport):
         self._grid_lock = threading.Lock()
         self._local = _Side(())
         self._sides: dict[str, _Side] = {}
+        self._core = _Core.of(api, self._agent)
 
     # --- registration and peers ---------------------------------------------------------------------
     def _backend_register(self, regions: tuple[MemoryRegion, ...]) -> None:
@@ -216,6 +219,69 @@ class NixlTransport(Transport):
                 self._deliver(name, msg)
 
     # --- transfers ----------------------------------------------------------------------------------
+    def _post(self, op: Op, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None,
+              settled: bool = False) -> TransferHandle:
+        """A per-request plan of one entry (a page, or a coalesced run: the one-page post of a decode step,
+        a layer chunk that coalesced into one run) is checked and posted by ``_post_one`` in straight-line
+        code; anything it does not take (more entries, a fault to name, no grid yet) goes the general way,
+        which checks everything again before a byte moves."""
+        if (type(plan) is TransferPlan and self._core is not None and not self._closed
+                and (notify is None or (type(notify) is bytes and len(notify) <= MAX_NOTIFY_BYTES))
+                and plan.src.addr.size == 1):
+            handle = self._post_one(op, peer, plan, notify)
+            if handle is not None:
+                return handle
+        return super()._post(op, peer, plan, notify, settled)
+
+    def _post_one(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle | None:
+        """Post a one-entry plan straight through NIXL's binding: both sides checked against the bounds
+        worked out at registration/connection (an entry of a one-entry plan overlaps nothing), the grid
+        indices computed in ints, the request made and posted, and released at once when NIXL finished it
+        within the post (small transfers do). None, before anything is made, when the plan is not for this
+        path (unknown peer, outside a region, several grid units, no grid prepared for its unit yet)."""
+        side = self._sides.get(peer)
+        if side is None or peer not in self._peers:
+            return None
+        local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
+        a, b, r = local.addr.item(), local.nbytes.item(), local.region.item()
+        c, q = remote.addr.item(), remote.region.item()
+        mine = self._local
+        if r >= len(mine.base) or q >= len(side.base):
+            return None
+        lo, ro = a - mine.base[r], c - side.base[q]
+        if b <= 0 or lo < 0 or ro < 0 or a + b > mine.end[r] or c + b > side.end[q]:
+            return None
+        unit = math.gcd(b, lo, ro)
+        if unit != b:
+            return None
+        lg = self._grids.get((_LOCAL, mine.mems[r], unit))
+        rg = self._grids.get((peer, side.mems[q], unit))
+        if lg is None or rg is None or lg.raw is None or rg.raw is None:
+            return None
+        core = self._core
+        assert core is not None
+        transfer_id = next(self._ids)
+        try:
+            req = core.make(core.write if op == "write" else core.read, lg.raw, [lg.first_list[r] + lo // unit],
+                            rg.raw, [rg.first_list[q] + ro // unit], notify or b"", [], False)
+        except Exception as exc:
+            return _failed(transfer_id, peer, b, op, f"NIXL could not prepare 1 descriptor: {exc!r}", exc)
+        try:
+            state = core.post(req, b"")
+        except Exception as exc:
+            handle = _NixlHandle(self, transfer_id, peer, b, op, [core.wrap(core.agent, req)], None, None)
+            with handle._req_lock:
+                handle._fail("NIXL refused to post the transfer", exc)
+            return handle
+        if state == core.success:
+            core.release(req)
+            return TransferHandle.completed(transfer_id, peer, b, op)
+        handle = _NixlHandle(self, transfer_id, peer, b, op, [core.wrap(core.agent, req)], None, None)
+        if state != core.in_progress:
+            with handle._req_lock:
+                handle._fail("NIXL refused to post the transfer", None)
+        return handle
+
     def _grid(self, side: str, mem: str, unit: int, regions: tuple[MemoryRegion, ...]) -> _Grid | None:
         key = (side, mem, unit)
         grid = self._grids.get(key)   # one dict lookup on the post path; the lock guards making one
@@ -536,6 +602,29 @@ class NixlTransport(Transport):
         return handle
 
 
+class _Core:
+    """NIXL's binding under its Python agent, for the one-entry post path: the calls ``make_prepped_xfer``,
+    ``transfer`` and a request's ``release`` make, without their wrappers' frames (a one-page post pays
+    each). ``of`` returns None when the binding does not have that shape (the wrapped calls serve then)."""
+
+    __slots__ = ("agent", "in_progress", "make", "post", "read", "release", "success", "wrap", "write")
+
+    def __init__(self, api: Any, agent: Any) -> None:
+        bind, core = api.nixlBind, agent.agent
+        self.agent = core
+        self.make, self.post, self.release = core.makeXferReq, core.postXferReq, core.releaseXferReq
+        self.write, self.read = agent.nixl_ops["WRITE"], agent.nixl_ops["READ"]
+        self.success, self.in_progress = bind.NIXL_SUCCESS, bind.NIXL_IN_PROG
+        self.wrap = api.nixl_xfer_handle   # a request in flight goes on as the agent's own handle
+
+    @classmethod
+    def of(cls, api: Any, agent: Any) -> _Core | None:
+        try:
+            return cls(api, agent)
+        except (AttributeError, KeyError, TypeError):
+            return None
+
+
 class _PreparedRequests:
     """nixl's state of a prepared transfer: its NIXL requests, held by one post at a time. NIXL refuses to
     repost a request in flight, and a request keeps the last notification a post gave it; ``take`` returns
@@ -602,8 +691,7 @@ class _NixlHandle(_PollingHandle):
     def __init__(self, transport: NixlTransport, transfer_id: int, peer: str, nbytes: int, op: str,
                  requests: list[Any], follow_up: bytes | None,
                  give_back: Callable[[list[Any]], None] | None) -> None:
-        super().__init__(transfer_id, peer, nbytes, op, poll=cast(Callable[[TransferHandle], None], _NixlHandle._poll_requests),
-                         abort=cast(Callable[[TransferHandle], bool], _NixlHandle._abort_requests))
+        super().__init__(transfer_id, peer, nbytes, op, poll=_POLL_REQUESTS, abort=_ABORT_REQUESTS)
         self._agent = transport._agent
         self._requests = requests
         self._pending = list(requests)
@@ -660,6 +748,12 @@ class _NixlHandle(_PollingHandle):
         with self._req_lock:
             _release_all(self._pending)
         return True
+
+
+#: ``_NixlHandle``'s poll and abort as the handle's hooks (made once: a subscripted Callable is built anew
+#: each time it is evaluated).
+_POLL_REQUESTS = cast(Callable[[TransferHandle], None], _NixlHandle._poll_requests)
+_ABORT_REQUESTS = cast(Callable[[TransferHandle], bool], _NixlHandle._abort_requests)
 
 
 #: How long ``_NixlHandle.wait`` asks back to back, before it starts yielding between asks: a small
