@@ -256,27 +256,43 @@ class NixlTransport(Transport):
             return None
         lg = self._grids.get((_LOCAL, mine.mems[r], unit))
         rg = self._grids.get((peer, side.mems[q], unit))
-        if lg is None or rg is None or lg.raw is None or rg.raw is None:
+        if lg is None or rg is None:
             return None
-        core = self._core
-        assert core is not None
         transfer_id = next(self._ids)
         try:
-            req = core.make(core.write if op == "write" else core.read, lg.raw, [lg.first_list[r] + lo // unit],
-                            rg.raw, [rg.first_list[q] + ro // unit], notify or b"", [], False)
+            req = self._make(op, lg, [lg.first_list[r] + lo // unit], rg, [rg.first_list[q] + ro // unit],
+                             notify or b"")
         except Exception as exc:
             return _failed(transfer_id, peer, b, op, f"NIXL could not prepare 1 descriptor: {exc!r}", exc)
+        return self._launch(op, peer, b, req, transfer_id)
+
+    def _make(self, op: Op, lg: _Grid, li: Any, rg: _Grid, ri: Any, notify: bytes) -> Any:
+        """The NIXL request moving grid cells ``li`` to ``ri`` (write; ``ri`` to ``li`` for a read): NIXL's
+        own number for it when the binding is at hand (``_launch`` posts it), else the agent's handle."""
+        core = self._core
+        if core is not None and lg.raw is not None and rg.raw is not None:
+            return core.make(core.write if op == "write" else core.read, lg.raw, li, rg.raw, ri, notify, [], False)
+        return self._agent.make_prepped_xfer("WRITE" if op == "write" else "READ", lg.handle, li, rg.handle, ri,
+                                             notify)
+
+    def _launch(self, op: Op, peer: str, nbytes: int, req: Any, transfer_id: int) -> TransferHandle:
+        """Post one request ``_make`` made (its notification, if any, travels with it): released at once when
+        NIXL finished it within the post (small transfers do), a handle already done returned; else the
+        handle that polls it (a request NIXL refused fails it)."""
+        core = self._core
+        if type(req) is not int or core is None:
+            return self._start(op, peer, nbytes, [req], None, transfer_id, per_post_notify=False)
         try:
             state = core.post(req, b"")
         except Exception as exc:
-            handle = _NixlHandle(self, transfer_id, peer, b, op, [core.wrap(core.agent, req)], None, None)
+            handle = _NixlHandle(self, transfer_id, peer, nbytes, op, [core.wrap(core.agent, req)], None, None)
             with handle._req_lock:
                 handle._fail("NIXL refused to post the transfer", exc)
             return handle
         if state == core.success:
             core.release(req)
-            return TransferHandle.completed(transfer_id, peer, b, op)
-        handle = _NixlHandle(self, transfer_id, peer, b, op, [core.wrap(core.agent, req)], None, None)
+            return TransferHandle.completed(transfer_id, peer, nbytes, op)
+        handle = _NixlHandle(self, transfer_id, peer, nbytes, op, [core.wrap(core.agent, req)], None, None)
         if state != core.in_progress:
             with handle._req_lock:
                 handle._fail("NIXL refused to post the transfer", None)
@@ -340,7 +356,7 @@ class NixlTransport(Transport):
                 raise PageTableError(f"{op} with peer {peer!r}: the plan lies outside the registered regions")
             if request is None:
                 return None
-            requests = [request]
+            return self._launch(op, peer, nbytes, request, transfer_id)
         else:
             nbytes = plan.total_bytes
             try:
@@ -353,7 +369,7 @@ class NixlTransport(Transport):
                 raise PageTableError(f"{op} with peer {peer!r}: the plan lies outside the registered regions "
                                      f"or writes a destination byte twice")
             if request is not None:
-                return self._start(op, peer, nbytes, [request], notify, transfer_id, per_post_notify=False)
+                return self._launch(op, peer, nbytes, request, transfer_id)
             check()
             try:
                 requests = self._requests(op, peer, local, remote, side, notify or b"")
@@ -389,8 +405,7 @@ class NixlTransport(Transport):
         else:
             li = np.arange(lg.first_list[r] + lo // unit, lg.first_list[r] + (lo + b) // unit, dtype=np.int32)
             ri = np.arange(rg.first_list[q] + ro // unit, rg.first_list[q] + (ro + b) // unit, dtype=np.int32)
-        return self._agent.make_prepped_xfer("WRITE" if op == "write" else "READ", lg.handle, li, rg.handle, ri,
-                                             notify), b
+        return self._make(op, lg, li, rg, ri, notify), b
 
     def _uniform_request(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
                          notify: bytes) -> Any:
@@ -436,8 +451,7 @@ class NixlTransport(Transport):
             li += np.int32(lg.first_list[0])
         if rg.first_list[0]:
             ri += np.int32(rg.first_list[0])
-        return self._agent.make_prepped_xfer("WRITE" if op == "write" else "READ", lg.handle, li, rg.handle, ri,
-                                             notify)
+        return self._make(op, lg, li, rg, ri, notify)
 
     def _small_request(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
                        notify: bytes) -> tuple[Any, int]:
@@ -478,9 +492,9 @@ class NixlTransport(Transport):
             lf, rf = lg.first_list, rg.first_list
             li = [lf[r] + (a - lbase[r]) // unit for a, r in zip(la, lr, strict=True)]
             ri = [rf[r] + (a - rbase[r]) // unit for a, r in zip(ra, rr, strict=True)]
-            return self._agent.make_prepped_xfer(op.upper(), lg.handle, li, rg.handle, ri, notify), sum(ln)
-        return self._agent.make_prepped_xfer(op.upper(), lg.handle, lg.indices(local, unit, mine.base_np),
-                                             rg.handle, rg.indices(remote, unit, side.base_np), notify), sum(ln)
+            return self._make(op, lg, li, rg, ri, notify), sum(ln)
+        return self._make(op, lg, lg.indices(local, unit, mine.base_np), rg, rg.indices(remote, unit, side.base_np),
+                          notify), sum(ln)
 
     def _requests(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
                   notify: bytes) -> list[Any]:
@@ -603,7 +617,7 @@ class NixlTransport(Transport):
 
 
 class _Core:
-    """NIXL's binding under its Python agent, for the one-entry post path: the calls ``make_prepped_xfer``,
+    """NIXL's binding under its Python agent, for the per-request post path: the calls ``make_prepped_xfer``,
     ``transfer`` and a request's ``release`` make, without their wrappers' frames (a one-page post pays
     each). ``of`` returns None when the binding does not have that shape (the wrapped calls serve then)."""
 
