@@ -226,12 +226,35 @@ class NixlTransport(Transport):
         code; anything it does not take (more entries, a fault to name, no grid yet) goes the general way,
         which checks everything again before a byte moves."""
         if (type(plan) is TransferPlan and self._core is not None and not self._closed
-                and (notify is None or (type(notify) is bytes and len(notify) <= MAX_NOTIFY_BYTES))
-                and plan.src.addr.size == 1):
-            handle = self._post_one(op, peer, plan, notify)
-            if handle is not None:
-                return handle
+                and (notify is None or (type(notify) is bytes and len(notify) <= MAX_NOTIFY_BYTES))):
+            n = plan.src.addr.size
+            if n == 1:
+                handle = self._post_one(op, peer, plan, notify)
+                if handle is not None:
+                    return handle
+            elif 1 < n <= SMALL_POST_ENTRIES:
+                handle = self._post_small(op, peer, plan, notify)
+                if handle is not None:
+                    return handle
         return super()._post(op, peer, plan, notify, settled)
+
+    def _post_small(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle | None:
+        """``_post_one`` for a plan of a few entries (a layer-wise chunk of a short prompt): ``_small_request``
+        checks (bounds, regions, no destination byte twice) and indexes it over ints, and its one request is
+        launched; None, before anything is made, for a fault (the general path names it) or a plan that
+        needs the general path."""
+        side = self._sides.get(peer)
+        if side is None or peer not in self._peers:
+            return None
+        local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
+        try:
+            request, nbytes = self._small_request(op, peer, local, remote, side, notify or b"")
+        except Exception as exc:
+            return _failed(next(self._ids), peer, plan.total_bytes, op, f"NIXL could not prepare {len(plan)} "
+                           f"descriptors: {exc!r}", exc)
+        if request is _FAULT or request is None:
+            return None
+        return self._launch(op, peer, nbytes, request, next(self._ids))
 
     def _post_one(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle | None:
         """Post a one-entry plan straight through NIXL's binding: both sides checked against the bounds
