@@ -223,8 +223,8 @@ class NixlTransport(Transport):
               settled: bool = False) -> TransferHandle:
         """A per-request plan of one entry (a page, or a coalesced run: the one-page post of a decode step,
         a layer chunk that coalesced into one run) is checked and posted by ``_post_one`` in straight-line
-        code; anything it does not take (more entries, a fault to name, no grid yet) goes the general way,
-        which checks everything again before a byte moves."""
+        code, one of 2-16 entries by ``_post_small``; anything they do not take (more entries, a fault to
+        name, no grid yet) goes the general way, which checks everything again before a byte moves."""
         if (type(plan) is TransferPlan and self._core is not None and not self._closed
                 and (notify is None or (type(notify) is bytes and len(notify) <= MAX_NOTIFY_BYTES))):
             n = plan.src.addr.size
