@@ -22,6 +22,7 @@ from kvxfer.disagg.router import Route
 from kvxfer.disagg.session import Session
 from kvxfer.disagg.worker import check_transition
 from kvxfer.errors import KvxferError
+from kvxfer.extractor import TemplateCache
 from kvxfer.transport import TransferHandle
 
 if TYPE_CHECKING:   # the peer record (a request names the prefill it went to)
@@ -177,6 +178,8 @@ class DecodeJob:
     conn: PeerConnection | None = None
     """The connection the request was sent over: only it may answer, and its loss fails the request."""
     src_layouts: list[CacheLayoutDesc] = field(default_factory=list)
+    templates: TemplateCache | None = None
+    """The prefill peer's run templates (``PrefillPeer.templates``) when the request was sent."""
     route: Route | None = None
     """The KV router's decision this request followed (counted in flight there until the KV is in place)."""
     caches: list[KVCache] = field(default_factory=list)

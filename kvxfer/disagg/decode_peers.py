@@ -16,7 +16,7 @@ from kvxfer.disagg.control import PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import KvRanks
 from kvxfer.disagg.router import KVRouter
-from kvxfer.disagg.worker import Reconnected, WorkerBase, now
+from kvxfer.disagg.worker import Reconnected, WorkerBase, now, peer_templates
 from kvxfer.disagg.worker_protocol import decode_layouts, encode_layouts
 from kvxfer.errors import (
     ConfigError,
@@ -27,6 +27,7 @@ from kvxfer.errors import (
     PeerUnreachable,
     ProtocolError,
 )
+from kvxfer.extractor import TemplateCache
 from kvxfer.transport import Transport
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ class PrefillPeer:
     address: str
     conn: PeerConnection | None = None
     layouts: list[CacheLayoutDesc] = field(default_factory=list)
+    templates: TemplateCache = field(default_factory=peer_templates)
+    """Run templates of (the peer's layouts, this worker's), made anew with the layouts."""
     reconnecting: threading.Thread | None = None
     reconnect_error: str = ""
     """Why the last automatic reconnect attempt failed ("" before any, or while the first one runs)."""
@@ -209,6 +212,7 @@ class PrefillPeers(WorkerBase):
             old.close("replaced by a new prefill connection")
         self.transport.connect(name, conn.peer.metadata)
         peer.conn, peer.layouts, peer.reconnect_error = conn, layouts, ""
+        peer.templates = peer_templates()   # of these layouts
         self.engine.read(conn)
 
     def _remove(self, address: str, reason: str) -> bool:

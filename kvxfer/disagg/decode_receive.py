@@ -91,7 +91,7 @@ class DecodeReceive(DecodeRequests):
         try:
             plan = plan_between(job.src_layouts, src_ids, self.layouts, job.caches,
                                 token_range=(job.skip, int(job.tokens.size)), request_id=rid,
-                                planner=self.config.planner)
+                                planner=self.config.planner, templates=job.templates)
             check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
             job.read_posted = now()
             job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())

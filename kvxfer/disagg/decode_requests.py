@@ -132,6 +132,7 @@ class DecodeRequests(PrefillPeers):
                                                                       f"{self._no_prefill_reason()}")))
             return
         job.peer, job.prefill, job.conn, job.src_layouts = conn.peer.name, peer, conn, peer.layouts
+        job.templates = peer.templates
         job.tried.add(peer.address)
         self._move(job, JobState.REQUESTED)
         try:

@@ -39,7 +39,7 @@ from kvxfer.errors import (
     SessionError,
     WorkerUnhealthy,
 )
-from kvxfer.extractor import multirank
+from kvxfer.extractor import TemplateCache, multirank
 from kvxfer.extractor.multirank import all_regions as all_regions  # the workers' planning helpers
 from kvxfer.extractor.multirank import region_offsets as region_offsets
 from kvxfer.model import KVSpec, Model, ModelSource, PagedKV, preset
@@ -178,14 +178,24 @@ def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Any],
                  dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Any], *,
                  token_range: tuple[int, int], layers: Sequence[int] | None = None,
                  dst_committed: Sequence[int | None] | None = None, request_id: str = "",
-                 planner: Planner | None = None) -> TransferPlan:
+                 planner: Planner | None = None, templates: TemplateCache | None = None) -> TransferPlan:
     """The plan of one transfer of request ``request_id``: ``planner``'s (the worker's
-    ``WorkerConfig.planner``) when given, else ``kvxfer.extractor.multirank.plan_between``'s."""
+    ``WorkerConfig.planner``) when given, else ``kvxfer.extractor.multirank.plan_between``'s, rank pairs of
+    differing layouts planned from run templates kept in ``templates`` (the peer's: ``peer_templates``)."""
     if planner is not None:
         return planner(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range, layers=layers,
                        dst_committed=dst_committed, request_id=request_id)
     return multirank.plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range,
-                                  layers=layers, dst_committed=dst_committed)
+                                  layers=layers, dst_committed=dst_committed, templates=templates)
+
+
+#: Run templates a worker keeps per peer: (its ranks x the peer's) pairs x layer groups sent x segment shapes.
+PEER_TEMPLATES_KEPT = 1024
+
+
+def peer_templates() -> TemplateCache:
+    """The template cache of one peer connection (made anew when the peer's layouts are learned)."""
+    return TemplateCache(PEER_TEMPLATES_KEPT)
 
 
 class LayerwiseKV(PagedKV):

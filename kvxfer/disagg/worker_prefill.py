@@ -69,6 +69,7 @@ from kvxfer.disagg.worker import (
     layer_groups,
     make_transport,
     now,
+    peer_templates,
     plan_between,
     release_managers,
     resume_ranks,
@@ -95,6 +96,7 @@ from kvxfer.errors import (
     TransferFailed,
     WorkerUnhealthy,
 )
+from kvxfer.extractor import TemplateCache
 from kvxfer.model import Model, greedy
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import PreparedTransfer, TransferHandle, TransferStatus, Transport
@@ -232,6 +234,7 @@ class PrefillWorker(WorkerBase):
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._draining = False   # set by drain: new requests are refused (engine thread reads it)
         self._peer_layouts: dict[str, list[CacheLayoutDesc]] = {}
+        self._peer_templates: dict[str, TemplateCache] = {}   # run templates of (these layouts, the peer's)
         self._peers: dict[str, PeerConnection] = {}
         self.engine = Engine(config.name, self._on_event, self._tick, on_receive=self._on_receive,
                              on_error=lambda reason: self._fail_all(f"prefill worker unhealthy: {reason}"))
@@ -382,6 +385,7 @@ class PrefillWorker(WorkerBase):
             self._on_lost(old, "replaced by a new connection with the same name")
         self.transport.connect(peer, conn.peer.metadata)
         self._peer_layouts[peer] = layouts
+        self._peer_templates[peer] = peer_templates()
         self._peers[peer] = conn
         self._send(conn, KvRanks(layouts=encode_layouts(self.layouts)))
 
@@ -495,7 +499,7 @@ class PrefillWorker(WorkerBase):
                 job.posted_at = now()
             plan = plan_between(self.layouts, job.src_ids, self._peer_layouts[job.peer], job.dst_ids,
                                 token_range=job.span, layers=job.groups[layer], request_id=job.request_id,
-                                planner=self.config.planner)
+                                planner=self.config.planner, templates=self._peer_templates.get(job.peer))
             job.parts += 1
             self._check_may_write(job)
             job.last_posted = now()
@@ -558,7 +562,7 @@ class PrefillWorker(WorkerBase):
                         prepared = None
                     plan = plan_between(self.layouts, src_ids, self._peer_layouts[job.peer], job.dst_ids,
                                         token_range=job.span, request_id=job.request_id,
-                                        planner=self.config.planner)
+                                        planner=self.config.planner, templates=self._peer_templates.get(job.peer))
                 self._check_may_write(job)
                 job.session.start_transfer("write posted")
                 job.posted_at = now()
@@ -646,7 +650,8 @@ class PrefillWorker(WorkerBase):
             ids.append({g: np.asarray(x, dtype=np.int64) for g, x in rank_ids.items()})
         try:
             plan = plan_between(self.layouts, ids, self._peer_layouts[job.peer], job.dst_ids, token_range=job.span,
-                                request_id=job.request_id, planner=self.config.planner)
+                                request_id=job.request_id, planner=self.config.planner,
+                                templates=self._peer_templates.get(job.peer))
         except KvxferError as exc:   # the post plans (and pins) again, and reports what is wrong
             log.debug("%s: request %s: no early plan: %s", self.config.name, job.request_id, exc)
             return
@@ -836,6 +841,7 @@ class PrefillWorker(WorkerBase):
             self._end(job, SessionState.FAILED, f"decode peer lost: {reason}", tell=False)
         self._peers.pop(peer, None)
         self._peer_layouts.pop(peer, None)
+        self._peer_templates.pop(peer, None)
         self.transport.disconnect(peer)
 
     def _fail_all(self, reason: str) -> None:

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.errors import ConfigError
 from kvxfer.extractor.block_ids import BlockIds, block_id_map, check_distinct
 from kvxfer.extractor.compat import paired_layers
 from kvxfer.extractor.pairing import plan_transfer
@@ -44,9 +45,48 @@ U32 = npt.NDArray[np.uint32]
 Template = tuple[U64, U64, U64, U64, U64, U32, U32]
 
 _TEMPLATES_KEPT = 64
-_templates: OrderedDict[tuple[int, int, tuple[int, ...]], tuple[CacheLayoutDesc, CacheLayoutDesc, Template | None]] = \
-    OrderedDict()
-_templates_lock = threading.Lock()
+
+
+class TemplateCache:
+    """Run templates of layout pairs, the least recently used dropped past ``kept``: keyed by the two
+    layout objects (each entry holds them, so their ids are not reused while it is kept), the layers and
+    the segment shape. A worker keeps one per peer (its layouts x the peer's), so that one peer's pairs do
+    not push another's out; the functions below share a module-wide one when given none."""
+
+    def __init__(self, kept: int = _TEMPLATES_KEPT) -> None:
+        if not isinstance(kept, int) or kept < 1:
+            raise ConfigError(f"TemplateCache: kept must be a positive int, got {kept!r}")
+        self.kept = kept
+        self.entries: OrderedDict[tuple[int, int, tuple[int, ...]],
+                                  tuple[CacheLayoutDesc, CacheLayoutDesc, Template | None]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, key: tuple[int, ...],
+            make: Callable[[], Template | None]) -> Template | None:
+        """The template kept for (``src_layout``, ``dst_layout``, ``key``), made by ``make`` when missing."""
+        full = (id(src_layout), id(dst_layout), key)
+        with self.lock:
+            hit = self.entries.get(full)
+            if hit is not None and hit[0] is src_layout and hit[1] is dst_layout:
+                self.entries.move_to_end(full)
+                return hit[2]
+        template = make()
+        with self.lock:
+            self.entries[full] = (src_layout, dst_layout, template)
+            while len(self.entries) > self.kept:
+                self.entries.popitem(last=False)
+        return template
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+
+
+_shared = TemplateCache()
+_templates, _templates_lock = _shared.entries, _shared.lock
 
 
 def plan_blocks(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_layout: CacheLayoutDesc,
@@ -70,11 +110,12 @@ def plan_blocks(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_
 def plan_templated(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_layout: CacheLayoutDesc,
                    dst_block_ids: BlockIds | Any, *, layers: Iterable[int] | None = None,
                    token_range: tuple[int, int] | None = None,
-                   dst_committed: int | None = None) -> list[BlockPlan] | None:
+                   dst_committed: int | None = None, templates: TemplateCache | None = None) -> list[BlockPlan] | None:
     """The runs ``plan_transfer`` (same arguments, same checks and errors) would move, as one BlockPlan
     per segment shape (see the module docstring), in the order of each shape's first segment; None when
     a layout holds several layer groups or a shape's runs are not affine in the slots (use
-    ``plan_transfer``)."""
+    ``plan_transfer``). ``templates``: where the layout pair's templates are kept (default: the module's
+    cache)."""
     if len(src_layout.layer_groups) != 1 or len(dst_layout.layer_groups) != 1:
         return None
     layer_ids, segs = _segments(src_layout, src_block_ids, dst_layout, dst_block_ids, layers, token_range,
@@ -88,7 +129,7 @@ def plan_templated(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, d
     for k in range(shapes.size):
         i = int(first[k])
         shape = (int(segs.src_tok[i]), int(segs.dst_tok[i]), int(segs.length[i]))
-        template = segment_template(src_layout, dst_layout, layer_ids, shape)
+        template = segment_template(src_layout, dst_layout, layer_ids, shape, templates)
         if template is None:
             return None
         mine = which == k
@@ -118,39 +159,19 @@ def _segments(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_la
 
 
 def segment_template(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...],
-                     shape: tuple[int, int, int]) -> Template | None:
+                     shape: tuple[int, int, int], templates: TemplateCache | None = None) -> Template | None:
     """The run template of the segments of ``shape`` (source token offset, destination token offset,
-    length) between two one-layer-group layouts (kept for the last 64 (layout pair, layers, shape)), or
-    None when ``plan_transfer``'s runs for such a segment are not affine in its slots."""
-    key = (id(src_layout), id(dst_layout), (*layers, -1, *shape))
-    with _templates_lock:
-        hit = _templates.get(key)
-        if hit is not None and hit[0] is src_layout and hit[1] is dst_layout:
-            _templates.move_to_end(key)
-            return hit[2]
-    template = _derive(src_layout, dst_layout, layers, shape)
-    with _templates_lock:
-        _templates[key] = (src_layout, dst_layout, template)
-        while len(_templates) > _TEMPLATES_KEPT:
-            _templates.popitem(last=False)
-    return template
+    length) between two one-layer-group layouts (kept in ``templates``, else in the module's cache of the
+    last 64 (layout pair, layers, shape)), or None when ``plan_transfer``'s runs for such a segment are not
+    affine in its slots."""
+    return (_shared if templates is None else templates).get(src_layout, dst_layout, (*layers, -1, *shape),
+                                      lambda: _derive(src_layout, dst_layout, layers, shape))
 
 
 def block_template(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...]) -> Template | None:
     """The per-block-pair run template of two one-layer-group layouts (kept for the last 64 pairs of
     layout objects), or None when ``plan_transfer``'s runs are not affine in the slot ids."""
-    key = (id(src_layout), id(dst_layout), layers)
-    with _templates_lock:
-        hit = _templates.get(key)
-        if hit is not None and hit[0] is src_layout and hit[1] is dst_layout:
-            _templates.move_to_end(key)
-            return hit[2]
-    template = _derive(src_layout, dst_layout, layers)
-    with _templates_lock:   # the entry holds the layouts, so their ids are not reused while it is kept
-        _templates[key] = (src_layout, dst_layout, template)
-        while len(_templates) > _TEMPLATES_KEPT:
-            _templates.popitem(last=False)
-    return template
+    return _shared.get(src_layout, dst_layout, layers, lambda: _derive(src_layout, dst_layout, layers))
 
 
 def _derive(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...],

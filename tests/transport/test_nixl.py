@@ -47,6 +47,14 @@ class Agents:
                 self.made += 1
                 return _real(*args, **kw)
             setattr(agent, verb, counted)
+        core: Any = self.a._core  # type: ignore[attr-defined]
+        if core is not None:   # the one-entry path makes its request through NIXL's binding
+            real_make = core.make
+
+            def counted_make(*args: Any) -> Any:
+                self.made += 1
+                return real_make(*args)
+            core.make = counted_make
 
     def plan(self, seed: int, pages: int = 24) -> TransferPlan:
         rng = np.random.default_rng(seed)
@@ -224,6 +232,68 @@ def test_per_request_plans_of_every_size_move_exact_bytes(agents: Agents, op: st
         getattr(agents.a, op)(agents.b.name, plan).wait(10.0)
         assert agents.made == made + 1
         assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+
+
+def _one(addr: int, nbytes: int, region: int) -> PageTable:
+    return PageTable(np.array([addr], np.uint64), np.array([nbytes], np.uint64), np.array([region], np.uint32))
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("fault", ["local below the base", "remote below the base", "local past the end",
+                                   "remote past the end", "remote region", "local region"])
+def test_a_one_entry_plan_outside_the_regions_is_refused_once_the_grids_exist(agents: Agents, op: str,
+                                                                               fault: str) -> None:
+    """The one-entry post path checks bounds and regions itself (its grids prepared by an earlier post of the
+    same unit): a page one unit below a region's base, one just past a region's end, or in a region that
+    is not registered, is refused with the side named, no request made, no byte moved and no notification.
+    Mutation: dropping a bound lets the page land in the neighbouring region's grid cells (or NIXL fail it
+    as a transfer error instead of a refusal)."""
+    a0, a1 = agents.a.regions
+    b0, b1 = agents.b.regions
+    good = (_one(a1.base_address + PAGE, PAGE, 1), _one(b0.base_address + 2 * PAGE, PAGE, 0))
+    local, remote = {
+        "local below the base": (_one(a1.base_address - PAGE, PAGE, 1), good[1]),
+        "remote below the base": (good[0], _one(b1.base_address - PAGE, PAGE, 1)),
+        "local past the end": (_one(a0.end_address, PAGE, 0), good[1]),
+        "remote past the end": (good[0], _one(b0.end_address, PAGE, 0)),
+        "remote region": (good[0], _one(b1.base_address, PAGE, 2)),
+        "local region": (_one(a0.base_address, PAGE, 7), good[1]),
+    }[fault]
+
+    def plan_of(lt: PageTable, rt: PageTable) -> TransferPlan:
+        return TransferPlan(lt, rt) if op == "write" else TransferPlan(rt, lt)
+    getattr(agents.a, op)(agents.b.name, plan_of(*good)).wait(10.0)   # prepares the grids of this unit
+    before = [x.copy() for x in agents.a_bufs + agents.b_bufs]
+    made = agents.made
+    words = "not registered" if "region" in fault else fault.split()[0]
+    with pytest.raises(PageTableError, match=words):
+        getattr(agents.a, op)(agents.b.name, plan_of(local, remote), notify=b"never")
+    assert agents.made == made
+    assert notifications(agents.b, 1, timeout=0.1, settle=0.05) == []
+    assert all(np.array_equal(got, w) for got, w in zip(agents.a_bufs + agents.b_bufs, before, strict=True))
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_one_entry_posts_finish_within_the_post_or_when_polled_alike(agents: Agents, op: str) -> None:
+    """A one-page post that NIXL finishes within the post returns a handle already done (callbacks run at
+    once, cancel is too late); one it reports in progress is polled to completion. Both land the bytes."""
+    rng = np.random.default_rng(11)
+    for i in range(20):
+        plan = pair(random_pages(rng, list(agents.a.regions), 1, PAGE, False),
+                    random_pages(rng, list(agents.b.regions), 1, PAGE, False))
+        if op == "read":
+            plan = TransferPlan(plan.dst, plan.src)
+        src_regions, src_bufs, dst_regions, dst_bufs = (
+            (agents.a.regions, agents.a_bufs, agents.b.regions, agents.b_bufs) if op == "write"
+            else (agents.b.regions, agents.b_bufs, agents.a.regions, agents.a_bufs))
+        want = expected_after(plan, list(src_regions), src_bufs, list(dst_regions), dst_bufs)
+        handle = getattr(agents.a, op)(agents.b.name, plan, notify=f"n{i}".encode())
+        handle.wait(10.0)
+        seen: list[int] = []
+        handle.add_done_callback(lambda h, seen=seen: seen.append(h.id))  # type: ignore[misc]
+        assert seen == [handle.id] and handle.status is TransferStatus.DONE and not handle.cancel()
+        assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+    assert sorted(notifications(agents.b, 20)) == sorted(f"n{i}".encode() for i in range(20))
 
 
 @pytest.mark.parametrize("entries", [2, 16])
