@@ -1,6 +1,7 @@
 """A decode worker's prefill peers (xPyD): connecting and handshaking, the reconnect loop of each, the
 choice of a prefill for a request, and what a lost prefill means for the peer table. What it means for
-the requests it served is the request lifecycle's (``DecodeRequests._requests_lost``)."""
+the requests it served is the request lifecycle's (``DecodeRequests._requests_lost``). The layers of
+the decode worker: docs/architecture.md, "One worker base, the decode worker split by concern"."""
 
 from __future__ import annotations
 

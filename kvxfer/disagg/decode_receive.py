@@ -1,7 +1,7 @@
 """How a decode request's KV arrives: prefill's answers (``kv_posted``, ``kv_pushed``, ``kv_pull``,
 ``kv_failed``), decode's own read (pull), the transport's tagged notices (push), the tick that watches
 transfers, deadlines and lease renewals, and the check and commit once the KV is in place (``_arrived``),
-which hands the request to the generation."""
+which hands the request to the generation (docs/architecture.md draws the data flow)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A decode worker's request lifecycle: a request is placed (``_start``, ``_begin``), sent to a prefill
 with its destination pages, failed over (``_retry``), failed (``_fail``), quarantined while a prefill may
 still write into its pages, and answered; ``_move`` is the one place that changes its ``JobState``.
-How its KV arrives is ``kvxfer.disagg.decode_receive``."""
+How its KV arrives is ``kvxfer.disagg.decode_receive``; the states: docs/architecture.md, "A request's
+life is a written state machine"."""
 
 from __future__ import annotations
 

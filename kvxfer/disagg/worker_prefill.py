@@ -14,7 +14,8 @@ for checksums, the reply carries a position-keyed digest of the source pages dec
 ``kvxfer.transport.integrity``). The pages a transfer reads stay pinned until it completed or was
 stopped, and the digest describes exactly those pages: a layer-wise push reads the request's own copy
 of its last block, which the commit at the end of the prompt may swap for the prefix tree's identical
-block (freeing the request's copy but for the pin).
+block (freeing the request's copy but for the pin). Who touches a request's pages is its ``PrefillState``,
+moved only by ``PrefillWorker._move`` (docs/architecture.md, "A request's life is a written state machine").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ into a shared block is refused naming it, and the workers keep every plan out of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -165,13 +165,15 @@ def test_pull_plan_into_shared_pages_is_refused_before_the_read(how: str) -> Non
     first, second = prompts(3, prefix=64, count=2)
     careless_on: list[bool] = []
 
-    def careless(src_l: Any, src_ids: Any, dst_l: Any, dst_ids: Any, *, token_range: tuple[int, int],
-                 **kw: Any) -> TransferPlan:
+    def careless(src_layouts: Any, src_ids: Any, dst_layouts: Any, dst_ids: Any, *, token_range: tuple[int, int],
+                 layers: Sequence[int] | None = None, dst_committed: Sequence[int | None] | None = None,
+                 request_id: str = "") -> TransferPlan:
+        kw: dict[str, Any] = {"layers": layers, "dst_committed": dst_committed, "request_id": request_id}
         if not careless_on:
-            return plan_between(src_l, src_ids, dst_l, dst_ids, token_range=token_range, **kw)
+            return plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range, **kw)
         if how == "block ids":         # bypass the planner's check: only the one before posting remains
             dst_ids = [c.block_id_map() for c in dst_ids]
-        return plan_between(src_l, src_ids, dst_l, dst_ids, token_range=(0, token_range[1]), **kw)
+        return plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=(0, token_range[1]), **kw)
 
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
             DecodeWorker(WorkerConfig(name("decode"), planner=careless), SECRET, prefill=prefill.address,
