@@ -4,10 +4,12 @@ in the same run (Llama-3-8B KV shape, CPU pools, fragmented slots on both sides)
 
 Per case: planning time (``plan_templated`` with the layout pair's templates made, + ``landing_plan``), the
 transfer's descriptors, the transfer time, the re-layout time, and their sum against the identical-layout
-transfer; medians over ``--iters``, every timed iteration poisoned before (the destination pools) and
-checked after, cell by cell through the managers' buffer views.
+transfer; then the same pull pipelined (``read_relayout(piece_bytes=--piece-mib)``: each piece re-laid out
+while the next moves) against the identical-layout transfer; medians over ``--iters``, every timed
+iteration poisoned before (the destination pools) and checked after, cell by cell through the managers'
+buffer views.
 
-    PYTHONPATH=$PWD python benchmarks/bench_relayout.py [--backend nixl] [--tokens 4096] [--iters 3]
+    PYTHONPATH=$PWD python benchmarks/bench_relayout.py [--backend nixl] [--tokens 4096] [--iters 3] [--piece-mib 8]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvxfer.cache.memory import MemoryRegion
 from kvxfer.extractor import plan_templated
 from kvxfer.pagetable.relayout import landing_plan, relayout_host
 from kvxfer.transport import create
+from kvxfer.transport.relayout import read_relayout
 
 LAYERS, HEADS, HEAD_DIM, TPB = 32, 8, 128, 32
 
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="nixl")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--piece-mib", type=float, default=8.0, help="pipelined pull: bytes per piece, MiB")
     args = ap.parse_args(argv)
     tokens = args.tokens
     src, sids = manager(tokens, TPB, 16)
@@ -104,25 +108,34 @@ def main(argv: list[str] | None = None) -> int:
         a.connect(b.name, b.metadata())
         b.connect(a.name, a.metadata())
         identical = name == "identical"
-        move, relay, ok = [], [], True
+        move, relay, piped, ok = [], [], [], True
         transfer = lp.transfer.expand()
+        piece_bytes = max(1, int(args.piece_mib * (1 << 20)))
         for i in range(args.iters + 1):
-            for region in dst_regions:
-                np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(region.base_address))[:] = i + 1
-            t0 = time.perf_counter()
-            if identical:
-                b.read(a.name, phases[0] if len(phases) == 1 else transfer).wait(60.0)
-                t1 = t2 = time.perf_counter()
-            else:
-                b.read(a.name, transfer).wait(60.0)
-                t1 = time.perf_counter()
-                relayout_host(lp.relayout, b.regions, b.regions)
-                t2 = time.perf_counter()
-            good = check(src, sids, dst, dids, tokens)
-            ok = ok and good
-            if i:
-                move.append(t1 - t0)
-                relay.append(t2 - t1)
+            # Sequential (read, then re-layout) and pipelined alternate which goes first.
+            for pipelined in ((False, True) if i % 2 else (True, False)):
+                for region in dst_regions:
+                    np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(region.base_address))[:] = \
+                        2 * i + 1 + pipelined
+                t0 = time.perf_counter()
+                if identical:
+                    b.read(a.name, phases[0] if len(phases) == 1 else transfer).wait(60.0)
+                    t1 = t2 = time.perf_counter()
+                elif pipelined:
+                    read_relayout(b, a.name, lp, piece_bytes=piece_bytes).wait(60.0)
+                    t1 = t2 = time.perf_counter()
+                else:
+                    b.read(a.name, transfer).wait(60.0)
+                    t1 = time.perf_counter()
+                    relayout_host(lp.relayout, b.regions, b.regions)
+                    t2 = time.perf_counter()
+                good = check(src, sids, dst, dids, tokens)
+                ok = ok and good
+                if i and pipelined:
+                    piped.append(t2 - t0)
+                elif i:
+                    move.append(t1 - t0)
+                    relay.append(t2 - t1)
         a.close()
         b.close()
         scratch_a = np.ones(lp.total_bytes, np.uint8)
@@ -135,16 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         del scratch_a, scratch_b
         rows.append({"case": name, "plan_ms": plan_ms, "memcpy_ms": statistics.median(copies) * 1e3, "descriptors": len(transfer) if not identical else len(phases[0]),
                      "bytes": lp.total_bytes, "move_ms": statistics.median(move) * 1e3,
-                     "relayout_ms": statistics.median(relay) * 1e3, "verified": ok})
+                     "relayout_ms": statistics.median(relay) * 1e3, "pipelined_ms": statistics.median(piped) * 1e3,
+                     "verified": ok})
         print(f"done {name}", flush=True)
-    ident = rows[0]["move_ms"] + rows[0]["relayout_ms"]
-    print(f"Llama-3-8B KV shape, {tokens} tokens, {args.backend}, CPU pools, medians of {args.iters}")
+    ident = statistics.median([rows[0]["move_ms"], rows[0]["pipelined_ms"]])   # both columns move it alike
+    print(f"Llama-3-8B KV shape, {tokens} tokens, {args.backend}, CPU pools, medians of {args.iters}; "
+          f"pipelined pieces of {args.piece_mib:g} MiB")
     print(f"{'case':28} {'plan ms':>8} {'descs':>7} {'MiB':>6} {'move ms':>8} {'relayout ms':>11} {'memcpy ms':>9} "
-          f"{'total/identical':>15} ok")
+          f"{'total/identical':>15} {'pipelined ms':>12} {'piped/identical':>15} ok")
     for r in rows:
         total = r["move_ms"] + r["relayout_ms"]
         print(f"{r['case']:28} {r['plan_ms']:8.2f} {r['descriptors']:7d} {r['bytes'] >> 20:6d} {r['move_ms']:8.1f} "
-              f"{r['relayout_ms']:11.1f} {r['memcpy_ms']:9.1f} {total / ident:14.2f}x {r['verified']}")
+              f"{r['relayout_ms']:11.1f} {r['memcpy_ms']:9.1f} {total / ident:14.2f}x {r['pipelined_ms']:12.1f} "
+              f"{r['pipelined_ms'] / ident:14.2f}x {r['verified']}")
     return 0 if all(r["verified"] for r in rows) else 1
 
 

@@ -12,6 +12,11 @@ class ConfigError(KvxferError, ValueError):
     """A configuration field is invalid; the message names the field and the bad value."""
 
 
+class ConfigContractError(ConfigError, AssertionError):
+    """A configuration the reference design rejects with an assertion (for example recurrent layers
+    without ``commit_min_snapshot``); a ConfigError that is also an AssertionError."""
+
+
 class LayoutError(KvxferError, ValueError):
     """A layout descriptor is malformed or inconsistent (overlapping slots, bad offsets, ...)."""
 
@@ -67,6 +72,12 @@ class CuError(KVCacheError):
 
 class LogicError(KVCacheError, RuntimeError):
     """A call the manager's state forbids (e.g. clearing reusable blocks while caches are open)."""
+
+
+class ContractError(LogicError, AssertionError):
+    """A call breaking a precondition the reference design asserts (for example a commit that neither
+    starts nor ends at ``history_length`` under ``commit_min_snapshot``); also an AssertionError, as
+    the reference raises one there."""
 
 
 class CorruptedError(KVCacheError):

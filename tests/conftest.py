@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,15 +11,11 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("kvxfer", deadline=None, max_examples=60,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvxfer"))
-_FAULTS = Path(__file__).parent / "faults"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the fault-injection suite first, as in the flat layout (its process-fault timings were tuned in a
-    fresh test process: after the disagg and e2e suites, the layer-wise freeze in
-    test_resumed_prefill_cannot_write_into_blocks_decode_gave_away lands too late); skip GPU tests with a
-    reason on machines without CUDA."""
-    items.sort(key=lambda item: _FAULTS not in item.path.parents)   # stable: the order within each part stays
+    """Skip GPU tests with a reason on machines without CUDA. The suites run in collection order: none
+    depends on running first (tests/faults passes alone, after the others and in reverse)."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False on this machine)")

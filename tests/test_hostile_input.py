@@ -299,6 +299,9 @@ HOSTILE_HEADERS = [
     b"\x93\x01\xa5hello\xdf\x7f\xff\xff\xff", b"\x91" * 5000, b"\xdc\xff\xff" * 300,
     b"KVPT\x01\x00\x00\x00" + b"\xff" * 8, b"KVTP\x01\x00\x00\x00" + b"\xff" * 8,
     b"KVPT\x01\x00\x40\x00" + b"\x00" * 8 + b"\x20" + b"a" * 32, b"KVPT\x01\x00\x00\x00" + (2**61).to_bytes(8, "little"),
+    # the page-table header: a count of 2**61, a names array claiming 2**32 items, a header length past the end
+    b"KVPT\x02\x00\x0b\x00\x92\xcf" + (2**61).to_bytes(8, "big") + b"\x90",
+    b"KVPT\x02\x00\x07\x00\x92\x00\xdd\xff\xff\xff\xff", b"KVTP\x02\x00\xff\xff\x92\x00\x90",
 ]
 
 

@@ -73,3 +73,46 @@ def test_cache_modules_form_no_import_circle() -> None:
     assert find_cycle(graph) is None, find_cycle(graph)
     # the cycle finder itself finds the circle this module once had
     assert find_cycle({"m": {"k"}, "k": {"t"}, "t": {"m"}}) == ["k", "t", "m", "k"]
+
+
+#: The decode worker's concerns, lowest first: each module imports (at run time) none above it.
+DECODE_LAYERS = ["kvxfer.disagg.worker", "kvxfer.disagg.decode_jobs", "kvxfer.disagg.decode_peers",
+                 "kvxfer.disagg.decode_requests", "kvxfer.disagg.decode_receive", "kvxfer.disagg.worker_decode"]
+
+
+def runtime_imports(path: Path, prefix: str) -> set[str]:
+    """Modules under ``prefix`` that ``path`` imports at run time (not under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith(prefix))
+    return found
+
+
+def test_the_decode_worker_concerns_are_layered() -> None:
+    """Peers know no request lifecycle, the lifecycle no receive path, and none of them the worker that
+    composes them (each may import only the layers below it)."""
+    for i, module in enumerate(DECODE_LAYERS):
+        path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+        above = set(DECODE_LAYERS[i + 1:])
+        assert not runtime_imports(path, "kvxfer.disagg") & above, (module, runtime_imports(path, "kvxfer") & above)
+    # the check sees a run-time import and skips a typing-only one
+    sample = PACKAGE.parent / "kvxfer" / "disagg" / "decode_jobs.py"
+    assert "kvxfer.disagg.worker" in runtime_imports(sample, "kvxfer.disagg")
+    assert "kvxfer.disagg.decode_peers" not in runtime_imports(sample, "kvxfer.disagg")
+
+
+def test_the_worker_modules_keep_their_public_names() -> None:
+    """What callers import from ``worker_decode`` stays importable there after the split."""
+    from kvxfer.disagg import worker_decode
+    for name in ("DecodeWorker", "GenerationResult", "JobState", "JOB_TRANSITIONS", "check_move",
+                 "one_host_landing_s", "RECONNECT_ATTEMPT_S", "RECONNECT_PAUSE_S"):
+        assert hasattr(worker_decode, name), name

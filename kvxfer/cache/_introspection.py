@@ -101,8 +101,8 @@ def current_gpu_ratio(manager: Any) -> list[float]:
 
 
 def attention_life_cycle_ids(manager: Any) -> list[int]:
-    """Every layer group (all of kvxfer's layer groups are attention life cycles)."""
-    return list(range(len(manager.layer_grouping)))
+    """The attention layer groups (every layer group but the recurrent one)."""
+    return [lg.layer_group_id for lg in manager.layout.layer_groups if not lg.recurrent]
 
 
 def swa_life_cycle_ids(manager: Any) -> list[int]:
@@ -111,9 +111,8 @@ def swa_life_cycle_ids(manager: Any) -> list[int]:
 
 
 def ssm_life_cycle_id(manager: Any) -> int | None:
-    """The recurrent (SSM) life cycle: None, kvxfer keeps none."""
-    del manager
-    return None
+    """The recurrent (SSM) layer group, None when the manager has no recurrent layers."""
+    return next((lg.layer_group_id for lg in manager.layout.layer_groups if lg.recurrent), None)
 
 
 def is_commit_allowed(kv_cache: Any) -> bool:
@@ -167,6 +166,21 @@ def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequ
     return num_tokens, pages
 
 
+
+def reuse_match_planned_drop_counts(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt],
+                                    lc_id: int, enable_partial: bool = False) -> tuple[int, list[int]]:
+    """Match ``tokens`` against the prefix tree: (tokens matched, per matched block the open planned drops
+    naming its page of layer group ``lc_id``)."""
+    scope = reuse_scope or ReuseScope()
+    algo = manager.resolved_hash_algo
+    root = scope.root_key_for(algo)
+    arr = manager.lifecycle.encode_tokens(list(tokens), "reuse_match_planned_drop_counts")
+    keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
+    match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
+    nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
+    counts = [manager.lifecycle.planned_drop_count(node, lc_id) for node in nodes]
+    num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if match.partial else 0)
+    return num_tokens, counts
 
 # --- test blocks for event tests ----------------------------------------------------------------------
 

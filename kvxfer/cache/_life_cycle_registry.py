@@ -1,19 +1,19 @@
 """The reference design's ``_life_cycle_registry`` module name, for code written against it:
-``LifeCycleRegistry``, the life cycle of each layer group (kvxfer's ``AttnLifeCycle``; kvxfer has no SSM
-life cycle), in layer group order."""
+``LifeCycleRegistry``, the life cycle of each layer group (``AttnLifeCycle`` for attention layer groups,
+``SsmLifeCycle`` for the recurrent one), in layer group order."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvxfer.cache.common import AttnLifeCycle, LayerGroupId
+from kvxfer.cache.common import AttnLifeCycle, LayerGroupId, LifeCycle, SsmLifeCycle
 
 
 class LifeCycleRegistry:
     """The life cycles of a manager's layer groups."""
 
-    def __init__(self, life_cycles: Sequence[AttnLifeCycle]) -> None:
+    def __init__(self, life_cycles: Sequence[LifeCycle]) -> None:
         self._life_cycles = tuple(life_cycles)
 
     @classmethod
@@ -28,15 +28,18 @@ class LifeCycleRegistry:
 
     @property
     def ssm_life_cycle_id(self) -> LayerGroupId | None:
-        """The SSM life cycle (kvxfer has none: None)."""
+        """The recurrent (SSM) life cycle, None when the manager has no recurrent layers."""
+        for i, lc in enumerate(self._life_cycles):
+            if isinstance(lc, SsmLifeCycle):
+                return LayerGroupId(i)
         return None
 
     def attention_life_cycles(self) -> Iterator[tuple[LayerGroupId, AttnLifeCycle]]:
         """(layer group id, life cycle) of every attention layer group."""
-        return ((LayerGroupId(i), lc) for i, lc in enumerate(self._life_cycles))
+        return ((LayerGroupId(i), lc) for i, lc in enumerate(self._life_cycles) if isinstance(lc, AttnLifeCycle))
 
-    def __getitem__(self, life_cycle_id: LayerGroupId) -> AttnLifeCycle:
+    def __getitem__(self, life_cycle_id: LayerGroupId) -> LifeCycle:
         return self._life_cycles[life_cycle_id]
 
 
-__all__ = ["LifeCycleRegistry"]
+__all__ = ["LifeCycleRegistry", "SsmLifeCycle"]

@@ -231,6 +231,41 @@ class AttnLifeCycle:
         return f"AttnLifeCycle(window_size={self._window_size}, num_sink_blocks={self._num_sink_blocks})"
 
 
+class SsmLifeCycle:
+    """The life cycle of the recurrent (SSM) layer group: one state slot per request whatever its length,
+    and prefix reuse only where the prefix tree holds a snapshot of that state."""
+
+    __slots__ = ()
+
+    @property
+    def window_size(self) -> None:
+        """Recurrent state has no token window."""
+        return None
+
+    @property
+    def num_sink_blocks(self) -> int:
+        """No sink blocks."""
+        return 0
+
+    def get_stale_range(self, history_length: int, tokens_per_block: int) -> HalfOpenRange[int]:
+        """No block ordinals: the state is one slot, not pages per block."""
+        del history_length, tokens_per_block
+        return HalfOpenRange(0, 0)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SsmLifeCycle)
+
+    def __hash__(self) -> int:
+        return hash(SsmLifeCycle)
+
+    def __repr__(self) -> str:
+        return "SsmLifeCycle()"
+
+
+#: The life cycle of a layer group.
+LifeCycle = AttnLifeCycle | SsmLifeCycle
+
+
 # --- page index conversion -----------------------------------------------------------------------------
 @dataclass(slots=True, frozen=True)
 class ScratchDesc:

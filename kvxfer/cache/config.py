@@ -15,6 +15,8 @@ from kvxfer.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS, HASH_V2_SHA256_P
 from kvxfer.cache.manager_config import (
     EXTRA_COMMIT_MIN_SNAPSHOT,
     EXTRA_REUSE_MATCH_BACKOFF,
+    EXTRA_SLOT_FLOORS,
+    EXTRA_STORE_TAIL_BLOCKS,
     EXTRA_TEXT_ONLY,
     AttentionLayerConfig,
     BufferConfig,
@@ -74,9 +76,16 @@ class LayerSpec:
     window: int | None = None
     sink_tokens: int = 0
     roles: tuple[str | RoleSpec, ...] = ("key", "value")
+    #: A recurrent (SSM) layer: its roles are one request's state (a block's worth of bytes: heads x
+    #: head_dim x tokens_per_block), held in one slot per request instead of pages per block.
+    recurrent: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(self.layer_id, "LayerSpec.layer_id", allow_zero=True)
+        if not isinstance(self.recurrent, bool):
+            raise ConfigError(f"LayerSpec({self.layer_id}).recurrent must be a bool, got {self.recurrent!r}")
+        if self.recurrent and self.window is not None:
+            raise ConfigError(f"LayerSpec({self.layer_id}): a recurrent layer has no window, got {self.window}")
         _positive_int(self.num_kv_heads, f"LayerSpec({self.layer_id}).num_kv_heads")
         _positive_int(self.head_dim, f"LayerSpec({self.layer_id}).head_dim")
         if self.window is not None:
@@ -313,34 +322,37 @@ def manager_config_of(config: CacheConfig) -> KVCacheManagerConfig:
                                 heads * (role.head_dim or layer.head_dim) * itemsize(role.dtype or config.dtype)
                                 * config.tokens_per_block)
                    for role in layer.role_specs]
-        layers.append(AttentionLayerConfig(LayerId(layer.layer_id), buffers, layer.window,
-                                           layer.sink_tokens if layer.window is not None else None))
+        if layer.recurrent:
+            layers.append(SsmLayerConfig(LayerId(layer.layer_id), buffers))
+        else:
+            layers.append(AttentionLayerConfig(LayerId(layer.layer_id), buffers, layer.window,
+                                               layer.sink_tokens if layer.window is not None else None))
     extra = dict(config.extra)
+    recurrent = any(layer.recurrent for layer in config.layers)
     return KVCacheManagerConfig(
         tokens_per_block=config.tokens_per_block, cache_tiers=tiers, layers=layers,
         max_util_for_resume=float(config.resume_max_utilization),
         enable_partial_reuse=config.enable_partial_reuse,
         reuse_match_backoff=int(extra.get(EXTRA_REUSE_MATCH_BACKOFF, 0)),
         swa_scratch_reuse=SwaScratchReuseConfig() if config.swa_scratch_reuse else None,
-        commit_min_snapshot=bool(extra.get(EXTRA_COMMIT_MIN_SNAPSHOT, False)),
+        commit_min_snapshot=bool(extra.get(EXTRA_COMMIT_MIN_SNAPSHOT, False)) or recurrent,
         enable_stats=config.enable_stats, text_only=bool(extra.get(EXTRA_TEXT_ONLY, False)))
 
 
-def _check_layers(layers: Sequence[object], tokens_per_block: int) -> list[AttentionLayerConfig]:
-    out: list[AttentionLayerConfig] = []
+def _check_layers(layers: Sequence[object], tokens_per_block: int) -> list[AttentionLayerConfig | SsmLayerConfig]:
+    out: list[AttentionLayerConfig | SsmLayerConfig] = []
     for layer in layers:
-        if isinstance(layer, SsmLayerConfig):
-            raise ConfigError(f"KVCacheManagerConfig.layers: layer {layer.layer_id} is an SsmLayerConfig; "
-                              f"kvxfer's manager keeps paged attention KV only (no recurrent state)")
-        if not isinstance(layer, AttentionLayerConfig):
-            raise ConfigError(f"KVCacheManagerConfig.layers must hold AttentionLayerConfig, got {layer!r}")
+        if not isinstance(layer, AttentionLayerConfig | SsmLayerConfig):
+            raise ConfigError(f"KVCacheManagerConfig.layers must hold AttentionLayerConfig or SsmLayerConfig, "
+                              f"got {layer!r}")
+        kind = type(layer).__name__
         if not layer.buffers:
-            raise ConfigError(f"AttentionLayerConfig({layer.layer_id}).buffers must not be empty")
+            raise ConfigError(f"{kind}({layer.layer_id}).buffers must not be empty")
         for buf in layer.buffers:
             if not isinstance(buf, BufferConfig):
-                raise ConfigError(f"AttentionLayerConfig({layer.layer_id}).buffers must hold BufferConfig, "
-                                  f"got {buf!r}")
+                raise ConfigError(f"{kind}({layer.layer_id}).buffers must hold BufferConfig, got {buf!r}")
             tpb = buf.tokens_per_block_override or tokens_per_block
+            # A recurrent state is kept as a block's worth of bytes (tokens_per_block rows of size/tpb).
             if isinstance(buf.size, bool) or not isinstance(buf.size, int) or buf.size <= 0 or buf.size % tpb:
                 raise ConfigError(f"BufferConfig(layer {layer.layer_id}, {buf.role!r}).size must be a positive "
                                   f"multiple of its {tpb} tokens per block, got {buf.size!r}")
@@ -385,6 +397,10 @@ def cache_config_of(config: KVCacheManagerConfig) -> CacheConfig:
             if own_tpb != tpb:
                 raise ConfigError(f"BufferConfig(layer {layer.layer_id}, {buf.role!r}).tokens_per_block_override="
                                   f"{own_tpb}: kvxfer's pools page every buffer by the manager's {tpb} tokens")
+        if isinstance(layer, SsmLayerConfig):
+            specs.append(LayerSpec(int(layer.layer_id), 1, roles[0].head_dim or 1, roles=tuple(roles),
+                                   recurrent=True))
+            continue
         window = layer.sliding_window_size
         specs.append(LayerSpec(int(layer.layer_id), 1, roles[0].head_dim or 1, window=window,
                                sink_tokens=(layer.num_sink_tokens or 0) if window is not None else 0,
@@ -396,7 +412,8 @@ def cache_config_of(config: KVCacheManagerConfig) -> CacheConfig:
     if isinstance(backoff, bool) or not isinstance(backoff, int) or backoff < 0:
         raise ConfigError(f"KVCacheManagerConfig.reuse_match_backoff must be an int >= 0, got {backoff!r}")
     extra = ((EXTRA_REUSE_MATCH_BACKOFF, backoff), (EXTRA_COMMIT_MIN_SNAPSHOT, bool(config.commit_min_snapshot)),
-             (EXTRA_TEXT_ONLY, bool(config.text_only)))
+             (EXTRA_TEXT_ONLY, bool(config.text_only)), (EXTRA_STORE_TAIL_BLOCKS, True),
+             (EXTRA_SLOT_FLOORS, True))
     return CacheConfig(layers=tuple(specs), tokens_per_block=tpb, dtype="uint8", tiers=tuple(tiers),
                        hash_algo=HASH_V2_SHA256_PACKED,
                        enable_partial_reuse=bool(config.enable_partial_reuse), enable_stats=bool(config.enable_stats),

@@ -1,4 +1,4 @@
-"""Published layout descriptors: frozen, hashable, versioned, with a msgpack/JSON codec.
+"""Published layout descriptors: frozen, hashable, versioned, with a msgspec schema for msgpack and JSON.
 
 These are the only view other stages get of the cache manager's memory (docs/architecture.md,
 "Decisions"). Every decoder checks types and invariants, because descriptors arrive from peers.
@@ -6,14 +6,15 @@ These are the only view other stages get of the cache manager's memory (docs/arc
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import blake3
-import msgpack
+import msgspec
 
 from kvxfer.cache.dtypes import dtype_name, itemsize
 from kvxfer.errors import ConfigError, DecodeError, LayoutError
@@ -21,52 +22,6 @@ from kvxfer.errors import ConfigError, DecodeError, LayoutError
 LAYOUT_VERSION = 2
 MEMORY_KINDS = ("cpu", "cuda", "pinned", "disk")
 _MAX_U64 = (1 << 64) - 1
-
-T = TypeVar("T")
-
-
-# --- decoding helpers: every field read from untrusted input goes through these --------------------
-def _get(d: Mapping[str, Any], key: str, where: str) -> Any:
-    if not isinstance(d, Mapping):
-        raise DecodeError(f"{where}: expected a mapping, got {type(d).__name__}")
-    if key not in d:
-        raise DecodeError(f"{where}: missing field {key!r}")
-    return d[key]
-
-
-def _int(d: Mapping[str, Any], key: str, where: str, lo: int = 0, hi: int = _MAX_U64) -> int:
-    v = _get(d, key, where)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise DecodeError(f"{where}.{key}: expected an int in [{lo}, {hi}], got {v!r}")
-    return v
-
-
-def _opt_int(d: Mapping[str, Any], key: str, where: str) -> int | None:
-    if _get(d, key, where) is None:
-        return None
-    return _int(d, key, where, 1)
-
-
-def _str(d: Mapping[str, Any], key: str, where: str, max_len: int = 64) -> str:
-    v = _get(d, key, where)
-    if not isinstance(v, str) or len(v) > max_len:
-        raise DecodeError(f"{where}.{key}: expected a string of <= {max_len} chars, got {v!r:.80}")
-    return v
-
-
-def _seq(d: Mapping[str, Any], key: str, where: str, item: Callable[[Any, str], T], max_len: int) -> tuple[T, ...]:
-    v = _get(d, key, where)
-    if not isinstance(v, list | tuple) or len(v) > max_len:
-        raise DecodeError(f"{where}.{key}: expected a list of <= {max_len} items, got {type(v).__name__}"
-                          f"{'' if not isinstance(v, list | tuple) else f' of {len(v)}'}")
-    return tuple(item(x, f"{where}.{key}[{i}]") for i, x in enumerate(v))
-
-
-def _build(cls: Callable[..., T], where: str, **kw: Any) -> T:
-    try:
-        return cls(**kw)
-    except (LayoutError, ConfigError, TypeError, ValueError) as exc:
-        raise DecodeError(f"{where}: {exc}") from exc
 
 
 # --- descriptors -----------------------------------------------------------------------------------
@@ -92,12 +47,7 @@ class BufferId(_BufferIdFields):
             raise LayoutError(f"BufferId.role must be a non-empty string, got {role!r}")
         return super().__new__(cls, layer_id, role)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"layer_id": self.layer_id, "role": self.role}
 
-    @classmethod
-    def from_wire(cls, v: Any, where: str = "BufferId") -> BufferId:
-        return _build(cls, where, layer_id=_int(v, "layer_id", where, 0, 1 << 20), role=_str(v, "role", where))
 
 
 @dataclass(frozen=True)
@@ -142,18 +92,7 @@ class BufferFormat:
         """Bytes of one page of this buffer (``tokens_per_block`` tokens of one layer and role)."""
         return self.num_heads * self.tokens_per_block * self.head_dim * self.itemsize
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "head_dim": self.head_dim, "tokens_per_block": self.tokens_per_block,
-                "head_start": self.head_start, "num_heads": self.num_heads, "total_heads": self.total_heads,
-                "order": self.order}
 
-    @classmethod
-    def from_wire(cls, v: Any, where: str = "BufferFormat") -> BufferFormat:
-        return _build(cls, where, dtype=_str(v, "dtype", where, 32), head_dim=_int(v, "head_dim", where, 1, 1 << 20),
-                      tokens_per_block=_int(v, "tokens_per_block", where, 1, 1 << 20),
-                      head_start=_int(v, "head_start", where, 0, 1 << 20),
-                      num_heads=_int(v, "num_heads", where, 1, 1 << 20),
-                      total_heads=_int(v, "total_heads", where, 1, 1 << 20), order=_str(v, "order", where, 8))
 
 
 @dataclass(frozen=True)
@@ -185,13 +124,7 @@ class CoalescedBuffer:
         """How many (layer, role) buffers it holds."""
         return len(self.buffer_ids)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"single_buffer_size": self.single_buffer_size, "buffer_ids": [b.to_wire() for b in self.buffer_ids]}
 
-    @classmethod
-    def from_wire(cls, v: Any, where: str = "CoalescedBuffer") -> CoalescedBuffer:
-        return _build(cls, where, single_buffer_size=_int(v, "single_buffer_size", where, 1, 1 << 40),
-                      buffer_ids=_seq(v, "buffer_ids", where, BufferId.from_wire, 1 << 16))
 
 
 @dataclass(frozen=True)
@@ -263,14 +196,7 @@ class SlotDescVariant:
         return tuple(BufferSpan(b, self.layer_group_id, p, i * c.single_buffer_size, c.single_buffer_size)
                      for p, c in enumerate(self.coalesced_buffers) for i, b in enumerate(c.buffer_ids))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"layer_group_id": self.layer_group_id,
-                "coalesced_buffers": [c.to_wire() for c in self.coalesced_buffers]}
 
-    @classmethod
-    def from_wire(cls, v: Any, where: str = "SlotDescVariant") -> SlotDescVariant:
-        return _build(cls, where, layer_group_id=_int(v, "layer_group_id", where, 0, 1 << 20),
-                      coalesced_buffers=_seq(v, "coalesced_buffers", where, CoalescedBuffer.from_wire, 1 << 12))
 
 
 @dataclass(frozen=True)
@@ -311,12 +237,7 @@ class SlotDesc:
                 return v
         raise LayoutError(f"no variant for layer group {layer_group_id} (have {list(self.layer_group_ids)})")
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"variants": [v.to_wire() for v in self.variants]}
 
-    @classmethod
-    def from_wire(cls, v: Any, where: str = "SlotDesc") -> SlotDesc:
-        return _build(cls, where, variants=_seq(v, "variants", where, SlotDescVariant.from_wire, 1 << 12))
 
 
 @dataclass(frozen=True)
@@ -353,16 +274,7 @@ class PoolDesc:
         """First address past the pool."""
         return self.base_address + self.nbytes
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"pool_index": self.pool_index, "base_address": self.base_address, "slot_bytes": self.slot_bytes,
-                "num_slots": self.num_slots, "memory_kind": self.memory_kind, "device_id": self.device_id}
 
-    @classmethod
-    def from_wire(cls, v: Any, where: str = "PoolDesc") -> PoolDesc:
-        return _build(cls, where, pool_index=_int(v, "pool_index", where, 0, 1 << 20),
-                      base_address=_int(v, "base_address", where), slot_bytes=_int(v, "slot_bytes", where, 1, 1 << 44),
-                      num_slots=_int(v, "num_slots", where, 0, 1 << 40), memory_kind=_str(v, "memory_kind", where, 16),
-                      device_id=_int(v, "device_id", where, 0, 1 << 16))
 
 
 @dataclass(frozen=True)
@@ -397,27 +309,23 @@ class PoolGroupDesc:
         """The layer groups sharing this pool group (one slot-desc variant each)."""
         return self.slot_desc.layer_group_ids
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"pool_group_index": self.pool_group_index, "num_slots": self.num_slots,
-                "slot_desc": self.slot_desc.to_wire(), "pools": [p.to_wire() for p in self.pools]}
 
-    @classmethod
-    def from_wire(cls, v: Any, where: str = "PoolGroupDesc") -> PoolGroupDesc:
-        return _build(cls, where, pool_group_index=_int(v, "pool_group_index", where, 0, 1 << 20),
-                      num_slots=_int(v, "num_slots", where, 0, 1 << 40),
-                      slot_desc=SlotDesc.from_wire(_get(v, "slot_desc", where), f"{where}.slot_desc"),
-                      pools=_seq(v, "pools", where, PoolDesc.from_wire, 1 << 12))
 
 
 @dataclass(frozen=True)
 class LayerGroupDesc:
-    """Layers with the same attention window; a request holds one block-id list per layer group."""
+    """Layers with the same attention window; a request holds one block-id list per layer group.
+
+    ``recurrent``: the group's layers are recurrent (SSM) layers, whose state is one slot per request
+    (its block-id list has one entry, whatever the request's length) rather than one page per block.
+    """
 
     layer_group_id: int
     layer_ids: tuple[int, ...]
     window: int | None
     sink_tokens: int
     pool_group_index: int
+    recurrent: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
@@ -426,17 +334,10 @@ class LayerGroupDesc:
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
                                         or self.window <= 0):
             raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: window must be None or > 0, got {self.window!r}")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"layer_group_id": self.layer_group_id, "layer_ids": list(self.layer_ids), "window": self.window,
-                "sink_tokens": self.sink_tokens, "pool_group_index": self.pool_group_index}
-
-    @classmethod
-    def from_wire(cls, v: Any, where: str = "LayerGroupDesc") -> LayerGroupDesc:
-        ids = _seq(v, "layer_ids", where, lambda x, w: _int({"v": x}, "v", w, 0, 1 << 20), 1 << 16)
-        return _build(cls, where, layer_group_id=_int(v, "layer_group_id", where, 0, 1 << 20), layer_ids=ids,
-                      window=_opt_int(v, "window", where), sink_tokens=_int(v, "sink_tokens", where, 0, 1 << 40),
-                      pool_group_index=_int(v, "pool_group_index", where, 0, 1 << 20))
+        if not isinstance(self.recurrent, bool):
+            raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: recurrent must be a bool, got {self.recurrent!r}")
+        if self.recurrent and (self.window is not None or self.sink_tokens):
+            raise LayoutError(f"LayerGroupDesc {self.layer_group_id}: a recurrent layer group has no window or sinks")
 
 
 @dataclass(frozen=True)
@@ -588,51 +489,25 @@ class CacheLayoutDesc:
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
-        """The wire dictionary (JSON- and msgpack-ready, named fields only)."""
-        return {"version": self.version, "tokens_per_block": self.tokens_per_block,
-                "layer_groups": [lg.to_wire() for lg in self.layer_groups],
-                "pool_groups": [pg.to_wire() for pg in self.pool_groups],
-                "formats": [{"buffer_id": b.to_wire(), "format": f.to_wire()} for b, f in self.formats],
-                "fingerprint": self.fingerprint.hex()}
+        """The wire dictionary (JSON- and msgpack-ready, named fields only; ``CacheLayoutWire``'s shape)."""
+        d: dict[str, Any] = plain(self)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> CacheLayoutDesc:
         """Decode and validate a wire dictionary; raises DecodeError naming the bad field."""
-        where = "CacheLayoutDesc"
-        version = _int(d, "version", where, 0, 1 << 16)
-        if version != LAYOUT_VERSION:
-            raise DecodeError(f"{where}.version {version} is not supported (expected {LAYOUT_VERSION})")
-
-        def fmt_item(x: Any, w: str) -> tuple[BufferId, BufferFormat]:
-            return (BufferId.from_wire(_get(x, "buffer_id", w), f"{w}.buffer_id"),
-                    BufferFormat.from_wire(_get(x, "format", w), f"{w}.format"))
-
-        fp = _str(d, "fingerprint", where, 128)
-        try:
-            fp_bytes = bytes.fromhex(fp)
-        except ValueError as exc:
-            raise DecodeError(f"{where}.fingerprint is not hex: {fp!r}") from exc
-        return _build(cls, where, version=version, tokens_per_block=_int(d, "tokens_per_block", where, 1, 1 << 20),
-                      layer_groups=_seq(d, "layer_groups", where, LayerGroupDesc.from_wire, 1 << 12),
-                      pool_groups=_seq(d, "pool_groups", where, PoolGroupDesc.from_wire, 1 << 12),
-                      formats=_seq(d, "formats", where, fmt_item, 1 << 18), fingerprint=fp_bytes)
+        return decode_layout(lambda: msgspec.convert(d, CacheLayoutWire))
 
     def to_msgpack(self) -> bytes:
         """Compact binary encoding for the control plane."""
-        return bytes(msgpack.packb(self.to_dict(), use_bin_type=True))
+        return _ENCODER.encode(self.to_dict())
 
     @classmethod
     def from_msgpack(cls, data: bytes, max_bytes: int = 16 << 20) -> CacheLayoutDesc:
-        """Decode a msgpack encoding with bounded sizes; hostile input raises DecodeError."""
+        """Decode a msgpack encoding under the schema's bounds; hostile input raises DecodeError."""
         if not isinstance(data, bytes | bytearray | memoryview) or len(data) > max_bytes:
             raise DecodeError(f"CacheLayoutDesc: expected <= {max_bytes} bytes of msgpack")
-        try:
-            d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True,
-                                max_array_len=min(1 << 18, len(data)), max_map_len=64, max_str_len=1 << 12,
-                                max_bin_len=1 << 12)
-        except (ValueError, msgpack.UnpackException, TypeError, RecursionError, MemoryError) as exc:
-            raise DecodeError(f"CacheLayoutDesc: invalid msgpack: {exc}") from exc
-        return cls.from_dict(d)
+        return decode_layout(lambda: _MSGPACK_DECODER.decode(data))
 
     def to_json(self, indent: int | None = 2) -> str:
         """Human-readable encoding with named fields (``kvxfer inspect --json``)."""
@@ -640,11 +515,7 @@ class CacheLayoutDesc:
 
     @classmethod
     def from_json(cls, text: str) -> CacheLayoutDesc:
-        try:
-            d = json.loads(text)
-        except ValueError as exc:
-            raise DecodeError(f"CacheLayoutDesc: invalid JSON: {exc}") from exc
-        return cls.from_dict(d)
+        return decode_layout(lambda: _JSON_DECODER.decode(text))
 
 
 def _check_no_overlap(pool_groups: tuple[PoolGroupDesc, ...]) -> None:
@@ -660,8 +531,166 @@ def _check_no_overlap(pool_groups: tuple[PoolGroupDesc, ...]) -> None:
 def _fingerprint(layout: CacheLayoutDesc) -> bytes:
     canon = {
         "version": layout.version, "tokens_per_block": layout.tokens_per_block,
-        "layer_groups": [lg.to_wire() for lg in layout.layer_groups],
-        "slot_descs": [pg.slot_desc.to_wire() for pg in layout.pool_groups],
-        "formats": [[b.to_wire(), f.to_wire()] for b, f in layout.formats],
+        "layer_groups": plain(layout.layer_groups),
+        "slot_descs": [plain(pg.slot_desc) for pg in layout.pool_groups],
+        "formats": [[plain(b), plain(f)] for b, f in layout.formats],
     }
-    return blake3.blake3(msgpack.packb(canon, use_bin_type=True)).digest()
+    return blake3.blake3(_ENCODER.encode(canon)).digest()
+
+
+# --- wire form: one msgspec schema, bounded field by field ------------------------------------------
+# The descriptors above are the in-memory API (frozen dataclasses whose ``__post_init__`` holds the
+# invariants); their wire form is the schema below, named fields only (JSON- and msgpack-ready). One
+# decoder per encoding reads bytes into it under every bound, then ``build`` makes the descriptors,
+# which check the invariants; ``plain`` writes any descriptor in the same shape.
+U16 = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+Address = Annotated[int, msgspec.Meta(ge=0)]   # msgpack holds at most 2**64 - 1; PoolDesc checks the end
+Name = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class _Wire(msgspec.Struct, frozen=True):
+    """A descriptor's wire record: ``build`` makes the descriptor ``target`` from its fields."""
+
+    target: ClassVar[Callable[..., Any]]
+
+    def build(self) -> Any:
+        return self.target(**{f: _built(getattr(self, f)) for f in self.__struct_fields__})
+
+
+def _built(value: Any) -> Any:
+    if isinstance(value, _Wire):
+        return value.build()
+    if isinstance(value, tuple):
+        return tuple(_built(v) for v in value)
+    return value
+
+
+class BufferIdWire(_Wire, frozen=True):
+    target = BufferId
+    layer_id: Small
+    role: Name
+
+
+class BufferFormatWire(_Wire, frozen=True):
+    target = BufferFormat
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    head_dim: Positive
+    tokens_per_block: Positive
+    head_start: Small
+    num_heads: Positive
+    total_heads: Positive
+    order: Annotated[str, msgspec.Meta(max_length=8)]
+
+
+class CoalescedBufferWire(_Wire, frozen=True):
+    target = CoalescedBuffer
+    single_buffer_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
+    buffer_ids: Annotated[tuple[BufferIdWire, ...], msgspec.Meta(max_length=1 << 16)]
+
+
+class SlotDescVariantWire(_Wire, frozen=True):
+    target = SlotDescVariant
+    layer_group_id: Small
+    coalesced_buffers: Annotated[tuple[CoalescedBufferWire, ...], msgspec.Meta(max_length=1 << 12)]
+
+
+class SlotDescWire(_Wire, frozen=True):
+    target = SlotDesc
+    variants: Annotated[tuple[SlotDescVariantWire, ...], msgspec.Meta(max_length=1 << 12)]
+
+
+class PoolDescWire(_Wire, frozen=True):
+    target = PoolDesc
+    pool_index: Small
+    base_address: Address
+    slot_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 44)]
+    num_slots: Count
+    memory_kind: Annotated[str, msgspec.Meta(max_length=16)]
+    device_id: U16
+
+
+class PoolGroupDescWire(_Wire, frozen=True):
+    target = PoolGroupDesc
+    pool_group_index: Small
+    num_slots: Count
+    slot_desc: SlotDescWire
+    pools: Annotated[tuple[PoolDescWire, ...], msgspec.Meta(max_length=1 << 12)]
+
+
+class LayerGroupDescWire(_Wire, frozen=True):
+    target = LayerGroupDesc
+    layer_group_id: Small
+    layer_ids: Annotated[tuple[Small, ...], msgspec.Meta(max_length=1 << 16)]
+    window: Annotated[int, msgspec.Meta(ge=1)] | None
+    sink_tokens: Count
+    pool_group_index: Small
+    recurrent: bool = False
+
+
+class FormatWire(msgspec.Struct, frozen=True):
+    """One entry of ``CacheLayoutDesc.formats``: a buffer and its format, by name."""
+
+    buffer_id: BufferIdWire
+    format: BufferFormatWire
+
+    def build(self) -> tuple[BufferId, BufferFormat]:
+        return self.buffer_id.build(), self.format.build()
+
+
+class CacheLayoutWire(msgspec.Struct, frozen=True):
+    """The wire form of a ``CacheLayoutDesc`` (its fingerprint as hex)."""
+
+    version: U16
+    tokens_per_block: Positive
+    layer_groups: Annotated[tuple[LayerGroupDescWire, ...], msgspec.Meta(max_length=1 << 12)]
+    pool_groups: Annotated[tuple[PoolGroupDescWire, ...], msgspec.Meta(max_length=1 << 12)]
+    formats: Annotated[tuple[FormatWire, ...], msgspec.Meta(max_length=1 << 18)]
+    fingerprint: Annotated[str, msgspec.Meta(max_length=128, pattern="^([0-9a-f]{2})*$")]
+
+    def build(self) -> CacheLayoutDesc:
+        if self.version != LAYOUT_VERSION:
+            raise DecodeError(f"CacheLayoutDesc.version {self.version} is not supported (expected {LAYOUT_VERSION})")
+        return CacheLayoutDesc(self.version, self.tokens_per_block, _built(self.layer_groups), _built(self.pool_groups),
+                               tuple(f.build() for f in self.formats), bytes.fromhex(self.fingerprint))
+
+
+_MSGPACK_DECODER = msgspec.msgpack.Decoder(CacheLayoutWire)
+_JSON_DECODER = msgspec.json.Decoder(CacheLayoutWire)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def decode_layout(read: Callable[[], CacheLayoutWire]) -> CacheLayoutDesc:
+    """The layout ``read`` decodes (one of the decoders above, or ``msgspec.convert``), built and checked;
+    DecodeError naming the field for anything malformed, out of bounds or inconsistent."""
+    try:
+        wire = read()
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"CacheLayoutDesc: {exc}") from exc
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, MemoryError) as exc:
+        raise DecodeError(f"CacheLayoutDesc: malformed encoding: {exc}") from exc
+    try:
+        return wire.build()
+    except (LayoutError, ConfigError, TypeError, ValueError) as exc:
+        raise DecodeError(f"CacheLayoutDesc: {exc}") from exc
+
+
+def plain(value: Any) -> Any:
+    """A descriptor (or a tuple of them) in its wire shape: named fields, lists, hex fingerprint."""
+    if isinstance(value, BufferId):
+        return {"layer_id": value.layer_id, "role": value.role}
+    if isinstance(value, CacheLayoutDesc):
+        return {"version": value.version, "tokens_per_block": value.tokens_per_block,
+                "layer_groups": plain(value.layer_groups), "pool_groups": plain(value.pool_groups),
+                "formats": [{"buffer_id": plain(b), "format": plain(f)} for b, f in value.formats],
+                "fingerprint": value.fingerprint.hex()}
+    if isinstance(value, LayerGroupDesc) and not value.recurrent:
+        # ``recurrent`` only when set: attention-only layouts keep their wire form and fingerprint
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "recurrent"}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [plain(v) for v in value]
+    return value

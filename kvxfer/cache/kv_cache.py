@@ -65,6 +65,8 @@ class CacheOps(Protocol):
 
     def decode_tokens(self, tokens: npt.NDArray[np.int64]) -> list[int | bytes]: ...
 
+    def check_commit(self, cache: KVCache, num_new: int) -> None: ...
+
     def on_commit(self, cache: KVCache, priority: int | None = None) -> None: ...
 
     def release_out_of_window(self, cache: KVCache) -> None: ...
@@ -72,6 +74,8 @@ class CacheOps(Protocol):
     def set_priority(self, cache: KVCache, priority: int) -> None: ...
 
     def close(self, cache: KVCache) -> None: ...
+
+    def store_tail(self, cache: KVCache) -> None: ...
 
     def commit_stats(self, cache: KVCache) -> KVCacheStatsDelta: ...
 
@@ -94,7 +98,12 @@ class RequestState:
     tree block a partially reused block was taken from (until it is copied); ``prompt_keys``: the
     prompt's block keys; ``scratch`` / ``scratch_range``: scratch slots per layer group and the block
     range they stand in for; ``pending``: statistics not yet committed; ``block_priority``: the
-    eviction priority ``custom_priority_callback`` gave each block when it was allocated.
+    eviction priority ``custom_priority_callback`` gave each block when it was allocated. A recurrent
+    layer group's ``blocks[lg]`` holds one entry, the request's state slot (none before the first
+    resume); ``ssm_shared``: the recurrent layer groups whose entry is still the prefix tree's snapshot
+    (copied into a private slot at resume); ``unpruned_tokens``: the prefix match's length before the
+    recurrent layer groups' snapshots cut it; ``walked_tokens``: how far the lookup's content matched the
+    tree before any page was checked.
     """
 
     blocks: list[IntArray]
@@ -116,6 +125,9 @@ class RequestState:
     capacity: int
     swa_scratch_reuse: bool
     block_priority: dict[int, int]
+    ssm_shared: set[int]
+    unpruned_tokens: int
+    walked_tokens: int
 
 
 class CacheState(enum.Enum):
@@ -171,6 +183,11 @@ class KVCache:
         self.record.prompt_keys = []
         self.record.root_key = b""   # the scope's root under the manager's hash algorithm
         self.record.block_priority = {}
+        self.record.ssm_shared = set()
+        self.record.unpruned_tokens = 0
+        self.record.walked_tokens = 0
+        #: Layer groups whose block-id list is one state slot (recurrent layers), not pages per block.
+        self._recurrent = frozenset(lg.layer_group_id for lg in manager.layout.layer_groups if lg.recurrent)
         self.record.published_blocks = 0   # full committed blocks whose pages were stamped ready (streams)
         self.record.pending = PendingStats()
         # Scratch slots per layer group (held by this cache) and the block range they stand in for.
@@ -218,7 +235,10 @@ class KVCache:
     @property
     def num_blocks(self) -> int:
         """Blocks (of tokens_per_block tokens) covering the capacity."""
-        return int(self.record.blocks[0].size) if self.record.blocks else 0
+        for lg, blocks in enumerate(self.record.blocks):
+            if lg not in self._recurrent:
+                return int(blocks.size)
+        return -(-self.record.capacity // self.tokens_per_block)
 
     @property
     def pending_stats(self) -> KVCacheStatsDelta:
@@ -349,6 +369,33 @@ class KVCache:
         self._check_beam(beam_id, "get_base_page_indices")
         return array.array("i", self.block_ids(layer_group_id).tolist())
 
+    def get_ssm_block_base_index(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = DEFAULT_BEAM_INDEX) -> int:
+        """The primary-tier slot of this request's state in a recurrent layer group (``BAD_PAGE_INDEX``
+        before the first resume, and while a suspended request's state is offloaded to a colder tier);
+        ConfigError for an attention layer group."""
+        self._check_beam(beam_id, "get_ssm_block_base_index")
+        self._check_layer_group(layer_group_id)
+        if layer_group_id not in self._recurrent:
+            raise ConfigError(f"KVCache {self.id}.get_ssm_block_base_index: layer group {layer_group_id} is not "
+                              f"a recurrent (SSM) layer group")
+        blocks = self.record.blocks[layer_group_id]
+        if blocks.size == 0 or layer_group_id in self.record.ssm_shared or self.record.tiers[layer_group_id][0] != 0:
+            return BAD_PAGE_INDEX
+        return int(blocks[0])
+
+    def _get_num_reusable_tokens_before_hybrid_pruning(self) -> int:
+        """Tokens the prefix match reached before the recurrent layer groups' snapshots cut it back to
+        the reused length (equal to it when nothing was cut, or without recurrent layers)."""
+        return max(self.record.unpruned_tokens, self.num_reused_tokens)
+
+    #: The name this diagnostic had in earlier versions of the reference design.
+    _get_num_tokens_before_hybrid_pruning = _get_num_reusable_tokens_before_hybrid_pruning
+
+    def _get_num_reusable_tokens_before_pruning(self) -> int:
+        """How far the lookup's content matched the prefix tree (where it forks from what the tree
+        holds), before any layer group's missing pages or snapshots cut the match."""
+        return max(self.record.walked_tokens, self._get_num_reusable_tokens_before_hybrid_pruning())
+
     def get_aggregated_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = DEFAULT_BEAM_INDEX,
                                     valid_only: bool = False) -> Iterator[int]:
         """Aggregated page indices (one per block; see ``KVCacheManager.get_aggregated_pages``), without
@@ -398,8 +445,11 @@ class KVCache:
         return None
 
     def stop_committing(self) -> None:
-        """No further ``commit``: the request's remaining tokens advance ``history_length`` only."""
+        """No further ``commit``: the request's remaining tokens advance ``history_length`` only (a
+        reference-API manager enters its partial last committed block into the prefix tree now)."""
         self._check_open("stop_committing")
+        if self._commit_allowed:
+            self._ops.store_tail(self)
         self._commit_allowed = False
 
     @property
@@ -525,12 +575,14 @@ class KVCache:
         if self.num_committed_tokens + arr.size > self.record.capacity:
             raise CapacityError(f"KVCache {self.id}: commit of {arr.size} tokens past capacity "
                                 f"({self.num_committed_tokens} committed, capacity {self.record.capacity})")
+        self._ops.check_commit(self, int(arr.size))
         self.record.tokens = np.concatenate([self.record.tokens, arr])
         self.record.history = max(self.record.history, self.num_committed_tokens)
         self._ops.on_commit(self, priority)
         self._ops.release_out_of_window(self)
         self._sync_index_bufs()
         if is_end:
+            self._ops.store_tail(self)
             self._commit_allowed = False
 
     def set_priority(self, priority: int) -> None:

@@ -29,6 +29,7 @@ from kvxfer.cache.descriptors import (
     SlotDesc,
     SlotDescVariant,
 )
+from kvxfer.cache.manager_config import EXTRA_SLOT_FLOORS
 from kvxfer.errors import ConfigError, LayoutError
 
 __all__ = [
@@ -87,40 +88,56 @@ def _role_rank(config: CacheConfig, bid: BufferId) -> int:
     raise LayoutError(f"buffer {bid} has no layer")
 
 
+def slot_floors(config: CacheConfig, group_keys: Sequence[tuple[int | None, int, bool]]) -> list[int]:
+    """Slots one request may hold at once in each layer group (keyed ``(window, sink blocks, recurrent)``),
+    at worst: a sliding window its sink blocks, the blocks of ``window - 1`` tokens and the block being
+    written; full attention the largest of the windows' (1 without any); a recurrent group its one state
+    slot."""
+    tpb = config.tokens_per_block
+    swa = [sink + -(-(window - 1) // tpb) + 1 for window, sink, _ in group_keys if window is not None]
+    full = max(swa, default=1)
+    return [1 if recurrent else full if window is None else sink + -(-(window - 1) // tpb) + 1
+            for window, sink, recurrent in group_keys]
+
+
 def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLayoutDesc:
     """The layout of ``config`` with unplaced pools (base address 0) sized to ``quota_bytes``
     (default: the primary tier's quota)."""
     formats = buffer_formats(config)
     # 1. layer groups by (window, sink blocks: sink tokens rounded up to whole blocks), ordered by first
     #    layer id; a group's sink_tokens is its layers' largest (the model's value, what peers compare)
-    groups: dict[tuple[int | None, int], list[int]] = {}
-    group_sink: dict[tuple[int | None, int], int] = {}
+    #    (recurrent layers form their own group)
+    groups: dict[tuple[int | None, int, bool], list[int]] = {}
+    group_sink: dict[tuple[int | None, int, bool], int] = {}
     tpb = config.tokens_per_block
     for layer in config.layers:
-        group_key = (layer.window, -(-layer.sink_tokens // tpb))
+        group_key = (layer.window, -(-layer.sink_tokens // tpb), layer.recurrent)
         groups.setdefault(group_key, []).append(layer.layer_id)
         group_sink[group_key] = max(group_sink.get(group_key, 0), layer.sink_tokens)
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
-    # 2. one slot variant per layer group, 3. pool groups keyed by slot_size_list
+    # 2. one slot variant per layer group, 3. pool groups keyed by slot_size_list (a recurrent group's
+    #    state slots never share a pool group with attention pages)
     variants = [_group_buffers(config, gi, ids, formats) for gi, (_, ids) in enumerate(ordered)]
-    members_of: dict[tuple[int, ...], list[SlotDescVariant]] = {}
-    for v in variants:
-        members_of.setdefault(v.slot_size_list, []).append(v)
+    members_of: dict[tuple[tuple[int, ...], bool], list[SlotDescVariant]] = {}
+    for v, (gk, _) in zip(variants, ordered, strict=True):
+        members_of.setdefault((v.slot_size_list, gk[2]), []).append(v)
     pool_group_of = {v.layer_group_id: pgi for pgi, members in enumerate(members_of.values()) for v in members}
     # 4. slots per pool group: every layer group gets the same number of slots
     quota = config.primary.quota_bytes if quota_bytes is None else quota_bytes
     bytes_per_group_slot = sum(sum(v.slot_size_list) for v in variants)
     per_layer_group_slots = quota // bytes_per_group_slot
+    if dict(config.extra).get(EXTRA_SLOT_FLOORS):
+        per_layer_group_slots = max(per_layer_group_slots, max(slot_floors(config, [gk for gk, _ in ordered])))
     if per_layer_group_slots < 1:
         raise ConfigError(f"quota_bytes={quota} holds no block: one block of every layer group needs "
                           f"{bytes_per_group_slot} bytes")
     pool_groups = []
-    for pgi, (sizes, members) in enumerate(members_of.items()):
+    for pgi, ((sizes, _), members) in enumerate(members_of.items()):
         num_slots = per_layer_group_slots * len(members)
         pools = tuple(PoolDesc(pi, 0, size, num_slots, "cpu", 0) for pi, size in enumerate(sizes))
         pool_groups.append(PoolGroupDesc(pgi, num_slots, SlotDesc(tuple(members)), pools))
     layer_groups = tuple(
-        LayerGroupDesc(gi, tuple(ids), gk[0], group_sink[gk], pool_group_of[gi])
+        LayerGroupDesc(gi, tuple(ids), gk[0], group_sink[gk], pool_group_of[gi], recurrent=gk[2])
         for gi, (gk, ids) in enumerate(ordered))
     return CacheLayoutDesc(LAYOUT_VERSION, config.tokens_per_block, layer_groups, tuple(pool_groups),
                            tuple(formats.items()))

@@ -32,6 +32,7 @@ from kvxfer.cache.common import (
     PageIndexMode,
     PlannedDropHandle,
     PoolGroupIndex,
+    SsmLifeCycle,
     div_up,
     exact_div,
 )
@@ -67,6 +68,7 @@ from kvxfer.cache.page_movement import PageMovement
 from kvxfer.cache.pins import PinnedPages
 from kvxfer.cache.prefix_reuse import PrefixReuse, check_scope
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree, check_priority
+from kvxfer.cache.recurrent import RecurrentStates
 from kvxfer.cache.stats import (
     KVCacheIterationStatsDelta,
     KVCacheStatsDelta,
@@ -159,6 +161,7 @@ class CacheLifecycle:
                 self.parts.reuse.lock_reuse(cache, arr, plan)
                 self.parts.reuse.count_reuse(cache, plan)
                 self.count_reused_levels(cache, plan)
+                self.parts.recurrent.count_lookup(cache, int(arr.size), plan.num_tokens)
             self.state.caches[cache_id] = cache
             self.parts.usage.sample_usage()
             return cache
@@ -178,6 +181,8 @@ class CacheLifecycle:
         with self.state.lock:
             offloaded = self.parts.quotas.offloaded_pages(cache)
             needs = self.parts.quotas.cow_needs(cache)
+            for pg, n in self.parts.recurrent.resume_needs(cache).items():
+                needs[pg] = needs.get(pg, 0) + n
             for pg, by_tier in offloaded.items():
                 needs[pg] = needs.get(pg, 0) + sum(src.size for src in by_tier.values())
             self.state.pinned.add(cache.id)   # its primary pages stay put while room is made
@@ -188,6 +193,8 @@ class CacheLifecycle:
                     if not self.parts.quotas.onboard(cache, pg, n):
                         return False
                 if not self.parts.reuse.copy_on_write(cache, stream):
+                    return False
+                if not self.parts.recurrent.activate(cache, stream):
                     return False
             finally:
                 self.state.pinned.discard(cache.id)
@@ -221,16 +228,21 @@ class CacheLifecycle:
             new_n = math.ceil(capacity / tpb)
             old_n = cache.num_blocks
             n_lg = len(cache.record.blocks)
+            recurrent = set(self.state.recurrent_groups)    # one state slot each: no pages per block
             spans = [self.scratch_span(cache, g, old_n, new_n, capacity) if new_n > old_n else (0, 0)
                      for g in range(n_lg)]
             if new_n > old_n:
                 needs: dict[int, int] = {}
                 for g, (begin, end) in enumerate(spans):
+                    if g in recurrent:
+                        continue
                     pg = self.state.lg_pool_group[g]
                     extra_scratch = max(0, (end - begin) - cache.record.scratch[g].size)
                     needs[pg] = needs.get(pg, 0) + (new_n - old_n) - (end - begin) + extra_scratch
                 self.parts.eviction.reserve(needs)
                 for g, (begin, end) in enumerate(spans):
+                    if g in recurrent:
+                        continue
                     alloc = self.state.allocators[self.state.lg_pool_group[g]]
                     fresh = np.full(new_n - old_n, -1, dtype=np.int32)
                     real = np.ones(new_n - old_n, dtype=bool)
@@ -240,13 +252,17 @@ class CacheLifecycle:
                     cache.record.tiers[g] = np.concatenate([cache.record.tiers[g], np.zeros(new_n - old_n, dtype=np.int8)])
                     self.set_scratch(cache, g, begin, end)
                     self.parts.streams.wait_slots(g, fresh, cache.record.stream)
-                self.parts.usage.count_allocation(cache, old_n, new_n, spans)
+                # a recurrent layer group counts no page per block (as a block range of scratch positions)
+                self.parts.usage.count_allocation(cache, old_n, new_n, [
+                    (old_n, new_n) if g in recurrent else span for g, span in enumerate(spans)])
                 if cache.priority_callback is not None:
                     self.prioritize_blocks(cache, old_n, new_n)
             else:
                 if new_n < old_n:
                     self.parts.usage.uncount_allocation(cache, new_n, old_n)
                     for g in range(n_lg):
+                        if g in recurrent:
+                            continue
                         self.release(g, cache.record.blocks[g][new_n:], cache.record.tiers[g][new_n:], cache.record.stream)
                         cache.record.blocks[g] = cache.record.blocks[g][:new_n].copy()
                         cache.record.tiers[g] = cache.record.tiers[g][:new_n].copy()
@@ -293,6 +309,10 @@ class CacheLifecycle:
         """The ids and digests an int64 token array of this manager stands for."""
         return self.state.digests.decode(tokens)
 
+    def check_commit(self, cache: KVCache, num_new: int) -> None:
+        """Refuse a commit the recurrent layer groups cannot snapshot (see ``RecurrentStates.check_commit``)."""
+        self.parts.recurrent.check_commit(cache, num_new)
+
     def on_commit(self, cache: KVCache, priority: int | None = None) -> None:
         """After a commit: publish the newly full blocks to other streams and enter them into the prefix tree."""
         with self.state.lock:
@@ -307,10 +327,11 @@ class CacheLifecycle:
                     self.apply_priority_callback(cache, done, full)
             self.parts.usage.sample_usage()
 
-    def life_cycles(self) -> list[AttnLifeCycle]:
-        """The attention life cycle of each layer group, in layer group order."""
+    def life_cycles(self) -> list[AttnLifeCycle | SsmLifeCycle]:
+        """The life cycle of each layer group (attention, or the recurrent one), in layer group order."""
         tpb = self.state.layout.tokens_per_block
-        return [AttnLifeCycle.make(lg.window, lg.sink_tokens, tpb) for lg in self.state.layout.layer_groups]
+        return [SsmLifeCycle() if lg.recurrent else AttnLifeCycle.make(lg.window, lg.sink_tokens, tpb)
+                for lg in self.state.layout.layer_groups]
 
     def prioritize_blocks(self, cache: KVCache, start: int, stop: int) -> None:
         """Ask the cache's ``custom_priority_callback(ordinal, life cycle)`` for the eviction priority of
@@ -358,6 +379,7 @@ class CacheLifecycle:
     def close(self, cache: KVCache) -> None:
         """Release every page and scratch slot of the cache and commit its pending statistics."""
         with self.state.lock:
+            self.store_tail(cache)
             for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
                 self.release(g, blocks, tiers, cache.record.stream)
             self.release_scratch(cache)
@@ -368,6 +390,17 @@ class CacheLifecycle:
                 cache.record.partial_src = None
             self.state.stats.commit(cache.id, cache.record.pending)
             self.parts.usage.sample_usage()
+
+    def store_tail(self, cache: KVCache) -> None:
+        """Enter the cache's partial last committed block into the prefix tree (a reference-API
+        manager's request ending its commits: ``stop_committing``, ``commit(is_end=True)``, close); its
+        page is published to other streams once the request's writes are done."""
+        with self.state.lock:
+            if self.state.config.enable_prefix_reuse and self.state.stores_tail_blocks \
+                    and self.parts.reuse.enter_tail(cache) is not None:
+                b = cache.num_committed_tokens // self.state.layout.tokens_per_block
+                for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
+                    self.parts.streams.stamp(g, blocks[b:b + 1], tiers[b:b + 1], cache.record.stream)
 
     def count_reused_levels(self, cache: KVCache, plan: Any) -> None:
         """Record where the reused pages of a new cache were: per block, the coldest level among its
@@ -397,15 +430,33 @@ class CacheLifecycle:
         nodes = [n for n in cache.record.tree_nodes if n is not None]
         if not nodes:
             return None
-        if self.state.has_windows:
-            pairs = self.parts.reuse.window_nodes(cache)
+        if self.state.has_windows or self.state.recurrent_groups:
+            with self.state.lock:
+                pairs = self.parts.reuse.window_nodes(cache)
+                for node, lg in pairs:      # a page several open plans name goes with the last of them
+                    key = (id(node), lg)
+                    self.state.planned_drops[key] = self.state.planned_drops.get(key, 0) + 1
             return PlannedDropHandle(lambda: self.drop_pages(pairs))
         return PlannedDropHandle(lambda: self.drop_chain(nodes))
 
+    def planned_drop_count(self, node: BlockNode, layer_group: int) -> int:
+        """Open planned drops naming ``node``'s page of ``layer_group``."""
+        return self.state.planned_drops.get((id(node), layer_group), 0)
+
     def drop_pages(self, pairs: list[tuple[BlockNode, int]]) -> None:
-        """Run a planned drop of sliding-window pages (see ``plan_drop``)."""
+        """Run a planned drop of sliding-window pages and recurrent snapshots (see ``plan_drop``): the
+        pages no other open plan names."""
         with self.state.lock:
-            self.parts.reuse.drop_node_pages(pairs)
+            last: list[tuple[BlockNode, int]] = []
+            for node, lg in pairs:
+                key = (id(node), lg)
+                left = self.state.planned_drops.get(key, 1) - 1
+                if left > 0:
+                    self.state.planned_drops[key] = left
+                    continue
+                self.state.planned_drops.pop(key, None)
+                last.append((node, lg))
+            self.parts.reuse.drop_node_pages(last)
             self.parts.usage.sample_usage()
 
     def drop_chain(self, nodes: list[BlockNode]) -> None:
@@ -488,6 +539,7 @@ class ManagerParts:
         self.usage = UsageStats(state, self)
         self.quotas = TierQuotas(state, self)
         self.reuse = PrefixReuse(state, self)
+        self.recurrent = RecurrentStates(state, self)
         self.lifecycle = CacheLifecycle(state, self)
 
 
@@ -522,6 +574,10 @@ class KVCacheManager:
         self._state.digests = DigestTable()
         primary = config.primary
         plan = plan_layout(config)
+        planned = sum(pool.nbytes for pg in plan.pool_groups for pool in pg.pools)
+        if planned > primary.quota_bytes:     # slot floors raised the primary level past its quota
+            self._state.current = dataclasses.replace(
+                config, tiers=(dataclasses.replace(primary, quota_bytes=planned), *config.tiers[1:]))
         device = torch.device(primary.device)
         self._state.device = device
         self._state.pools = [
@@ -541,6 +597,11 @@ class KVCacheManager:
                                                           num_layer_groups=len(self._state.layout.layer_groups)))
         self._state.medium = "GPU" if device.type == "cuda" else "CPU"
         self._state.has_windows = any(lg.window is not None for lg in self._state.layout.layer_groups)
+        self._state.recurrent_groups = [lg.layer_group_id for lg in self._state.layout.layer_groups if lg.recurrent]
+        self._state.recurrent_pool_groups = {
+            pg.pool_group_index for pg in self._state.layout.pool_groups
+            if all(self._state.layout.layer_groups[g].recurrent for g in pg.layer_group_ids)}
+        self._state.planned_drops = {}
         self._state.caches = {}
         self._state.ids = itertools.count()
         self._state.lock = threading.RLock()
@@ -883,8 +944,10 @@ class KVCacheManager:
         return [PoolGroupIndex(pg) for pg in self._state.lg_pool_group]
 
     def get_and_reset_ssm_snapshot_iteration_stats(self) -> dict[LifeCycleId, SsmSnapshotIterationStatsDelta]:
-        """Per-life-cycle SSM snapshot counters: always empty (no SSM layers in kvxfer)."""
-        return {}
+        """Snapshot counters of the recurrent life cycle since the last call, from the requests whose
+        pending statistics were committed (``{}`` without recurrent layers or lookups)."""
+        with self._state.lock:
+            return {LifeCycleId(lg): d for lg, d in self._state.stats.take_ssm_iteration().items()}
 
     def record_request_suspended(self) -> None:
         """Count a request suspension in this iteration's counters."""
@@ -925,7 +988,8 @@ class KVCacheManager:
 
     def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
         """The longest sequence (at most ``token_num_upper_bound``) of which ``batch_size`` fit in the
-        primary level at once, counting each layer group's window and sink blocks."""
+        primary level at once, counting of a sliding-window layer group the blocks it still needs at
+        that length (its sink blocks and window), and one state slot per sequence in a recurrent one."""
         if batch_size <= 0:
             raise ConfigError(f"clamp_max_seq_len_for_mem: batch_size must be > 0, got {batch_size}")
         tpb = self._state.layout.tokens_per_block
@@ -936,21 +1000,29 @@ class KVCacheManager:
                 for lg in self._state.pg_layer_groups[pg]:
                     desc = self._state.layout.layer_groups[lg]
                     blocks = div_up(seq_len, tpb)
-                    if desc.window is not None:
-                        blocks = min(blocks, div_up(desc.window, tpb) + 1 + div_up(desc.sink_tokens, tpb))
+                    if desc.recurrent:      # one state slot, whatever the length
+                        blocks = 1
+                    elif desc.window is not None:       # what the window still needs at seq_len, sinks kept
+                        lo, sink = self._parts.reuse.window_start(lg, np.array([seq_len], dtype=np.int64))
+                        blocks = blocks - max(0, int(lo[0]) - sink)
                     need += blocks
                 if need * batch_size > alloc.usable:
                     return False
             return True
 
-        lo, hi = 0, max(0, int(token_num_upper_bound))
+        upper = max(0, int(token_num_upper_bound))
+        if fits(upper):
+            return upper
+        # A window's need is not monotonic inside a block (a block starts before the oldest leaves the
+        # window); at block boundaries it is: the longest whole number of blocks that fits.
+        lo, hi = 0, upper // tpb
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(mid):
+            if fits(mid * tpb):
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return lo * tpb
 
     @property
     def need_adjustment(self) -> bool:

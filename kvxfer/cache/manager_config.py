@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kvxfer.cache.common import CacheTier, DataRole, LayerId
-from kvxfer.errors import ConfigError
+from kvxfer.errors import ConfigContractError, ConfigError
 
 #: ``max_util_for_resume`` when not given: a resume may fill the primary tier.
 DEFAULT_MAX_UTIL_FOR_RESUME = 1.0
@@ -21,6 +21,13 @@ DEFAULT_MAX_UTIL_FOR_RESUME = 1.0
 EXTRA_REUSE_MATCH_BACKOFF = "reuse_match_backoff"
 EXTRA_COMMIT_MIN_SNAPSHOT = "commit_min_snapshot"
 EXTRA_TEXT_ONLY = "text_only"
+#: ``CacheConfig.extra`` flag: a closing request enters its partial last block into the prefix tree
+#: (set for ``KVCacheManagerConfig`` managers, as the reference does; off for ``CacheConfig`` ones).
+EXTRA_STORE_TAIL_BLOCKS = "store_tail_blocks"
+#: ``CacheConfig.extra`` flag: every layer group gets at least the slots one request needs at worst
+#: (a sliding window: its sink blocks, the window and one more; full attention: the largest of those),
+#: the primary quota raised where it holds fewer (``KVCacheManagerConfig`` managers, as the reference).
+EXTRA_SLOT_FLOORS = "slot_floors"
 
 
 @runtime_checkable
@@ -122,10 +129,22 @@ class AttentionLayerConfig:
 
 @dataclass(slots=True)
 class SsmLayerConfig:
-    """A state-space (recurrent) layer: one state per request instead of pages per block."""
+    """A state-space (recurrent, Mamba-style) layer: each buffer is ``size`` bytes of state per request
+    (one slot, whatever the request's length) instead of pages per block. Prefix reuse restores the
+    state from snapshots the manager takes at commits (``KVCacheManagerConfig.commit_min_snapshot``
+    must be on)."""
 
     layer_id: LayerId
     buffers: list[BufferConfig]
+
+    def __post_init__(self) -> None:
+        roles = [b.role for b in self.buffers]
+        if len(set(roles)) != len(roles):
+            raise ConfigContractError(f"SsmLayerConfig({self.layer_id}).buffers: duplicate buffer role in {roles}")
+        for buf in self.buffers:
+            if buf.tokens_per_block_override is not None:
+                raise ConfigContractError(f"SsmLayerConfig({self.layer_id}).buffers[{buf.role!r}]: "
+                                          f"tokens_per_block_override must be None (a state is not paged by tokens)")
 
 
 LayerConfig = AttentionLayerConfig | SsmLayerConfig
@@ -178,6 +197,12 @@ class KVCacheManagerConfig:
     def enable_swa_scratch_reuse(self) -> bool:
         """Whether sliding-window groups use scratch slots."""
         return self.swa_scratch_reuse is not None
+
+    def __post_init__(self) -> None:
+        if any(isinstance(layer, SsmLayerConfig) for layer in self.layers) and not self.commit_min_snapshot:
+            raise ConfigContractError("KVCacheManagerConfig: commit_min_snapshot must be True when SSM layers "
+                                      "(SsmLayerConfig) are present: a recurrent state is only reusable where a "
+                                      "commit ended")
 
 
 def copy_config(config: KVCacheManagerConfig) -> KVCacheManagerConfig:

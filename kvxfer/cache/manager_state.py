@@ -20,7 +20,11 @@ from kvxfer.cache.descriptors import CacheLayoutDesc, PoolGroupDesc
 from kvxfer.cache.events import EventQueue
 from kvxfer.cache.hashing import HASH_V2_SHA256_PACKED, DigestTable, TokenArray
 from kvxfer.cache.kv_cache import CacheState, KVCache
-from kvxfer.cache.manager_config import EXTRA_COMMIT_MIN_SNAPSHOT, KVCacheManagerConfig
+from kvxfer.cache.manager_config import (
+    EXTRA_COMMIT_MIN_SNAPSHOT,
+    EXTRA_STORE_TAIL_BLOCKS,
+    KVCacheManagerConfig,
+)
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree
 from kvxfer.cache.stats import ReusedBlocksByLevel, StatsCollector, TierTrafficCounter
 from kvxfer.cache.streams import SlotReadiness
@@ -46,6 +50,11 @@ class ManagerState:
     events: EventQueue
     medium: str
     has_windows: bool
+    #: The recurrent (SSM) layer groups, and the pool groups holding only their state slots.
+    recurrent_groups: list[int]
+    recurrent_pool_groups: set[int]
+    #: (id of a tree block, layer group) -> open planned drops naming that page.
+    planned_drops: dict[tuple[int, int], int]
     caches: dict[str, KVCache]
     ids: Iterator[int]
     lock: threading.RLock
@@ -82,6 +91,12 @@ class ManagerState:
         default, and ``KVCacheManagerConfig.commit_min_snapshot``); a ``KVCacheManagerConfig`` manager
         without it keeps them reusable (evictable) as the reference does."""
         return bool(dict(self.config.extra).get(EXTRA_COMMIT_MIN_SNAPSHOT, True))
+
+    @property
+    def stores_tail_blocks(self) -> bool:
+        """Whether a closing request enters its partial last block into the prefix tree (a
+        ``KVCacheManagerConfig`` manager, as the reference; not a ``CacheConfig`` one by default)."""
+        return bool(dict(self.config.extra).get(EXTRA_STORE_TAIL_BLOCKS, False))
 
     def encode_tokens(self, tokens: Any, what: str) -> TokenArray:
         """``tokens`` as the manager's int64 token array: ids, and under ``v2_sha256_packed`` keys also

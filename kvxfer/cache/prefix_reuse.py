@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from kvxfer.cache.hashing import (
 )
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.manager_state import ManagerState
-from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode
+from kvxfer.cache.radix_tree import DEFAULT_PRIORITY, BlockNode, PrefixMatch
 from kvxfer.errors import ConfigError, KVCacheError, OutOfSlotsError
 
 IntArray = npt.NDArray[np.int32]
@@ -41,6 +42,10 @@ class _ReusePlan:
     partial: BlockNode | None
     pages: IntArray
     tiers: TierArray
+    #: Tokens the match reached before the recurrent layer groups' snapshots cut it (0: not cut).
+    unpruned: int = 0
+    #: Tokens the tree walk matched before any page check (where the lookup's content leaves the tree).
+    walked: int = 0
 
 
 def check_scope(scope: ReuseScope | None, what: str) -> ReuseScope:
@@ -131,6 +136,15 @@ class PrefixReuse:
                                  max_tokens=max_tokens)
         nodes = match.nodes
         partial = match.partial if len(nodes) not in extras else None
+        walked = len(nodes) * tpb + (match.partial_tokens if partial is not None else 0)
+        plan = self._plan_pages(match, nodes, partial, n_lg)
+        return dataclasses.replace(plan, walked=walked)
+
+    def _plan_pages(self, match: PrefixMatch, nodes: tuple[BlockNode, ...], partial: BlockNode | None,
+                    n_lg: int) -> _ReusePlan:
+        """The plan of a tree walk: the longest prefix of it whose pages every layer group needs exist."""
+        tpb = self.state.layout.tokens_per_block
+        none = _ReusePlan(0, (), None, np.empty((0, n_lg), dtype=np.int32), np.empty((0, n_lg), dtype=np.int8))
         rows = [n.pages for n in nodes] + ([partial.pages] if partial is not None else [])
         if not rows:
             return none
@@ -138,10 +152,23 @@ class PrefixReuse:
         tiers = np.concatenate([n.tiers for n in (*nodes, *(() if partial is None else (partial,)))]
                                ).reshape(len(rows), n_lg)
         full = len(nodes)
-        if not self.state.has_windows:          # full attention keeps every page: the whole match holds
+        recurrent = self.state.recurrent_groups
+        if not self.state.has_windows and not recurrent:   # full attention keeps every page: the whole match holds
             return _ReusePlan(full * tpb + match.partial_tokens if partial is not None else full * tpb,
                               nodes, partial, pages, tiers)
-        if partial is not None:
+        unpruned = 0
+        if recurrent:       # a snapshot is a state after whole blocks: no partially reused block
+            attn = [lg for lg in range(n_lg) if lg not in recurrent]
+            b = np.arange(full + 1)
+            ok = self.window_pages_exist(pages[:, attn], b * tpb, b, attn)
+            unpruned = int(np.flatnonzero(ok)[-1]) * tpb
+            if partial is not None and self.window_pages_exist(
+                    pages[:, attn], np.array([full * tpb + match.partial_tokens]), np.array([full + 1]), attn)[0]:
+                unpruned = full * tpb + match.partial_tokens
+            if partial is not None:
+                partial = None
+                pages, tiers = pages[:full], tiers[:full]
+        elif partial is not None:
             n_tok = full * tpb + match.partial_tokens
             if self.window_pages_exist(pages, np.array([n_tok]), np.array([full + 1]))[0]:
                 return _ReusePlan(n_tok, nodes, partial, self.needed_pages(pages[:full + 1], n_tok),
@@ -150,14 +177,17 @@ class PrefixReuse:
         ok = self.window_pages_exist(pages, b * tpb, b)
         best = int(np.flatnonzero(ok)[-1])
         if best == 0:
-            return none
-        return _ReusePlan(best * tpb, nodes[:best], None, self.needed_pages(pages[:best], best * tpb), tiers[:best])
+            return dataclasses.replace(none, unpruned=unpruned)
+        return _ReusePlan(best * tpb, nodes[:best], None, self.needed_pages(pages[:best], best * tpb), tiers[:best],
+                          unpruned if unpruned > best * tpb else 0)
 
     def window_start(self, layer_group: int, num_tokens: npt.NDArray[np.int64]) -> tuple[
             npt.NDArray[np.int64], int]:
         """(first block a request of ``num_tokens`` still needs after its sinks, sink blocks) for a
         layer group; the same rule ``_release_out_of_window`` frees by."""
         lg = self.state.layout.layer_groups[layer_group]
+        if lg.recurrent:    # only the snapshot of the block the prefix ends in
+            return np.maximum(0, -(-num_tokens // self.state.layout.tokens_per_block) - 1), 0
         if lg.window is None:
             return np.zeros_like(num_tokens), 0
         tpb = self.state.layout.tokens_per_block
@@ -166,12 +196,15 @@ class PrefixReuse:
         return np.where(first <= sink, 0, first), sink
 
     def window_pages_exist(self, pages: IntArray, num_tokens: npt.NDArray[np.int64],
-                            num_blocks: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+                            num_blocks: npt.NDArray[np.int64],
+                            layer_groups: Sequence[int] | None = None) -> npt.NDArray[np.bool_]:
         """For each candidate (num_tokens[i] in num_blocks[i] blocks): whether every page a layer
-        group needs for it (sink blocks and the window before it) exists in ``pages``."""
+        group needs for it (sink blocks and the window before it; a recurrent group: the snapshot of
+        the last block) exists in ``pages`` (whose columns are ``layer_groups``, default all)."""
         ok = np.ones(num_tokens.size, dtype=bool)
-        for lg in range(pages.shape[1]):
-            missing = np.concatenate([[0], np.cumsum(pages[:, lg] < 0)])
+        groups = range(pages.shape[1]) if layer_groups is None else layer_groups
+        for col, lg in enumerate(groups):
+            missing = np.concatenate([[0], np.cumsum(pages[:, col] < 0)])
             lo, sink = self.window_start(lg, num_tokens.astype(np.int64))
             ok &= missing[num_blocks] - missing[np.minimum(lo, num_blocks)] == 0
             ok &= missing[np.minimum(sink, num_blocks)] == 0
@@ -188,11 +221,16 @@ class PrefixReuse:
 
     def lock_reuse(self, cache: KVCache, tokens: TokenArray, plan: _ReusePlan) -> None:
         """Take a reference on the planned pages and make them the cache's first blocks."""
+        cache.record.unpruned_tokens = plan.unpruned
+        cache.record.walked_tokens = plan.walked
         if plan.num_tokens == 0:
             return
         for lg in range(plan.pages.shape[1]):
             col, tiers = plan.pages[:, lg].copy(), plan.tiers[:, lg].copy()
             tiers[col < 0] = 0      # a block the request does not need (stale window) has no page anywhere
+            if lg in self.state.recurrent_groups:   # the snapshot, held until resume copies it
+                col, tiers = col[-1:], tiers[-1:]
+                cache.record.ssm_shared.add(lg)
             for tier in np.unique(tiers[col >= 0]).tolist():
                 self.state.alloc_of(tier, self.state.lg_pool_group[lg]).incref(col[(col >= 0) & (tiers == tier)])
             cache.record.blocks[lg] = col
@@ -214,7 +252,8 @@ class PrefixReuse:
         if src_node is None:
             return True
         b = cache.num_committed_tokens // self.state.layout.tokens_per_block
-        srcs = [int(blocks[b]) for blocks in cache.record.blocks]
+        srcs = [-1 if lg in self.state.recurrent_groups else int(blocks[b])
+                for lg, blocks in enumerate(cache.record.blocks)]
         needs: dict[int, int] = {}
         for lg, src in enumerate(srcs):
             if src >= 0:
@@ -279,7 +318,10 @@ class PrefixReuse:
         if upto > have:
             parent_key = new_keys[-1]
         new_keys += self.keys(cache, toks[upto * tpb:full * tpb], parent_key, first_block=upto)
-        pages = np.stack([blocks[have:full] for blocks in cache.record.blocks], axis=1)
+        recurrent = self.state.recurrent_groups
+        pages = np.stack([np.full(full - have, -1, dtype=np.int32) if lg in recurrent else blocks[have:full]
+                          for lg, blocks in enumerate(cache.record.blocks)], axis=1)
+        snap = self.parts.recurrent.snapshot_row(cache, have, full)   # the block a state snapshot goes to
         root_key = cache.record.root_key
         cache.record.keys.extend(new_keys)
         swaps: dict[int, tuple[list[int], list[int]]] = {}
@@ -294,6 +336,8 @@ class PrefixReuse:
                 if node is None:
                     break
                 self.adopt(cache, b, node, swaps)
+                if b == snap:
+                    self.adopt_snapshot(cache, node)
                 old = node.priority
                 if priority is not None and self.state.tree.set_priority(node, priority):
                     self.state.events.put(Updated((node.key,), self.state.node_medium(node), priority, old_priority=old))
@@ -305,8 +349,80 @@ class PrefixReuse:
                 self.state.allocators[pg].incref(np.array(theirs, dtype=np.int32))
                 self.state.allocators[pg].decref_each(np.array(mine, dtype=np.int32))
         if b < full:
+            taken: list[tuple[int, int]] = []
+            if snap is not None and snap >= b:
+                for lg in recurrent:
+                    slot = self.parts.recurrent.take_snapshot(cache, lg)
+                    if slot >= 0:
+                        pages[snap - have, lg] = slot
+                        taken.append((lg, slot))
             self.enter_chain(cache, b, new_keys[b - have:], pages[b - have:],
                               DEFAULT_PRIORITY if priority is None else priority)
+            for lg, slot in taken:      # the tree now holds the snapshot: the copy's own reference goes
+                self.state.allocators[self.state.lg_pool_group[lg]].decref(np.array([slot], dtype=np.int32))
+
+    def adopt_snapshot(self, cache: KVCache, node: BlockNode) -> None:
+        """Give a tree block the commit ends at a snapshot of the cache's state in each recurrent layer
+        group where it has none (one it has stays)."""
+        for lg in self.state.recurrent_groups:
+            if int(node.pages[lg]) >= 0:
+                continue
+            slot = self.parts.recurrent.take_snapshot(cache, lg)
+            if slot < 0:
+                continue
+            node.pages[lg] = slot
+            node.tiers[lg] = 0
+            self.mark_tree_pages(node, [lg])
+            self.state.allocators[self.state.lg_pool_group[lg]].decref(np.array([slot], dtype=np.int32))
+
+    def enter_tail(self, cache: KVCache) -> BlockNode | None:
+        """Enter the cache's partial last committed block (its committed tokens end inside a block)
+        into the tree as a tail block: a leaf holding those tokens and the cache's pages of that block,
+        keyed by the chain key of its tokens, with one Stored event. Nothing is entered when the block
+        before it is not in the tree, a page of it is already a tree page, or a block already there
+        begins with the same tokens (a longer or equal sibling covers it: it is touched instead).
+        The cache must not write into the block afterwards (it is closing)."""
+        if self.state.recurrent_groups:   # a tail block would need a state snapshot at its end: none is taken
+            return None
+        tpb = self.state.layout.tokens_per_block
+        n = cache.num_committed_tokens
+        full, rem = divmod(n, tpb)
+        if rem == 0 or len(cache.record.tree_nodes) != full or full >= cache.record.blocks[0].size:
+            return None
+        parent = cache.record.tree_nodes[full - 1] if full else None
+        if full and (parent is None or parent.removed):
+            return None
+        tail = cache.record.tokens[full * tpb:n]
+        extra = full in cache.record.extra_keys
+        siblings = (parent if parent is not None else self.state.tree.root(cache.record.root_key))
+        for child in ([] if siblings is None else siblings.children.values()):
+            if child.num_tokens >= rem and child.has_extra_key == extra and np.array_equal(child.tokens[:rem], tail):
+                self.state.tree.touch(child)
+                return None
+        pages = np.array([int(blocks[full]) for blocks in cache.record.blocks], dtype=np.int32)
+        tiers = np.array([int(t[full]) for t in cache.record.tiers], dtype=np.int8)
+        if not (pages >= 0).any():
+            return None
+        for lg in np.flatnonzero(pages >= 0).tolist():
+            if self.state.in_tree_t[int(tiers[lg])][self.state.lg_pool_group[lg]][int(pages[lg])]:
+                return None
+        parent_key = parent.key if parent is not None else cache.record.root_key
+        key = block_keys(tail, rem, parent_key, first_block=full, extra_keys=cache.record.extra_keys,
+                         algo=self.state.key_algo, scope=cache.reuse_scope, digests=self.state.digests)[0]
+        priority = cache.record.block_priority.get(full, DEFAULT_PRIORITY)
+        node = self.state.tree.insert(cache.record.root_key, parent, key, tail, pages, has_extra_key=extra,
+                                      priority=priority)
+        node.tiers[:] = tiers
+        live = np.flatnonzero(pages >= 0).tolist()
+        self.mark_tree_pages(node, live)
+        scope = cache.reuse_scope
+        media = {int(tiers[lg]) for lg in live}
+        groups = None if len(live) == pages.size else tuple(live)
+        medium = self.state.media[media.pop()] if len(media) == 1 else self.state.node_medium(node)
+        self.state.events.put(Stored(None if parent is None else parent.key, (key,), tuple(tail.tolist()), tpb,
+                                     scope.lora_id, medium,
+                                     stored_extra_keys(full, 1, scope.salt, cache.record.extra_keys), groups))
+        return node
 
     def enter_chain(self, cache: KVCache, first: int, keys: list[bytes], pages: IntArray, priority: int) -> None:
         """Enter the cache's blocks ``first, first + 1, ...`` (keys ``keys``, primary pages ``pages[i]``
@@ -367,6 +483,8 @@ class PrefixReuse:
         swaps are left in ``swaps`` (pool group -> (tree pages to take, own pages to let go, in order))
         for the caller to apply in one step."""
         for lg, blocks in enumerate(cache.record.blocks):
+            if lg in self.state.recurrent_groups:   # snapshots: see adopt_snapshot
+                continue
             mine, theirs = int(blocks[block]), int(node.pages[lg])
             pg = self.state.lg_pool_group[lg]
             if theirs >= 0 and node.tiers[lg] != 0:
@@ -426,7 +544,12 @@ class PrefixReuse:
         n = cache.num_committed_tokens
         nodes = cache.record.tree_nodes
         out: list[tuple[BlockNode, int]] = []
+        tpb = self.state.layout.tokens_per_block
         for lg, group in enumerate(self.state.layout.layer_groups):
+            if group.recurrent:     # the snapshot where the cache ends
+                if n and n % tpb == 0 and n // tpb <= len(nodes) and (node := nodes[n // tpb - 1]) is not None:
+                    out.append((node, lg))
+                continue
             if group.window is None:
                 continue
             lo, sink = self.window_start(lg, np.array([n], dtype=np.int64))

@@ -22,6 +22,9 @@ IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
 TokenArray = npt.NDArray[np.int64]
 
+#: Padding of a tail block's row in the partial-match table: no token id or digest code equals it.
+_NO_TOKEN = np.iinfo(np.int64).min
+
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
 DEFAULT_PRIORITY = 35
@@ -68,6 +71,12 @@ class BlockNode:
     def is_leaf(self) -> bool:
         """Whether no committed block continues this one."""
         return not self.children
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the block holds: ``tokens_per_block``, or fewer for a request's partial last block
+        (a tail block: always a leaf, nothing continues it)."""
+        return int(self.tokens.size)
 
 
 @dataclass(frozen=True)
@@ -150,8 +159,10 @@ class PrefixTree:
         if parent._child_tokens is None or parent._child_list is None:
             kids = [c for c in parent.children.values() if not c.has_extra_key]
             parent._child_list = kids
-            parent._child_tokens = (np.stack([c.tokens for c in kids]) if kids
-                                    else np.empty((0, self.tokens_per_block), dtype=np.int64))
+            rows = np.full((len(kids), self.tokens_per_block), _NO_TOKEN, dtype=np.int64)
+            for i, c in enumerate(kids):       # a tail block's row ends early: its padding matches nothing
+                rows[i, :c.tokens.size] = c.tokens
+            parent._child_tokens = rows
         if not parent._child_list:
             return None, 0
         same = parent._child_tokens[:, :query.size] == query[None, :]
@@ -201,7 +212,9 @@ class PrefixTree:
 
     def insert(self, root_key: bytes, parent: BlockNode | None, key: bytes, tokens: TokenArray,
                pages: IntArray, *, has_extra_key: bool = False, priority: int = DEFAULT_PRIORITY) -> BlockNode:
-        """Add a block under ``parent`` (None: under the scope's root). The key must be new there."""
+        """Add a block under ``parent`` (None: under the scope's root). The key must be new there.
+        ``tokens`` is a full block, or 1 to ``tokens_per_block - 1`` tokens for a tail block (a
+        request's partial last block), which nothing can continue."""
         priority = check_priority(priority, "PrefixTree.insert")
         if parent is None:
             parent = self._roots.get(root_key)
@@ -211,10 +224,14 @@ class PrefixTree:
                 self._roots[root_key] = parent
         if parent.removed:
             raise KVCacheError(f"PrefixTree.insert: parent block {parent.key.hex()[:16]} was removed")
+        if not parent.is_root and parent.num_tokens < self.tokens_per_block:
+            raise KVCacheError(f"PrefixTree.insert: parent block {parent.key.hex()[:16]} is a tail block "
+                               f"({parent.num_tokens} of {self.tokens_per_block} tokens); nothing continues it")
         if key in parent.children:
             raise KVCacheError(f"PrefixTree.insert: block {key.hex()[:16]} is already in the tree")
-        if tokens.shape != (self.tokens_per_block,) or pages.shape != (self.num_layer_groups,):
-            raise KVCacheError(f"PrefixTree.insert: expected {self.tokens_per_block} tokens and "
+        if tokens.ndim != 1 or not 0 < tokens.size <= self.tokens_per_block \
+                or pages.shape != (self.num_layer_groups,):
+            raise KVCacheError(f"PrefixTree.insert: expected 1 to {self.tokens_per_block} tokens and "
                                f"{self.num_layer_groups} pages, got {tokens.shape} and {pages.shape}")
         node = BlockNode(key, parent, parent.depth + 1, tokens.astype(np.int64, copy=True),
                          pages.astype(np.int32, copy=True), np.zeros(self.num_layer_groups, dtype=np.int8),
@@ -247,6 +264,9 @@ class PrefixTree:
                 self._roots[root_key] = parent
         if parent.removed:
             raise KVCacheError(f"PrefixTree.insert_chain: parent block {parent.key.hex()[:16]} was removed")
+        if not parent.is_root and parent.num_tokens < self.tokens_per_block:
+            raise KVCacheError(f"PrefixTree.insert_chain: parent block {parent.key.hex()[:16]} is a tail block; "
+                               f"nothing continues it")
         if keys[0] in parent.children:
             raise KVCacheError(f"PrefixTree.insert_chain: block {keys[0].hex()[:16]} is already in the tree")
         parent._child_tokens = parent._child_list = None

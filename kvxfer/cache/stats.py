@@ -98,8 +98,9 @@ class KVCacheIterationStatsDelta(StatsDelta):
 
 @dataclass(slots=True)
 class SsmSnapshotIterationStatsDelta(StatsDelta):
-    """One recurrent (SSM) life cycle's snapshot lookups since the last reset. kvxfer keeps no SSM
-    state, so its manager never reports one; the record is the reference design's shape."""
+    """One recurrent (SSM) life cycle's snapshot lookups since the last reset: per prefix lookup of a
+    new request, a hit (a snapshot restored some tokens; aligned when they end on a block boundary) or
+    a miss, and the lookup's tokens reused and not reused."""
 
     iter_snapshot_lookups: int = 0
     iter_snapshot_hits: int = 0
@@ -193,11 +194,14 @@ class PendingStats:
     request: KVCacheStatsDelta = field(default_factory=KVCacheStatsDelta)
     iteration: dict[int, KVCacheIterationStatsDelta] = field(default_factory=dict)
     segments: list[AllocationSegment] = field(default_factory=list)
+    #: Snapshot lookups per recurrent layer group.
+    ssm: dict[int, SsmSnapshotIterationStatsDelta] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
         """Whether nothing is pending."""
-        return self.request.empty and all(d.empty for d in self.iteration.values())
+        return self.request.empty and all(d.empty for d in self.iteration.values()) \
+            and all(d.empty for d in self.ssm.values())
 
     def layer_group(self, layer_group_id: int) -> KVCacheIterationStatsDelta:
         """The pending iteration delta of one layer group (created empty on first use)."""
@@ -208,6 +212,7 @@ class PendingStats:
         self.request.clear()
         self.iteration.clear()
         self.segments.clear()
+        self.ssm.clear()
 
     def add_allocation(self, segment: AllocationSegment) -> None:
         """Count a resize's new blocks."""
@@ -310,6 +315,7 @@ class StatsCollector:
         self.enabled = enabled
         self.committed = KVCacheStatsDelta()
         self.iteration: dict[int, KVCacheIterationStatsDelta] = {}
+        self.ssm_iteration: dict[int, SsmSnapshotIterationStatsDelta] = {}
         self.dirty: set[Hashable] = set()
         self.excluded: set[Hashable] = set()
         self._peaks: list[list[list[int] | None]] = [[None] * num_pool_groups for _ in range(num_levels)]
@@ -328,6 +334,8 @@ class StatsCollector:
             self.committed.add(pending.request)
             for lg, delta in pending.iteration.items():
                 self.iteration.setdefault(lg, KVCacheIterationStatsDelta()).add(delta)
+            for lg, snap in pending.ssm.items():
+                self.ssm_iteration.setdefault(lg, SsmSnapshotIterationStatsDelta()).add(snap)
         pending.clear()
         self.dirty.discard(cache_id)
         return out
@@ -336,6 +344,13 @@ class StatsCollector:
         """Drop a request's pending counters."""
         pending.clear()
         self.dirty.discard(cache_id)
+
+    def take_ssm_iteration(self) -> dict[int, SsmSnapshotIterationStatsDelta]:
+        """The snapshot counters of the recurrent layer groups since the last call (``{}`` when none
+        were committed); they restart empty."""
+        out = {lg: d for lg, d in self.ssm_iteration.items() if not d.empty}
+        self.ssm_iteration = {}
+        return out
 
     def traffic(self, layer_group: int) -> KVCacheIterationStatsDelta | None:
         """The current iteration's delta of a layer group for copy counters (None when disabled)."""

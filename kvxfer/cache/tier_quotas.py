@@ -50,7 +50,7 @@ class TierQuotas:
         b = cache.num_committed_tokens // self.state.layout.tokens_per_block
         needs: dict[int, int] = {}
         for lg, blocks in enumerate(cache.record.blocks):
-            if blocks[b] >= 0:
+            if lg not in self.state.recurrent_groups and blocks[b] >= 0:
                 needs[self.state.lg_pool_group[lg]] = needs.get(self.state.lg_pool_group[lg], 0) + 1
         return needs
 
@@ -61,7 +61,9 @@ class TierQuotas:
         enough: every page brought up frees a slot below that a displaced page can take."""
         alloc = self.state.allocators[pool_group]
         limit = math.floor(self.state.config.resume_max_utilization * alloc.usable + 1e-9)
-        if int(np.count_nonzero(self.parts.eviction.locked_mask(0, pool_group))) + n > limit:
+        # A pool group of recurrent state slots only is exempt: a request's state never grows.
+        if pool_group not in self.state.recurrent_pool_groups and \
+                int(np.count_nonzero(self.parts.eviction.locked_mask(0, pool_group))) + n > limit:
             return False
         start = min(n, 1) if swap else n
         return alloc.num_free >= start or alloc.num_free + self.parts.eviction.room_estimate(0, pool_group) >= start

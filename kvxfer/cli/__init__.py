@@ -22,24 +22,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
     parser.add_argument("--log-level", choices=LEVELS, default="warning", help="kvxfer's log level on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_inspect = sub.add_parser("inspect", help="show the cache layout a model shape produces")
-    inspect_layout.add_arguments(p_inspect)
-    p_inspect.set_defaults(func=inspect_layout.main)
-
     from kvxfer.cli import demo as worker_demo
     from kvxfer.cli import serve as worker_cli
-    p_serve = sub.add_parser("serve", help="run a prefill or decode worker until stopped")
-    worker_cli.add_serve_arguments(p_serve)
-    p_serve.set_defaults(func=worker_cli.serve)
-    p_gen = sub.add_parser("generate", help="ask a decode worker for one completion")
-    worker_cli.add_generate_arguments(p_gen)
-    p_gen.set_defaults(func=worker_cli.generate)
-    p_status = sub.add_parser("status", help="a running worker's slot accounting and counters")
-    worker_cli.add_status_arguments(p_status)
-    p_status.set_defaults(func=worker_cli.status)
-    p_demo = sub.add_parser("demo", help="prefill + decode processes on 127.0.0.1, tokens checked end to end")
-    worker_demo.add_demo_arguments(p_demo)
-    p_demo.set_defaults(func=worker_demo.demo)
+    commands = [   # name, help, the function adding its options, the function running it
+        ("inspect", "show the cache layout a model shape produces", inspect_layout.add_arguments, inspect_layout.main),
+        ("serve", "run a prefill or decode worker until stopped", worker_cli.add_serve_arguments, worker_cli.serve),
+        ("generate", "ask a decode worker for one completion", worker_cli.add_generate_arguments,
+         worker_cli.generate),
+        ("status", "a running worker's slot accounting and counters", worker_cli.add_status_arguments,
+         worker_cli.status),
+        ("demo", "prefill + decode processes on 127.0.0.1, tokens checked end to end", worker_demo.add_demo_arguments,
+         worker_demo.demo),
+    ]
+    for name, help_text, add_arguments, run in commands:
+        command = sub.add_parser(name, help=help_text)
+        add_arguments(command)
+        command.set_defaults(func=run)
     p_bench = sub.add_parser("bench", help="benchmarks: transport | e2e (options after the name: --help)")
     p_bench.add_argument("which", choices=("transport", "e2e"))
     p_bench.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark")

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvxfer.cache.config import CacheConfig, RoleSpec
-from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.cache.descriptors import CacheLayoutDesc, plain
 from kvxfer.cache.layout import plan_layout
 
 
@@ -95,7 +95,7 @@ def describe(layout: CacheLayoutDesc) -> dict[str, Any]:
             for cb_wire, cb in zip(v_wire["coalesced_buffers"], v.coalesced_buffers, strict=True):
                 cb_wire["size"], cb_wire["num_buffers"] = cb.size, cb.num_buffers
             v_wire["buffer_spans"] = [
-                {"buffer_id": s.buffer_id.to_wire(), "pool_index": s.pool_index, "offset": s.offset, "size": s.size,
+                {"buffer_id": plain(s.buffer_id), "pool_index": s.pool_index, "offset": s.offset, "size": s.size,
                  "expansion": layout.expansion_of(s.buffer_id)} for s in v.buffer_spans()]
     return d
 

@@ -9,6 +9,7 @@ transport that registers every rank's pools, in rank order; cross-rank transfer 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import queue
 import threading
@@ -17,18 +18,28 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import numpy as np
 import torch
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.control import ControlServer, PeerConnection
 from kvxfer.disagg.health import HealthState
 from kvxfer.disagg.messages import ControlMessage
-from kvxfer.errors import CapacityError, ConfigError, ControlTimeout, KvxferError, WorkerUnhealthy
-from kvxfer.extractor import multirank
+from kvxfer.errors import (
+    CacheStateError,
+    CapacityError,
+    ConfigError,
+    ControlTimeout,
+    KvxferError,
+    OutOfSlotsError,
+    SessionError,
+    WorkerUnhealthy,
+)
+from kvxfer.extractor import TemplateCache, multirank
 from kvxfer.extractor.multirank import all_regions as all_regions  # the workers' planning helpers
 from kvxfer.extractor.multirank import region_offsets as region_offsets
 from kvxfer.model import KVSpec, Model, ModelSource, PagedKV, preset
@@ -150,18 +161,41 @@ def held_slots(managers: Sequence[KVCacheManager]) -> int:
     return total
 
 
+def resume_ranks(caches: Sequence[KVCache], role: str) -> int:
+    """Resume a request's caches on every rank (copy-on-write of a reused partial block) and return the
+    prompt tokens they reused, which must be the same on every rank (OutOfSlotsError / CacheStateError
+    naming ``role`` otherwise; the caller closes what it opened)."""
+    for cache in caches:
+        if not cache.resume():
+            raise OutOfSlotsError(f"{role} cache {cache.id}: no free slot for copy-on-write of a reused block")
+    reused = {c.num_reused_tokens for c in caches}
+    if len(reused) != 1:
+        raise CacheStateError(f"{role} ranks reused different prefixes: {sorted(reused)} tokens")
+    return reused.pop()
+
+
 def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Any],
                  dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Any], *,
                  token_range: tuple[int, int], layers: Sequence[int] | None = None,
                  dst_committed: Sequence[int | None] | None = None, request_id: str = "",
-                 planner: Planner | None = None) -> TransferPlan:
+                 planner: Planner | None = None, templates: TemplateCache | None = None) -> TransferPlan:
     """The plan of one transfer of request ``request_id``: ``planner``'s (the worker's
-    ``WorkerConfig.planner``) when given, else ``kvxfer.extractor.multirank.plan_between``'s."""
+    ``WorkerConfig.planner``) when given, else ``kvxfer.extractor.multirank.plan_between``'s, rank pairs of
+    differing layouts planned from run templates kept in ``templates`` (the peer's: ``peer_templates``)."""
     if planner is not None:
         return planner(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range, layers=layers,
                        dst_committed=dst_committed, request_id=request_id)
     return multirank.plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range,
-                                  layers=layers, dst_committed=dst_committed)
+                                  layers=layers, dst_committed=dst_committed, templates=templates)
+
+
+#: Run templates a worker keeps per peer: (its ranks x the peer's) pairs x layer groups sent x segment shapes.
+PEER_TEMPLATES_KEPT = 1024
+
+
+def peer_templates() -> TemplateCache:
+    """The template cache of one peer connection (made anew when the peer's layouts are learned)."""
+    return TemplateCache(PEER_TEMPLATES_KEPT)
 
 
 class LayerwiseKV(PagedKV):
@@ -648,11 +682,52 @@ def accept_loop(engine: Engine, server: ControlServer) -> None:
         engine.read(conn)
 
 
-class WorkerCounts:
-    """Leak checks shared by both workers (need ``engine`` and ``managers``)."""
+def check_transition(table: Mapping[Any, frozenset[Any]], role: str, request_id: str, old: enum.Enum,
+                     new: enum.Enum) -> None:
+    """SessionError unless ``table`` (a worker's transition table) allows a ``role`` request in ``old`` to
+    move to ``new``."""
+    if new not in table[old]:
+        allowed = sorted(s.value for s in table[old]) or "none (terminal)"
+        raise SessionError(f"{role} request {request_id!r}: illegal move {old.value} -> {new.value} "
+                           f"(allowed from {old.value}: {allowed})")
 
+
+class WorkerBase:
+    """What both workers share around their engine: health, status, drain, the accept thread, protocol
+    errors and the leak checks. A subclass sets ``config``, ``engine``, ``managers``, ``server`` and
+    ``_draining`` and says what it has in flight (``_in_flight``), what its status adds (``_own_status``)
+    and how it ends (``close``, ``_on_protocol_error``)."""
+
+    role: str
+    config: WorkerConfig
     engine: Engine
     managers: list[KVCacheManager]
+    server: ControlServer | None
+    _draining: bool
+
+    # --- what a worker says about itself -----------------------------------------------------------
+    @property
+    def health(self) -> Health:
+        """Whether this worker can be trusted to serve (False after an unexpected error; see ``Health``)."""
+        return self.engine.health
+
+    def status(self) -> dict[str, int | float | str]:
+        """Slot accounting and counters (what ``worker_status`` answers)."""
+        return dict(self.engine.call(self._status, 10.0))
+
+    def _status(self) -> dict[str, int | float | str]:
+        return {"role": self.role, "name": self.config.name, **self.engine.health.as_dict(),
+                "held_slots": held_slots(self.managers),
+                "open_caches": sum(len(m.open_caches) for m in self.managers), **self._own_status(),
+                "draining": int(self._draining)}
+
+    def _own_status(self) -> dict[str, int | float | str]:
+        """The role's own entries of ``status`` (engine thread)."""
+        raise NotImplementedError
+
+    def _in_flight(self) -> int:
+        """Requests not finished yet (engine thread): what ``drain`` waits for."""
+        raise NotImplementedError
 
     def held_slots(self) -> int:
         """Slots held by open requests on every rank and pool group (0 when idle: nothing leaked;
@@ -662,3 +737,75 @@ class WorkerCounts:
     def num_open_caches(self) -> int:
         """Caches open on every rank together (0 when idle)."""
         return int(self.engine.call(lambda: sum(len(m.open_caches) for m in self.managers), 10.0))
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def drain(self, timeout: float, cancel: threading.Event | None = None) -> bool:
+        """Stop taking requests (what a new one meets is the role's: see its class) and wait up to
+        ``timeout`` s (less once ``cancel`` is set) for those in flight to finish; True when none is left.
+        ``close`` fails the rest."""
+        if self.engine.stopping:
+            return True
+        with contextlib.suppress(KvxferError):
+            self.engine.call(lambda: setattr(self, "_draining", True), 10.0)
+        deadline = now() + max(0.0, timeout)
+        while True:
+            try:
+                left = int(self.engine.call(self._in_flight, 10.0))
+            except KvxferError:
+                return False
+            if not left:
+                return True
+            if now() >= deadline or (cancel is not None and cancel.is_set()):
+                log.warning("%s: %d request(s) still in flight after the %.1f s drain", self.config.name, left,
+                            timeout)
+                return False
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Fail what is open, stop the threads, close connections, transport and caches."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start_accepting(self) -> threading.Thread:
+        """The thread that hands every accepted control connection to the engine (``accept_loop``)."""
+        server = self.server
+        assert server is not None
+        thread = threading.Thread(target=accept_loop, args=(self.engine, server),
+                                  name=f"kvxfer-accept-{self.config.name}", daemon=True)
+        thread.start()
+        return thread
+
+    # --- engine thread ------------------------------------------------------------------------------
+    def _received(self, conn: PeerConnection, msg: ControlMessage, handle: Callable[[], None]) -> None:
+        """Run ``handle`` for a peer's message; a peer that broke the protocol (KvxferError) loses its
+        connection, the others are served on."""
+        try:
+            handle()
+        except KvxferError as exc:
+            log.warning("%s: %s sent a bad %s: %s", self.config.name, conn.peer.name, msg.kind, exc)
+            conn.close(f"protocol error: {exc}")
+            self._on_protocol_error(conn, f"protocol error: {exc}")
+
+    def _on_protocol_error(self, conn: PeerConnection, reason: str) -> None:
+        """A peer's connection was closed for ``reason``: end what was served over it (engine thread)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _send(conn: PeerConnection, message: ControlMessage, *, urgent: bool = False) -> None:
+        """Send, ignoring a lost peer (its ``Lost`` event handles it); ``urgent``: on a request's critical
+        path, handed to the I/O thread before the engine goes on (``send_urgent``)."""
+        if not conn.alive:
+            return
+        with contextlib.suppress(KvxferError):
+            (conn.send_urgent if urgent else conn.send)(message)
+
+
+def release_managers(managers: Sequence[KVCacheManager]) -> None:
+    """Shut down every cache manager (a worker that could not start, or one closing)."""
+    for m in managers:
+        m.shutdown()

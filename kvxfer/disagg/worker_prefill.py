@@ -14,15 +14,16 @@ for checksums, the reply carries a position-keyed digest of the source pages dec
 ``kvxfer.transport.integrity``). The pages a transfer reads stay pinned until it completed or was
 stopped, and the digest describes exactly those pages: a layer-wise push reads the request's own copy
 of its last block, which the commit at the end of the prompt may swap for the prefix tree's identical
-block (freeing the request's copy but for the pin).
+block (freeing the request's copy but for the pin). Who touches a request's pages is its ``PrefillState``,
+moved only by ``PrefillWorker._move`` (docs/architecture.md, "A request's life is a written state machine").
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,22 +57,23 @@ from kvxfer.disagg.worker import (
     ComputeThread,
     Engine,
     Event,
-    Health,
     LayerDone,
     LayerwiseKV,
     Lost,
     Received,
     Reserved,
     StallWatch,
+    WorkerBase,
     WorkerConfig,
-    WorkerCounts,
-    accept_loop,
     all_regions,
-    held_slots,
+    check_transition,
     layer_groups,
     make_transport,
     now,
+    peer_templates,
     plan_between,
+    release_managers,
+    resume_ranks,
     warm_up_model,
 )
 from kvxfer.disagg.worker_protocol import (
@@ -89,19 +91,58 @@ from kvxfer.disagg.worker_protocol import (
 from kvxfer.errors import (
     CacheStateError,
     KvxferError,
-    OutOfSlotsError,
     ProtocolError,
     RequestCancelled,
     SessionError,
     TransferFailed,
     WorkerUnhealthy,
 )
+from kvxfer.extractor import TemplateCache
 from kvxfer.model import Model, greedy
 from kvxfer.pagetable import TransferPlan
 from kvxfer.transport import PreparedTransfer, TransferHandle, TransferStatus, Transport
 from kvxfer.transport.integrity import ChecksumPolicy, digest_kv
 
 log = logging.getLogger("kvxfer.disagg.prefill")
+
+
+class PrefillState(enum.Enum):
+    """What a prefill worker does with a request's pages. ``PREFILL_TRANSITIONS`` lists the moves;
+    ``PrefillWorker._move`` makes every one of them and keeps ``_jobs`` (every request not yet FREED) in
+    step. The request's ``Session`` says how its transfer ends (done, failed, cancelled); this says who
+    still touches its pages."""
+
+    NEW = "new"
+    """Admitted: its caches are being allocated."""
+    COMPUTING = "computing"
+    """The compute thread writes its pages (a layer-wise push posts writes meanwhile)."""
+    COMPUTED = "computed"
+    """The first token is known; waiting for decode's destinations (``kv_blocks``) to send the KV."""
+    SENDING = "sending"
+    """Every write posted (push) or ``kv_pull`` sent (pull): waiting for the writes to complete or for
+    decode's ``kv_release``."""
+    ABANDONED = "abandoned"
+    """Ended while the compute thread still writes its pages: they are freed once it reports back."""
+    FREED = "freed"
+    """Pages, pins and lease released; forgotten."""
+
+    @property
+    def terminal(self) -> bool:
+        """Whether nothing more happens to a request in this state."""
+        return not PREFILL_TRANSITIONS[self]
+
+
+_P = PrefillState
+PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
+    _P.NEW: frozenset({_P.COMPUTING, _P.FREED}),
+    _P.COMPUTING: frozenset({_P.COMPUTED, _P.ABANDONED}),
+    _P.COMPUTED: frozenset({_P.SENDING, _P.FREED}),
+    _P.SENDING: frozenset({_P.FREED}),
+    _P.ABANDONED: frozenset({_P.FREED}),
+    _P.FREED: frozenset(),
+}
+"""Every legal move of a prefill request. A request that ends while computing goes through ABANDONED:
+its pages cannot be freed under the compute thread."""
 
 
 @dataclass(eq=False)
@@ -132,9 +173,6 @@ class _Job:
     last_posted: float = 0.0
     """When the request's last transfer was handed to the transport: ``post_s`` ends there (the post
     itself counts as transfer time)."""
-    freed: bool = False
-    computing: bool = False
-    """The compute thread writes the request's pages now: they are freed once it is done with them."""
     groups: dict[int, list[int]] = field(default_factory=dict)
     """Layer-wise push: last layer of each group -> the group's layers."""
     waiting_layers: list[int] = field(default_factory=list)
@@ -155,6 +193,13 @@ class _Job:
     uploaded) while the compute ran, so the post at its end is one launch."""
     started: float = field(default_factory=now)
     """When the request arrived: a process stall after this may have made decode give its blocks away."""
+    state: PrefillState = PrefillState.NEW
+    """Who touches the request's pages; changed only by ``PrefillWorker._move``."""
+
+    @property
+    def computing(self) -> bool:
+        """The compute thread writes the request's pages now: they are freed once it is done with them."""
+        return self.state in (PrefillState.COMPUTING, PrefillState.ABANDONED)
 
 
 @dataclass
@@ -171,8 +216,11 @@ class PrefillStats:
     """The latest failure reasons (bounded: a long-running worker must not grow without limit)."""
 
 
-class PrefillWorker(WorkerCounts):
-    """Serves decode peers on ``address``; see the module docstring."""
+class PrefillWorker(WorkerBase):
+    """Serves decode peers on ``address``; see the module docstring. ``drain`` makes each new
+    ``kv_request`` fail with a ``PREFILL_SHUTDOWN`` reason, which sends it to another prefill of its decode."""
+
+    role = "prefill"
 
     def __init__(self, config: WorkerConfig, secret: Secret = None, *, bind: str = "tcp://127.0.0.1:0",
                  transport_options: dict[str, Any] | None = None, versions: tuple[int, int] | None = None,
@@ -187,6 +235,7 @@ class PrefillWorker(WorkerCounts):
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._draining = False   # set by drain: new requests are refused (engine thread reads it)
         self._peer_layouts: dict[str, list[CacheLayoutDesc]] = {}
+        self._peer_templates: dict[str, TemplateCache] = {}   # run templates of (these layouts, the peer's)
         self._peers: dict[str, PeerConnection] = {}
         self.engine = Engine(config.name, self._on_event, self._tick, on_receive=self._on_receive,
                              on_error=lambda reason: self._fail_all(f"prefill worker unhealthy: {reason}"))
@@ -194,8 +243,7 @@ class PrefillWorker(WorkerCounts):
             self.model = config.load_model(model)
             self.transport: Transport = make_transport(config, transport_options)
         except BaseException:
-            for m in self.managers:
-                m.shutdown()
+            release_managers(self.managers)
             raise
         self.server: ControlServer | None = None
         self.stall_watch: StallWatch | None = None
@@ -218,9 +266,7 @@ class PrefillWorker(WorkerCounts):
             self.stall_watch.start()
             self.address = self.server.address
             self.engine.start()
-            self._accepting = threading.Thread(target=self._accept_loop, name=f"kvxfer-accept-{config.name}",
-                                               daemon=True)
-            self._accepting.start()
+            self._accepting = self._start_accepting()
         except BaseException:
             self._release()
             raise
@@ -231,46 +277,13 @@ class PrefillWorker(WorkerCounts):
         """Requests whose source blocks are held now."""
         return int(self.engine.call(lambda: len(self._jobs), 10.0))
 
-    @property
-    def health(self) -> Health:
-        """Whether this worker can be trusted to serve (False after an unexpected error; see ``Health``)."""
-        return self.engine.health
+    def _own_status(self) -> dict[str, int | float | str]:
+        return {"jobs": len(self._jobs), "peers": len(self._peers), "requests": self.stats.requests,
+                "completed": self.stats.completed, "failed": self.stats.failed, "bytes_sent": self.stats.bytes_sent,
+                "reused_tokens": self.stats.reused_tokens, "peer_losses": self.stats.peer_losses}
 
-    def status(self) -> dict[str, int | float | str]:
-        """Slot accounting and counters (what ``worker_status`` answers)."""
-        return dict(self.engine.call(self._status, 10.0))
-
-    def _status(self) -> dict[str, int | float | str]:
-        return {"role": "prefill", "name": self.config.name, **self.engine.health.as_dict(),
-                "held_slots": held_slots(self.managers),
-                "open_caches": sum(len(m.open_caches) for m in self.managers), "jobs": len(self._jobs),
-                "peers": len(self._peers), "requests": self.stats.requests, "completed": self.stats.completed,
-                "failed": self.stats.failed, "bytes_sent": self.stats.bytes_sent,
-                "reused_tokens": self.stats.reused_tokens, "peer_losses": self.stats.peer_losses,
-                "draining": int(self._draining)}
-
-    def drain(self, timeout: float, cancel: threading.Event | None = None) -> bool:
-        """Stop taking requests (each new ``kv_request`` fails with a ``PREFILL_SHUTDOWN`` reason, which
-        sends it to another prefill of its decode) and wait up to ``timeout`` s (less once ``cancel`` is
-        set) for the requests in flight to finish; True when none is left. ``close`` fails those still
-        open."""
-        if self.engine.stopping:
-            return True
-        with contextlib.suppress(KvxferError):
-            self.engine.call(lambda: setattr(self, "_draining", True), 10.0)
-        deadline = now() + max(0.0, timeout)
-        while True:
-            try:
-                left = int(self.engine.call(lambda: len(self._jobs), 10.0))
-            except KvxferError:
-                return False
-            if not left:
-                return True
-            if now() >= deadline or (cancel is not None and cancel.is_set()):
-                log.warning("%s: %d request(s) still in flight after the %.1f s drain", self.config.name, left,
-                            timeout)
-                return False
-            time.sleep(0.02)
+    def _in_flight(self) -> int:
+        return len(self._jobs)
 
     def close(self) -> None:
         """Fail every open request, stop the threads, close the server and transport."""
@@ -288,27 +301,17 @@ class PrefillWorker(WorkerCounts):
         if self.compute is not None:
             self.compute.stop()   # the prompt in progress finishes (a layer-wise one stops at its next layer)
         for job in list(self._jobs.values()):   # ended while computing: the engine no longer frees them
-            job.computing = False
             self._free(job)
+            if job.state is PrefillState.ABANDONED:
+                self._drop_pages(job)
         if self.stall_watch is not None:
             self.stall_watch.stop()
         if self._accepting is not None:
             self._accepting.join(5.0)
         self.transport.close()
-        for m in self.managers:
-            m.shutdown()
+        release_managers(self.managers)
 
-    def __enter__(self) -> PrefillWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # --- threads ----------------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        assert self.server is not None
-        accept_loop(self.engine, self.server)
-
+    # --- engine thread ----------------------------------------------------------------------------
     def _on_event(self, ev: Event) -> None:
         match ev:
             case Computed(job=job, value=value, error=error):
@@ -320,14 +323,12 @@ class PrefillWorker(WorkerCounts):
             case Lost(conn=conn, reason=reason):
                 self._on_lost(conn, reason)
             case Received(conn=conn, message=msg):
-                try:
-                    self._on_message(conn, msg)
-                except KvxferError as exc:   # the peer broke the protocol: end its connection, keep serving others
-                    log.warning("%s: %s sent a bad %s: %s", self.config.name, conn.peer.name, msg.kind, exc)
-                    conn.close(f"protocol error: {exc}")
-                    self._on_lost(conn, f"protocol error: {exc}")
+                self._received(conn, msg, lambda: self._on_message(conn, msg))
             case _:
                 raise TypeError(f"prefill worker {self.config.name}: no handler for a {type(ev).__name__} event")
+
+    def _on_protocol_error(self, conn: PeerConnection, reason: str) -> None:
+        self._on_lost(conn, reason)
 
     def _on_receive(self, conn: PeerConnection, msg: ControlMessage) -> bool:
         """Reader thread: a decode peer's lease renewal takes effect on arrival, even while the engine
@@ -385,6 +386,7 @@ class PrefillWorker(WorkerCounts):
             self._on_lost(old, "replaced by a new connection with the same name")
         self.transport.connect(peer, conn.peer.metadata)
         self._peer_layouts[peer] = layouts
+        self._peer_templates[peer] = peer_templates()
         self._peers[peer] = conn
         self._send(conn, KvRanks(layouts=encode_layouts(self.layouts)))
 
@@ -407,7 +409,7 @@ class PrefillWorker(WorkerCounts):
         checksum = decode_checksum_policy(msg.checksum)
         session = Session(rid, lease=self.leases.grant((peer, rid), msg.lease_s))
         job = _Job(peer, rid, conn, session, [], msg.mode, None, (0, int(tokens.size)), checksum)
-        self._jobs[(peer, rid)] = job
+        self._jobs[(peer, rid)] = job   # NEW: every state but FREED is in ``_jobs``
         try:
             self._allocate(job, tokens)
         except KvxferError as exc:
@@ -448,13 +450,7 @@ class PrefillWorker(WorkerCounts):
                 c.close()
                 job.caches[i] = m.create_kv_cache_for_prompt(tokens[:common + 1], id=f"{job.peer}/{job.request_id}/{i}",
                                                   expected_prompt_length=len(tokens))
-        for cache in job.caches:
-            if not cache.resume():
-                raise OutOfSlotsError(f"prefill cache {cache.id}: no free slot for copy-on-write of a reused block")
-        reused = {c.num_reused_tokens for c in job.caches}
-        if len(reused) != 1:
-            raise CacheStateError(f"prefill ranks reused different prefixes: {sorted(reused)} tokens")
-        job.reused_tokens = reused.pop()
+        job.reused_tokens = resume_ranks(job.caches, "prefill")
         self.stats.reused_tokens += job.reused_tokens
         job.session.ready("source blocks allocated")
 
@@ -488,12 +484,12 @@ class PrefillWorker(WorkerCounts):
                 logits = model.prefill(kv, tokens[job.reused_tokens:], chunk, last_only=True)
             return greedy(logits[-1]), now() - started
 
-        job.computing = True
+        self._move(job, PrefillState.COMPUTING)
         self.compute.submit(job, run)
 
     def _on_layer(self, job: _Job, layer: int) -> None:
         """A group of layers is in the pages (layer-wise push): write it to decode."""
-        if job.session.terminal or job.freed:
+        if job.session.terminal or job.state.terminal:
             return
         if job.dst_ids is None:   # decode's kv_blocks has not come yet: posted when it does
             job.waiting_layers.append(layer)
@@ -504,13 +500,11 @@ class PrefillWorker(WorkerCounts):
                 job.posted_at = now()
             plan = plan_between(self.layouts, job.src_ids, self._peer_layouts[job.peer], job.dst_ids,
                                 token_range=job.span, layers=job.groups[layer], request_id=job.request_id,
-                                planner=self.config.planner)
+                                planner=self.config.planner, templates=self._peer_templates.get(job.peer))
             job.parts += 1
             self._check_may_write(job)
             job.last_posted = now()
-            handle = self.transport.write(job.peer, plan, self._notice(job, job.parts))
-            job.handles.append(handle)
-            handle.add_done_callback(self.engine.wake)
+            self._track(job, self.transport.write(job.peer, plan, self._notice(job, job.parts)))
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
             return
@@ -519,7 +513,10 @@ class PrefillWorker(WorkerCounts):
     def _computed(self, job: _Job, result: tuple[int, float] | None, error: BaseException | None) -> None:
         """The compute thread is done with the request's pages: free them if the request ended meanwhile,
         else send (pull: tell decode where to read; push: write what layer-wise writes did not)."""
-        job.computing = False
+        if job.state is PrefillState.ABANDONED:   # ended while computing: nothing touches the pages now
+            self._drop_pages(job)
+            return
+        self._move(job, PrefillState.COMPUTED)
         if job.session.terminal:
             self._free(job)
             return
@@ -543,6 +540,7 @@ class PrefillWorker(WorkerCounts):
         """The request is computed and decode's destinations are known: pull: tell decode where to read;
         push: write what layer-wise writes did not."""
         assert job.dst_ids is not None
+        self._move(job, PrefillState.SENDING)
         try:
             if job.mode == "pull":
                 src_ids = self._source_ids(job)
@@ -565,7 +563,7 @@ class PrefillWorker(WorkerCounts):
                         prepared = None
                     plan = plan_between(self.layouts, src_ids, self._peer_layouts[job.peer], job.dst_ids,
                                         token_range=job.span, request_id=job.request_id,
-                                        planner=self.config.planner)
+                                        planner=self.config.planner, templates=self._peer_templates.get(job.peer))
                 self._check_may_write(job)
                 job.session.start_transfer("write posted")
                 job.posted_at = now()
@@ -585,12 +583,16 @@ class PrefillWorker(WorkerCounts):
                         prepared.release()
                 else:
                     handle = self.transport.write(job.peer, plan, notice, settled=True)
-                job.handles.append(handle)
-                handle.add_done_callback(self.engine.wake)
+                self._track(job, handle)
         except KvxferError as exc:
             self._end(job, SessionState.FAILED, f"{type(exc).__name__}: {exc}")
             return
         self._announce(job)
+
+    def _track(self, job: _Job, handle: TransferHandle) -> None:
+        """A transfer of ``job`` was posted: the request waits for it, and its end wakes the engine."""
+        job.handles.append(handle)
+        handle.add_done_callback(self.engine.wake)
 
     def _announce(self, job: _Job) -> None:
         """Push: once every write is posted and the first token is known, tell decode (``kv_posted``,
@@ -649,7 +651,8 @@ class PrefillWorker(WorkerCounts):
             ids.append({g: np.asarray(x, dtype=np.int64) for g, x in rank_ids.items()})
         try:
             plan = plan_between(self.layouts, ids, self._peer_layouts[job.peer], job.dst_ids, token_range=job.span,
-                                request_id=job.request_id, planner=self.config.planner)
+                                request_id=job.request_id, planner=self.config.planner,
+                                templates=self._peer_templates.get(job.peer))
         except KvxferError as exc:   # the post plans (and pins) again, and reports what is wrong
             log.debug("%s: request %s: no early plan: %s", self.config.name, job.request_id, exc)
             return
@@ -794,27 +797,41 @@ class PrefillWorker(WorkerCounts):
         self._free(job)
 
     def _free(self, job: _Job) -> None:
-        if job.freed:
+        """Give up the request's lease and prepared write, and its pages once nothing touches them (a
+        request still computing is ABANDONED: ``_computed`` frees it)."""
+        if job.state is PrefillState.FREED:
             return
         prepared = self._take_prepared(job)
         if prepared is not None:
             prepared.release()
         self.leases.release((job.peer, job.request_id))
-        if job.computing:   # the compute thread still writes these pages: freed when it reports back
-            return
+        if job.state is PrefillState.COMPUTING:
+            self._move(job, PrefillState.ABANDONED)
+        if job.state is not PrefillState.ABANDONED:
+            self._drop_pages(job)
+
+    def _drop_pages(self, job: _Job) -> None:
+        """Free the request's caches and pins once every transfer reading them ended; FREED."""
         pending = [h for h in job.handles if not h.done()]
         if pending:   # a transfer that could not be cancelled still reads our pages: wait for it
             for h in pending:
                 with contextlib.suppress(KvxferError):
                     h.wait(self.config.lease_s)
-        job.freed = True
+        self._move(job, PrefillState.FREED)
         for cache in job.caches:
             with contextlib.suppress(KvxferError):
                 cache.close()
         for pin in job.pins:   # after every transfer reading the pages ended (or was given up on above)
             with contextlib.suppress(KvxferError):
                 pin.release()
-        self._jobs.pop((job.peer, job.request_id), None)
+
+    def _move(self, job: _Job, state: PrefillState) -> None:
+        """Move ``job`` to ``state`` (SessionError if ``PREFILL_TRANSITIONS`` does not allow it); a FREED
+        request leaves ``_jobs`` (engine thread only)."""
+        check_prefill_move(job.request_id, job.state, state)
+        job.state = state
+        if state is PrefillState.FREED and self._jobs.get((job.peer, job.request_id)) is job:
+            del self._jobs[(job.peer, job.request_id)]
 
     def _on_lost(self, conn: PeerConnection, reason: str) -> None:
         peer = conn.peer.name
@@ -825,17 +842,17 @@ class PrefillWorker(WorkerCounts):
             self._end(job, SessionState.FAILED, f"decode peer lost: {reason}", tell=False)
         self._peers.pop(peer, None)
         self._peer_layouts.pop(peer, None)
+        self._peer_templates.pop(peer, None)
         self.transport.disconnect(peer)
 
     def _fail_all(self, reason: str) -> None:
         for job in list(self._jobs.values()):
             self._end(job, SessionState.FAILED, reason)
 
-    def _send(self, conn: PeerConnection, message: ControlMessage, *, urgent: bool = False) -> None:
-        """Send, ignoring a lost peer (its reader's "lost" event handles it); ``urgent``: on a request's
-        critical path, handed to the I/O thread before the engine goes on (``send_urgent``)."""
-        with contextlib.suppress(KvxferError):
-            (conn.send_urgent if urgent else conn.send)(message)
+
+def check_prefill_move(request_id: str, old: PrefillState, new: PrefillState) -> None:
+    """SessionError unless ``PREFILL_TRANSITIONS`` allows a request in ``old`` to move to ``new``."""
+    check_transition(PREFILL_TRANSITIONS, "prefill", request_id, old, new)
 
 
 def reusable_plan(early: tuple[BlockIdMaps, TransferPlan] | None, src_ids: BlockIdMaps) -> TransferPlan | None:

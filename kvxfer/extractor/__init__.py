@@ -1,7 +1,13 @@
 """Extractor: published layouts + block ids -> PageTables, and two layouts -> a paired TransferPlan."""
 
 from kvxfer.extractor.block_ids import BlockIds, HasBlockIdMap
-from kvxfer.extractor.blocks import block_template, plan_blocks, plan_templated, segment_template
+from kvxfer.extractor.blocks import (
+    TemplateCache,
+    block_template,
+    plan_blocks,
+    plan_templated,
+    segment_template,
+)
 from kvxfer.extractor.extract import COORDS, extract
 from kvxfer.extractor.multirank import all_regions, plan_between, region_offsets
 from kvxfer.extractor.pairing import plan_transfer
@@ -14,6 +20,7 @@ __all__ = [
     "HasBlockIdMap",
     "HasCommittedTokens",
     "Placement",
+    "TemplateCache",
     "all_regions",
     "block_template",
     "check_writable",

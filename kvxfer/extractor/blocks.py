@@ -24,17 +24,18 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.errors import ConfigError
 from kvxfer.extractor.block_ids import BlockIds, block_id_map, check_distinct
 from kvxfer.extractor.compat import paired_layers
 from kvxfer.extractor.pairing import plan_transfer
-from kvxfer.extractor.tokens import check_token_range, refuse_read_only, token_segments
+from kvxfer.extractor.tokens import Segments, check_token_range, refuse_read_only, token_segments
 from kvxfer.extractor.writable import committed_tokens, lacking_range
 from kvxfer.pagetable import BlockPlan, TransferPlan
 
@@ -44,9 +45,48 @@ U32 = npt.NDArray[np.uint32]
 Template = tuple[U64, U64, U64, U64, U64, U32, U32]
 
 _TEMPLATES_KEPT = 64
-_templates: OrderedDict[tuple[int, int, tuple[int, ...]], tuple[CacheLayoutDesc, CacheLayoutDesc, Template | None]] = \
-    OrderedDict()
-_templates_lock = threading.Lock()
+
+
+class TemplateCache:
+    """Run templates of layout pairs, the least recently used dropped past ``kept``: keyed by the two
+    layout objects (each entry holds them, so their ids are not reused while it is kept), the layers and
+    the segment shape. A worker keeps one per peer (its layouts x the peer's), so that one peer's pairs do
+    not push another's out; the functions below share a module-wide one when given none."""
+
+    def __init__(self, kept: int = _TEMPLATES_KEPT) -> None:
+        if not isinstance(kept, int) or kept < 1:
+            raise ConfigError(f"TemplateCache: kept must be a positive int, got {kept!r}")
+        self.kept = kept
+        self.entries: OrderedDict[tuple[int, int, tuple[int, ...]],
+                                  tuple[CacheLayoutDesc, CacheLayoutDesc, Template | None]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, key: tuple[int, ...],
+            make: Callable[[], Template | None]) -> Template | None:
+        """The template kept for (``src_layout``, ``dst_layout``, ``key``), made by ``make`` when missing."""
+        full = (id(src_layout), id(dst_layout), key)
+        with self.lock:
+            hit = self.entries.get(full)
+            if hit is not None and hit[0] is src_layout and hit[1] is dst_layout:
+                self.entries.move_to_end(full)
+                return hit[2]
+        template = make()
+        with self.lock:
+            self.entries[full] = (src_layout, dst_layout, template)
+            while len(self.entries) > self.kept:
+                self.entries.popitem(last=False)
+        return template
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+
+
+_shared = TemplateCache()
+_templates, _templates_lock = _shared.entries, _shared.lock
 
 
 def plan_blocks(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_layout: CacheLayoutDesc,
@@ -57,17 +97,8 @@ def plan_blocks(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_
     tpb = src_layout.tokens_per_block
     if dst_layout.tokens_per_block != tpb or len(src_layout.layer_groups) != 1 or len(dst_layout.layer_groups) != 1:
         return None
-    tr = check_token_range(token_range)
-    committed = committed_tokens(dst_block_ids, dst_committed)
-    if tr is None:
-        tr = lacking_range(dst_block_ids, dst_committed)
-    layer_ids = tuple(paired_layers(src_layout, dst_layout, layers))
-    gs, gd = src_layout.layer_groups[0].layer_group_id, dst_layout.layer_groups[0].layer_group_id
-    src_ids = block_id_map(src_layout, src_block_ids, [gs], "source")[gs]
-    dst_ids = block_id_map(dst_layout, dst_block_ids, [gd], "destination")
-    check_distinct(dst_layout, dst_ids, "destination")
-    segs = token_segments(src_ids, tpb, dst_ids[gd], tpb, tr)
-    refuse_read_only(segs, gd, committed // tpb * tpb, tpb)
+    layer_ids, segs = _segments(src_layout, src_block_ids, dst_layout, dst_block_ids, layers, token_range,
+                                dst_committed)
     if not bool((segs.length == tpb).all()):
         return None
     template = block_template(src_layout, dst_layout, layer_ids)
@@ -79,13 +110,39 @@ def plan_blocks(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_
 def plan_templated(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_layout: CacheLayoutDesc,
                    dst_block_ids: BlockIds | Any, *, layers: Iterable[int] | None = None,
                    token_range: tuple[int, int] | None = None,
-                   dst_committed: int | None = None) -> list[BlockPlan] | None:
+                   dst_committed: int | None = None, templates: TemplateCache | None = None) -> list[BlockPlan] | None:
     """The runs ``plan_transfer`` (same arguments, same checks and errors) would move, as one BlockPlan
     per segment shape (see the module docstring), in the order of each shape's first segment; None when
     a layout holds several layer groups or a shape's runs are not affine in the slots (use
-    ``plan_transfer``)."""
+    ``plan_transfer``). ``templates``: where the layout pair's templates are kept (default: the module's
+    cache)."""
     if len(src_layout.layer_groups) != 1 or len(dst_layout.layer_groups) != 1:
         return None
+    layer_ids, segs = _segments(src_layout, src_block_ids, dst_layout, dst_block_ids, layers, token_range,
+                                dst_committed)
+    if not len(segs):
+        return []
+    # One key per segment shape: (source offset, destination offset, length), each below 2**20 tokens.
+    key = (segs.src_tok << 42) | (segs.dst_tok << 21) | segs.length
+    shapes, first, which = np.unique(key, return_index=True, return_inverse=True)
+    plans: list[tuple[int, BlockPlan]] = []
+    for k in range(shapes.size):
+        i = int(first[k])
+        shape = (int(segs.src_tok[i]), int(segs.dst_tok[i]), int(segs.length[i]))
+        template = segment_template(src_layout, dst_layout, layer_ids, shape, templates)
+        if template is None:
+            return None
+        mine = which == k
+        plans.append((i, BlockPlan(segs.src_slot[mine].astype(np.uint64), segs.dst_slot[mine].astype(np.uint64),
+                                   *template)))
+    return [bp for _, bp in sorted(plans, key=lambda item: item[0])]
+
+
+def _segments(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, dst_layout: CacheLayoutDesc,
+              dst_block_ids: BlockIds | Any, layers: Iterable[int] | None, token_range: tuple[int, int] | None,
+              dst_committed: int | None) -> tuple[tuple[int, ...], Segments]:
+    """The paired layers and the token segments of a transfer between two one-layer-group layouts, with
+    ``plan_transfer``'s checks (token range, distinct destination blocks, no write into a committed page)."""
     ts, td = src_layout.tokens_per_block, dst_layout.tokens_per_block
     tr = check_token_range(token_range)
     committed = committed_tokens(dst_block_ids, dst_committed)
@@ -98,58 +155,23 @@ def plan_templated(src_layout: CacheLayoutDesc, src_block_ids: BlockIds | Any, d
     check_distinct(dst_layout, dst_ids, "destination")
     segs = token_segments(src_ids, ts, dst_ids[gd], td, tr)
     refuse_read_only(segs, gd, committed // td * td, td)
-    if not len(segs):
-        return []
-    # One key per segment shape: (source offset, destination offset, length), each below 2**20 tokens.
-    key = (segs.src_tok << 42) | (segs.dst_tok << 21) | segs.length
-    shapes, first, which = np.unique(key, return_index=True, return_inverse=True)
-    plans: list[tuple[int, BlockPlan]] = []
-    for k in range(shapes.size):
-        i = int(first[k])
-        shape = (int(segs.src_tok[i]), int(segs.dst_tok[i]), int(segs.length[i]))
-        template = segment_template(src_layout, dst_layout, layer_ids, shape)
-        if template is None:
-            return None
-        mine = which == k
-        plans.append((i, BlockPlan(segs.src_slot[mine].astype(np.uint64), segs.dst_slot[mine].astype(np.uint64),
-                                   *template)))
-    return [bp for _, bp in sorted(plans, key=lambda item: item[0])]
+    return layer_ids, segs
 
 
 def segment_template(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...],
-                     shape: tuple[int, int, int]) -> Template | None:
+                     shape: tuple[int, int, int], templates: TemplateCache | None = None) -> Template | None:
     """The run template of the segments of ``shape`` (source token offset, destination token offset,
-    length) between two one-layer-group layouts (kept for the last 64 (layout pair, layers, shape)), or
-    None when ``plan_transfer``'s runs for such a segment are not affine in its slots."""
-    key = (id(src_layout), id(dst_layout), (*layers, -1, *shape))
-    with _templates_lock:
-        hit = _templates.get(key)
-        if hit is not None and hit[0] is src_layout and hit[1] is dst_layout:
-            _templates.move_to_end(key)
-            return hit[2]
-    template = _derive(src_layout, dst_layout, layers, shape)
-    with _templates_lock:
-        _templates[key] = (src_layout, dst_layout, template)
-        while len(_templates) > _TEMPLATES_KEPT:
-            _templates.popitem(last=False)
-    return template
+    length) between two one-layer-group layouts (kept in ``templates``, else in the module's cache of the
+    last 64 (layout pair, layers, shape)), or None when ``plan_transfer``'s runs for such a segment are not
+    affine in its slots."""
+    return (_shared if templates is None else templates).get(src_layout, dst_layout, (*layers, -1, *shape),
+                                      lambda: _derive(src_layout, dst_layout, layers, shape))
 
 
 def block_template(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...]) -> Template | None:
     """The per-block-pair run template of two one-layer-group layouts (kept for the last 64 pairs of
     layout objects), or None when ``plan_transfer``'s runs are not affine in the slot ids."""
-    key = (id(src_layout), id(dst_layout), layers)
-    with _templates_lock:
-        hit = _templates.get(key)
-        if hit is not None and hit[0] is src_layout and hit[1] is dst_layout:
-            _templates.move_to_end(key)
-            return hit[2]
-    template = _derive(src_layout, dst_layout, layers)
-    with _templates_lock:   # the entry holds the layouts, so their ids are not reused while it is kept
-        _templates[key] = (src_layout, dst_layout, template)
-        while len(_templates) > _TEMPLATES_KEPT:
-            _templates.popitem(last=False)
-    return template
+    return _shared.get(src_layout, dst_layout, layers, lambda: _derive(src_layout, dst_layout, layers))
 
 
 def _derive(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...],

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from kvxfer.cache.descriptors import BufferId, CacheLayoutDesc
 from kvxfer.errors import LayoutMismatch
 from kvxfer.extractor.regions import Placement
-from kvxfer.extractor.selection import layer_span
+from kvxfer.extractor.selection import layer_span, refuse_recurrent
 
 
 def paired_layers(src: CacheLayoutDesc, dst: CacheLayoutDesc, layers: Iterable[int] | None) -> list[int]:
@@ -16,12 +16,16 @@ def paired_layers(src: CacheLayoutDesc, dst: CacheLayoutDesc, layers: Iterable[i
         if src.layer_ids != dst.layer_ids:
             raise LayoutMismatch(f"layer ids: source has {layer_span(src.layer_ids)}, destination has "
                                  f"{layer_span(dst.layer_ids)}")
-        return list(src.layer_ids)
-    wanted = sorted({int(x) for x in layers})
+        wanted = list(src.layer_ids)
+    else:
+        wanted = sorted({int(x) for x in layers})
+        for side, layout in (("source", src), ("destination", dst)):
+            missing = sorted(set(wanted) - set(layout.layer_ids))
+            if missing:
+                raise LayoutMismatch(f"layer ids: layers {missing} requested, {side} has "
+                                     f"{layer_span(layout.layer_ids)}")
     for side, layout in (("source", src), ("destination", dst)):
-        missing = sorted(set(wanted) - set(layout.layer_ids))
-        if missing:
-            raise LayoutMismatch(f"layer ids: layers {missing} requested, {side} has {layer_span(layout.layer_ids)}")
+        refuse_recurrent(layout, wanted, f"transfer plan ({side})")
     return wanted
 
 

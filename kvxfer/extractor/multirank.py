@@ -17,6 +17,7 @@ import numpy as np
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.extractor.block_ids import BlockIds
+from kvxfer.extractor.blocks import TemplateCache, plan_templated
 from kvxfer.extractor.pairing import plan_transfer
 from kvxfer.extractor.regions import layout_regions
 from kvxfer.pagetable import PageTable, TransferPlan
@@ -40,7 +41,8 @@ def _shift(table: PageTable, offset: int) -> PageTable:
 def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[BlockIds | Any],
                  dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[BlockIds | Any], *,
                  token_range: tuple[int, int], layers: Sequence[int] | None = None,
-                 dst_committed: Sequence[int | None] | None = None) -> TransferPlan:
+                 dst_committed: Sequence[int | None] | None = None,
+                 templates: TemplateCache | None = None) -> TransferPlan:
     """One plan moving ``token_range`` of ``layers`` from every source rank to every destination rank.
 
     ``src_ids[i]`` / ``dst_ids[j]`` are the block ids (a ``KVCache`` or its ``block_id_map()``) of the
@@ -49,15 +51,36 @@ def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Block
     meet adds nothing); region indices are those of the concatenated rank regions on each side
     (``all_regions``). ``dst_committed[j]`` (default: from a KVCache destination) makes rank ``j``'s
     committed blocks read-only (``plan_transfer`` refuses to write them).
+
+    ``templates``: a rank pair whose layouts differ (tokens per block, head split, head order) is planned
+    with ``plan_templated`` (same runs, same checks and errors, its run templates kept there: a worker
+    keeps one cache per peer), its BlockPlans expanded with array arithmetic instead of pairing every
+    segment; None: ``plan_transfer`` pairs every rank pair.
     """
     src_off, dst_off = region_offsets(src_layouts), region_offsets(dst_layouts)
     committed = [None] * len(dst_layouts) if dst_committed is None else list(dst_committed)
     plans: list[TransferPlan] = []
     for i, (sl, si) in enumerate(zip(src_layouts, src_ids, strict=True)):
         for j, (dl, di, dc) in enumerate(zip(dst_layouts, dst_ids, committed, strict=True)):
-            plan = plan_transfer(sl, si, dl, di, layers=layers, token_range=token_range, dst_committed=dc)
+            plan = _templated(sl, si, dl, di, layers, token_range, dc, templates) \
+                if templates is not None and sl.fingerprint != dl.fingerprint else None
+            if plan is None:
+                plan = plan_transfer(sl, si, dl, di, layers=layers, token_range=token_range, dst_committed=dc)
             if len(plan):
                 plans.append(TransferPlan(_shift(plan.src, src_off[i]), _shift(plan.dst, dst_off[j])))
+    if not plans:
+        return TransferPlan.empty()
+    return plans[0] if len(plans) == 1 else TransferPlan.concat(plans)
+
+
+def _templated(src: CacheLayoutDesc, src_ids: Any, dst: CacheLayoutDesc, dst_ids: Any, layers: Sequence[int] | None,
+               token_range: tuple[int, int], committed: int | None, templates: TemplateCache) -> TransferPlan | None:
+    """``plan_transfer``'s plan of one rank pair through ``plan_templated``, or None where it has none."""
+    phases = plan_templated(src, src_ids, dst, dst_ids, layers=layers, token_range=token_range,
+                            dst_committed=committed, templates=templates)
+    if phases is None:
+        return None
+    plans = [p.expand() for p in phases if len(p)]
     if not plans:
         return TransferPlan.empty()
     return plans[0] if len(plans) == 1 else TransferPlan.concat(plans)

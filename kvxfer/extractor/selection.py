@@ -26,7 +26,21 @@ def select_buffers(layout: CacheLayoutDesc, layers: Iterable[int] | None = None,
         if unknown:
             raise LayoutError(f"roles {unknown} are not in this layout (roles {sorted(known_roles)})")
         every = [b for b in every if b.role in wanted_roles]
+    refuse_recurrent(layout, {b.layer_id for b in every}, "extract")
     return frozenset(every)
+
+
+def refuse_recurrent(layout: CacheLayoutDesc, layer_ids: Iterable[int], what: str) -> None:
+    """LayoutError when ``layer_ids`` reach a recurrent (SSM) layer group: its block-id list is one state
+    slot per request, not pages per token block, so token ranges, page tables and transfer plans do not
+    describe it (select the attention layers with ``layers=``)."""
+    wanted = set(layer_ids)
+    for lg in layout.layer_groups:
+        if lg.recurrent and wanted.intersection(lg.layer_ids):
+            raise LayoutError(f"{what}: layers {sorted(wanted.intersection(lg.layer_ids))} are recurrent (SSM) "
+                              f"layers (layer group {lg.layer_group_id}): their state is one slot per request, "
+                              f"not pages per token block, and kvxfer moves paged attention KV only; select the "
+                              f"attention layers with layers=")
 
 
 def layer_span(ids: tuple[int, ...]) -> str:

@@ -49,6 +49,31 @@ class LandingPlan:
         """Bytes the re-layout writes into the destination."""
         return sum(p.total_bytes for p in self.relayout)
 
+    def pieces(self, max_bytes: int) -> list[tuple[BlockPlan, tuple[BlockPlan, ...]]]:
+        """The plan cut into consecutive runs of landing slots of at most ``max_bytes`` each (one slot at
+        least): per piece, the part of ``transfer`` that fills those slots and the part of every
+        ``relayout`` phase that reads only them, so a piece can be re-laid out as soon as its own
+        transfer is in. Together the pieces move and place exactly what the plan does."""
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise PageTableError(f"LandingPlan.pieces: max_bytes must be a positive int, got {max_bytes!r}")
+        k = self.transfer.num_blocks
+        if k == 0:
+            return [(self.transfer, self.relayout)]
+        per = max(1, max_bytes // max(1, self.slot_bytes))
+        out = []
+        t = self.transfer
+        for lo in range(0, k, per):
+            hi = min(k, lo + per)
+            transfer = BlockPlan(t.src_slots[lo:hi], t.dst_slots[lo:hi], t.src_step, t.src_offset, t.dst_step,
+                                 t.dst_offset, t.nbytes, t.src_region, t.dst_region)
+            phases = []
+            for p in self.relayout:   # a phase's source slots are landing slot ids
+                mine = (p.src_slots >= np.uint64(lo)) & (p.src_slots < np.uint64(hi))
+                phases.append(BlockPlan(p.src_slots[mine], p.dst_slots[mine], p.src_step, p.src_offset, p.dst_step,
+                                        p.dst_offset, p.nbytes, p.src_region, p.dst_region))
+            out.append((transfer, tuple(phases)))
+        return out
+
 
 def landing_plan(phases: Sequence[BlockPlan], landing_base: int, landing_region: int) -> LandingPlan:
     """The landing form of ``phases`` (see the module docstring) for a landing region at ``landing_base``

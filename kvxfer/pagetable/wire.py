@@ -1,46 +1,89 @@
-"""Binary wire format of page tables and transfer plans: versioned, little-endian, bounded decode.
+"""Wire format of page tables and transfer plans: a fixed prefix, a msgspec header, raw columns.
 
-Layout of one message (all integers little-endian)::
+Layout of one message (integers little-endian)::
 
-    header   magic(4s) version(u16) num_named(u16) count(u64)          16 bytes
-    names    num_named x [len(u8) ascii-identifier(len bytes)]         the named int64 columns
-    columns  fixed columns of the message kind, then the named columns, each ``count`` items
+    prefix   magic(4s) version(u16) header_len(u16)                     8 bytes
+    header   msgpack of ``WireHeader``: [count, [column names]]         header_len bytes
+    columns  fixed columns of the message kind, then the named int64 columns, each ``count`` items
 
-A decoder checks magic, version, names and that the payload length is exactly what ``count``
-implies *before* it allocates anything, so a hostile count is an error, never an allocation.
+The header is a bounded ``msgspec.Struct`` (the codec family of the control plane and the published
+descriptors); the bulk columns stay raw arrays, read in place. A decoder checks the prefix, decodes
+the header under its bounds and checks that the payload length is exactly what ``count`` implies
+*before* it allocates anything, so a hostile count is an error, never an allocation.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
+from typing import Annotated
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import PageTableError
 
-WIRE_VERSION = 1
-HEADER = struct.Struct("<4sHHQ")
+WIRE_VERSION = 2
+PREFIX = struct.Struct("<4sHH")
 MAX_NAMED_COLUMNS = 64
 MAX_NAME_LEN = 32
 
 Column = npt.NDArray[np.generic]
+ColumnName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+
+class WireHeader(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What a page table's columns need: how many entries, and the names of its int64 coordinate columns."""
+
+    count: Annotated[int, msgspec.Meta(ge=0)]   # msgpack ints end at 2**64 - 1
+    names: Annotated[tuple[ColumnName, ...], msgspec.Meta(max_length=MAX_NAMED_COLUMNS)] = ()
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(WireHeader)
+_MAX_HEADER = 16 + MAX_NAMED_COLUMNS * (MAX_NAME_LEN + 2)
+
+
+def encode_header(magic: bytes, header: WireHeader, version: int = WIRE_VERSION) -> bytes:
+    """The prefix and header of one message (what precedes its columns)."""
+    raw = _ENCODER.encode(header)
+    return PREFIX.pack(magic, version, len(raw)) + raw
 
 
 def encode(magic: bytes, fixed: Sequence[tuple[str, np.dtype[np.generic], Column]],
            named: Mapping[str, npt.NDArray[np.int64]]) -> bytes:
     """One message: the ``fixed`` columns (dtype given) then the ``named`` int64 columns."""
-    count = int(fixed[0][2].size)
-    parts = [HEADER.pack(magic, WIRE_VERSION, len(named), count)]
-    for name in named:
-        raw = name.encode("ascii")
-        parts.append(struct.pack("<B", len(raw)) + raw)
+    parts = [encode_header(magic, WireHeader(int(fixed[0][2].size), tuple(named)))]
     for _, dtype, col in fixed:
         parts.append(np.ascontiguousarray(col, dtype=dtype.newbyteorder("<")).tobytes())
     for col in named.values():
         parts.append(np.ascontiguousarray(col, dtype="<i8").tobytes())
     return b"".join(parts)
+
+
+def decode_header(buf: memoryview, magic: bytes, what: str) -> tuple[WireHeader, int]:
+    """The header of a message and where its columns start; PageTableError on anything malformed."""
+    if len(buf) < PREFIX.size:
+        raise PageTableError(f"{what}.from_bytes: truncated header ({len(buf)} of {PREFIX.size} bytes)")
+    got_magic, version, size = PREFIX.unpack_from(buf, 0)
+    if got_magic != magic:
+        raise PageTableError(f"{what}.from_bytes: bad magic {bytes(got_magic)!r}, expected {magic!r}")
+    if version != WIRE_VERSION:
+        raise PageTableError(f"{what}.from_bytes: unsupported version {version} (expected {WIRE_VERSION})")
+    end = PREFIX.size + size
+    if size > _MAX_HEADER or end > len(buf):
+        raise PageTableError(f"{what}.from_bytes: truncated header ({size} header bytes, {len(buf) - PREFIX.size} "
+                             f"present, at most {_MAX_HEADER})")
+    try:
+        header = _DECODER.decode(buf[PREFIX.size:end])
+    except msgspec.ValidationError as exc:
+        raise PageTableError(f"{what}.from_bytes: bad header: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise PageTableError(f"{what}.from_bytes: malformed header: {exc}") from exc
+    if len(set(header.names)) != len(header.names):
+        raise PageTableError(f"{what}.from_bytes: column names {list(header.names)} repeat a name")
+    return header, end
 
 
 def decode(data: bytes | bytearray | memoryview, magic: bytes, what: str,
@@ -49,34 +92,9 @@ def decode(data: bytes | bytearray | memoryview, magic: bytes, what: str,
     if not isinstance(data, bytes | bytearray | memoryview):
         raise PageTableError(f"{what}.from_bytes: expected bytes, got {type(data).__name__}")
     buf = memoryview(data).cast("B")
-    if len(buf) < HEADER.size:
-        raise PageTableError(f"{what}.from_bytes: truncated header ({len(buf)} of {HEADER.size} bytes)")
-    got_magic, version, num_named, count = HEADER.unpack_from(buf, 0)
-    if got_magic != magic:
-        raise PageTableError(f"{what}.from_bytes: bad magic {bytes(got_magic)!r}, expected {magic!r}")
-    if version != WIRE_VERSION:
-        raise PageTableError(f"{what}.from_bytes: unsupported version {version} (expected {WIRE_VERSION})")
-    if num_named > MAX_NAMED_COLUMNS:
-        raise PageTableError(f"{what}.from_bytes: {num_named} named columns (at most {MAX_NAMED_COLUMNS})")
-    pos = HEADER.size
-    names: list[str] = []
-    for i in range(num_named):
-        if pos >= len(buf):
-            raise PageTableError(f"{what}.from_bytes: truncated in column name {i}")
-        n = buf[pos]
-        raw = bytes(buf[pos + 1:pos + 1 + n])
-        if not 0 < n <= MAX_NAME_LEN or len(raw) != n:
-            raise PageTableError(f"{what}.from_bytes: column name {i} has bad length {n} "
-                                 f"({len(raw)} bytes present, at most {MAX_NAME_LEN})")
-        try:
-            name = raw.decode("ascii")
-        except UnicodeDecodeError as exc:
-            raise PageTableError(f"{what}.from_bytes: column name {i} is not ASCII: {raw!r}") from exc
-        if not name.isidentifier() or name in names:
-            raise PageTableError(f"{what}.from_bytes: column name {i} {name!r} is not a new identifier")
-        names.append(name)
-        pos += 1 + n
-    row_bytes = sum(dt.itemsize for _, dt in fixed) + 8 * num_named
+    header, pos = decode_header(buf, magic, what)
+    count = header.count
+    row_bytes = sum(dt.itemsize for _, dt in fixed) + 8 * len(header.names)
     if len(buf) - pos != count * row_bytes:
         raise PageTableError(f"{what}.from_bytes: header says {count} entries ({count * row_bytes} bytes), "
                              f"payload has {len(buf) - pos} bytes")
@@ -85,7 +103,7 @@ def decode(data: bytes | bytearray | memoryview, magic: bytes, what: str,
         out_fixed[name] = np.frombuffer(buf, dtype=dtype.newbyteorder("<"), count=count, offset=pos).astype(dtype)
         pos += count * dtype.itemsize
     out_named: dict[str, Column] = {}
-    for name in names:
+    for name in header.names:
         out_named[name] = np.frombuffer(buf, dtype="<i8", count=count, offset=pos).astype(np.int64)
         pos += count * 8
     return out_fixed, out_named

@@ -42,6 +42,7 @@ class Transport(ABC):
         self._peers: dict[str, TransportMetadata] = {}
         self._inbox: dict[str, list[bytes]] = {}
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()   # one connect at a time: concurrent callers connect a peer once
         self._ids = itertools.count(1)
         self._closed = False
         self._on_notification: Callable[[], None] | None = None
@@ -79,7 +80,9 @@ class Transport(ABC):
     def connect(self, peer: str, metadata: bytes) -> None:
         """Make ``peer`` reachable using the bytes its ``metadata()`` returned. Connecting a connected peer
         with the same metadata changes nothing (its transfers in flight go on); new metadata (a restarted
-        peer) replaces the old connection."""
+        peer) replaces the old connection. Concurrent calls for one peer connect it once: the first
+        connects, the others find it connected (two at once both adding a NIXL agent re-registered it
+        under the first one's transfers)."""
         self._check_open()
         md = TransportMetadata.decode(metadata)
         if md.backend != self.backend:
@@ -90,12 +93,13 @@ class Transport(ABC):
                                  f"connect was asked for {peer!r}")
         if peer == self.name:
             raise TransportError(f"transport {self.name!r}: cannot connect to itself")
-        if peer in self._peers:
-            if self._peers[peer] == md:
-                return   # the same endpoint again: its transfers in flight stay valid
-            self.disconnect(peer)
-        self._backend_connect(peer, md)
-        self._peers[peer] = md
+        with self._connect_lock:
+            if peer in self._peers:
+                if self._peers[peer] == md:
+                    return   # the same endpoint again: its transfers in flight stay valid
+                self.disconnect(peer)
+            self._backend_connect(peer, md)
+            self._peers[peer] = md
 
     def write(self, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None = None, *,
               settled: bool = False) -> TransferHandle:

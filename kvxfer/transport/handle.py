@@ -78,6 +78,21 @@ class TransferHandle:
         #: backend saw it complete, not when someone looked (a busy engine may look much later).
         self.finished_at = 0.0
 
+    @classmethod
+    def completed(cls, transfer_id: int, peer: str, nbytes: int, op: str) -> TransferHandle:
+        """A handle of a transfer that finished within its post (a backend saw it done before returning),
+        made without the condition a pending one needs: nobody will wait on it."""
+        handle = cls.__new__(cls)
+        handle.id, handle.peer, handle.nbytes, handle.op = transfer_id, peer, nbytes, op
+        handle._poll = handle._abort = None
+        handle._cond = _Mutex()
+        handle._status = TransferStatus.DONE
+        handle._reason = ""
+        handle._error_type = TransferFailed
+        handle._callbacks = []
+        handle.finished_at = time.monotonic()
+        return handle
+
     def __repr__(self) -> str:
         return (f"TransferHandle(id={self.id}, op={self.op}, peer={self.peer!r}, nbytes={self.nbytes}, "
                 f"status={self._status.value})")
@@ -114,6 +129,8 @@ class TransferHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raise TransferTimeout (still pending), TransferCancelled or the failure."""
+        if self._status is TransferStatus.DONE:
+            return
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         if self._poll is None:
             with self._cond:

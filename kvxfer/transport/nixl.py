@@ -32,7 +32,7 @@ import numpy.typing as npt
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, PageTableError, PeerUnreachable, TransferFailed, TransportError
 from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
-from kvxfer.transport.base import Op, Transport
+from kvxfer.transport.base import MAX_NOTIFY_BYTES, Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
 from kvxfer.transport.prepared import PreparedTransfer
@@ -95,6 +95,8 @@ class _Grid:
 
     def __init__(self, handle: Any, first: npt.NDArray[np.int64], units: int) -> None:
         self.handle = handle
+        #: NIXL's own number for the list (what its binding takes), or None where the wrapper hides it.
+        self.raw: int | None = getattr(handle, "_handle", None)
         self.first = first  # per region index: grid index of its first unit (-1: other memory type)
         self.first_list: list[int] = first.tolist()
         self.units = units
@@ -117,6 +119,11 @@ class NixlTransport(Transport):
     """One-sided transport over a NIXL agent (name = agent name) with a UCX backend."""
 
     backend = "nixl"
+    #: NIXL's agent lock. Without a listen thread NIXL's default is none, and its UCX worker is then
+    #: created for serialized use (one thread in it at a time): two threads posting or polling one agent at
+    #: once (a vLLM rank's concurrent reads, a worker's pushes) corrupted UCX's worker, so transfers
+    #: stalled or the process crashed (docs/transport.md "Threads"). STRICT: NIXL serializes every call.
+    _THREAD_SYNC = "NIXL_THREAD_SYNC_STRICT"
 
     def __init__(self, name: str, *, num_threads: int = 0, progress_thread: bool = False,
                  error_handling: bool = False) -> None:
@@ -142,7 +149,11 @@ class NixlTransport(Transport):
             raise BackendUnavailable(f"{module} is not importable: {exc}") from exc
         nixl_logs_to_stderr()
 
-        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        sync = getattr(api, "nixl_thread_sync_t", None)
+        if sync is not None:   # bindings that predate the choice lock as they always did
+            config.sync_mode = getattr(sync, self._THREAD_SYNC)
+        self._agent = nixl_agent(name, config)
         params = {"ucx_error_handling_mode": "peer" if error_handling else "none"}
         if num_threads > 0:
             params["num_threads"] = str(num_threads)
@@ -155,6 +166,7 @@ class NixlTransport(Transport):
         self._grid_lock = threading.Lock()
         self._local = _Side(())
         self._sides: dict[str, _Side] = {}
+        self._core = _Core.of(api, self._agent)
 
     # --- registration and peers ---------------------------------------------------------------------
     def _backend_register(self, regions: tuple[MemoryRegion, ...]) -> None:
@@ -207,6 +219,108 @@ class NixlTransport(Transport):
                 self._deliver(name, msg)
 
     # --- transfers ----------------------------------------------------------------------------------
+    def _post(self, op: Op, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None,
+              settled: bool = False) -> TransferHandle:
+        """A per-request plan of one entry (a page, or a coalesced run: the one-page post of a decode step,
+        a layer chunk that coalesced into one run) is checked and posted by ``_post_one`` in straight-line
+        code, one of 2-16 entries by ``_post_small``; anything they do not take (more entries, a fault to
+        name, no grid yet) goes the general way, which checks everything again before a byte moves."""
+        if (type(plan) is TransferPlan and self._core is not None and not self._closed
+                and (notify is None or (type(notify) is bytes and len(notify) <= MAX_NOTIFY_BYTES))):
+            n = plan.src.addr.size
+            if n == 1:
+                handle = self._post_one(op, peer, plan, notify)
+                if handle is not None:
+                    return handle
+            elif 1 < n <= SMALL_POST_ENTRIES:
+                handle = self._post_small(op, peer, plan, notify)
+                if handle is not None:
+                    return handle
+        return super()._post(op, peer, plan, notify, settled)
+
+    def _post_small(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle | None:
+        """``_post_one`` for a plan of a few entries (a layer-wise chunk of a short prompt): ``_small_request``
+        checks (bounds, regions, no destination byte twice) and indexes it over ints, and its one request is
+        launched; None, before anything is made, for a fault (the general path names it) or a plan that
+        needs the general path."""
+        side = self._sides.get(peer)
+        if side is None or peer not in self._peers:
+            return None
+        local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
+        try:
+            request, nbytes = self._small_request(op, peer, local, remote, side, notify or b"")
+        except Exception as exc:
+            return _failed(next(self._ids), peer, plan.total_bytes, op, f"NIXL could not prepare {len(plan)} "
+                           f"descriptors: {exc!r}", exc)
+        if request is _FAULT or request is None:
+            return None
+        return self._launch(op, peer, nbytes, request, next(self._ids))
+
+    def _post_one(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle | None:
+        """Post a one-entry plan straight through NIXL's binding: both sides checked against the bounds
+        worked out at registration/connection (an entry of a one-entry plan overlaps nothing), the grid
+        indices computed in ints, the request made and posted, and released at once when NIXL finished it
+        within the post (small transfers do). None, before anything is made, when the plan is not for this
+        path (unknown peer, outside a region, several grid units, no grid prepared for its unit yet)."""
+        side = self._sides.get(peer)
+        if side is None or peer not in self._peers:
+            return None
+        local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
+        a, b, r = local.addr.item(), local.nbytes.item(), local.region.item()
+        c, q = remote.addr.item(), remote.region.item()
+        mine = self._local
+        if r >= len(mine.base) or q >= len(side.base):
+            return None
+        lo, ro = a - mine.base[r], c - side.base[q]
+        if b <= 0 or lo < 0 or ro < 0 or a + b > mine.end[r] or c + b > side.end[q]:
+            return None
+        unit = math.gcd(b, lo, ro)
+        if unit != b:
+            return None
+        lg = self._grids.get((_LOCAL, mine.mems[r], unit))
+        rg = self._grids.get((peer, side.mems[q], unit))
+        if lg is None or rg is None:
+            return None
+        transfer_id = next(self._ids)
+        try:
+            req = self._make(op, lg, [lg.first_list[r] + lo // unit], rg, [rg.first_list[q] + ro // unit],
+                             notify or b"")
+        except Exception as exc:
+            return _failed(transfer_id, peer, b, op, f"NIXL could not prepare 1 descriptor: {exc!r}", exc)
+        return self._launch(op, peer, b, req, transfer_id)
+
+    def _make(self, op: Op, lg: _Grid, li: Any, rg: _Grid, ri: Any, notify: bytes) -> Any:
+        """The NIXL request moving grid cells ``li`` to ``ri`` (write; ``ri`` to ``li`` for a read): NIXL's
+        own number for it when the binding is at hand (``_launch`` posts it), else the agent's handle."""
+        core = self._core
+        if core is not None and lg.raw is not None and rg.raw is not None:
+            return core.make(core.write if op == "write" else core.read, lg.raw, li, rg.raw, ri, notify, [], False)
+        return self._agent.make_prepped_xfer("WRITE" if op == "write" else "READ", lg.handle, li, rg.handle, ri,
+                                             notify)
+
+    def _launch(self, op: Op, peer: str, nbytes: int, req: Any, transfer_id: int) -> TransferHandle:
+        """Post one request ``_make`` made (its notification, if any, travels with it): released at once when
+        NIXL finished it within the post (small transfers do), a handle already done returned; else the
+        handle that polls it (a request NIXL refused fails it)."""
+        core = self._core
+        if type(req) is not int or core is None:
+            return self._start(op, peer, nbytes, [req], None, transfer_id, per_post_notify=False)
+        try:
+            state = core.post(req, b"")
+        except Exception as exc:
+            handle = _NixlHandle(self, transfer_id, peer, nbytes, op, [core.wrap(core.agent, req)], None, None)
+            with handle._req_lock:
+                handle._fail("NIXL refused to post the transfer", exc)
+            return handle
+        if state == core.success:
+            core.release(req)
+            return TransferHandle.completed(transfer_id, peer, nbytes, op)
+        handle = _NixlHandle(self, transfer_id, peer, nbytes, op, [core.wrap(core.agent, req)], None, None)
+        if state != core.in_progress:
+            with handle._req_lock:
+                handle._fail("NIXL refused to post the transfer", None)
+        return handle
+
     def _grid(self, side: str, mem: str, unit: int, regions: tuple[MemoryRegion, ...]) -> _Grid | None:
         key = (side, mem, unit)
         grid = self._grids.get(key)   # one dict lookup on the post path; the lock guards making one
@@ -232,6 +346,10 @@ class NixlTransport(Transport):
         handle = self._agent.prep_xfer_dlist(side or "NIXL_INIT_AGENT", descs, mem)
         grid = _Grid(handle, first, total)
         with self._grid_lock:
+            made = self._grids.get(key)
+            if made is not None:   # another thread made it meanwhile: one grid per key, ours released
+                handle.release()
+                return made
             self._grids[key] = grid
             while len(self._grids) > MAX_CACHED_GRIDS:   # the oldest made goes first
                 self._grids.popitem(last=False)[1].handle.release()
@@ -261,7 +379,7 @@ class NixlTransport(Transport):
                 raise PageTableError(f"{op} with peer {peer!r}: the plan lies outside the registered regions")
             if request is None:
                 return None
-            requests = [request]
+            return self._launch(op, peer, nbytes, request, transfer_id)
         else:
             nbytes = plan.total_bytes
             try:
@@ -274,7 +392,7 @@ class NixlTransport(Transport):
                 raise PageTableError(f"{op} with peer {peer!r}: the plan lies outside the registered regions "
                                      f"or writes a destination byte twice")
             if request is not None:
-                return self._start(op, peer, nbytes, [request], notify, transfer_id, per_post_notify=False)
+                return self._launch(op, peer, nbytes, request, transfer_id)
             check()
             try:
                 requests = self._requests(op, peer, local, remote, side, notify or b"")
@@ -310,8 +428,7 @@ class NixlTransport(Transport):
         else:
             li = np.arange(lg.first_list[r] + lo // unit, lg.first_list[r] + (lo + b) // unit, dtype=np.int32)
             ri = np.arange(rg.first_list[q] + ro // unit, rg.first_list[q] + (ro + b) // unit, dtype=np.int32)
-        return self._agent.make_prepped_xfer("WRITE" if op == "write" else "READ", lg.handle, li, rg.handle, ri,
-                                             notify), b
+        return self._make(op, lg, li, rg, ri, notify), b
 
     def _uniform_request(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
                          notify: bytes) -> Any:
@@ -357,8 +474,7 @@ class NixlTransport(Transport):
             li += np.int32(lg.first_list[0])
         if rg.first_list[0]:
             ri += np.int32(rg.first_list[0])
-        return self._agent.make_prepped_xfer("WRITE" if op == "write" else "READ", lg.handle, li, rg.handle, ri,
-                                             notify)
+        return self._make(op, lg, li, rg, ri, notify)
 
     def _small_request(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
                        notify: bytes) -> tuple[Any, int]:
@@ -399,9 +515,9 @@ class NixlTransport(Transport):
             lf, rf = lg.first_list, rg.first_list
             li = [lf[r] + (a - lbase[r]) // unit for a, r in zip(la, lr, strict=True)]
             ri = [rf[r] + (a - rbase[r]) // unit for a, r in zip(ra, rr, strict=True)]
-            return self._agent.make_prepped_xfer(op.upper(), lg.handle, li, rg.handle, ri, notify), sum(ln)
-        return self._agent.make_prepped_xfer(op.upper(), lg.handle, lg.indices(local, unit, mine.base_np),
-                                             rg.handle, rg.indices(remote, unit, side.base_np), notify), sum(ln)
+            return self._make(op, lg, li, rg, ri, notify), sum(ln)
+        return self._make(op, lg, lg.indices(local, unit, mine.base_np), rg, rg.indices(remote, unit, side.base_np),
+                          notify), sum(ln)
 
     def _requests(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
                   notify: bytes) -> list[Any]:
@@ -523,6 +639,29 @@ class NixlTransport(Transport):
         return handle
 
 
+class _Core:
+    """NIXL's binding under its Python agent, for the per-request post path: the calls ``make_prepped_xfer``,
+    ``transfer`` and a request's ``release`` make, without their wrappers' frames (a one-page post pays
+    each). ``of`` returns None when the binding does not have that shape (the wrapped calls serve then)."""
+
+    __slots__ = ("agent", "in_progress", "make", "post", "read", "release", "success", "wrap", "write")
+
+    def __init__(self, api: Any, agent: Any) -> None:
+        bind, core = api.nixlBind, agent.agent
+        self.agent = core
+        self.make, self.post, self.release = core.makeXferReq, core.postXferReq, core.releaseXferReq
+        self.write, self.read = agent.nixl_ops["WRITE"], agent.nixl_ops["READ"]
+        self.success, self.in_progress = bind.NIXL_SUCCESS, bind.NIXL_IN_PROG
+        self.wrap = api.nixl_xfer_handle   # a request in flight goes on as the agent's own handle
+
+    @classmethod
+    def of(cls, api: Any, agent: Any) -> _Core | None:
+        try:
+            return cls(api, agent)
+        except (AttributeError, KeyError, TypeError):
+            return None
+
+
 class _PreparedRequests:
     """nixl's state of a prepared transfer: its NIXL requests, held by one post at a time. NIXL refuses to
     repost a request in flight, and a request keeps the last notification a post gave it; ``take`` returns
@@ -589,8 +728,7 @@ class _NixlHandle(_PollingHandle):
     def __init__(self, transport: NixlTransport, transfer_id: int, peer: str, nbytes: int, op: str,
                  requests: list[Any], follow_up: bytes | None,
                  give_back: Callable[[list[Any]], None] | None) -> None:
-        super().__init__(transfer_id, peer, nbytes, op, poll=cast(Callable[[TransferHandle], None], _NixlHandle._poll_requests),
-                         abort=cast(Callable[[TransferHandle], bool], _NixlHandle._abort_requests))
+        super().__init__(transfer_id, peer, nbytes, op, poll=_POLL_REQUESTS, abort=_ABORT_REQUESTS)
         self._agent = transport._agent
         self._requests = requests
         self._pending = list(requests)
@@ -647,6 +785,12 @@ class _NixlHandle(_PollingHandle):
         with self._req_lock:
             _release_all(self._pending)
         return True
+
+
+#: ``_NixlHandle``'s poll and abort as the handle's hooks (made once: a subscripted Callable is built anew
+#: each time it is evaluated).
+_POLL_REQUESTS = cast(Callable[[TransferHandle], None], _NixlHandle._poll_requests)
+_ABORT_REQUESTS = cast(Callable[[TransferHandle], bool], _NixlHandle._abort_requests)
 
 
 #: How long ``_NixlHandle.wait`` asks back to back, before it starts yielding between asks: a small

@@ -178,7 +178,7 @@ def test_decoder_rejects_malformed_descriptors() -> None:
     with pytest.raises(DecodeError, match="version 99"):
         CacheLayoutDesc.from_dict(bad_version)
     missing = {k: v for k, v in good.items() if k != "pool_groups"}
-    with pytest.raises(DecodeError, match="missing field 'pool_groups'"):
+    with pytest.raises(DecodeError, match="missing required field `pool_groups`"):
         CacheLayoutDesc.from_dict(missing)
     tampered = dict(good, tokens_per_block=32)
     with pytest.raises(DecodeError):

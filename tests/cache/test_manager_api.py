@@ -149,7 +149,7 @@ def test_cache_config_builds_the_same_manager_as_its_reference_config() -> None:
 
 
 def test_unsupported_reference_settings_are_named() -> None:
-    ssm = config()
+    ssm = config()      # recurrent layers need commit_min_snapshot, even when added after construction
     ssm.layers.append(SsmLayerConfig(LayerId(9), [BufferConfig(DataRole("ssm_state"), 64)]))
     with pytest.raises(ConfigError, match="SsmLayerConfig"):
         KVCacheManager(ssm)

@@ -59,7 +59,8 @@ def test_reference_config_keys_blocks_with_the_packed_chain() -> None:
     scope = ReuseScope(lora_id=3, salt=9)
     keys = commit_all(mgr, tokens, scope)
     chain = [key for chunk, key in sequence_to_blockchain_keys(TPB, scope, tokens) if chunk]
-    assert keys == chain[:len(tokens) // TPB]
+    # two full blocks, then the closing request's partial last block (1 token) under its chain key
+    assert keys == chain and len(keys) == len(tokens) // TPB + 1
     # the first block's key by hand: SHA-256(root || 5, 6 as 4-byte LE || digest || 7)
     root = hashlib.sha256(b"\x03" + (3).to_bytes(8, "little") + (9).to_bytes(8, "little")).digest()
     assert keys[0] == hashlib.sha256(root + (5).to_bytes(4, "little") + (6).to_bytes(4, "little") + D1

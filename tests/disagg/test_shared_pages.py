@@ -9,7 +9,7 @@ into a shared block is refused naming it, and the workers keep every plan out of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,6 @@ import torch
 
 from kvxfer.cache import CacheConfig, KVCacheManager
 from kvxfer.cache.kv_cache import KVCache
-from kvxfer.disagg import worker_decode, worker_prefill
 from kvxfer.disagg.worker import WorkerConfig, all_regions, plan_between
 from kvxfer.disagg.worker_decode import DecodeWorker
 from kvxfer.disagg.worker_prefill import PrefillWorker
@@ -136,20 +135,23 @@ def _tree_guard(decode: DecodeWorker) -> Callable[[PageTable], None]:
     return lambda table: check_writable(table, decode.layouts, [slots], [n])
 
 
-def test_push_prefill_planning_without_skip_cannot_write_decodes_shared_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_push_prefill_planning_without_skip_cannot_write_decodes_shared_pages() -> None:
     first, second = prompts(2, prefix=64, count=2)
-    with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
+    written: list[PageTable] = []
+    careless_on: list[bool] = []
+
+    def careless(*args: Any, token_range: tuple[int, int], **kw: Any) -> TransferPlan:
+        if not careless_on:
+            return plan_between(*args, token_range=token_range, **kw)
+        plan = plan_between(*args, token_range=(0, token_range[1]), **kw)   # ignores what decode holds
+        written.append(plan.dst)
+        return plan
+
+    with PrefillWorker(WorkerConfig(name("prefill"), planner=careless), SECRET) as prefill, \
             DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address) as decode:
         assert decode.generate(first, 8, timeout=60).tokens == reference(first, 8)
         guard = _tree_guard(decode)
-        written: list[PageTable] = []
-
-        def careless(*args: Any, token_range: tuple[int, int], **kw: Any) -> TransferPlan:
-            plan = plan_between(*args, token_range=(0, token_range[1]), **kw)   # ignores what decode holds
-            written.append(plan.dst)
-            return plan
-
-        monkeypatch.setattr(worker_prefill, "plan_between", careless)
+        careless_on.append(True)
         res = decode.generate(second, 8, timeout=60)
         assert res.reused_tokens_decode == 64 and res.tokens == reference(second, 8)
         assert written
@@ -159,23 +161,29 @@ def test_push_prefill_planning_without_skip_cannot_write_decodes_shared_pages(mo
 
 
 @pytest.mark.parametrize("how", ["range", "block ids"])
-def test_pull_plan_into_shared_pages_is_refused_before_the_read(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+def test_pull_plan_into_shared_pages_is_refused_before_the_read(how: str) -> None:
     first, second = prompts(3, prefix=64, count=2)
+    careless_on: list[bool] = []
+
+    def careless(src_layouts: Any, src_ids: Any, dst_layouts: Any, dst_ids: Any, *, token_range: tuple[int, int],
+                 layers: Sequence[int] | None = None, dst_committed: Sequence[int | None] | None = None,
+                 request_id: str = "") -> TransferPlan:
+        kw: dict[str, Any] = {"layers": layers, "dst_committed": dst_committed, "request_id": request_id}
+        if not careless_on:
+            return plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range, **kw)
+        if how == "block ids":         # bypass the planner's check: only the one before posting remains
+            dst_ids = [c.block_id_map() for c in dst_ids]
+        return plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=(0, token_range[1]), **kw)
+
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
-            DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address, mode="pull") as decode:
+            DecodeWorker(WorkerConfig(name("decode"), planner=careless), SECRET, prefill=prefill.address,
+                         mode="pull") as decode:
         assert decode.generate(first, 8, timeout=60).tokens == reference(first, 8)
-
-        def careless(src_l: Any, src_ids: Any, dst_l: Any, dst_ids: Any, *, token_range: tuple[int, int],
-                     **kw: Any) -> TransferPlan:
-            if how == "block ids":         # bypass the planner's check: only the one before posting remains
-                dst_ids = [c.block_id_map() for c in dst_ids]
-            return plan_between(src_l, src_ids, dst_l, dst_ids, token_range=(0, token_range[1]), **kw)
-
-        monkeypatch.setattr(worker_decode, "plan_between", careless)
+        careless_on.append(True)
         match = r"layer group 0 block 0 \(slot \d+\) is committed" if how == "range" else \
             r"writes rank 0 layer group 0 block 0 \(slot \d+\), a committed page"
         with pytest.raises(ReadOnlyPageError, match=match):
             decode.generate(second, 8, timeout=60)
-        monkeypatch.undo()
+        careless_on.clear()
         assert decode.generate(second, 8, timeout=60).tokens == reference(second, 8)   # the tree is intact
         assert_settled(prefill, decode)

@@ -256,3 +256,60 @@ def test_decode_request_states_move_only_as_the_table_says() -> None:
     with pytest.raises(SessionError, match=r"illegal move generating -> quarantined \(allowed from generating: "
                                            r"\['done', 'failed'\]\)"):
         check_move("r", JobState.GENERATING, JobState.QUARANTINED)
+
+
+def test_prefill_request_states_move_only_as_the_table_says() -> None:
+    """The prefill request lifecycle: every state reaches FREED, FREED never moves, a computing request
+    can end only through ABANDONED (its pages are under the compute thread), and a move the table does
+    not list is refused naming the request and both states."""
+    from kvxfer.disagg.worker_prefill import PREFILL_TRANSITIONS, PrefillState, check_prefill_move
+    from kvxfer.errors import SessionError
+    assert {s for s in PrefillState if s.terminal} == {PrefillState.FREED}
+    for start in PrefillState:
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in PREFILL_TRANSITIONS[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        assert PrefillState.FREED in seen, start
+    check_prefill_move("r", PrefillState.COMPUTING, PrefillState.ABANDONED)
+    with pytest.raises(SessionError, match=r"prefill request 'r': illegal move computing -> freed \(allowed from "
+                                           r"computing: \['abandoned', 'computed'\]\)"):
+        check_prefill_move("r", PrefillState.COMPUTING, PrefillState.FREED)
+    with pytest.raises(SessionError, match=r"illegal move freed -> sending \(allowed from freed: none"):
+        check_prefill_move("r", PrefillState.FREED, PrefillState.SENDING)
+
+
+def test_a_prefill_request_cancelled_while_computing_keeps_its_pages_until_the_compute_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled by decode while the model computes: prefill holds the request ABANDONED (its pages still
+    open: the compute thread writes them) and frees them once the compute reports back."""
+    from kvxfer.disagg.worker_prefill import PrefillState
+    gate, inside = threading.Event(), threading.Event()
+    with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
+            DecodeWorker(WorkerConfig(name("decode")), SECRET, prefill=prefill.address) as decode:
+        real = prefill.model.prefill
+
+        def held(*a: object, **k: object) -> object:
+            inside.set()
+            assert gate.wait(30)
+            return real(*a, **k)   # type: ignore[arg-type]
+        monkeypatch.setattr(prefill.model, "prefill", held)
+
+        def states() -> list[PrefillState]:
+            return list(prefill.engine.call(lambda: [j.state for j in prefill._jobs.values()], 5.0))
+        tokens = prompts(23, prefix=0, count=1)[0]
+        fut = decode.submit(tokens, NEW, request_id="held")
+        assert inside.wait(30)
+        assert states() == [PrefillState.COMPUTING]
+        assert decode.cancel("held")
+        deadline = time.monotonic() + 10
+        while states() != [PrefillState.ABANDONED] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert states() == [PrefillState.ABANDONED]
+        assert prefill.num_open_caches() == 1   # not freed under the compute thread
+        gate.set()
+        with pytest.raises(RequestCancelled):
+            fut.result(30)
+        wait_idle(prefill, decode)
+        assert states() == []

@@ -131,12 +131,20 @@ def test_prefix_hit_on_decode_moves_only_missing_tokens(prefill: PrefillWorker) 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_heterogeneous_tp_block_size_and_head_order(mode: str) -> None:
-    """One prefill rank (16 tokens/block, HND) feeds two decode ranks (8 tokens/block, NHD, one KV head each)."""
+    """One prefill rank (16 tokens/block, HND) feeds two decode ranks (8 tokens/block, NHD, one KV head each):
+    the side that plans (prefill pushing, decode pulling) plans from the run templates it keeps for that
+    peer: the first request makes them, the next reuse them (making only those of their own prompt-tail
+    segment shapes)."""
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
             DecodeWorker(WorkerConfig(name("decode"), tokens_per_block=8, head_order="NHD", tp_size=2), SECRET,
                          prefill=prefill.address, mode=mode, layerwise=mode == "push") as decode:
+        caches = list(prefill._peer_templates.values()) if mode == "push" else \
+            [p.templates for p in decode._prefills.values()]
+        kept = []
         for tokens in prompts(3):
             assert_matches_reference(decode.generate(tokens, NEW, timeout=60, return_kv=KV), tokens, NEW)
+            kept.append(sum(len(c) for c in caches))
+        assert kept[0] > 0 and all(0 <= b - a < kept[0] for a, b in itertools.pairwise(kept)), kept
         assert_idle(prefill, decode)
 
 

@@ -25,7 +25,8 @@ import pytest
 
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.cli.serve import best_backend
-from kvxfer.disagg.messages import ControlMessage, KvPull
+from kvxfer.disagg.control import PeerConnection
+from kvxfer.disagg.messages import ControlMessage, KvBlocks, KvPull
 from kvxfer.disagg.worker import WorkerConfig
 from kvxfer.disagg.worker_client import GenerateClient, query_status
 from kvxfer.disagg.worker_decode import DecodeWorker, GenerationResult
@@ -50,10 +51,10 @@ HEARTBEAT_LIMIT = 3 * WorkerConfig("defaults").heartbeat_interval
 MARGIN = 6.0
 """Slack for a loaded 2-core machine on every "within the limit" check."""
 RECONNECT_S = 1.0
+"""Decode's connect timeout: how long its automatic reconnect to a dead prefill address may try."""
 LEASE_S = 1.0
 """Decode's lease in the cases that lose a prefill: decode quarantines a lost prefill's push destinations
 until the lease could have run out (about two leases), so a short one keeps the cases short."""
-"""Decode's connect timeout: how long its automatic reconnect to a dead prefill address may try."""
 _names = itertools.count()
 _started: list[WorkerProcess] = []
 
@@ -491,29 +492,31 @@ def test_decode_frozen_past_the_pull_lease_then_resumed(backend: str) -> None:
             reap(decode)
 
 
-def test_resumed_prefill_cannot_write_into_blocks_decode_gave_away(backend: str) -> None:
-    """Prefill is SIGSTOPped in the middle of a layer-wise push (the first layer group arrived); decode
-    loses it, fails the request and reuses its blocks for a request served by another prefill (kept in
-    decode's prefix tree). When the frozen prefill resumes, the rest of its writes must not reach those
-    blocks: a later request reusing the cached prefix still gets the exact tokens. The freeze lands when
-    decode first sees a group's notice; if the whole push had landed by then (the request completes), the
-    freeze came too late for the scenario: prefill is resumed and a fresh prompt tried, up to 3 times."""
+def test_resumed_prefill_cannot_write_into_blocks_decode_gave_away(backend: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill is SIGSTOPped while it serves a layer-wise push into decode's blocks (frozen as decode hands
+    them over in ``kv_blocks``, so before its last write: it computes for some 100 ms more); decode loses
+    it, fails the request and reuses its blocks for a request served by another prefill (kept in decode's
+    prefix tree). When the frozen prefill resumes, none of its writes may reach those blocks: a later
+    request reusing the cached prefix still gets the exact tokens. (Freezing on the first layer group's
+    notice instead raced the push: on a loaded machine every group could land before decode's engine
+    looked.) If the whole push still landed (the request completes), the freeze came too late: prefill is
+    resumed and a fresh prompt tried, up to 3 times."""
     frozen = spawn("prefill", backend)
     other: WorkerProcess | None = None
     try:
         cfg = WorkerConfig(name("decode"), backend=backend, num_blocks=70, deadline_s=30.0, lease_s=LEASE_S)
         with DecodeWorker(cfg, SECRET, prefill=frozen.address, layerwise=True, connect_timeout=30.0) as decode:
             stale, kept = long_prompts(71, 2, 1000)      # 63 of the 70 blocks each: the second reuses the first's
-            poll_notes = decode.transport.notifications
             stopped: list[float] = []
+            send_urgent = PeerConnection.send_urgent
 
-            def notifications() -> dict[str, list[bytes]]:
-                notes = poll_notes()
-                if not stopped and any(notes.values()):
+            def freeze_after_blocks(conn: PeerConnection, message: ControlMessage) -> None:
+                send_urgent(conn, message)
+                if isinstance(message, KvBlocks) and not stopped:
                     frozen.proc.send_signal(signal.SIGSTOP)
                     stopped.append(time.monotonic())
-                return notes
-            decode.transport.notifications = notifications  # type: ignore[method-assign]
+            monkeypatch.setattr(PeerConnection, "send_urgent", freeze_after_blocks)
             lost: PeerUnreachable | None = None
             for attempt in range(3):
                 try:
@@ -521,7 +524,7 @@ def test_resumed_prefill_cannot_write_into_blocks_decode_gave_away(backend: str)
                 except PeerUnreachable as exc:
                     lost = exc
                     break
-                assert stopped          # a completed push was still seen group by group
+                assert stopped          # the freeze came after the whole push
                 frozen.proc.send_signal(signal.SIGCONT)
                 stopped.clear()
             assert lost is not None and "lost" in str(lost), "prefill was never frozen in the middle of its push"

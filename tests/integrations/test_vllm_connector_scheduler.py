@@ -74,10 +74,10 @@ def wait_finished(worker: Any, timeout: float = 20.0) -> tuple[set[str], set[str
 class PD:
     """A prefill and a decode: vLLM schedulers with kvxfer's connector, and its worker sides over real tensors."""
 
-    def __init__(self, tmp: Path, mode: str = "pull") -> None:
+    def __init__(self, tmp: Path, mode: str = "pull", **extra: Any) -> None:
         model = tiny_llama(tmp / "model")
-        self.p_cfg = vllm_config(model, "kv_producer", block_size=BS, port=free_port(), mode=mode)
-        self.d_cfg = vllm_config(model, "kv_consumer", block_size=BS, mode=mode)
+        self.p_cfg = vllm_config(model, "kv_producer", block_size=BS, port=free_port(), mode=mode, **extra)
+        self.d_cfg = vllm_config(model, "kv_consumer", block_size=BS, mode=mode, **extra)
         self.p_sched, self.d_sched = scheduler(self.p_cfg, NUM_BLOCKS), scheduler(self.d_cfg, NUM_BLOCKS)
         self.p_work, self.d_work = worker_connector(self.p_cfg), worker_connector(self.d_cfg)
         self.p_kv, self.d_kv = kv_caches(True), kv_caches(False)
@@ -205,5 +205,64 @@ def test_push_through_vllms_schedulers(tmp_path: Path) -> None:
         assert pair.p_work.engine.stats.bytes_written == 37 * 2 * 2 * 4 * 64 * 4
         sent, _ = wait_finished(pair.p_work)
         assert sent == {p_req.request_id}
+    finally:
+        pair.close()
+
+
+def forward(worker: Any, sched_out: Any, caches: dict[str, torch.Tensor]) -> None:
+    """The worker side of one step with a forward pass: each attention layer saved as it is done."""
+    worker.bind_connector_metadata(sched_out.kv_connector_metadata)
+    worker.start_load_kv(None)
+    for name, t in caches.items():
+        worker.save_kv_layer(name, t, None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def test_layerwise_push_through_vllms_schedulers(tmp_path: Path) -> None:
+    """Decode first; the prefill's 300-token prompt runs in two chunks (256 batched tokens a step), each
+    written layer by layer as its forward pass computes it; the finished request is not written again,
+    and the decode's blocks hold the prompt's KV."""
+    pair = PD(tmp_path, mode="push", layerwise=True)
+    try:
+        prompt = list(range(500, 800))
+        port = pair.p_cfg.kv_transfer_config.kv_connector_extra_config["port"]
+        d_req = request(prompt, block_size=BS, max_tokens=3, params={
+            "do_remote_prefill": True, "remote_request_id": "lw-1", "kvxfer_addresses": [f"tcp://127.0.0.1:{port}"]})
+        pair.d_sched.add_request(d_req)
+        d_out = pair.d_sched.schedule()
+        assert d_req.request_id not in d_out.num_scheduled_tokens     # waiting for remote KV
+        (recv,) = d_out.kv_connector_metadata.recv
+        pump(pair.d_work, d_out)                                       # asks the prefill for it
+        deadline = time.monotonic() + 10
+        while "lw-1" not in pair.p_work.engine._wants and time.monotonic() < deadline:
+            time.sleep(0.01)
+        p_req = request(prompt, block_size=BS, max_tokens=1,
+                        params={"do_remote_decode": True, "kvxfer_transfer_id": "lw-1"})
+        pair.p_sched.add_request(p_req)
+        steps = []
+        for chunk in range(2):
+            out = pair.p_sched.schedule()
+            steps.append([(s.transfer_id, s.start, s.stop) for s in out.kv_connector_metadata.saves])
+            p_blocks = list(out.kv_connector_metadata.saves[0].block_ids)
+            forward(pair.p_work, out, pair.p_kv)
+            ro = runner_output([p_req])
+            if chunk == 0:
+                ro.sampled_token_ids = [[]]                            # a partial prefill samples nothing
+            pair.p_sched.update_from_output(out, ro)
+        assert steps == [[("lw-1", 0, 256)], [("lw-1", 256, 300)]]
+        token = 2 * 2 * 4 * 64 * 4
+        assert pair.p_work.engine.stats.bytes_written_layerwise == 300 * token
+        out = pair.p_sched.schedule()                                  # the hold reaches the worker
+        pump(pair.p_work, out)
+        _, recvd = wait_finished(pair.d_work)
+        assert recvd == {d_req.request_id} and not pair.d_work.get_block_ids_with_load_errors()
+        got = token_rows(pair.d_kv, list(recv.block_ids), range(300))
+        want = token_rows(pair.p_kv, p_blocks, range(300))
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert pair.p_work.engine.stats.bytes_written == 300 * token    # nothing written again
+        assert pair.d_work.engine.stats.bytes_read == 300 * token
+        sent, _ = wait_finished(pair.p_work)
+        assert sent == {p_req.request_id}                              # reported under vLLM's own id
     finally:
         pair.close()

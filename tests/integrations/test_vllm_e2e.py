@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,8 +36,11 @@ class Engine:
     """One ``vllm_engine.py`` process: send a step (JSON line), read its result line."""
 
     def __init__(self, role: str, model: Path, port: int, log: Path, mode: str) -> None:
+        # PYTHONPATH: the engines import this checkout's kvxfer, whichever one the environment installed
+        root = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, KVXFER_SECRET=SECRET, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", PYTHONPATH=path)
         self.log = log.open("w")
         self.proc = subprocess.Popen([sys.executable, str(ENGINE), role, str(model), str(port), mode], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
@@ -50,10 +54,13 @@ class Engine:
                 return dict(json.loads(line))
         raise AssertionError(f"{self.role} engine ended (rc {self.proc.wait()}); see {self.log.name}")
 
-    def run(self, prompts: list[list[int]], params: list[Any] | None = None) -> dict[str, Any]:
+    def start(self, prompts: list[list[int]], params: list[Any] | None = None) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"prompts": prompts, "params": params}) + "\n")
         self.proc.stdin.flush()
+
+    def run(self, prompts: list[list[int]], params: list[Any] | None = None) -> dict[str, Any]:
+        self.start(prompts, params)
         return self.result()
 
     def close(self) -> None:
@@ -110,6 +117,38 @@ def test_prefill_and_decode_engines_match_one_engine(tmp_path: Path, mode: str) 
         assert d3["tokens"] == want[5:]                            # recomputed by the decode itself
         assert d3["stats"]["failures"] == 1 and d3["stats"]["bytes_read"] == d2["stats"]["bytes_read"]
         print(json.dumps({"kv_bytes_moved": d2["stats"]["bytes_read"], "requests": 5, "recomputed": 1}))
+    finally:
+        for e in engines:
+            e.close()
+
+
+@pytest.mark.slow
+def test_layerwise_push_writes_the_kv_during_the_prefill_forward_pass(tmp_path: Path) -> None:
+    """Decode first: the decode's requests name the prefill and a transfer id each, and wait for their KV;
+    the prefill, given the same ids, writes each layer as its forward pass computes it. Greedy outputs equal
+    one engine's, and every byte the decode needed was written layer by layer (none again at the end)."""
+    model = tiny_llama(tmp_path / "model")
+    port = 15600 + os.getpid() % 2000 * 2 + 4000
+    prompts = [prompt(11, 45), prompt(12, 100), prompt(13, 70)]
+    engines = [Engine(r, model, port, tmp_path / f"{r}.log", "layerwise") for r in ("baseline", "prefill", "decode")]
+    baseline, prefill, decode = engines
+    try:
+        for e in engines:
+            assert e.result() == {"ready": True}
+        want = baseline.run(prompts)["tokens"]
+        ids = [f"layerwise-{i}" for i in range(len(prompts))]
+        decode.start(prompts, [{"do_remote_prefill": True, "remote_request_id": t, "remote_num_tokens": len(p),
+                                "kvxfer_addresses": [f"tcp://127.0.0.1:{port}"]} for t, p in zip(ids, prompts,
+                                                                                                 strict=True)])
+        time.sleep(5)   # the decode's requests wait for their KV; their push requests reach the prefill
+        p = prefill.run(prompts, [{"kvxfer_transfer_id": t} for t in ids])
+        d = decode.result()
+        assert d["tokens"] == want
+        n = sum(len(x) for x in prompts)
+        assert d["stats"]["bytes_read"] == n * TOKEN_BYTES and d["stats"]["requests_read"] == 3
+        assert p["stats"]["bytes_written_layerwise"] == n * TOKEN_BYTES
+        assert p["stats"]["bytes_written"] == n * TOKEN_BYTES      # nothing written again at the end
+        print(json.dumps({"kv_bytes_written_layerwise": p["stats"]["bytes_written_layerwise"], "requests": 3}))
     finally:
         for e in engines:
             e.close()

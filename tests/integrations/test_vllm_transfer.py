@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 import pytest
 import torch
 
 from kvxfer.integrations.vllm.layouts import describe_kv_caches, infer_axes, layer_ids
 from kvxfer.integrations.vllm.transfer import RemoteKV, TransferEngine, readers_of
-from kvxfer.transport import available_backends
+from kvxfer.transport import TransferHandle, TransferStatus, available_backends
 
 SECRET = "vllm-connector-test-secret-0123456789"
 LAYERS, HEADS, DIM = 2, 4, 8
@@ -261,27 +262,23 @@ def test_vllm_is_imported_only_by_the_connector_module() -> None:
     assert importers == {"integrations/vllm/connector.py"}
 
 
-#: Over NIXL this case fails intermittently on a loaded 2-core host ("remote agent was invalidated or
-#: re-registered during transfer"), and the requests it leaves behind make UCX abort the whole pytest process
-#: at a later garbage collection: an open defect of the connector's NIXL path (docs/vllm.md, "Known
-#: defects"), kept out of the suite until it is fixed; loopback runs here, and the vLLM end-to-end tests
-#: run over NIXL.
-CONCURRENT_BACKENDS = [pytest.param(b, marks=pytest.mark.skip(reason="known intermittent NIXL failure of "
-                                                               "concurrent first reads (docs/vllm.md)"))
-                       if b == "nixl" else b for b in BACKENDS]
-
-
-@pytest.mark.parametrize("backend", CONCURRENT_BACKENDS)
-def test_concurrent_first_reads_share_one_connection(backend: str) -> None:
-    """Several receives starting at once against a prefill not yet connected all land."""
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_concurrent_first_reads_share_one_connection(backend: str, mode: str) -> None:
+    """Several receives starting at once against a prefill not yet connected all land, bit for bit (push:
+    the prefill's threads connect the unseen decode and write to it at once)."""
     bs = 16
     src_c, dst_c = caches(16, bs, fill=True), caches(16, bs)
     prefill, decode = engine(src_c, bs, backend), engine(dst_c, bs, backend)
     try:
         for i in range(6):
             prefill.hold(f"p-c{i}")
-            decode.start_read(f"d-c{i}", RemoteKV(f"p-c{i}", (prefill.address,), (2 * i, 2 * i + 1), 20),
-                              [15 - 2 * i, 14 - 2 * i], 0)
+            remote = RemoteKV(f"p-c{i}", (prefill.address,), (2 * i, 2 * i + 1), 20)
+            if mode == "pull":
+                decode.start_read(f"d-c{i}", remote, [15 - 2 * i, 14 - 2 * i], 0)
+            else:
+                prefill.computed(f"p-c{i}", [2 * i, 2 * i + 1])
+                decode.start_push(f"d-c{i}", remote, [15 - 2 * i, 14 - 2 * i], 0)
         done: set[str] = set()
         deadline = time.monotonic() + 20
         while len(done) < 6 and time.monotonic() < deadline:
@@ -291,6 +288,130 @@ def test_concurrent_first_reads_share_one_connection(backend: str) -> None:
             time.sleep(0.01)
         assert done == {f"d-c{i}" for i in range(6)}
         assert decode.stats.requests_read == 6 and decode.stats.failures == 0
+        for i in range(6):
+            want = token_values(src_c, [2 * i, 2 * i + 1], bs, range(20))
+            got = token_values(dst_c, [15 - 2 * i, 14 - 2 * i], bs, range(20))
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    finally:
+        decode.close()
+        prefill.close()
+
+
+class StalledDecode:
+    """A decode engine whose loopback reads never complete (a stalled peer), with every transfer it posted
+    and each one's state when the engine closed its transport."""
+
+    def __init__(self, timeout: float) -> None:
+        from kvxfer.transport.loopback import LoopbackFaults, LoopbackTransport
+
+        name = f"vllm-test-stalled-{next(_names)}"
+        transport = LoopbackTransport(name, LoopbackFaults(never_complete=True))
+        self.handles: list[TransferHandle] = []
+        self.at_close: list[TransferStatus] = []
+        read, close = transport.read, transport.close
+
+        def recorded_read(peer: str, plan: Any, notify: bytes | None = None) -> TransferHandle:
+            handle = read(peer, plan, notify)
+            self.handles.append(handle)
+            return handle
+
+        def recorded_close() -> None:
+            self.at_close = [h.status for h in self.handles]
+            close()
+
+        transport.read = recorded_read  # type: ignore[method-assign]
+        transport.close = recorded_close  # type: ignore[method-assign]
+        kv, _ = describe_kv_caches(caches(4, 16), block_size=16, kv_heads=HEADS, head_dim=DIM)
+        self.engine = TransferEngine(name, kv, backend="loopback", secret=SECRET, timeout=timeout,
+                                     transport=transport)
+
+
+def test_a_read_that_times_out_is_cancelled_not_left_in_flight() -> None:
+    prefill = engine(caches(4, 16, fill=True), 16, "loopback")
+    stalled = StalledDecode(timeout=0.5)
+    try:
+        prefill.hold("p-8")
+        stalled.engine.start_read("d-8", RemoteKV("p-8", (prefill.address,), (0, 1), 20), [2, 3], 0)
+        ok, reason = wait_received(stalled.engine, "d-8")
+        assert not ok and "not complete" in reason
+        assert [h.status for h in stalled.handles] == [TransferStatus.CANCELLED]
+    finally:
+        stalled.engine.close()
+        prefill.close()
+
+
+def test_close_cancels_the_transfers_in_flight_before_closing_the_transport() -> None:
+    prefill = engine(caches(4, 16, fill=True), 16, "loopback")
+    stalled = StalledDecode(timeout=30.0)
+    try:
+        for i in range(2):
+            prefill.hold(f"p-9{i}")
+            stalled.engine.start_read(f"d-9{i}", RemoteKV(f"p-9{i}", (prefill.address,), (2 * i, 2 * i + 1), 20),
+                                      [3 - 2 * i, 2 - 2 * i], 0)
+        deadline = time.monotonic() + 10
+        while len(stalled.handles) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(stalled.handles) == 2
+        began = time.monotonic()
+        stalled.engine.close()
+        assert time.monotonic() - began < 5.0   # not the transfers' 30 s
+        assert stalled.at_close == [TransferStatus.CANCELLED] * 2
+        _, failed = stalled.engine.finished_receiving()
+        assert set(failed) == {"d-90", "d-91"}
+    finally:
+        stalled.engine.close()
+        prefill.close()
+
+
+def wait_asked(prefill: TransferEngine, rid: str, timeout: float = 10.0) -> None:
+    """Until the decode's push request for ``rid`` reached the prefill."""
+    deadline = time.monotonic() + timeout
+    while rid not in prefill._wants and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rid in prefill._wants, f"{rid}: the decode's push request did not arrive"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["every-layer", "one-layer", "asked-mid-prompt"])
+def test_layerwise_saves_during_the_forward_pass_are_the_push(backend: str, case: str) -> None:
+    """The decode asks first; the prefill writes each layer as its forward pass computes it (the prompt in
+    two chunks). With every layer of every token saved the finished request is not written again; with a
+    layer missing, or the decode's ask arriving after the first chunk (a gap: no later chunk is written
+    layer by layer then), the whole request is written when the prefill finishes. Either way the decode's blocks hold exactly the tokens it lacks."""
+    bs, n_tokens, skip, cut = 16, 50, 16, 30
+    src_c, dst_c = caches(8, bs, fill=True), caches(8, bs)
+    src_blocks, dst_blocks = [5, 1, 6, 2], [3, 0, 7, 4]
+    prefill, decode = engine(src_c, bs, backend), engine(dst_c, bs, backend)
+    layers = 1 if case == "one-layer" else LAYERS
+    try:
+        if case == "asked-mid-prompt":   # the first chunk is computed before anyone asked
+            for layer in range(layers):
+                prefill.save_layer("p-lw", layer, src_blocks, 0, cut)
+            prefill.wait_saves()
+        decode.start_push("d-lw", RemoteKV("p-lw", (prefill.address,), (), n_tokens), dst_blocks, skip)
+        wait_asked(prefill, "p-lw")
+        if case != "asked-mid-prompt":
+            for layer in range(layers):
+                prefill.save_layer("p-lw", layer, src_blocks, 0, cut)
+            prefill.wait_saves()
+        for layer in range(layers):
+            prefill.save_layer("p-lw", layer, src_blocks, cut, n_tokens)
+        prefill.wait_saves()
+        prefill.hold("p-lw")
+        prefill.computed("p-lw", src_blocks)
+        assert wait_received(decode, "d-lw") == (True, "")
+        wait_sent(prefill, "p-lw")
+        want = token_values(src_c, src_blocks, bs, range(skip, n_tokens))
+        got = token_values(dst_c, dst_blocks, bs, range(skip, n_tokens))
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert all(bool((u == 0).all()) for u in token_values(dst_c, dst_blocks, bs, range(0, skip)))
+        per_token_layer = 2 * HEADS * DIM * 4
+        # after a gap nothing more is written layer by layer: the whole request follows anyway
+        early = 0 if case == "asked-mid-prompt" else layers * (n_tokens - skip) * per_token_layer
+        whole = 0 if case == "every-layer" else LAYERS * (n_tokens - skip) * per_token_layer
+        assert prefill.stats.bytes_written_layerwise == early
+        assert prefill.stats.bytes_written == early + whole
+        assert decode.stats.bytes_read == (whole or early)
     finally:
         decode.close()
         prefill.close()

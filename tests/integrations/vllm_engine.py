@@ -5,6 +5,9 @@ stdin, results go out as JSON lines on stdout (a line starting with ``{``).
 
     python vllm_engine.py ROLE MODEL_DIR PORT [MODE]
 
+MODE: ``pull`` (default), ``push``, or ``layerwise`` (push, written layer by layer during the prefill's
+forward pass: the decode's request comes first).
+
 Between steps the prefill keeps its engine stepping, as ``vllm serve`` does while finished requests
 hold blocks: that hands the holds to the connector's workers, serves pushes and frees blocks.
 """
@@ -38,7 +41,8 @@ def main() -> None:
             "kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm.connector",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"backend": "nixl", "host": "127.0.0.1", "port": port, "timeout": 10.0,
-                                          "mode": mode, "secret": os.environ["KVXFER_SECRET"]}}
+                                          "mode": "push" if mode == "layerwise" else mode,
+                                          "layerwise": mode == "layerwise", "secret": os.environ["KVXFER_SECRET"]}}
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
               enforce_eager=True, seed=0, block_size=BLOCK_SIZE[role], enable_prefix_caching=True, **kw)
 
@@ -68,16 +72,19 @@ def main() -> None:
             extra = {"kv_transfer_params": p} if p is not None else None
             max_tokens = 1 if role == "prefill" else MAX_TOKENS
             sps.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, extra_args=extra))
-        if role == "prefill":
+        if role == "prefill":   # the step's params add to the prefill's own (layer-wise: the transfer ids)
             sps = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                  extra_args={"kv_transfer_params": {"do_remote_decode": True}}) for _ in prompts]
+                                  extra_args={"kv_transfer_params": {**(p or {}), "do_remote_decode": True}})
+                   for p in params]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         result: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                                   "params": [o.kv_transfer_params for o in outs]}
         if role != "baseline":
             eng = connector().engine
             result["stats"] = {"bytes_read": eng.stats.bytes_read, "requests_read": eng.stats.requests_read,
-                               "tokens_skipped": eng.stats.tokens_skipped, "failures": eng.stats.failures}
+                               "tokens_skipped": eng.stats.tokens_skipped, "failures": eng.stats.failures,
+                               "bytes_written": eng.stats.bytes_written,
+                               "bytes_written_layerwise": eng.stats.bytes_written_layerwise}
         emit(result)
 
 

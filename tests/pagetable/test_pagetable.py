@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PageTableError
-from kvxfer.pagetable import PLAN_MAGIC, TABLE_MAGIC, WIRE_VERSION, PageTable, TransferPlan
+from kvxfer.pagetable import PLAN_MAGIC, TABLE_MAGIC, WIRE_VERSION, PageTable, TransferPlan, wire
 
 
 def table(addr: list[int], nbytes: list[int], region: list[int] | None = None, **coords: list[int]) -> PageTable:
@@ -121,17 +121,24 @@ def test_split_then_coalesce_gives_back_the_coalesced_table(cols: tuple[list[int
 
 def test_decoder_refuses_each_malformation_with_page_table_error() -> None:
     good = table([1, 2], [3, 4], [0, 1], layer=[7, 8]).to_bytes()
-    assert len(good) == 16 + 1 + 5 + 2 * (8 + 8 + 4 + 8)
+    header = wire.encode_header(TABLE_MAGIC, wire.WireHeader(2, ("layer",)))
+    assert good.startswith(header) and len(good) == len(header) + 2 * (8 + 8 + 4 + 8)
+    size = len(header) - wire.PREFIX.size
+    columns = good[len(header):]
+
+    def with_header(h: wire.WireHeader) -> bytes:
+        return wire.encode_header(TABLE_MAGIC, h) + columns
     cases = {
-        "truncated header": good[:10],
+        "truncated header": good[:6],
+        "truncated header \\(9 header bytes": good[:wire.PREFIX.size + size - 1],
         "bad magic": b"XXXX" + good[4:],
         "unsupported version": good[:4] + struct.pack("<H", WIRE_VERSION + 1) + good[6:],
         "header says": good[:-1],
         "payload has": good + b"\0",
-        "column name 0": good[:16] + b"\0" + good[17:],
-        "not ASCII": good[:17] + b"\xff" + good[18:],
-        "new identifier": good[:17] + b"1" + good[18:],
-        "named columns": good[:6] + struct.pack("<H", 65) + good[8:],
+        "malformed header": good[:wire.PREFIX.size] + b"\xc1" + good[wire.PREFIX.size + 1:],
+        "matching regex": with_header(wire.WireHeader(2, ("1ayer",))),
+        "length <= 64": with_header(wire.WireHeader(2, tuple(f"c{i}" for i in range(65)))),
+        "repeat a name": with_header(wire.WireHeader(2, ("layer", "layer"))),
         "overflows": table([2**64 - 1], [2]).to_bytes(),
     }
     for what, data in cases.items():
@@ -142,11 +149,11 @@ def test_decoder_refuses_each_malformation_with_page_table_error() -> None:
 
 
 def test_hostile_count_is_refused_without_allocating() -> None:
-    header = struct.pack("<4sHHQ", TABLE_MAGIC, WIRE_VERSION, 0, 2**62)
+    header = wire.encode_header(TABLE_MAGIC, wire.WireHeader(2**62))
     with pytest.raises(PageTableError, match=r"header says 4611686018427387904 entries"):
         PageTable.from_bytes(header + b"\0" * 40)
     with pytest.raises(PageTableError, match="header says"):
-        TransferPlan.from_bytes(struct.pack("<4sHHQ", PLAN_MAGIC, WIRE_VERSION, 0, 2**63) + b"\0" * 32)
+        TransferPlan.from_bytes(wire.encode_header(PLAN_MAGIC, wire.WireHeader(2**63)) + b"\0" * 32)
 
 
 @settings(max_examples=300, deadline=None)
@@ -213,7 +220,7 @@ def test_plan_split_chunks_and_wire() -> None:
     assert [p.total_bytes for p in s.chunks(2)] == [8, 5]
     back = TransferPlan.from_bytes(s.to_bytes())
     assert rows(back.src) == rows(s.src) and rows(back.dst) == rows(s.dst)
-    assert len(s.to_bytes()) == 16 + 4 * 32
+    assert len(s.to_bytes()) == wire.PREFIX.size + 3 + 4 * 32   # prefix, header [4, []], 4 rows of 32 bytes
     assert len(TransferPlan.from_bytes(TransferPlan.empty().to_bytes())) == 0
 
 

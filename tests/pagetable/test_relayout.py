@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.errors import PageTableError, TransferFailed
+from kvxfer.errors import PageTableError, TransferCancelled, TransferFailed
 from kvxfer.extractor import plan_templated
 from kvxfer.pagetable import BlockPlan
 from kvxfer.pagetable.relayout import landing_plan, relayout_host, relayout_torch
@@ -278,3 +278,90 @@ def test_the_gpu_relayout_puts_every_cell_in_place(src_changes: dict[str, Any], 
     for host, dev in zip(dst.pools(), pools, strict=True):
         host[:] = dev.cpu().numpy()
     assert_in_place(src, dst)
+
+
+@pytest.mark.parametrize(("src_changes", "dst_changes"), CHANGES, ids=IDS)
+@pytest.mark.parametrize("piece_slots", [1, 3])
+def test_a_pipelined_pull_places_every_cell_and_notifies_once_after_every_piece(
+        src_changes: dict[str, Any], dst_changes: dict[str, Any], piece_slots: int) -> None:
+    """``read_relayout(piece_bytes=...)``: the landing read in pieces of one or three landing slots, each
+    re-laid out while the next moves; done only with every cell in place (the position oracle), the
+    peer's notice arriving once. Mutation: dropping a phase's slots from a piece (or a piece) leaves
+    cells out of place."""
+    rng = np.random.default_rng(12)
+    src, dst = pair_of_sides(rng, src_changes, dst_changes)
+    phases = plan_templated(src.layout, src.ids, dst.layout, dst.ids)
+    assert phases is not None
+    dst_regions = list(dst.mgr.memory_regions())
+    _buf, landing = landing_buffer(landing_plan(phases, 0, len(dst_regions)).landing_bytes)
+    lp = landing_plan(phases, landing.base_address, len(dst_regions))
+    n = next(_names)
+    a, b = create("loopback", f"rp-src{n}"), create("loopback", f"rp-dst{n}")
+    try:
+        a.register(list(src.mgr.memory_regions()))
+        b.register([*dst_regions, landing])
+        a.connect(b.name, b.metadata())
+        b.connect(a.name, a.metadata())
+        handle = read_relayout(b, a.name, lp, notify=b"landed", piece_bytes=piece_slots * lp.slot_bytes)
+        handle.wait(10.0)
+        assert handle.status is TransferStatus.DONE and handle.nbytes == lp.total_bytes
+        assert getattr(handle, "pieces", 1) == -(-lp.transfer.num_blocks // piece_slots)
+        assert_in_place(src, dst)
+        time.sleep(0.05)
+        assert a.notifications() == {b.name: [b"landed"]}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_landing_pieces_cover_the_plan_exactly() -> None:
+    """Every landing slot is in exactly one piece, and every re-layout block pair in the piece of its slot."""
+    rng = np.random.default_rng(13)
+    src, dst = pair_of_sides(rng, {}, {"tpb": 2, "order": "NHD"})
+    phases = plan_templated(src.layout, src.ids, dst.layout, dst.ids)
+    assert phases is not None
+    lp = landing_plan(phases, 1 << 30, 0)
+    pieces = lp.pieces(2 * lp.slot_bytes)
+    assert np.array_equal(np.concatenate([t.dst_slots for t, _ in pieces]), lp.transfer.dst_slots)
+    for k, phase in enumerate(lp.relayout):
+        got = np.concatenate([ph[k].src_slots for _, ph in pieces])
+        assert np.array_equal(np.sort(got), np.sort(phase.src_slots))
+        for t, ph in pieces:
+            assert set(ph[k].src_slots.tolist()) <= set(t.dst_slots.tolist())
+    with pytest.raises(PageTableError, match="positive"):
+        lp.pieces(0)
+
+
+def test_a_failed_piece_fails_the_pipelined_pull_once_no_relayout_runs() -> None:
+    """The second piece's read fails: the handle fails naming the landing read, after the first piece's
+    re-layout ended (no byte of the pages changes after the failure is reported), and no notice is sent."""
+    _src, dst, a, b, lp, _buf = _pull_pair(LoopbackFaults(fail_post=2))
+    try:
+        handle = read_relayout(b, a.name, lp, notify=b"never", piece_bytes=lp.slot_bytes)
+        with pytest.raises(TransferFailed, match="landing read of piece 2"):
+            handle.wait(10.0)
+        after = dst.snapshot()
+        time.sleep(0.05)
+        assert all(np.array_equal(got, was) for got, was in zip(dst.pools(), after, strict=True))
+        assert a.notifications() == {}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_pipelined_pull_is_cancelled_while_a_piece_is_in_flight() -> None:
+    """A stalled read (the peer never completes it): the pipelined handle stays pending, its cancel
+    succeeds, and waiting then raises TransferCancelled; the pages were never written."""
+    _src, dst, a, b, lp, _buf = _pull_pair(LoopbackFaults(never_complete=True))
+    try:
+        before = dst.snapshot()
+        handle = read_relayout(b, a.name, lp, notify=b"never", piece_bytes=lp.slot_bytes)
+        assert not handle.done()
+        assert handle.cancel()
+        with pytest.raises(TransferCancelled):
+            handle.wait(1.0)
+        assert handle.status is TransferStatus.CANCELLED
+        assert all(np.array_equal(got, was) for got, was in zip(dst.pools(), before, strict=True))
+    finally:
+        a.close()
+        b.close()

@@ -280,6 +280,45 @@ def test_connecting_a_connected_peer_again_with_the_same_metadata_keeps_its_conn
     assert drain(p.b, 1) == {p.a.name: [b"same"]}
 
 
+def test_concurrent_connects_of_one_peer_connect_it_once(pair_of: Pair) -> None:
+    """Two threads making sure the same unseen peer is connected at once (two requests for a new prefill):
+    the backend connects it once, and a transfer on it then lands."""
+    import threading
+
+    p = pair_of
+    p.a.disconnect(p.b.name)
+    metadata = p.b.metadata()
+    calls: list[str] = []
+    real = p.a._backend_connect
+
+    def slow_connect(peer: str, md: Any) -> None:
+        calls.append(peer)
+        time.sleep(0.2)   # both callers are inside connect while the first is still connecting
+        real(peer, md)
+
+    p.a._backend_connect = slow_connect   # type: ignore[method-assign]
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        start.wait()
+        try:
+            p.a.connect(p.b.name, metadata)
+        except BaseException as exc:   # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=connect) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == [] and calls == [p.b.name]
+    plan = make_plan(np.random.default_rng(32), p.a.regions, p.b.regions, 8, False)
+    want = expected_after(plan, list(p.a.regions), p.a_bufs, list(p.b.regions), p.b_bufs)
+    p.a.write(p.b.name, plan).wait(10.0)
+    assert all(np.array_equal(x, y) for x, y in zip(p.b_bufs, want, strict=True))
+
+
 def test_empty_plan_completes_and_notifies(pair_of: Pair) -> None:
     p = pair_of
     empty = TransferPlan(PageTable.empty(), PageTable.empty())

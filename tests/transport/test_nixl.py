@@ -47,6 +47,14 @@ class Agents:
                 self.made += 1
                 return _real(*args, **kw)
             setattr(agent, verb, counted)
+        core: Any = self.a._core  # type: ignore[attr-defined]
+        if core is not None:   # the one-entry path makes its request through NIXL's binding
+            real_make = core.make
+
+            def counted_make(*args: Any) -> Any:
+                self.made += 1
+                return real_make(*args)
+            core.make = counted_make
 
     def plan(self, seed: int, pages: int = 24) -> TransferPlan:
         rng = np.random.default_rng(seed)
@@ -226,6 +234,68 @@ def test_per_request_plans_of_every_size_move_exact_bytes(agents: Agents, op: st
         assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
 
 
+def _one(addr: int, nbytes: int, region: int) -> PageTable:
+    return PageTable(np.array([addr], np.uint64), np.array([nbytes], np.uint64), np.array([region], np.uint32))
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("fault", ["local below the base", "remote below the base", "local past the end",
+                                   "remote past the end", "remote region", "local region"])
+def test_a_one_entry_plan_outside_the_regions_is_refused_once_the_grids_exist(agents: Agents, op: str,
+                                                                               fault: str) -> None:
+    """The one-entry post path checks bounds and regions itself (its grids prepared by an earlier post of the
+    same unit): a page one unit below a region's base, one just past a region's end, or in a region that
+    is not registered, is refused with the side named, no request made, no byte moved and no notification.
+    Mutation: dropping a bound lets the page land in the neighbouring region's grid cells (or NIXL fail it
+    as a transfer error instead of a refusal)."""
+    a0, a1 = agents.a.regions
+    b0, b1 = agents.b.regions
+    good = (_one(a1.base_address + PAGE, PAGE, 1), _one(b0.base_address + 2 * PAGE, PAGE, 0))
+    local, remote = {
+        "local below the base": (_one(a1.base_address - PAGE, PAGE, 1), good[1]),
+        "remote below the base": (good[0], _one(b1.base_address - PAGE, PAGE, 1)),
+        "local past the end": (_one(a0.end_address, PAGE, 0), good[1]),
+        "remote past the end": (good[0], _one(b0.end_address, PAGE, 0)),
+        "remote region": (good[0], _one(b1.base_address, PAGE, 2)),
+        "local region": (_one(a0.base_address, PAGE, 7), good[1]),
+    }[fault]
+
+    def plan_of(lt: PageTable, rt: PageTable) -> TransferPlan:
+        return TransferPlan(lt, rt) if op == "write" else TransferPlan(rt, lt)
+    getattr(agents.a, op)(agents.b.name, plan_of(*good)).wait(10.0)   # prepares the grids of this unit
+    before = [x.copy() for x in agents.a_bufs + agents.b_bufs]
+    made = agents.made
+    words = "not registered" if "region" in fault else fault.split()[0]
+    with pytest.raises(PageTableError, match=words):
+        getattr(agents.a, op)(agents.b.name, plan_of(local, remote), notify=b"never")
+    assert agents.made == made
+    assert notifications(agents.b, 1, timeout=0.1, settle=0.05) == []
+    assert all(np.array_equal(got, w) for got, w in zip(agents.a_bufs + agents.b_bufs, before, strict=True))
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_one_entry_posts_finish_within_the_post_or_when_polled_alike(agents: Agents, op: str) -> None:
+    """A one-page post that NIXL finishes within the post returns a handle already done (callbacks run at
+    once, cancel is too late); one it reports in progress is polled to completion. Both land the bytes."""
+    rng = np.random.default_rng(11)
+    for i in range(20):
+        plan = pair(random_pages(rng, list(agents.a.regions), 1, PAGE, False),
+                    random_pages(rng, list(agents.b.regions), 1, PAGE, False))
+        if op == "read":
+            plan = TransferPlan(plan.dst, plan.src)
+        src_regions, src_bufs, dst_regions, dst_bufs = (
+            (agents.a.regions, agents.a_bufs, agents.b.regions, agents.b_bufs) if op == "write"
+            else (agents.b.regions, agents.b_bufs, agents.a.regions, agents.a_bufs))
+        want = expected_after(plan, list(src_regions), src_bufs, list(dst_regions), dst_bufs)
+        handle = getattr(agents.a, op)(agents.b.name, plan, notify=f"n{i}".encode())
+        handle.wait(10.0)
+        seen: list[int] = []
+        handle.add_done_callback(lambda h, seen=seen: seen.append(h.id))  # type: ignore[misc]
+        assert seen == [handle.id] and handle.status is TransferStatus.DONE and not handle.cancel()
+        assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+    assert sorted(notifications(agents.b, 20)) == sorted(f"n{i}".encode() for i in range(20))
+
+
 @pytest.mark.parametrize("entries", [2, 16])
 def test_a_few_entries_writing_one_byte_twice_are_refused_before_nixl_sees_them(agents: Agents,
                                                                                 entries: int) -> None:
@@ -306,3 +376,65 @@ def test_uniform_plans_are_refused_as_every_plan_is(one_region_each: Any, fault:
         a.write(b.name, bad, notify=b"never")
     assert notifications(b, 1, timeout=0.1, settle=0.05) == []
     assert all(np.array_equal(got, w) for got, w in zip(b_bufs, before, strict=True))
+
+
+_THREADS_SCRIPT = r"""
+import sys, threading
+import numpy as np
+from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.transport import create
+from tests.support.transport_helpers.plans import PAGE, make_buffers, regions_of
+
+threads, rounds, slots = int(sys.argv[1]), int(sys.argv[2]), 4
+src, dst = make_buffers([threads * slots * PAGE], 3), make_buffers([threads * slots * PAGE], None)
+a, b = create("nixl", "threads-a"), create("nixl", "threads-b")
+a.register(regions_of(dst))
+b.register(regions_of(src))
+a.connect(b.name, b.metadata())
+base_a, base_b = a.regions[0].base_address, b.regions[0].base_address
+errors = []
+
+def reads(t):
+    # thread t reads source page (t*slots + (i+k) % slots) into its own slot k: every thread its own pages
+    try:
+        for i in range(rounds):
+            pages = [t * slots + (i + k) % slots for k in range(slots)]
+            here = [t * slots + k for k in range(slots)]
+            n = np.full(slots, PAGE, np.uint64)
+            plan = TransferPlan(PageTable(np.array([base_b + p * PAGE for p in pages], np.uint64), n,
+                                          np.zeros(slots, np.uint32)),
+                                PageTable(np.array([base_a + p * PAGE for p in here], np.uint64), n,
+                                          np.zeros(slots, np.uint32)))
+            a.read(b.name, plan).wait(20)
+            for p, h in zip(pages, here):
+                if not np.array_equal(dst[0][h * PAGE:(h + 1) * PAGE], src[0][p * PAGE:(p + 1) * PAGE]):
+                    raise AssertionError(f"thread {t} round {i}: page {p} did not land in slot {h}")
+    except Exception as exc:
+        errors.append(repr(exc))
+
+workers = [threading.Thread(target=reads, args=(t,)) for t in range(threads)]
+for w in workers:
+    w.start()
+for w in workers:
+    w.join()
+a.close()
+b.close()
+print("ERRORS", errors)
+sys.exit(1 if errors else 0)
+"""
+
+
+def test_threads_sharing_one_agent_post_and_poll_at_once() -> None:
+    """Several threads reading through one transport at once (a vLLM rank's concurrent receives, a worker's
+    pushes) all land, bit for bit, and the process exits cleanly: NIXL's agent serializes its calls. (An
+    agent left unsynchronized crashes this process or stalls its transfers.) Run in a child process, whose
+    crash is this test's failure rather than the suite's end."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, "3", "1500"], cwd=root, capture_output=True,
+                         text=True, timeout=240, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+    assert "ERRORS []" in out.stdout

@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvxfer.errors import ConfigError
-from kvxfer.integrations.vllm.layouts import describe_kv_caches
+from kvxfer.integrations.vllm.layouts import describe_kv_caches, layer_ids
 from kvxfer.integrations.vllm.transfer import RemoteKV, TransferEngine
 
 if TYPE_CHECKING:
@@ -51,6 +51,9 @@ DEFAULT_PORT = 15600
 #: ``do_remote_decode`` / ``remote_block_ids`` / ``remote_engine_id`` / ``remote_request_id``).
 PARAM_ADDRESSES = "kvxfer_addresses"
 PARAM_NUM_TOKENS = "remote_num_tokens"
+#: Layer-wise push (decode first): the id a proxy gives one request's transfer, in the prefill's
+#: ``kv_transfer_params`` (and as ``remote_request_id`` in the decode's, which names no prefill blocks).
+PARAM_TRANSFER_ID = "kvxfer_transfer_id"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,17 @@ class Recv:
     start: int
 
 
+@dataclass(frozen=True)
+class Save:
+    """Layer-wise push: this step computes prompt tokens ``[start, stop)`` of the request the decode
+    knows as ``transfer_id``, in ``block_ids``."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    start: int
+    stop: int
+
+
 @dataclass
 class KvxferConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers each step: receives to start, finished requests whose
@@ -71,10 +85,14 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
 
     recv: list[Recv] = field(default_factory=list)
     hold: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    saves: list[Save] = field(default_factory=list)
+    """Layer-wise push: requests whose prompt tokens this step computes, to write layer by layer."""
+    transfer_ids: dict[str, str] = field(default_factory=dict)
+    """Layer-wise push: a held request's transfer id (the decode's name for it)."""
 
 
 def _config(vllm_config: VllmConfig) -> tuple[dict[str, Any], str, str, int]:
-    """The extra config, mode, backend and base control port, checked."""
+    """The extra config, mode, backend and base control port, checked (``layerwise`` needs push)."""
     kt = vllm_config.kv_transfer_config
     assert kt is not None
     extra = dict(kt.kv_connector_extra_config or {})
@@ -83,6 +101,8 @@ def _config(vllm_config: VllmConfig) -> tuple[dict[str, Any], str, str, int]:
         raise ConfigError(f"KvxferConnector: kv_connector_extra_config.mode must be one of {MODES}, got {mode!r}")
     backend = str(extra.get("backend", "nixl"))
     port = int(extra.get("port", DEFAULT_PORT))
+    if extra.get("layerwise") and mode != "push":
+        raise ConfigError(f"KvxferConnector: kv_connector_extra_config.layerwise needs mode 'push', got {mode!r}")
     if not 0 <= port < 65536:
         raise ConfigError(f"KvxferConnector: kv_connector_extra_config.port must be a TCP port, got {port!r}")
     return extra, mode, backend, port
@@ -107,16 +127,24 @@ class KvxferConnector(KVConnectorBase_V1):
         self._recv: list[Recv] = []
         self._hold: dict[str, tuple[int, ...]] = {}
         self._local_hits: dict[str, int] = {}
+        self.layerwise = bool(self.extra.get("layerwise", False))
+        self._saving: dict[str, str] = {}              # prefill request id -> transfer id (layer-wise)
+        self._saving_blocks: dict[str, list[int]] = {}
+        self._transfer_ids: dict[str, str] = {}
         # worker side
         self.engine: TransferEngine | None = None
         self._load_errors: set[int] = set()
         self._recv_blocks: dict[str, tuple[int, ...]] = {}
+        self._layer_ids: dict[str, int] = {}
+        self._sending: dict[str, str] = {}             # transfer id -> prefill request id (layer-wise)
 
     # --- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Prompt tokens the prefill computed beyond what the decode holds, loaded asynchronously."""
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or params.get("remote_block_ids") is None:
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if params.get("remote_block_ids") is None and not (self.mode == "push" and self.layerwise):
             return 0, False
         num_tokens = int(params.get(PARAM_NUM_TOKENS) or len(request.prompt_token_ids or ()))
         count = num_tokens - num_computed_tokens
@@ -128,6 +156,10 @@ class KvxferConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Queue the receive of a request whose blocks were just allocated for external tokens."""
         params = request.kv_transfer_params
+        if (params and params.get("do_remote_decode") and self.layerwise and params.get(PARAM_TRANSFER_ID)
+                and request.request_id not in self._saving):
+            self._saving[request.request_id] = str(params[PARAM_TRANSFER_ID])
+            return
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False   # once: a second call (after the load) must not load again
@@ -136,6 +168,8 @@ class KvxferConnector(KVConnectorBase_V1):
             return
         addresses = params.get(PARAM_ADDRESSES)
         remote_ids = params.get("remote_block_ids")
+        if remote_ids is None and self.layerwise:
+            remote_ids = []   # decode first: the prefill writes from blocks it has not allocated yet
         if not addresses or remote_ids is None:
             log.warning("KvxferConnector: request %s has kv_transfer_params without %s/remote_block_ids: %s",
                         request.request_id, PARAM_ADDRESSES, params)
@@ -149,9 +183,29 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's receives and holds, handed to the workers (and forgotten here)."""
-        meta = KvxferConnectorMetadata(self._recv, self._hold)
-        self._recv, self._hold = [], {}
+        meta = KvxferConnectorMetadata(self._recv, self._hold, transfer_ids=self._transfer_ids)
+        self._recv, self._hold, self._transfer_ids = [], {}, {}
+        if self._saving:
+            self._add_saves(meta, scheduler_output)
         return meta
+
+    def _add_saves(self, meta: KvxferConnectorMetadata, out: SchedulerOutput) -> None:
+        """Layer-wise push: the prompt tokens each saving request computes in this step."""
+        steps: list[tuple[str, int]] = []
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self._saving:
+                self._saving_blocks[new.req_id] = list(new.block_ids[0])
+                steps.append((new.req_id, new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid in self._saving:
+                added = cached.new_block_ids[i]
+                if added is not None:
+                    self._saving_blocks[rid].extend(added[0])
+                steps.append((rid, cached.num_computed_tokens[i]))
+        for rid, computed in steps:
+            stop = computed + out.num_scheduled_tokens.get(rid, 0)
+            meta.saves.append(Save(self._saving[rid], tuple(self._saving_blocks[rid]), computed, stop))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """On the prefill: hold a request asked for by a decode and return the parameters the decode
@@ -160,6 +214,8 @@ class KvxferConnector(KVConnectorBase_V1):
 
         params = request.kv_transfer_params
         self._local_hits.pop(request.request_id, None)
+        transfer_id = self._saving.pop(request.request_id, None)
+        self._saving_blocks.pop(request.request_id, None)
         if not params or not params.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
@@ -168,6 +224,8 @@ class KvxferConnector(KVConnectorBase_V1):
         if not ids:
             return False, None
         self._hold[request.request_id] = tuple(int(b) for b in ids)
+        if transfer_id is not None:
+            self._transfer_ids[request.request_id] = transfer_id
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -190,6 +248,7 @@ class KvxferConnector(KVConnectorBase_V1):
         kv, _ = describe_kv_caches(kv_caches, block_size=self.block_size,
                                    kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                                    tp_rank=tp_rank, tp_size=self.tp_size, axes=self.extra.get("kv_axes"))
+        self._layer_ids = layer_ids(list(kv_caches))
         port = self.base_port + tp_rank if self.is_producer else 0
         self.engine = TransferEngine(f"{self.engine_id}-tp{tp_rank}"[:128], kv, backend=self.backend,
                                      secret=self.extra.get("secret") or os.environ.get("KVXFER_SECRET"),
@@ -210,9 +269,11 @@ class KvxferConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvxferConnectorMetadata)
         eng = self._engine()
         for rid, blocks in meta.hold.items():
-            eng.hold(rid)
+            key = meta.transfer_ids.get(rid, rid)   # layer-wise: the decode asked under the transfer id
+            self._sending[key] = rid
+            eng.hold(key)
             if self.mode == "push":
-                eng.computed(rid, blocks)
+                eng.computed(key, blocks)
         for r in meta.recv:
             first = r.start // self.block_size
             last = -(-r.remote.num_tokens // self.block_size)
@@ -227,10 +288,24 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """Nothing: the decode reads (or the prefill writes) the finished request's blocks in place."""
+        """Layer-wise push: write this layer of the prompt tokens computed in this step to the decode ranks
+        that asked for them. Otherwise nothing: the decode reads (or the prefill writes) the finished
+        request's blocks in place."""
+        if not self.layerwise or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        layer = self._layer_ids.get(layer_name)
+        if layer is None or not meta.saves:
+            return
+        eng = self._engine()
+        for s in meta.saves:
+            eng.save_layer(s.transfer_id, layer, s.block_ids, s.start, s.stop)
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for: no save is started during the forward pass."""
+        """Layer-wise push: wait for this forward pass's layer writes. Otherwise nothing to wait for."""
+        if self.layerwise and self.engine is not None:
+            self.engine.wait_saves()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Held requests the decode is done with, and receives that ended (a failed one too: its blocks
@@ -240,6 +315,7 @@ class KvxferConnector(KVConnectorBase_V1):
         if self.mode == "push":
             for rid in sent:
                 eng.release(rid)
+        sent = {self._sending.pop(key, key) for key in sent}
         done, failed = eng.finished_receiving()
         for rid in failed:
             self._load_errors.update(self._recv_blocks.get(rid, ()))
@@ -259,4 +335,4 @@ class KvxferConnector(KVConnectorBase_V1):
             self.engine = None
 
 
-__all__ = ["KvxferConnector", "KvxferConnectorMetadata", "Recv"]
+__all__ = ["KvxferConnector", "KvxferConnectorMetadata", "Recv", "Save"]

@@ -6,6 +6,15 @@ request goes to the decode alone, which then computes the prompt itself.
 
     python -m kvxfer.integrations.vllm.proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
+Layer-wise push (``"mode": "push", "layerwise": true`` on both instances) turns the order round: the
+proxy names each request's transfer with an id of its own and sends it to the decode first
+(``do_remote_prefill`` with that id and the prefill's control addresses, ``--prefill-kv``), then to the
+prefill (``do_remote_decode`` with the same id): the decode's blocks are allocated and asked for while
+the prefill computes, so the prefill writes each layer as its forward pass computes it.
+
+    python -m kvxfer.integrations.vllm.proxy --prefill http://127.0.0.1:8100 \
+        --prefill-kv tcp://10.0.0.1:15600,tcp://10.0.0.1:15601 --decode http://127.0.0.1:8200 --layerwise
+
 Standard library only (no vLLM): it can run on any host that reaches the instances.
 """
 
@@ -16,8 +25,10 @@ import itertools
 import json
 import logging
 import threading
+import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -28,6 +39,8 @@ log = logging.getLogger(__name__)
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _CHUNK = 1 << 14
+#: Layer-wise push: how long after sending a request to the decode the proxy sends it to the prefill.
+LAYERWISE_PREFILL_DELAY_S = 0.05
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +51,12 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out.pop("stream_options", None)
     return out
+
+
+def layerwise_params(transfer_id: str, addresses: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Layer-wise push: the prefill's and the decode's ``kv_transfer_params`` for one transfer."""
+    return ({"do_remote_decode": True, "kvxfer_transfer_id": transfer_id},
+            {"do_remote_prefill": True, "remote_request_id": transfer_id, "kvxfer_addresses": list(addresses)})
 
 
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
@@ -53,10 +72,18 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
 class Proxy:
     """Round-robin over ``prefills`` and ``decodes`` (base URLs such as ``http://127.0.0.1:8100``)."""
 
-    def __init__(self, prefills: Sequence[str], decodes: Sequence[str], *, timeout: float = 600.0) -> None:
+    def __init__(self, prefills: Sequence[str], decodes: Sequence[str], *, timeout: float = 600.0,
+                 prefill_kv: Sequence[Sequence[str]] | None = None, layerwise: bool = False) -> None:
+        """``prefill_kv``: each prefill's control addresses (one per rank), needed by ``layerwise``."""
         if not prefills or not decodes:
             raise ConfigError(f"vLLM proxy: at least one prefill and one decode URL needed, got {list(prefills)}, "
                               f"{list(decodes)}")
+        if layerwise and (prefill_kv is None or len(prefill_kv) != len(prefills) or not all(prefill_kv)):
+            raise ConfigError(f"vLLM proxy: layer-wise push needs each prefill's control addresses (--prefill-kv, "
+                              f"one per --prefill), got {prefill_kv!r} for {len(prefills)} prefills")
+        self.layerwise = layerwise
+        self.prefill_kv = {u.rstrip("/"): list(a) for u, a in zip(prefills, prefill_kv or [[]] * len(prefills),
+                                                                    strict=True)}
         self.prefills = [u.rstrip("/") for u in prefills]
         self.decodes = [u.rstrip("/") for u in decodes]
         self.timeout = timeout
@@ -69,9 +96,14 @@ class Proxy:
         with self._lock:
             return next(self._p), next(self._d)
 
-    def prefill(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
-        """Run the prefill; its ``kv_transfer_params``, or None (logged) when it failed."""
-        req = urllib.request.Request(url + path, data=json.dumps(prefill_body(body)).encode(), method="POST",
+    def prefill(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str],
+                params: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Run the prefill (``params``: its ``kv_transfer_params`` instead of ``do_remote_decode`` alone); its
+        answer's ``kv_transfer_params``, or None (logged) when it failed."""
+        out = prefill_body(body)
+        if params is not None:
+            out["kv_transfer_params"] = params
+        req = urllib.request.Request(url + path, data=json.dumps(out).encode(), method="POST",
                                      headers={**headers, "Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -125,7 +157,12 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 self.send_error(400, f"bad request body: {exc}")
                 return
             p_url, d_url = proxy.next_pair()
-            params = proxy.prefill(p_url, self.path, body, self._auth())
+            params: dict[str, Any] | None
+            if proxy.layerwise:   # decode first; the prefill starts as soon as the decode's request went out
+                p_params, params = layerwise_params(uuid.uuid4().hex, proxy.prefill_kv[p_url])
+                threading.Thread(target=self._prefill_after, args=(p_url, body, p_params), daemon=True).start()
+            else:
+                params = proxy.prefill(p_url, self.path, body, self._auth())
             try:
                 status, headers, chunks = proxy.decode(d_url, self.path, decode_body(body, params), self._auth())
             except OSError as exc:
@@ -141,6 +178,12 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
+
+        def _prefill_after(self, url: str, body: dict[str, Any], params: dict[str, Any]) -> None:
+            """Layer-wise: the prefill, a moment after the decode's request (whichever reaches its
+            instance first, the KV arrives: a prefill asked late writes the finished request whole)."""
+            time.sleep(LAYERWISE_PREFILL_DELAY_S)
+            proxy.prefill(url, self.path, body, self._auth(), params)
 
         def do_GET(self) -> None:
             _, d_url = proxy.next_pair()
@@ -172,12 +215,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvxfer.integrations.vllm.proxy", description=__doc__.split("\n")[0])
     ap.add_argument("--prefill", action="append", required=True, help="a prefill instance's base URL (repeatable)")
     ap.add_argument("--decode", action="append", required=True, help="a decode instance's base URL (repeatable)")
+    ap.add_argument("--prefill-kv", action="append", default=None,
+                    help="layer-wise: a prefill's control addresses, comma-separated ranks (one per --prefill, in order)")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="layer-wise push: decode first, the prefill writes each layer during its forward pass")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    server = serve(Proxy(a.prefill, a.decode, timeout=a.timeout), a.host, a.port)
+    kv = [[x for x in v.split(",") if x] for v in a.prefill_kv] if a.prefill_kv else None
+    try:
+        proxy = Proxy(a.prefill, a.decode, timeout=a.timeout, prefill_kv=kv, layerwise=a.layerwise)
+    except ConfigError as exc:
+        ap.error(str(exc))
+    server = serve(proxy, a.host, a.port)
     log.info("vLLM P/D proxy on http://%s:%d: prefill %s, decode %s", a.host, server.server_port, a.prefill,
              a.decode)
     try:

@@ -23,9 +23,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,7 +37,8 @@ from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import VllmKvDone, VllmKvPushed, VllmKvWant
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.extractor import plan_transfer
-from kvxfer.transport import Transport, create
+from kvxfer.pagetable import TransferPlan
+from kvxfer.transport import TransferHandle, Transport, create
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 #: forward passes, so a peer is declared lost only after 5 missed 2-second heartbeats.
 HEARTBEAT_S = 2.0
 HEARTBEAT_MISSES = 5
+#: How long ``close`` waits for the transfer pool's threads once their transfers are cancelled (a thread
+#: inside a control-plane connect returns within that connect's own timeout).
+CLOSE_WAIT_S = 10.0
 #: The connector's messages (``kvxfer.disagg.messages``): decode -> prefill ``VllmKvDone`` (this decode rank
 #: finished reading a request; ``ok``: the bytes landed; ``readers`` decode ranks read this prefill rank
 #: for it) and, push, ``VllmKvWant`` (write tokens ``[start, stop)`` into these blocks of mine);
@@ -81,6 +86,8 @@ class TransferStats:
     failures: int = 0
     tokens_skipped: int = 0
     """Prompt tokens the decode already held (prefix cache hits), not moved."""
+    bytes_written_layerwise: int = 0
+    """Of ``bytes_written``: written layer by layer during the prefill's forward pass (``save_layer``)."""
 
 
 def head_range(layout: CacheLayoutDesc) -> tuple[int, int, int]:
@@ -108,6 +115,9 @@ class _Want:
     start: int
     stop: int
     readers: int
+    saved: dict[int, int] = field(default_factory=dict)
+    """Layer-wise saves: per layer, the token up to which ``[start, ...)`` was written without a gap."""
+    saved_bytes: int = 0
 
 
 class TransferEngine:
@@ -150,6 +160,10 @@ class TransferEngine:
         self._push_ids: dict[str, str] = {}        # prefill request id -> decode request id
         self._push_conns: dict[str, list[PeerConnection]] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvxfer-vllm-{name}")
+        self._tasks: set[Future[None]] = set()
+        self._moving: set[TransferHandle] = set()   # transfers posted and not yet finished
+        self._saves: list[tuple[_Want, int, int, int, TransferHandle]] = []   # this step's layer-wise writes
+        self._layers = tuple(sorted({i for g in kv.layout.layer_groups for i in g.layer_ids}))
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kvxfer-vllm-ctl-{name}", daemon=True)
@@ -256,7 +270,72 @@ class TransferEngine:
             self._ready[request_id] = [int(b) for b in block_ids]
             wants = self._wants.pop(request_id, [])
         for w in wants:
-            self._pool.submit(self._push, request_id, w)
+            self._submit(self._pushed_layerwise if self._saved_whole(w) else self._push, request_id, w)
+
+    # --- prefill side, layer-wise push -------------------------------------------------------------
+    def save_layer(self, request_id: str, layer: int, block_ids: Sequence[int], start: int, stop: int) -> None:
+        """Push, during the prefill's forward pass: layer ``layer`` of tokens ``[start, stop)`` of
+        ``request_id`` (in ``block_ids``) is computed; write it now to every decode rank that already asked
+        for it. Started, not awaited (``wait_saves``). A decode rank that asked later, or a range with a
+        gap, gets the whole request written when the prefill finishes (``computed``), as without it."""
+        with self._lock:
+            wants = list(self._wants.get(request_id, ()))
+        for w in wants:
+            lo, hi = max(start, w.start), min(stop, w.stop)
+            if hi <= lo or w.saved.get(layer, w.start) < lo:
+                continue
+            peer = w.conn.peer
+            try:
+                assert peer.layout is not None
+                if peer.name not in self._transport_peers:
+                    self.transport.connect(peer.name, peer.metadata)
+                    self._transport_peers.add(peer.name)
+                plan = plan_transfer(self.layout, {0: np.asarray(block_ids, dtype=np.int64)}, peer.layout,
+                                     {0: np.asarray(w.block_ids, dtype=np.int64)}, layers=[layer],
+                                     token_range=(lo, hi))
+                handle = self.transport.write(peer.name, plan)
+            except (KvxferError, AssertionError) as exc:
+                log.warning("vLLM connector %s: layer %d of %s not saved to %s: %s", self.name, layer, request_id,
+                            peer.name, exc)
+                continue
+            with self._lock:
+                self._moving.add(handle)
+            self._saves.append((w, layer, hi, plan.total_bytes, handle))
+
+    def wait_saves(self) -> None:
+        """Wait for the layer-wise writes ``save_layer`` started in this forward pass; one that failed or
+        timed out is cancelled and leaves its layer to the whole-request write."""
+        saves, self._saves = self._saves, []
+        for w, layer, hi, nbytes, handle in saves:
+            try:
+                handle.wait(self.timeout)
+            except KvxferError as exc:
+                log.warning("vLLM connector %s: a layer-wise write to %s failed: %s", self.name, w.conn.peer.name,
+                            exc)
+                continue
+            finally:
+                with self._lock:
+                    self._moving.discard(handle)
+                if not handle.done():
+                    handle.cancel()
+            w.saved[layer] = hi
+            w.saved_bytes += nbytes
+            with self._lock:
+                self.stats.bytes_written += nbytes
+                self.stats.bytes_written_layerwise += nbytes
+
+    def _saved_whole(self, want: _Want) -> bool:
+        return all(want.saved.get(layer, want.start) >= want.stop for layer in self._layers)
+
+    def _pushed_layerwise(self, request_id: str, want: _Want) -> None:
+        """Every layer of ``want``'s tokens was written during the forward pass: tell the decode rank."""
+        with self._lock:
+            self.stats.requests_written += 1
+        try:
+            want.conn.send(VllmKvPushed(request_id=request_id, ok=True, nbytes=want.saved_bytes, reason=""))
+        except KvxferError as exc:
+            log.warning("vLLM connector %s: cannot tell %s the push ended: %s", self.name, want.conn.peer.name, exc)
+        self._on_done(request_id, want.readers, True)
 
     def _on_want(self, conn: PeerConnection, request_id: str, block_ids: list[int], start: int, stop: int,
                  readers: int) -> None:
@@ -266,7 +345,7 @@ class TransferEngine:
             if not ready:
                 self._wants.setdefault(request_id, []).append(want)
         if ready:
-            self._pool.submit(self._push, request_id, want)
+            self._submit(self._push, request_id, want)
 
     def _push(self, request_id: str, want: _Want) -> None:
         with self._lock:
@@ -282,7 +361,7 @@ class TransferEngine:
                                  {0: np.asarray(want.block_ids, dtype=np.int64)}, token_range=(want.start, want.stop))
             nbytes = plan.total_bytes
             if len(plan):
-                self.transport.write(peer.name, plan).wait(self.timeout)
+                self._move("write", peer.name, plan)
             with self._lock:
                 self.stats.bytes_written += nbytes
                 self.stats.requests_written += 1
@@ -294,6 +373,35 @@ class TransferEngine:
         except KvxferError as exc:
             log.warning("vLLM connector %s: cannot tell %s the push ended: %s", self.name, peer.name, exc)
         self._on_done(request_id, want.readers, not reason)
+
+    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn(*args)`` on the transfer pool; ``close`` waits for what runs there."""
+        try:
+            task = self._pool.submit(fn, *args)
+        except RuntimeError:   # the pool was shut down: the engine is closing
+            return
+        with self._lock:
+            self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: Future[None]) -> None:
+        with self._lock:
+            self._tasks.discard(task)
+
+    def _move(self, op: str, peer: str, plan: TransferPlan) -> None:
+        """Post one transfer and wait for it. One that does not finish (timed out, the engine closing) is
+        cancelled before this returns, so that the transport never holds a transfer nobody waits for
+        (NIXL's requests left in flight stall the peer's endpoint and abort UCX when the agent goes)."""
+        handle = (self.transport.read if op == "read" else self.transport.write)(peer, plan)
+        with self._lock:
+            self._moving.add(handle)
+        try:
+            handle.wait(self.timeout)
+        finally:
+            with self._lock:
+                self._moving.discard(handle)
+            if not handle.done():
+                handle.cancel()
 
     def release(self, request_id: str) -> None:
         """Push: forget ``request_id``'s source blocks (vLLM frees them)."""
@@ -333,7 +441,7 @@ class TransferEngine:
     def start_read(self, request_id: str, remote: RemoteKV, block_ids: Sequence[int], start: int) -> None:
         """Pull ``remote``'s tokens ``[start, remote.num_tokens)`` into this rank's ``block_ids`` (the
         request's whole block table); ``finished_receiving`` reports the end."""
-        self._pool.submit(self._read, request_id, remote, [int(b) for b in block_ids], start)
+        self._submit(self._read, request_id, remote, [int(b) for b in block_ids], start)
 
     def _read(self, request_id: str, remote: RemoteKV, block_ids: list[int], start: int) -> None:
         src = {0: np.asarray(remote.block_ids, dtype=np.int64)}
@@ -348,7 +456,7 @@ class TransferEngine:
                 plan = plan_transfer(peer.layout, src, self.layout, dst, token_range=(start, remote.num_tokens))
                 if len(plan) == 0:
                     continue
-                self.transport.read(peer.name, plan).wait(self.timeout)
+                self._move("read", peer.name, plan)
                 total += plan.total_bytes
                 done_with.append((conn, readers_of(peer.layout, self.layout)))
         except (KvxferError, AssertionError, OSError) as exc:
@@ -374,7 +482,7 @@ class TransferEngine:
     def start_push(self, request_id: str, remote: RemoteKV, block_ids: Sequence[int], start: int) -> None:
         """Push: ask every prefill rank of ``remote`` to write tokens ``[start, remote.num_tokens)`` into
         ``block_ids``; ``finished_receiving`` reports when every rank holding our heads answered."""
-        self._pool.submit(self._want, request_id, remote, [int(b) for b in block_ids], start)
+        self._submit(self._want, request_id, remote, [int(b) for b in block_ids], start)
 
     def _want(self, request_id: str, remote: RemoteKV, block_ids: list[int], start: int) -> None:
         try:
@@ -438,7 +546,14 @@ class TransferEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(2.0)
+        # Ordered: no new work, the transfers in flight cancelled, the pool's threads seen out, and only
+        # then the transport closed (closing it under a transfer in flight leaves NIXL requests behind).
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            moving, tasks = list(self._moving), list(self._tasks)
+        for handle in moving:
+            handle.cancel()
+        wait_futures(tasks, timeout=CLOSE_WAIT_S)
         for conn in list(self._conns.values()):
             with contextlib.suppress(KvxferError):
                 conn.close("closing")

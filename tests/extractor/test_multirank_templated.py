@@ -1,0 +1,131 @@
+"""multirank.plan_between with a template cache (what the workers pass, one cache per peer): rank pairs of
+differing layouts are planned from run templates and list exactly the runs plan_transfer pairs, refuse
+what it refuses, and keep their templates in the cache given; identical layouts keep plan_transfer's plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvxfer.cache import CacheConfig, CacheLayoutDesc
+from kvxfer.cache.layout import place_layout, plan_layout
+from kvxfer.errors import ConfigError, KvxferError
+from kvxfer.extractor import TemplateCache, multirank
+from kvxfer.pagetable import TransferPlan
+
+LAYERS, HEADS, HEAD_DIM = 4, 4, 16
+
+
+def layouts(tp: int, tpb: int, blocks: int, base: int, **kw: Any) -> list[CacheLayoutDesc]:
+    """``tp`` ranks' layouts at fake, non-overlapping addresses (the planner only reads descriptors)."""
+    out, nxt = [], base
+    for rank in range(tp):
+        cfg = CacheConfig.for_model(LAYERS, HEADS, HEAD_DIM, tpb, "bfloat16", blocks, device="cpu",
+                                    tp_size=tp, tp_rank=rank)
+        if kw:
+            cfg = dataclasses.replace(cfg, **kw)
+        plan = plan_layout(cfg)
+        bases: list[list[int]] = []
+        for pg in plan.pool_groups:
+            bases.append([])
+            for pool in pg.pools:
+                bases[-1].append(nxt)
+                nxt += pool.nbytes + (1 << 16)
+        out.append(place_layout(plan, bases, "cuda", 0))
+    return out
+
+
+def entries(plan: TransferPlan) -> list[tuple[int, ...]]:
+    """The plan's runs in a canonical form: sorted by source and merged where both sides continue (order
+    carries no meaning, and plan_transfer merges runs that happen to meet across its segments)."""
+    plan = plan.sort_by_source().coalesce()
+    cols = (plan.src.addr, plan.src.region, plan.dst.addr, plan.dst.region, plan.src.nbytes)
+    return sorted(zip(*(c.tolist() for c in cols), strict=True))
+
+
+def ids_for(lays: list[CacheLayoutDesc], tokens: int, rng: np.random.Generator) -> list[dict[int, np.ndarray]]:
+    out = []
+    for lay in lays:
+        slots = lay.pool_groups[0].num_slots
+        out.append({0: rng.permutation(slots)[:math.ceil(tokens / lay.tokens_per_block)].astype(np.int64)})
+    return out
+
+
+CASES: dict[str, tuple[tuple[int, int, dict[str, str]], tuple[int, int, dict[str, str]]]] = {
+    "tokens/block 16->8": ((1, 16, {}), (1, 8, {})),
+    "tokens/block 8->32": ((1, 8, {}), (1, 32, {})),
+    "TP 1->2, HND->NHD": ((1, 16, {}), (2, 16, {"head_order": "NHD"})),
+    "TP 2->1 + 16->8": ((2, 16, {}), (1, 8, {})),
+    "TP 2->4 + 16->32, NHD": ((2, 16, {}), (4, 32, {"head_order": "NHD"})),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", ["whole", "cut"])
+def test_templated_plans_list_exactly_the_runs_plan_transfer_pairs(case: str, window: str) -> None:
+    """Every mismatch case, the whole prompt and a cut one (a token range off block boundaries, a subset of
+    the layers: a layer-wise send), gives the same runs as plan_transfer; the templates land in the cache
+    given (none in the module's), and a second request (other blocks) reuses them."""
+    (tp_s, tpb_s, kw_s), (tp_d, tpb_d, kw_d) = CASES[case]
+    tokens = 200
+    src = layouts(tp_s, tpb_s, 64, 0x7000_0000_0000, **kw_s)
+    dst = layouts(tp_d, tpb_d, 96, 0x6000_0000_0000, **kw_d)
+    token_range, layers = ((0, tokens), None) if window == "whole" else ((5, tokens - 3), [1, 2])
+    cache = TemplateCache()
+    rng = np.random.default_rng(7)
+    for request in range(2):
+        si, di = ids_for(src, tokens, rng), ids_for(dst, tokens, rng)
+        want = multirank.plan_between(src, si, dst, di, token_range=token_range, layers=layers)
+        got = multirank.plan_between(src, si, dst, di, token_range=token_range, layers=layers, templates=cache)
+        assert len(want) and entries(got) == entries(want)
+        if request == 0:
+            kept = len(cache)
+            assert kept > 0
+    assert len(cache) == kept   # the second request made no template
+
+
+def test_identical_layouts_keep_plan_transfers_plan_and_make_no_template() -> None:
+    src, dst = layouts(1, 16, 64, 0x7000_0000_0000), layouts(1, 16, 64, 0x6000_0000_0000)
+    rng = np.random.default_rng(1)
+    si, di = ids_for(src, 100, rng), ids_for(dst, 100, rng)
+    cache = TemplateCache()
+    got = multirank.plan_between(src, si, dst, di, token_range=(0, 100), templates=cache)
+    want = multirank.plan_between(src, si, dst, di, token_range=(0, 100))
+    assert len(cache) == 0
+    for a, b in ((got.src, want.src), (got.dst, want.dst)):
+        assert np.array_equal(a.addr, b.addr) and np.array_equal(a.nbytes, b.nbytes) and np.array_equal(a.region, b.region)
+
+
+def test_templated_plans_refuse_what_plan_transfer_refuses() -> None:
+    """Committed (read-only) destination blocks and a destination block listed twice are refused alike,
+    with the same error type and message."""
+    src, dst = layouts(1, 16, 64, 0x7000_0000_0000), layouts(2, 8, 96, 0x6000_0000_0000, head_order="NHD")
+    rng = np.random.default_rng(3)
+    si, di = ids_for(src, 96, rng), ids_for(dst, 96, rng)
+    twice = [{0: d[0].copy()} for d in di]
+    twice[1][0][3] = twice[1][0][0]
+    cases: list[tuple[list[dict[int, np.ndarray]], list[int | None] | None]] = [(di, [16, 16]), (twice, None)]
+    for dst_ids, committed in cases:
+        errors = []
+        for templates in (None, TemplateCache()):
+            with pytest.raises(KvxferError) as info:
+                multirank.plan_between(src, si, dst, dst_ids, token_range=(0, 96), dst_committed=committed,
+                                       templates=templates)
+            errors.append((type(info.value), str(info.value)))
+        assert errors[0] == errors[1]
+
+
+def test_a_template_cache_keeps_at_most_what_it_is_told() -> None:
+    src, dst = layouts(1, 16, 64, 0x7000_0000_0000), layouts(1, 8, 96, 0x6000_0000_0000)
+    rng = np.random.default_rng(5)
+    cache = TemplateCache(kept=1)
+    si, di = ids_for(src, 64, rng), ids_for(dst, 64, rng)
+    for layers in ([0], [1], [2]):
+        multirank.plan_between(src, si, dst, di, token_range=(0, 64), layers=layers, templates=cache)
+        assert len(cache) == 1
+    with pytest.raises(ConfigError, match="positive"):
+        TemplateCache(kept=0)
