@@ -638,13 +638,12 @@ class UcxTransport(Transport):
         (the worker is thread-safe). A flush UCX finishes within the call (shared memory/CMA does) completes
         the handle here; otherwise the service thread watches it. The notification follows the data as a
         control message. Posted runs cannot be withdrawn, so ``cancel`` returns False (too late)."""
-        handle = TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=_too_late)
         rma = self._rma
         assert rma is not None
         with self._rma_callers_lock:
             self._rma_callers += 1
         try:
-            return self._post_rma_counted(op, peer, plan, notify, local, remote, runs, checked_with, handle, rma)
+            return self._post_rma_counted(op, peer, plan, notify, local, remote, runs, checked_with, transfer_id, rma)
         finally:
             with self._rma_callers_lock:
                 self._rma_callers -= 1
@@ -652,11 +651,12 @@ class UcxTransport(Transport):
     def _post_rma_counted(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None, local: PageTable,
                           remote: PageTable,
                           runs: tuple[list[int], list[int], list[int], list[int], list[Any]] | None,
-                          checked_with: _RmaPeer | None, handle: TransferHandle, rma: UcpRma) -> TransferHandle:
+                          checked_with: _RmaPeer | None, transfer_id: int, rma: UcpRma) -> TransferHandle:
         with self._rma_lock:
             rp = self._rma_peers.get(peer)
             if rp is None or (checked_with is not None and rp is not checked_with):
                 why = "peer is not connected" if rp is None else "peer reconnected while this transfer was posted"
+                handle = TransferHandle(transfer_id, peer, plan.total_bytes, op)
                 handle._finish(TransferStatus.FAILED, why, PeerUnreachable)
                 return handle
             if len(local) == 0:
@@ -673,13 +673,21 @@ class UcxTransport(Transport):
                 try:
                     flush = rma.post(rp.endpoint.handle, op, *runs)
                 except UcpRmaError as exc:
+                    handle = TransferHandle(transfer_id, peer, plan.total_bytes, op)
                     _fail_rma(handle, exc.status, str(exc))
                     return handle
         if flush.completed or rma.progress_until(self._worker_handle, flush, _RMA_IDLE_S, _RMA_LIMIT_S):
+            if flush.status == 0:   # done within the post: a handle without a condition (nobody waits on it)
+                handle = TransferHandle.completed(transfer_id, peer, plan.total_bytes, op)
+                if notify is not None:
+                    self._send_note(peer, transfer_id, notify)
+                return handle
+            handle = TransferHandle(transfer_id, peer, plan.total_bytes, op)
             self._rma_finished(handle, flush, notify)
-        else:
-            out = _Outgoing(handle, op, peer, plan, notify, stage="rma", flush=flush)
-            self._submit(lambda: self._watch_rma(out))
+            return handle
+        handle = TransferHandle(transfer_id, peer, plan.total_bytes, op, abort=_too_late)
+        out = _Outgoing(handle, op, peer, plan, notify, stage="rma", flush=flush)
+        self._submit(lambda: self._watch_rma(out))
         return handle
 
     def _rma_finished(self, handle: TransferHandle, flush: FlushRequest, notify: bytes | None) -> None:
@@ -688,9 +696,11 @@ class UcxTransport(Transport):
             _fail_rma(handle, flush.status, f"UCX RMA flush failed: status {status_name(flush.status)}")
             return
         if handle._finish(TransferStatus.DONE) and notify is not None:
-            peer, tid = handle.peer, handle.id
-            self._submit(lambda: self._send_control(peer, {"k": "note", "id": tid, "from": self.name,
-                                                           "notify": notify}))
+            self._send_note(handle.peer, handle.id, notify)
+
+    def _send_note(self, peer: str, tid: int, notify: bytes) -> None:
+        """Send a one-sided transfer's notification (its data landed) from the service thread."""
+        self._submit(lambda: self._send_control(peer, {"k": "note", "id": tid, "from": self.name, "notify": notify}))
 
     def _watch_rma(self, out: _Outgoing) -> None:
         """Service thread: watch a one-sided transfer's flush (polled in ``_poll_transfers``)."""
