@@ -580,26 +580,29 @@ def run_post_latency(backend: str, page_bytes: int = 16384, iters: int = 200, po
 TABLE_ROWS = ((4096, 16384, "write"), (256, 1 << 20, "read"), (64, 4 << 20, "write"))
 
 
-def run_table(iters: int = 5, latency_iters: int = 200, backends: tuple[str, ...] = ("nixl", "ucx")
-              ) -> dict[str, Any]:
+def run_table(iters: int = 5, latency_iters: int = 200, backends: tuple[str, ...] = ("nixl", "ucx"),
+              options: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Every row of the transport table for each backend, raw NIXL (its own agent, descriptor lists
     prepared once) measured in the nixl runs themselves: bandwidth of scattered pages (``TABLE_ROWS``),
     the one-page ``write(plan).wait()`` p50 and the 4096-descriptor post (``run_post_latency``: a new plan
     every iteration), every timed iteration verified. No ``prepare``: every kvxfer post does its plan's
     whole work again (the bandwidth rows post one plan object, which kvxfer keeps nothing of). Each
-    backend keeps its defaults."""
+    backend keeps its defaults unless ``options`` names some for it (``create`` options; for nixl they
+    apply to raw NIXL too, which runs on the same agent)."""
     usable = [b for b in backends if available_backends().get(b, "unknown") is None]
+    opts = options or {}
     rows: list[dict[str, Any]] = []
     for pages, page_bytes, mode in TABLE_ROWS:
         row: dict[str, Any] = {"what": f"{pages} x {_size(page_bytes)} {mode}, GB/s", "unit": "GB/s"}
         for backend in usable:
-            res = run_bench(backend, pages, page_bytes, mode, "scattered", iters, with_raw=backend == "nixl")
+            res = run_bench(backend, pages, page_bytes, mode, "scattered", iters, opts.get(backend),
+                            with_raw=backend == "nixl")
             row[backend] = res["gbps"]
             row[f"{backend}_verified"] = res["verified"]
             if backend == "nixl":
                 row["raw_nixl"] = res["raw_gbps"]
         rows.append(row)
-    lat = {b: run_post_latency(b, iters=latency_iters) for b in usable}
+    lat = {b: run_post_latency(b, iters=latency_iters, options=opts.get(b)) for b in usable}
     for key, label in (("page", "one 16 KiB page write+wait, p50, us"), ("post", "4096-descriptor post, p50, us")):
         row = {"what": label, "unit": "us"}
         for backend, res in lat.items():
@@ -608,7 +611,7 @@ def run_table(iters: int = 5, latency_iters: int = 200, backends: tuple[str, ...
             if backend == "nixl":
                 row["raw_nixl"] = res[f"{key}_raw_s"] * 1e6
         rows.append(row)
-    return {"backends": usable, "iters": iters, "latency_iters": latency_iters, "rows": rows,
+    return {"backends": usable, "iters": iters, "latency_iters": latency_iters, "options": opts, "rows": rows,
             "verified": all(v for r in rows for k, v in r.items() if k.endswith("_verified"))}
 
 
@@ -630,6 +633,8 @@ def print_table(table: dict[str, Any]) -> None:
             cells.append(f"{'-' if value is None else f'{value:.2f}'}{ratio}".rjust(22))
         print(f"{row['what']:40} {'-' if raw is None else f'{raw:.2f}':>10} " + " ".join(cells))
     print(f"every timed iteration verified: {table['verified']} (medians; raw NIXL measured in the nixl runs)")
+    if table.get("options"):
+        print(f"options: {table['options']}")
 
 
 def _ask(conn: Connection | None, cmd: str, table: PageTable, *extra: int) -> Any:
@@ -662,17 +667,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-error-handling", action="store_true",
                     help="ucx: endpoints without peer-failure handling (faster on one host; a dead peer may "
                          "abort the process)")
+    ap.add_argument("--no-rma", action="store_true",
+                    help="ucx: the two-sided tag protocol only (no one-sided puts/gets)")
     ap.add_argument("--error-handling", action="store_true",
                     help="nixl: UCX endpoints with peer-failure handling (ucx_error_handling_mode=peer)")
     ap.add_argument("--progress-thread", action="store_true", help="nixl: run NIXL's own progress thread")
     ap.add_argument("--table", action="store_true",
                     help="the transport table: nixl and ucx against raw NIXL over scattered pages (4096 x 16 KiB "
                          "write, 256 x 1 MiB read, 64 x 4 MiB write), the one-page write+wait p50 and the "
-                         "4096-descriptor post, per-request plans; --iters per bandwidth row")
+                         "4096-descriptor post, per-request plans; --iters per bandwidth row; with it "
+                         "--no-error-handling / --no-rma apply to ucx, --error-handling / --progress-thread to "
+                         "nixl and raw NIXL")
     ap.add_argument("--latency-iters", type=int, default=200, help="--table: one-page iterations")
     args = ap.parse_args(argv)
     if args.table:
-        table = run_table(args.iters, args.latency_iters)
+        if args.no_scatter_gather:
+            ap.error("--no-scatter-gather does not apply to --table")
+        per_backend: dict[str, dict[str, Any]] = {}
+        if args.no_error_handling:
+            per_backend["ucx"] = {"error_handling": False}
+        if args.no_rma:
+            per_backend.setdefault("ucx", {})["rma"] = False
+        if args.error_handling or args.progress_thread:
+            per_backend["nixl"] = {k: True for k, on in (("error_handling", args.error_handling),
+                                                         ("progress_thread", args.progress_thread)) if on}
+        table = run_table(args.iters, args.latency_iters, options=per_backend)
         if args.json:
             print_json("bench.transport_table", table)
         else:
@@ -686,8 +705,10 @@ def main(argv: list[str] | None = None) -> int:
             options["scatter_gather"] = False
         if args.no_error_handling:
             options["error_handling"] = False
+        if args.no_rma:
+            options["rma"] = False
         if options and args.backend != "ucx":
-            ap.error("--no-scatter-gather / --no-error-handling apply to --backend ucx only")
+            ap.error("--no-scatter-gather / --no-error-handling / --no-rma apply to --backend ucx only")
         if (args.error_handling or args.progress_thread) and args.backend != "nixl":
             ap.error("--error-handling / --progress-thread apply to --backend nixl only")
         if args.error_handling:

@@ -64,7 +64,7 @@ _SPECS = (
     BackendSpec("nixl", "kvxfer.transport.nixl", "NixlTransport", cross_process=True, cuda_only=False,
                 summary="NIXL over UCX: one-sided READ/WRITE", unavailable_reason=_nixl_reason),
     BackendSpec("ucx", "kvxfer.transport.ucx", "UcxTransport", cross_process=True, cuda_only=False,
-                summary="ucxx: two-sided tagged messages", unavailable_reason=_ucx_reason),
+                summary="ucxx: one-sided RMA (two-sided tagged messages as fallback)", unavailable_reason=_ucx_reason),
     BackendSpec("cuda_ipc", "kvxfer.transport.cuda_ipc", "CudaIpcTransport", cross_process=True, cuda_only=True,
                 summary="one node: IPC-mapped GPU pools, one batched copy kernel per plan",
                 unavailable_reason=_cuda_ipc_reason),

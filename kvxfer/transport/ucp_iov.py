@@ -104,7 +104,7 @@ class UcpIov:
         lib.ucp_tag_recv_nbx.restype = ctypes.c_void_p
         lib.ucp_tag_recv_nbx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64,
                                          ctypes.c_uint64, param_p]
-        lib.ucp_request_check_status.restype = ctypes.c_int
+        lib.ucp_request_check_status.restype = ctypes.c_int8   # ucs_status_t: a packed (one-byte) enum
         lib.ucp_request_check_status.argtypes = [ctypes.c_void_p]
         lib.ucp_request_free.restype = None
         lib.ucp_request_free.argtypes = [ctypes.c_void_p]

@@ -1,5 +1,6 @@
-"""ucx backend specifics: scatter-gather messages (one per transfer) against one message per run, the
-capability byte of the metadata, and large run counts."""
+"""ucx backend specifics of the two-sided path (one-sided RMA off, ``rma=False``): scatter-gather messages
+(one per transfer) against one message per run, the capability byte of the metadata, and large run
+counts. The one-sided path: test_ucx_rma.py."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _pair(sg_a: bool, sg_b: bool, sizes: list[int], seed: int
           ) -> tuple[Transport, Transport, list[npt.NDArray[np.uint8]], list[npt.NDArray[np.uint8]]]:
     n = next(_names)
     a_bufs, b_bufs = make_buffers(sizes, seed), make_buffers(sizes, seed + 1)
-    a, b = create("ucx", f"ua{n}", scatter_gather=sg_a), create("ucx", f"ub{n}", scatter_gather=sg_b)
+    a, b = (create("ucx", f"ua{n}", scatter_gather=sg_a, rma=False),
+            create("ucx", f"ub{n}", scatter_gather=sg_b, rma=False))
     a.register(regions_of(a_bufs))
     b.register(regions_of(b_bufs))
     a.connect(b.name, b.metadata())
@@ -191,7 +193,7 @@ def test_requests_from_a_peer_this_transport_did_not_connect_are_dropped(op: str
     pages, and delivers no notification; c's transfer times out (nothing hangs)."""
     a, b, _, b_bufs = _pair(True, True, [256 * 1024], seed=51)
     c_bufs = make_buffers([256 * 1024], 52)
-    c = create("ucx", f"uc{next(_names)}")
+    c = create("ucx", f"uc{next(_names)}", rma=False)
     c.register(regions_of(c_bufs))
     c.connect(b.name, b.metadata())
     try:

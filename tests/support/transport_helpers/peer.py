@@ -23,10 +23,12 @@ def table_wire(t: PageTable) -> tuple[bytes, bytes, bytes]:
     return t.addr.tobytes(), t.nbytes.tobytes(), t.region.tobytes()
 
 
-def serve(conn: Connection, backend: str, name: str, sizes: list[int], seed: int) -> None:
-    """Create a transport with seeded regions, hand out its metadata, then obey commands until exit."""
+def serve(conn: Connection, backend: str, name: str, sizes: list[int], seed: int,
+          options: dict[str, Any] | None = None) -> None:
+    """Create a transport with seeded regions (``options`` passed to ``create``), hand out its metadata,
+    then obey commands until exit."""
     bufs = make_buffers(sizes, seed)
-    transport = create(backend, name)
+    transport = create(backend, name, **(options or {}))
     transport.register(regions_of(bufs))
     conn.send((transport.metadata(), [(r.base_address, r.nbytes) for r in transport.regions]))
     while True:
