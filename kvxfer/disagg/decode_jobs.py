@@ -194,7 +194,7 @@ class DecodeJob:
     prefill_clock: tuple[float, float] = (0.0, 0.0)
     """``kv_posted``'s clock readings (compute end, last post): kept when ``kv_pushed`` replaces it."""
     requested: float = 0.0
-    """When ``kv_request`` was sent."""
+    """When ``kv_request`` was handed to the connection (before the send: prefill may start first)."""
     allocated: float = 0.0
     """When ``kv_blocks`` was sent (the destination blocks allocated while prefill computes)."""
     last_renew: float = 0.0

@@ -136,6 +136,7 @@ class DecodeRequests(PrefillPeers):
         job.templates = peer.templates
         job.tried.add(peer.address)
         self._move(job, JobState.REQUESTED)
+        asked = now()   # request_s ends as the prompt is handed over: prefill may start before the send returns
         try:
             # The prompt goes first: prefill computes while decode allocates (and evicts for) the destination
             # blocks, which follow in kv_blocks long before a prompt worth disaggregating is computed.
@@ -151,7 +152,7 @@ class DecodeRequests(PrefillPeers):
         except KvxferError as exc:
             self._fail(job, exc)
             return
-        job.last_renew = job.requested = now()
+        job.requested, job.last_renew = asked, now()
         job.lease_until = job.last_renew + self.config.lease_s
         try:
             if not job.caches:
