@@ -207,10 +207,13 @@ class CacheLifecycle:
     def scratch_span(self, cache: KVCache, layer_group: int, old_n: int, new_n: int, capacity: int) -> tuple[int, int]:
         """Blocks ``[begin, end)`` among the new ones ``[old_n, new_n)`` that get scratch slots: with
         scratch reuse on, those of a sliding-window group already out of the window once history
-        reaches ``capacity`` (the same rule ``_release_out_of_window`` frees by)."""
+        reaches ``capacity`` less ``SwaScratchReuseConfig.max_rewind_len`` (the tokens a request may
+        roll back keep real pages; the same rule ``_release_out_of_window`` frees by)."""
         if not cache.record.swa_scratch_reuse or self.state.layout.layer_groups[layer_group].window is None:
             return 0, 0
-        lo, sink = self.parts.reuse.window_start(layer_group, np.array([capacity], dtype=np.int64))
+        scratch_cfg = getattr(self.state.init_config, "swa_scratch_reuse", None)
+        rewind = int(getattr(scratch_cfg, "max_rewind_len", 0) or 0)
+        lo, sink = self.parts.reuse.window_start(layer_group, np.array([max(0, capacity - rewind)], dtype=np.int64))
         begin, end = max(old_n, sink), min(int(lo[0]), new_n)
         return (begin, end) if end > begin else (0, 0)
 
