@@ -84,7 +84,14 @@ from kvxfer.cache.streams import SlotReadiness, TorchStreamOps
 from kvxfer.cache.tier_quotas import TierQuotas
 from kvxfer.cache.tiers import DiskTierStorage, MemoryTierStorage, TierStats, primary_tier_of
 from kvxfer.cache.usage_stats import UsageStats
-from kvxfer.errors import CacheStateError, ConfigError, LayoutError, ManagerBusyError, TierError
+from kvxfer.errors import (
+    CacheStateError,
+    ConfigError,
+    LayoutError,
+    ManagerBusyError,
+    ScratchInUseError,
+    TierError,
+)
 
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
@@ -282,8 +289,8 @@ class CacheLifecycle:
         """Turn sliding-window scratch slots on or off for the cache (off gives its scratch slots back)."""
         with self.state.lock:
             if not enable and any(end > begin for begin, end in cache.record.scratch_range):
-                raise CacheStateError(f"KVCache {cache.id}: cannot disable SWA scratch reuse while the current "
-                                      f"step uses scratch slots (resize first)")
+                raise ScratchInUseError(f"KVCache {cache.id}: cannot disable SWA scratch reuse while the current "
+                                        f"step uses scratch slots: scratch blocks are needed (resize first)")
             if not enable:
                 self.release_scratch(cache)
 
