@@ -46,6 +46,11 @@ class CacheStateError(KVCacheError):
     """An operation that the cache's current lifecycle state does not allow."""
 
 
+class ScratchInUseError(CacheStateError, ValueError):
+    """Turning sliding-window scratch reuse off while the current step's blocks need scratch slots
+    (a ValueError, as the reference design raises for it)."""
+
+
 class CapacityError(KVCacheError, ValueError):
     """A token count outside what the cache holds (commit past capacity, negative sizes, ...)."""
 

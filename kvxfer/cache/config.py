@@ -408,6 +408,10 @@ def cache_config_of(config: KVCacheManagerConfig) -> CacheConfig:
     if not 0.0 < float(config.max_util_for_resume) <= 1.0:
         raise ConfigError(f"KVCacheManagerConfig.max_util_for_resume must be in (0, 1], got "
                           f"{config.max_util_for_resume}")
+    if config.swa_scratch_reuse is not None:
+        rewind = config.swa_scratch_reuse.max_rewind_len
+        if isinstance(rewind, bool) or not isinstance(rewind, int) or rewind < 0:
+            raise ConfigError(f"SwaScratchReuseConfig.max_rewind_len must be an int >= 0, got {rewind!r}")
     backoff = config.reuse_match_backoff
     if isinstance(backoff, bool) or not isinstance(backoff, int) or backoff < 0:
         raise ConfigError(f"KVCacheManagerConfig.reuse_match_backoff must be an int >= 0, got {backoff!r}")

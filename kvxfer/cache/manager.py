@@ -86,7 +86,14 @@ from kvxfer.cache.streams import SlotReadiness, TorchStreamOps
 from kvxfer.cache.tier_quotas import TierQuotas
 from kvxfer.cache.tiers import DiskTierStorage, MemoryTierStorage, TierStats, primary_tier_of
 from kvxfer.cache.usage_stats import UsageStats
-from kvxfer.errors import CacheStateError, ConfigError, LayoutError, ManagerBusyError, TierError
+from kvxfer.errors import (
+    CacheStateError,
+    ConfigError,
+    LayoutError,
+    ManagerBusyError,
+    ScratchInUseError,
+    TierError,
+)
 
 IntArray = npt.NDArray[np.int32]
 TierArray = npt.NDArray[np.int8]
@@ -214,10 +221,13 @@ class CacheLifecycle:
     def scratch_span(self, cache: KVCache, layer_group: int, old_n: int, new_n: int, capacity: int) -> tuple[int, int]:
         """Blocks ``[begin, end)`` among the new ones ``[old_n, new_n)`` that get scratch slots: with
         scratch reuse on, those of a sliding-window group already out of the window once history
-        reaches ``capacity`` (the same rule ``_release_out_of_window`` frees by)."""
+        reaches ``capacity`` less ``SwaScratchReuseConfig.max_rewind_len`` (the tokens a request may
+        roll back keep real pages; the same rule ``_release_out_of_window`` frees by)."""
         if not cache.record.swa_scratch_reuse or self.state.layout.layer_groups[layer_group].window is None:
             return 0, 0
-        lo, sink = self.parts.reuse.window_start(layer_group, np.array([capacity], dtype=np.int64))
+        scratch_cfg = getattr(self.state.init_config, "swa_scratch_reuse", None)
+        rewind = int(getattr(scratch_cfg, "max_rewind_len", 0) or 0)
+        lo, sink = self.parts.reuse.window_start(layer_group, np.array([max(0, capacity - rewind)], dtype=np.int64))
         begin, end = max(old_n, sink), min(int(lo[0]), new_n)
         return (begin, end) if end > begin else (0, 0)
 
@@ -295,8 +305,8 @@ class CacheLifecycle:
         """Turn sliding-window scratch slots on or off for the cache (off gives its scratch slots back)."""
         with self.state.lock:
             if not enable and any(end > begin for begin, end in cache.record.scratch_range):
-                raise CacheStateError(f"KVCache {cache.id}: cannot disable SWA scratch reuse while the current "
-                                      f"step uses scratch slots (resize first)")
+                raise ScratchInUseError(f"KVCache {cache.id}: cannot disable SWA scratch reuse while the current "
+                                        f"step uses scratch slots: scratch blocks are needed (resize first)")
             if not enable:
                 self.release_scratch(cache)
 

@@ -157,8 +157,9 @@ def test_scratch_slots_stand_in_for_blocks_out_of_the_window() -> None:
     assert kv.has_scratch_slots
     held = set(kv.block_ids(0).tolist()) | set(win[6:].tolist()) | set(desc.slot_ids)
     assert len(held) == 8 + 2 + 6 and mgr.allocator(0).num_used == 16   # both groups share the pool group
-    with pytest.raises(CacheStateError, match="cannot disable SWA scratch reuse"):
+    with pytest.raises(CacheStateError, match="cannot disable SWA scratch reuse") as refused:
         kv.enable_swa_scratch_reuse = False
+    assert isinstance(refused.value, ValueError) and "scratch blocks are needed" in str(refused.value)
     write_kv(mgr, kv, tokens, 0, 32)
     kv.commit(tokens)
     assert check_kv(mgr, kv, tokens, 24, 32) == 2 * 8      # both groups hold the window's KV
