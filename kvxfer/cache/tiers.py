@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
+import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -38,6 +41,10 @@ DIRECT_IO_ALIGNMENT = 4096
 DISK_ADDRESS_BASE = 1 << 32
 #: Unused bytes between two files' address ranges, so no coalesced run ever spans two files.
 DISK_FILE_GAP = 1 << 20
+#: Pool files whose owner is gone (no process holds their lock) and which are at least this old are
+#: removed by the next disk tier made in the same directory: a killed process cannot remove its own.
+ORPHAN_MIN_AGE_S = 10.0
+_POOL_FILE = re.compile(r"kvxfer-[0-9]+-[0-9a-f]{12}-pg[0-9]+-pool[0-9]+\.kv")
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -251,6 +258,7 @@ class DiskTierStorage(TierStorage):
     def __init__(self, config: CacheConfig, tier: DiskTier | None = None, *, direct_io: bool | None = None) -> None:
         tier = tier if tier is not None else _tier_of(config, DiskTier)
         _check_directory(tier.path)
+        reclaim_orphan_files(tier.path)
         plan = _plan(config, tier.quota_bytes, "DiskTier")
         self._files: list[_PoolFile] = []
         stem = f"kvxfer-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -373,6 +381,7 @@ def _create_pool_file(path: str, size: int, direct_io: bool | None) -> _PoolFile
         raise TierError(f"DiskTier: cannot create pool file {path!r}: {exc}") from exc
     entry = _PoolFile(path, size, fd, -1)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # held while this process lives: see reclaim_orphan_files
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
@@ -391,6 +400,38 @@ def _create_pool_file(path: str, size: int, direct_io: bool | None) -> _PoolFile
             os.unlink(path)
         raise
     return entry
+
+
+def reclaim_orphan_files(directory: str) -> list[str]:
+    """Remove the pool files in ``directory`` that no live process owns (a disk tier holds an exclusive
+    ``flock`` on each of its files until it closes them or its process ends, SIGKILL included) and that
+    are at least ORPHAN_MIN_AGE_S old (a file being created is not locked yet). Returns the removed paths."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not _POOL_FILE.fullmatch(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_ctime < ORPHAN_MIN_AGE_S:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue   # its owner is alive
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _open_direct(path: str) -> int:

@@ -233,3 +233,46 @@ def test_disk_tier_bytes_helper_sees_written_slots(config) -> None:  # type: ign
         with open(disk.file_paths[3], "rb") as f:
             raw = f.read()
         assert slot_bytes_of(disk, 1, 1, np.array([2])).tobytes() == raw[2 * p.slot_bytes:3 * p.slot_bytes]
+
+
+_OWNER = """
+import sys, time
+from kvxfer.cache.tiers import DiskTierStorage
+from tests.support.tier_helpers import multi_pool_config
+disk = DiskTierStorage(multi_pool_config(sys.argv[1]))
+print("\\n".join(disk.file_paths), flush=True)
+time.sleep(120)
+"""
+
+
+def test_pool_files_of_a_killed_process_are_removed_by_the_next_disk_tier(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    owner = subprocess.Popen([os.sys.executable, "-c", _OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        left = [owner.stdout.readline().strip() for _ in range(4)]   # type: ignore[union-attr]
+    finally:
+        owner.kill()
+        assert owner.wait(timeout=30) == -9
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in left)   # a SIGKILL leaves them
+    monkeypatch.setattr("kvxfer.cache.tiers.ORPHAN_MIN_AGE_S", 0.0)
+    disk = DiskTierStorage(multi_pool_config(str(tmp_path)))
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in disk.file_paths)
+    disk.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_pool_files_of_a_live_disk_tier_are_kept_and_young_orphans_too(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    first = DiskTierStorage(multi_pool_config(str(tmp_path)))
+    stray = tmp_path / "kvxfer-1-0123456789ab-pg0-pool0.kv"   # unlocked, but just made
+    stray.write_bytes(b"x")
+    other = tmp_path / "notes-pg0-pool0.kv"                    # not a pool file's name: never touched
+    other.write_bytes(b"x")
+    second = DiskTierStorage(multi_pool_config(str(tmp_path)))
+    assert all(os.path.exists(p) for p in first.file_paths) and stray.exists()
+    monkeypatch.setattr("kvxfer.cache.tiers.ORPHAN_MIN_AGE_S", 0.0)
+    third = DiskTierStorage(multi_pool_config(str(tmp_path)))
+    assert all(os.path.exists(p) for p in first.file_paths + second.file_paths)   # their owner lives
+    assert not stray.exists() and other.exists()
+    for disk in (first, second, third):
+        disk.close()
+    assert os.listdir(tmp_path) == [other.name]
