@@ -3,12 +3,14 @@ straightforward per-(layer, block) Python loop doing the identical job in the sa
 templated plans (``plan_templated``: one BlockPlan per segment shape) of every layout pair, 70B/128k and
 Llama-3-8B/4k, with their planning time (warm: the layout pair's templates made by an earlier request;
 cold: this request makes them) and their size (slot pairs + template runs) next to the runs their
-expansion lists.
+expansion lists; with ``--workers``, the workers' path (``multirank.plan_between`` with a per-peer
+``TemplateCache``) against the entry-per-run planner, Llama-3-8B shape, both plans checked equal.
 
 Layouts are built with plan_layout + place_layout at fake, non-overlapping addresses: the extractor
 only reads descriptors, so no 40 GiB pool is allocated.
 
     PYTHONPATH=$PWD python benchmarks/bench_extractor.py [--tokens 131072] [--layers 80] [--templated-only]
+    PYTHONPATH=$PWD python benchmarks/bench_extractor.py --workers [--tokens 4096] [--layers 32]
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import numpy as np
 
 from kvxfer.cache import BufferId, CacheConfig, CacheLayoutDesc
 from kvxfer.cache.layout import place_layout, plan_layout
+from kvxfer.extractor import TemplateCache, extract, multirank, placements, plan_templated, plan_transfer
 from kvxfer.extractor import blocks as extractor_blocks
-from kvxfer.extractor import extract, placements, plan_templated, plan_transfer
 from kvxfer.pagetable import PageTable, TransferPlan
 
 SRC_BASE, DST_BASE = 0x7F00_0000_0000, 0x7A00_0000_0000
@@ -200,6 +202,57 @@ def same_table(table: PageTable, entries: list[tuple[int, int]]) -> bool:
     return len(table) == len(entries) and np.array_equal(table.addr, arr[:, 0]) and np.array_equal(table.nbytes, arr[:, 1])
 
 
+def worker_rows(layers: int, tokens: int, repeat: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """The workers' planning of one request between differing layouts (16 tokens per block at the source,
+    fragmented slots): ``multirank.plan_between`` without templates against it with the peer's templates
+    warm; the two plans must list the same runs (ValueError otherwise)."""
+    tpb = 16
+    blocks = math.ceil(tokens / tpb)
+    spare = 2 * blocks + 64
+
+    def ranks(tp: int, tpb_: int, nblocks: int, base: int, **kw: Any) -> list[CacheLayoutDesc]:
+        out = []
+        for r in range(tp):
+            cfg = config(layers, tpb_, nblocks, **({"tp_size": tp, "tp_rank": r} if tp > 1 else {}))
+            out.append(layout(dataclasses.replace(cfg, **kw) if kw else cfg, base + r * (1 << 40)))
+        return out
+
+    src = ranks(1, tpb, spare, SRC_BASE)
+    src_ids = [{0: rng.permutation(spare)[:blocks].astype(np.int64)}]
+    cases: dict[str, tuple[int, int, int, dict[str, Any]]] = {
+        "TP 1->2": (2, tpb, spare, {}), "tokens/block 16->32": (1, 32, spare, {}),
+        "tokens/block 16->8": (1, 8, 2 * spare, {}), "HND->NHD": (1, tpb, spare, {"head_order": "NHD"}),
+        "TP 1->2 + 16->8 + NHD": (2, 8, 2 * spare, {"head_order": "NHD"})}
+    rows = []
+    for name, (tp, dst_tpb, nblocks, kw) in cases.items():
+        dst = ranks(tp, dst_tpb, nblocks, DST_BASE, **kw)
+        dst_ids = [{0: rng.permutation(nblocks)[:math.ceil(tokens / dst_tpb)].astype(np.int64)} for _ in dst]
+        cache = TemplateCache()
+
+        def plan(templates: TemplateCache | None, dst: list[CacheLayoutDesc] = dst,
+                 dst_ids: list[dict[int, np.ndarray]] = dst_ids) -> TransferPlan:
+            return multirank.plan_between(src, src_ids, dst, dst_ids, token_range=(0, tokens), templates=templates)
+
+        t_plain, plain = best(lambda plan=plan: plan(None), repeat)
+        plan(cache)   # the first request of the layout pair makes the templates
+        t_tmpl, templated = best(lambda plan=plan, cache=cache: plan(cache), repeat)
+        if runs_of(plain) != runs_of(templated):
+            raise ValueError(f"{name}: the templated plan differs from the entry-per-run plan")
+        rows.append({"case": name, "plain_ms": t_plain * 1e3, "templated_ms": t_tmpl * 1e3,
+                     "speedup": t_plain / t_tmpl, "runs": len(templated)})
+    print(f"{'case':24} {'entry-per-run ms':>17} {'templated ms':>13} {'speed-up':>9} {'runs':>11}")
+    for r in rows:
+        print(f"{r['case']:24} {r['plain_ms']:17.2f} {r['templated_ms']:13.2f} {r['speedup']:8.1f}x {r['runs']:11,}")
+    return rows
+
+
+def runs_of(plan: TransferPlan) -> list[tuple[int, ...]]:
+    """A plan's runs in a canonical form (planners may cut runs that meet by chance differently)."""
+    plan = plan.sort_by_source().coalesce()
+    cols = (plan.src.addr, plan.src.region, plan.dst.addr, plan.dst.region, plan.src.nbytes)
+    return sorted(zip(*(c.tolist() for c in cols), strict=True))
+
+
 # --- main -------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -208,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results/extractor.json")
     ap.add_argument("--templated-only", action="store_true", help="only the templated plans (skips the loops)")
+    ap.add_argument("--workers", action="store_true",
+                    help="only the workers' planning path, 8B shape by default (--tokens 4096 --layers 32)")
     args = ap.parse_args(argv)
+    if args.workers:
+        worker_rows(args.layers if args.layers != 80 else 32, args.tokens if args.tokens != 131072 else 4096,
+                    min(args.repeat, 3), np.random.default_rng(3))
+        return 0
     templated = templated_rows(f"70B/{args.tokens // 1024}k", args.layers, args.tokens, args.repeat,
                                np.random.default_rng(1)) + \
         templated_rows("8B/4k", 32, 4096, args.repeat, np.random.default_rng(2))
