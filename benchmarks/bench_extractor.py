@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import pathlib
@@ -233,9 +234,9 @@ def worker_rows(layers: int, tokens: int, repeat: int, rng: np.random.Generator)
                  dst_ids: list[dict[int, np.ndarray]] = dst_ids) -> TransferPlan:
             return multirank.plan_between(src, src_ids, dst, dst_ids, token_range=(0, tokens), templates=templates)
 
-        t_plain, plain = best(lambda plan=plan: plan(None), repeat)
+        t_plain, plain = best(functools.partial(plan, None), repeat)
         plan(cache)   # the first request of the layout pair makes the templates
-        t_tmpl, templated = best(lambda plan=plan, cache=cache: plan(cache), repeat)
+        t_tmpl, templated = best(functools.partial(plan, cache), repeat)
         if runs_of(plain) != runs_of(templated):
             raise ValueError(f"{name}: the templated plan differs from the entry-per-run plan")
         rows.append({"case": name, "plain_ms": t_plain * 1e3, "templated_ms": t_tmpl * 1e3,
