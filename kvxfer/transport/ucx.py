@@ -87,8 +87,8 @@ MAX_CONTROL_BYTES = 64 << 20
 _SELECT_TIMEOUT_S = 0.05
 #: Plans with at least this many runs travel as one scatter-gather message. Fewer runs go one
 #: message each: their Python cost is small, and UCX's contiguous rendezvous moves big runs far
-#: faster than its scatter-gather one (measured: one 64 MiB run 1.5 GB/s contiguous, 0.13-0.4 GB/s
-#: as a one-entry scatter-gather message, over shared memory/CMA).
+#: faster than its scatter-gather one over shared memory/CMA (figures in BENCHMARKS.md's transport
+#: sections and docs/transport.md).
 SCATTER_GATHER_MIN_RUNS = 32
 #: While transfers are in flight the service thread keeps polling this long after the last event
 #: before it blocks: a scattered plan completes thousands of requests, and one arm + select per
