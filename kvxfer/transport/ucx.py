@@ -99,6 +99,8 @@ _CAP_IOV = 1
 _CAP_RMA = 2
 #: Bounds on the remote keys a peer's blob carries (one per advertised region; UCX packs a few dozen bytes).
 MAX_RKEY_BYTES = 1 << 16
+#: The most remote keys one peer's blob may carry (one per registered region).
+MAX_RKEYS = 1 << 12
 #: A one-sided post progresses the worker from the caller's thread until its flush completes, while
 #: progress finds work (over shared memory/CMA UCX moves the runs in these passes: the post then
 #: takes as long as the copy, as NIXL's does) and for ``_RMA_IDLE_S`` more without any; then (over
@@ -407,17 +409,22 @@ class UcxTransport(Transport):
 
     def _backend_blob(self) -> bytes:
         """One capability byte (bit 0: takes scatter-gather messages; bit 1: one-sided, its keys follow as
-        a u32 count and u32-length-prefixed packed keys, one per region), then the worker address."""
+        a u32 count, then per region the u64 base and u64 length it was mapped with and the u32-length-
+        prefixed packed key), then the worker address. A peer reaches a region one-sidedly only where
+        the metadata's region is exactly the extent a key was made for: UCX's shared-memory transport
+        does not check addresses against the key, so forged regions must not widen what a key opens."""
         flags = _CAP_IOV * (self._iov is not None) | _CAP_RMA * (self._rma is not None)
         out = bytearray([flags])
         if flags & _CAP_RMA:
             out += len(self._packed_rkeys).to_bytes(4, "little")
-            for key in self._packed_rkeys:
+            for (base, end, _), key in zip(self._local_bounds, self._packed_rkeys, strict=True):
+                out += base.to_bytes(8, "little") + (end - base).to_bytes(8, "little")
                 out += len(key).to_bytes(4, "little") + key
         return bytes(out) + self._address
 
-    def _parse_blob(self, peer: str, md: TransportMetadata) -> tuple[int, list[bytes] | None, bytes]:
-        """(capability flags, the peer's packed keys or None, worker address) from its blob, bounded."""
+    def _parse_blob(self, peer: str, md: TransportMetadata) -> tuple[int, list[tuple[int, int, bytes]] | None, bytes]:
+        """(capability flags, the peer's (base, end, packed key) per mapped region or None, worker
+        address) from its blob, bounded."""
         blob = md.backend_blob
 
         def bad(why: str) -> DecodeError:
@@ -432,17 +439,19 @@ class UcxTransport(Transport):
                 raise bad("truncated key count")
             count = int.from_bytes(blob[pos:pos + 4], "little")
             pos += 4
-            if count != len(md.regions):
-                raise bad(f"{count} remote keys for {len(md.regions)} regions")
+            if count > MAX_RKEYS:
+                raise bad(f"{count} remote keys (at most {MAX_RKEYS})")
             keys = []
             for _ in range(count):
-                if len(blob) < pos + 4:
-                    raise bad("truncated key length")
-                n = int.from_bytes(blob[pos:pos + 4], "little")
-                if n > MAX_RKEY_BYTES or len(blob) < pos + 4 + n:
+                if len(blob) < pos + 20:
+                    raise bad("truncated key extent or length")
+                base = int.from_bytes(blob[pos:pos + 8], "little")
+                length = int.from_bytes(blob[pos + 8:pos + 16], "little")
+                n = int.from_bytes(blob[pos + 16:pos + 20], "little")
+                if n > MAX_RKEY_BYTES or len(blob) < pos + 20 + n:
                     raise bad(f"remote key of {n} bytes")
-                keys.append(bytes(blob[pos + 4:pos + 4 + n]))
-                pos += 4 + n
+                keys.append((base, base + length, bytes(blob[pos + 20:pos + 20 + n])))
+                pos += 20 + n
         if len(blob) - pos < 1:
             raise bad("no worker address")
         return flags, keys, bytes(blob[pos:])
@@ -456,10 +465,14 @@ class UcxTransport(Transport):
             ep = self._endpoint_for(peer, address, replace=True)
             if rma is None or keys is None:
                 return
-            # Keys of CUDA regions (empty) stay 0: plans touching them take the two-sided path.
-            rkeys = np.zeros(len(keys), dtype=np.uint64)
+            # A region reaches one-sided only through a key made for exactly its extent; the rest (CUDA
+            # regions, whose key is empty, and regions no key was made for) stay 0: the two-sided path,
+            # where the owner checks every range against what it registered.
+            extents = {(base, end): key for base, end, key in keys if key}
+            rkeys = np.zeros(len(md.regions), dtype=np.uint64)
             try:
-                for i, key in enumerate(keys):
+                for i, r in enumerate(md.regions):
+                    key = extents.get((r.base_address, r.end_address))
                     if key:
                         rkeys[i] = rma.rkey_unpack(ep.handle, key)
             except UcpRmaError:

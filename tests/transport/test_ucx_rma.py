@@ -145,15 +145,21 @@ def test_a_side_without_rma_is_served_two_sided(side: str) -> None:
         b.close()
 
 
-def test_the_blob_carries_one_key_per_region_and_a_bad_one_is_refused() -> None:
+def test_the_blob_carries_one_key_per_region_with_its_extent_and_a_bad_one_is_refused() -> None:
     t = create("ucx", f"rk{next(_names)}")
     try:
         t.register(regions_of(make_buffers([PAGE, 2 * PAGE], seed=1)))
         blob = TransportMetadata.decode(t.metadata()).backend_blob
         assert blob[0] & 2 and int.from_bytes(blob[1:5], "little") == 2
+        first = t.regions[0]   # the first key's extent: the region it was mapped for
+        assert int.from_bytes(blob[5:13], "little") == first.base_address
+        assert int.from_bytes(blob[13:21], "little") == first.nbytes
         regions = t.regions
-        for bad, why in ((b"\x02" + (3).to_bytes(4, "little") + b"addr", "3 remote keys for 2 regions"),
-                         (b"\x02" + (2).to_bytes(4, "little") + (1 << 20).to_bytes(4, "little"), "remote key of"),
+        extent = (0).to_bytes(8, "little") * 2
+        for bad, why in ((b"\x02" + (1 << 13).to_bytes(4, "little") + b"addr", "remote keys \\(at most"),
+                         (b"\x02" + (2).to_bytes(4, "little") + extent + (1 << 20).to_bytes(4, "little"),
+                          "remote key of"),
+                         (b"\x02" + (2).to_bytes(4, "little") + b"\x00" * 10, "truncated key extent"),
                          (b"\x02\x02\x00", "truncated key count")):
             md = TransportMetadata("ucx", "other", regions, bad).encode()
             with pytest.raises(DecodeError, match=why):
