@@ -5,6 +5,7 @@ the decode worker: docs/architecture.md, "One worker base, the decode worker spl
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import logging
@@ -328,6 +329,6 @@ class PrefillPeers(WorkerBase):
         if not any(p.alive and p.conn is not None and p.conn.peer.name == name for p in self._prefills.values()):
             self.transport.disconnect(name)
 
+    @abc.abstractmethod
     def _requests_lost(self, conn: PeerConnection, what: str) -> None:
         """Fail over, or fail, the requests sent over ``conn`` (its prefill is lost: ``what``)."""
-        raise NotImplementedError

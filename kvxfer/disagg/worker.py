@@ -8,6 +8,7 @@ transport that registers every rank's pools, in rank order; cross-rank transfer 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import logging
@@ -692,7 +693,7 @@ def check_transition(table: Mapping[Any, frozenset[Any]], role: str, request_id:
                            f"(allowed from {old.value}: {allowed})")
 
 
-class WorkerBase:
+class WorkerBase(abc.ABC):
     """What both workers share around their engine: health, status, drain, the accept thread, protocol
     errors and the leak checks. A subclass sets ``config``, ``engine``, ``managers``, ``server`` and
     ``_draining`` and says what it has in flight (``_in_flight``), what its status adds (``_own_status``)
@@ -721,13 +722,13 @@ class WorkerBase:
                 "open_caches": sum(len(m.open_caches) for m in self.managers), **self._own_status(),
                 "draining": int(self._draining)}
 
+    @abc.abstractmethod
     def _own_status(self) -> dict[str, int | float | str]:
         """The role's own entries of ``status`` (engine thread)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _in_flight(self) -> int:
         """Requests not finished yet (engine thread): what ``drain`` waits for."""
-        raise NotImplementedError
 
     def held_slots(self) -> int:
         """Slots held by open requests on every rank and pool group (0 when idle: nothing leaked;
@@ -761,9 +762,9 @@ class WorkerBase:
                 return False
             time.sleep(0.02)
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Fail what is open, stop the threads, close connections, transport and caches."""
-        raise NotImplementedError
 
     def __enter__(self) -> Self:
         return self
@@ -791,9 +792,9 @@ class WorkerBase:
             conn.close(f"protocol error: {exc}")
             self._on_protocol_error(conn, f"protocol error: {exc}")
 
+    @abc.abstractmethod
     def _on_protocol_error(self, conn: PeerConnection, reason: str) -> None:
         """A peer's connection was closed for ``reason``: end what was served over it (engine thread)."""
-        raise NotImplementedError
 
     @staticmethod
     def _send(conn: PeerConnection, message: ControlMessage, *, urgent: bool = False) -> None:
