@@ -16,6 +16,7 @@ from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
 from kvxfer.transport.metadata import TransportMetadata
+from tests.support.transport_helpers.pairs import connected_pair, drain_notifications
 from tests.support.transport_helpers.plans import (
     PAGE,
     expected_after,
@@ -33,27 +34,8 @@ _names = iter(range(1_000_000))
 def _pair(sg_a: bool, sg_b: bool, sizes: list[int], seed: int
           ) -> tuple[Transport, Transport, list[npt.NDArray[np.uint8]], list[npt.NDArray[np.uint8]]]:
     n = next(_names)
-    a_bufs, b_bufs = make_buffers(sizes, seed), make_buffers(sizes, seed + 1)
-    a, b = (create("ucx", f"ua{n}", scatter_gather=sg_a, rma=False),
-            create("ucx", f"ub{n}", scatter_gather=sg_b, rma=False))
-    a.register(regions_of(a_bufs))
-    b.register(regions_of(b_bufs))
-    a.connect(b.name, b.metadata())
-    b.connect(a.name, a.metadata())
-    return a, b, a_bufs, b_bufs
-
-
-def _drain(t: Transport, want: int, timeout: float = 5.0) -> list[bytes]:
-    got: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < want and time.monotonic() < deadline:
-        for v in t.notifications().values():
-            got.extend(v)
-        time.sleep(0.002)
-    time.sleep(0.05)
-    for v in t.notifications().values():
-        got.extend(v)
-    return got
+    return connected_pair("ucx", (f"ua{n}", f"ub{n}"), (sizes, sizes), seed,
+                          {"scatter_gather": sg_a, "rma": False}, {"scatter_gather": sg_b, "rma": False})
 
 
 @pytest.mark.parametrize("modes", [(True, True), (False, False), (True, False), (False, True)],
@@ -74,7 +56,7 @@ def test_fragmented_plans_exact_bytes_in_every_mode_pair(modes: tuple[bool, bool
             getattr(a, op)(b.name, plan, notify=b"n%d" % i).wait(10.0)
             for got, exp in zip(dst_bufs, want, strict=True):
                 np.testing.assert_array_equal(got, exp)
-        assert _drain(b, 3) == [b"n0", b"n1", b"n2"]
+        assert drain_notifications(b, 3) == [b"n0", b"n1", b"n2"]
     finally:
         a.close()
         b.close()
@@ -147,7 +129,7 @@ def test_cancelled_scatter_read_writes_nothing_even_when_the_data_comes_later() 
         assert a._draining == []  # type: ignore[attr-defined]
         # b's send of the aborted read is never received: b keeps it (and its iov array) until UCX is done.
         assert b._call(lambda: [len(x.requests) for x in b._draining], "draining") == [1]  # type: ignore[attr-defined]
-        assert _drain(b, 0, timeout=0.1) == []
+        assert drain_notifications(b, 0, timeout=0.1) == []
     finally:
         a.close()
         b.close()
@@ -180,7 +162,7 @@ def test_a_write_cancelled_while_its_sends_are_in_flight_keeps_them_until_ucx_is
         want = expected_after(again, list(a.regions), [x.copy() for x in a_bufs], list(b.regions),
                               [x.copy() for x in b_bufs])
         a.write(b.name, again, notify=b"again").wait(10.0)
-        assert _drain(b, 1) == [b"again"]
+        assert drain_notifications(b, 1) == [b"again"]
         assert all(np.array_equal(x, y) for x, y in zip(b_bufs, want, strict=True))
     finally:
         a.close()
@@ -207,11 +189,11 @@ def test_requests_from_a_peer_this_transport_did_not_connect_are_dropped(op: str
             handle.wait(1.0)
         np.testing.assert_array_equal(b_bufs[0], b_before)
         np.testing.assert_array_equal(c_bufs[0], c_before)
-        assert _drain(b, 0, timeout=0.1) == []
+        assert drain_notifications(b, 0, timeout=0.1) == []
         # b's own connected peer is served as before.
         plan = pair(random_pages(rng, list(a.regions), 40, PAGE, coalesced=False), theirs)
         a.write(b.name, plan, notify=b"ok").wait(10.0)
-        assert _drain(b, 1) == [b"ok"]
+        assert drain_notifications(b, 1) == [b"ok"]
     finally:
         handle.cancel()
         c.close()
@@ -239,7 +221,7 @@ def test_disconnecting_a_peer_ends_its_transfers_into_this_side() -> None:
         a.disconnect(b.name)
         assert a._call(lambda: (len(a._incoming), len(a._draining)), "state") == (0, 0)  # type: ignore[attr-defined]
         np.testing.assert_array_equal(a_bufs[0], before)
-        assert _drain(a, 0, timeout=0.1) == []
+        assert drain_notifications(a, 0, timeout=0.1) == []
         handle.cancel()
     finally:
         a.close()

@@ -26,6 +26,7 @@ from kvxfer.pagetable import PageTable, TransferPlan
 from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
 from kvxfer.transport.metadata import TransportMetadata
+from tests.support.transport_helpers.pairs import connected_pair, drain_notifications
 from tests.support.transport_helpers.peer import serve
 from tests.support.transport_helpers.plans import (
     PAGE,
@@ -45,26 +46,7 @@ SIZES = [256 * 1024, 192 * 1024]
 def _pair(seed: int, a_opts: dict[str, Any] | None = None, b_opts: dict[str, Any] | None = None
           ) -> tuple[Transport, Transport, list[npt.NDArray[np.uint8]], list[npt.NDArray[np.uint8]]]:
     n = next(_names)
-    a_bufs, b_bufs = make_buffers(SIZES, seed), make_buffers(SIZES[::-1], seed + 1)
-    a, b = create("ucx", f"ra{n}", **(a_opts or {})), create("ucx", f"rb{n}", **(b_opts or {}))
-    a.register(regions_of(a_bufs))
-    b.register(regions_of(b_bufs))
-    a.connect(b.name, b.metadata())
-    b.connect(a.name, a.metadata())
-    return a, b, a_bufs, b_bufs
-
-
-def _drain(t: Transport, want: int, timeout: float = 5.0) -> list[bytes]:
-    got: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < want and time.monotonic() < deadline:
-        for v in t.notifications().values():
-            got.extend(v)
-        time.sleep(0.002)
-    time.sleep(0.05)
-    for v in t.notifications().values():
-        got.extend(v)
-    return got
+    return connected_pair("ucx", (f"ra{n}", f"rb{n}"), (SIZES, SIZES[::-1]), seed, a_opts, b_opts)
 
 
 def _requests_seen(t: Transport) -> list[str]:
@@ -102,7 +84,7 @@ def test_one_sided_transfers_move_exact_bytes(op: str, error_handling: bool, run
             getattr(a, op)(b.name, plan, notify=b"n%d" % i).wait(10.0)
             assert all(np.array_equal(g, w) for g, w in zip(dst_bufs, want, strict=True))
             assert all(np.array_equal(g, w) for g, w in zip(src_bufs, untouched, strict=True))
-        assert _drain(b, 3) == [b"n0", b"n1", b"n2"]
+        assert drain_notifications(b, 3) == [b"n0", b"n1", b"n2"]
         assert seen == []
     finally:
         a.close()
@@ -114,7 +96,7 @@ def test_empty_one_sided_plan_completes_and_notifies() -> None:
     try:
         empty = PageTable(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint32))
         a.write(b.name, TransferPlan(empty, empty), notify=b"e").wait(5.0)
-        assert _drain(b, 1) == [b"e"]
+        assert drain_notifications(b, 1) == [b"e"]
     finally:
         a.close()
         b.close()
@@ -139,7 +121,7 @@ def test_a_side_without_rma_is_served_two_sided(side: str) -> None:
             getattr(a, op)(b.name, plan, notify=op.encode()).wait(10.0)
             assert all(np.array_equal(g, w) for g, w in zip(dst_bufs, want, strict=True))
         assert seen == ["wreq", "rreq"]
-        assert _drain(b, 2) == [b"write", b"read"]
+        assert drain_notifications(b, 2) == [b"write", b"read"]
     finally:
         a.close()
         b.close()
@@ -192,7 +174,7 @@ def test_a_run_outside_the_regions_is_refused_and_nothing_moves(op: str) -> None
                 a.read(b.name, TransferPlan(PageTable(over.addr[:1], over.nbytes[:1], over.region[:1]), local_over))
         assert all(np.array_equal(g, w) for g, w in zip(a_bufs, before_a, strict=True))
         assert all(np.array_equal(g, w) for g, w in zip(b_bufs, before_b, strict=True))
-        assert _drain(b, 0, timeout=0.1) == []
+        assert drain_notifications(b, 0, timeout=0.1) == []
     finally:
         a.close()
         b.close()
@@ -207,7 +189,7 @@ def test_a_disconnected_peer_is_refused_and_a_cancel_is_too_late() -> None:
         h = a.write(b.name, plan, notify=b"c")
         assert h.cancel() is False   # posted runs cannot be withdrawn: it completes normally
         h.wait(5.0)
-        assert _drain(b, 1) == [b"c"]
+        assert drain_notifications(b, 1) == [b"c"]
         a.disconnect(b.name)
         with pytest.raises(PeerUnreachable):
             a.write(b.name, plan)
