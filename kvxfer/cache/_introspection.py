@@ -147,40 +147,39 @@ def active_page_stats(kv_cache: Any) -> tuple[list[int], list[int]]:
     return counts, movable
 
 
+def _reuse_match(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt], enable_partial: bool,
+                 caller: str) -> tuple[int, list[Any]]:
+    """(tokens matched, the matched tree blocks, the partial one last) of ``tokens`` in the prefix tree."""
+    scope = reuse_scope or ReuseScope()
+    algo = manager.resolved_hash_algo
+    root = scope.root_key_for(algo)
+    arr = manager.lifecycle.encode_tokens(list(tokens), caller)
+    keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
+    match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
+    nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
+    num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if match.partial else 0)
+    return num_tokens, nodes
+
+
 def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt], lc_id: int,
                       enable_partial: bool = False) -> tuple[int, list[tuple[int, int | None] | None]]:
     """Match ``tokens`` against the prefix tree: (tokens matched, per matched block ``(slot, tokens in
     the block)`` of layer group ``lc_id``'s page, or None where that block has no page there)."""
-    scope = reuse_scope or ReuseScope()
-    algo = manager.resolved_hash_algo
-    root = scope.root_key_for(algo)
-    arr = manager.lifecycle.encode_tokens(list(tokens), "reuse_match_pages")
-    keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
-    match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
-    nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
+    num_tokens, nodes = _reuse_match(manager, reuse_scope, tokens, enable_partial, "reuse_match_pages")
     pages: list[tuple[int, int | None] | None] = []
     for node in nodes:
         page = int(node.pages[lc_id])
         pages.append(None if page < 0 else (page, int(node.tokens.size)))
-    num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if match.partial else 0)
     return num_tokens, pages
-
 
 
 def reuse_match_planned_drop_counts(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt],
                                     lc_id: int, enable_partial: bool = False) -> tuple[int, list[int]]:
     """Match ``tokens`` against the prefix tree: (tokens matched, per matched block the open planned drops
     naming its page of layer group ``lc_id``)."""
-    scope = reuse_scope or ReuseScope()
-    algo = manager.resolved_hash_algo
-    root = scope.root_key_for(algo)
-    arr = manager.lifecycle.encode_tokens(list(tokens), "reuse_match_planned_drop_counts")
-    keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
-    match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
-    nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
-    counts = [manager.lifecycle.planned_drop_count(node, lc_id) for node in nodes]
-    num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if match.partial else 0)
-    return num_tokens, counts
+    num_tokens, nodes = _reuse_match(manager, reuse_scope, tokens, enable_partial, "reuse_match_planned_drop_counts")
+    return num_tokens, [manager.lifecycle.planned_drop_count(node, lc_id) for node in nodes]
+
 
 # --- test blocks for event tests ----------------------------------------------------------------------
 
