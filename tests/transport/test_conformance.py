@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -16,7 +15,7 @@ import pytest
 from kvxfer.errors import PageTableError, PeerUnreachable, TransferCancelled, TransferTimeout, TransportError
 from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport import TransferStatus, Transport, available_backends, create
-from tests.support.transport_helpers.peer import serve, table_wire
+from tests.support.transport_helpers.peer import RemotePeer, table_wire
 from tests.support.transport_helpers.plans import (
     PAGE,
     expected_after,
@@ -392,47 +391,9 @@ def test_cancel_right_after_post_is_all_or_nothing(pair_of: Pair) -> None:
 
 
 # --- cross-process -----------------------------------------------------------------------------------
-class RemotePeer:
-    """A transport in a spawned process; this process holds a transport of the same backend."""
-
-    def __init__(self, backend: str, seed: int) -> None:
-        n = next(_names)
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.name = f"peer{n}-{os.getpid()}"
-        self.proc = ctx.Process(target=serve, args=(child, backend, self.name, SIZES_B, seed), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(60):
-            raise RuntimeError("peer process did not start in 60 s")
-        md, _regs = self.conn.recv()
-        self.bufs = make_buffers(SIZES_A, seed + 1)
-        self.local = create(backend, f"local{n}-{os.getpid()}")
-        self.local.register(regions_of(self.bufs))
-        self.local.connect(self.name, md)
-        self.call("connect", self.local.name, self.local.metadata())
-
-    def call(self, *cmd: Any, timeout: float = 30.0) -> Any:
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer did not answer {cmd[0]!r} in {timeout} s")
-        return self.conn.recv()
-
-    def remote_bytes(self) -> list[np.ndarray]:
-        return [np.frombuffer(b, np.uint8) for b in self.call("dump")]
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            with contextlib.suppress(TimeoutError, OSError, EOFError):
-                self.call("exit", timeout=10)
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-        self.local.close()
-
-
 @pytest.fixture(scope="module", params=REMOTE_BACKENDS)
 def remote(request: pytest.FixtureRequest) -> Iterator[RemotePeer]:
-    peer = RemotePeer(request.param, seed=21)
+    peer = RemotePeer(request.param, 21, SIZES_A, SIZES_B)
     yield peer
     peer.close()
 
@@ -507,7 +468,7 @@ def test_cross_process_stalled_then_killed_peer(backend: str) -> None:
     peer-failure handling: UCX emulates the get with the peer's help) ``wait`` times out, ``cancel`` says
     it is too late (posted runs cannot be withdrawn), and the read completes exactly, notification
     included, once the peer resumes. A killed peer: an error within the timeout, no hang."""
-    r = RemotePeer(backend, seed=31)
+    r = RemotePeer(backend, 31, SIZES_A, SIZES_B)
     try:
         rng = np.random.default_rng(1)
         plan = make_plan(rng, r.local.peer_regions(r.name), r.local.regions, 64, coalesced=False)

@@ -8,8 +8,6 @@ hang), a peer killed mid-transfer (a clear error), and processes that exit 0.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -27,7 +25,7 @@ from kvxfer.transport import available_backends, create
 from kvxfer.transport.base import Transport
 from kvxfer.transport.metadata import TransportMetadata
 from tests.support.transport_helpers.pairs import connected_pair, drain_notifications
-from tests.support.transport_helpers.peer import serve
+from tests.support.transport_helpers.peer import RemotePeer
 from tests.support.transport_helpers.plans import (
     PAGE,
     expected_after,
@@ -199,47 +197,9 @@ def test_a_disconnected_peer_is_refused_and_a_cancel_is_too_late() -> None:
 
 
 # --- across processes --------------------------------------------------------------------------------
-class _Remote:
-    """A ucx transport in a spawned process (tests.support's ``serve``) and one here."""
-
-    def __init__(self, seed: int, options: dict[str, Any], sizes: list[int]) -> None:
-        n = next(_names)
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.name = f"rpeer{n}-{os.getpid()}"
-        self.proc = ctx.Process(target=serve, args=(child, "ucx", self.name, sizes, seed, options), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(60):
-            raise RuntimeError("peer process did not start in 60 s")
-        md, _regs = self.conn.recv()
-        self.bufs = make_buffers(sizes, seed + 1)
-        self.local = create("ucx", f"rlocal{n}-{os.getpid()}", **options)
-        self.local.register(regions_of(self.bufs))
-        self.local.connect(self.name, md)
-        self.call("connect", self.local.name, self.local.metadata())
-
-    def call(self, *cmd: Any, timeout: float = 30.0) -> Any:
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer did not answer {cmd[0]!r} in {timeout} s")
-        return self.conn.recv()
-
-    def remote_bytes(self) -> list[npt.NDArray[np.uint8]]:
-        return [np.frombuffer(b, np.uint8) for b in self.call("dump")]
-
-    def close(self) -> int | None:
-        """Stop the peer; its exit status (None if it had to be killed)."""
-        if self.proc.is_alive():
-            with contextlib.suppress(TimeoutError, OSError, EOFError):
-                self.call("exit", timeout=10)
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
-                self.local.close()
-                return None
-        self.local.close()
-        return self.proc.exitcode
+def _Remote(seed: int, options: dict[str, Any], sizes: list[int]) -> RemotePeer:
+    """A ucx transport in a spawned process and one here, both with ``options``, over ``sizes``."""
+    return RemotePeer("ucx", seed, sizes, sizes, options)
 
 
 @pytest.mark.parametrize("error_handling", [True, False], ids=["peer-failure-handling", "no-handling"])
