@@ -11,6 +11,7 @@ import itertools
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import blake3
@@ -428,10 +429,14 @@ class CacheLayoutDesc:
     # --- queries --------------------------------------------------------------------------------
     def format_of(self, buffer_id: BufferId) -> BufferFormat:
         """The BufferFormat of a buffer."""
-        for bid, fmt in self.formats:
-            if bid == buffer_id:
-                return fmt
-        raise LayoutError(f"no buffer {buffer_id} in this layout")
+        fmt = self._formats_by_id.get(buffer_id)
+        if fmt is None:
+            raise LayoutError(f"no buffer {buffer_id} in this layout")
+        return fmt
+
+    @cached_property
+    def _formats_by_id(self) -> dict[BufferId, BufferFormat]:
+        return dict(self.formats)
 
     def expansion_of(self, buffer_id: BufferId) -> int:
         """How many of the buffer's own pages one slot holds (1 unless its tokens_per_block is smaller)."""
@@ -454,14 +459,17 @@ class CacheLayoutDesc:
         return {s.buffer_id: (pg, pg.pools[s.pool_index], s)
                 for pg in self.pool_groups for v in pg.slot_desc.variants for s in v.buffer_spans()}
 
+    @cached_property
+    def _located(self) -> dict[BufferId, tuple[PoolGroupDesc, PoolDesc, BufferSpan]]:
+        # The layout is immutable, so the index is built once: engines ask for addresses per layer per step.
+        return self.buffer_spans()
+
     def locate(self, buffer_id: BufferId) -> tuple[PoolGroupDesc, PoolDesc, BufferSpan]:
         """(pool group, pool, span) where ``buffer_id`` lives."""
-        for pg in self.pool_groups:
-            for v in pg.slot_desc.variants:
-                for s in v.buffer_spans():
-                    if s.buffer_id == buffer_id:
-                        return pg, pg.pools[s.pool_index], s
-        raise LayoutError(f"no buffer {buffer_id} in this layout")
+        found = self._located.get(buffer_id)
+        if found is None:
+            raise LayoutError(f"no buffer {buffer_id} in this layout")
+        return found
 
     def aggregated_pages(self, buffers: Iterable[BufferId]) -> tuple[AggregatedPageDesc, ...]:
         """The reference design's aggregated pages of ``buffers``: one descriptor per run of consecutive
