@@ -276,7 +276,10 @@ class CacheLifecycle:
                         self.release(g, cache.record.blocks[g][new_n:], cache.record.tiers[g][new_n:], cache.record.stream)
                         cache.record.blocks[g] = cache.record.blocks[g][:new_n].copy()
                         cache.record.tiers[g] = cache.record.tiers[g][:new_n].copy()
+                held_scratch = any(slots.size for slots in cache.record.scratch)
                 self.release_scratch(cache)
+                if new_n == old_n and not held_scratch:
+                    return      # no slot changed hands: the usage peaks cannot have moved
             self.parts.usage.sample_usage()
 
     def set_scratch(self, cache: KVCache, layer_group: int, begin: int, end: int) -> None:
