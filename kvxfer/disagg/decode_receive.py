@@ -15,7 +15,7 @@ import torch
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.control import PeerConnection
-from kvxfer.disagg.decode_jobs import DecodeJob, GenerationResult, JobState, JobTable
+from kvxfer.disagg.decode_jobs import DecodeJob, GenerationResult, JobTable
 from kvxfer.disagg.decode_requests import DecodeRequests
 from kvxfer.disagg.messages import ControlMessage, KvFailed, KvPosted, KvPull, KvPushed, KvRelease, LeaseRenew
 from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
@@ -41,13 +41,12 @@ log = logging.getLogger("kvxfer.disagg.decode")
 class DecodeReceive:
     """The receive paths of a decode worker (engine thread). The worker builds it with what it needs: the
     caches and model the KV lands in and is generated from, the transport it arrives by, the request
-    table and lifecycle (to find a request and to fail, fail over or free it), ``wake`` (the engine's,
-    for decode's own reads) and ``submit`` (hands a request's generation to the compute thread)."""
+    table (to find a request) and lifecycle (to fail, fail over, free or generate it) and ``wake`` (the
+    engine's, for decode's own reads)."""
 
     def __init__(self, config: WorkerConfig, managers: list[KVCacheManager], layouts: list[CacheLayoutDesc],
                  model: Model, transport: Transport, table: JobTable, requests: DecodeRequests, *,
-                 counts: dict[str, int], wake: Callable[..., None],
-                 submit: Callable[[DecodeJob, Callable[[], list[int]]], None]) -> None:
+                 counts: dict[str, int], wake: Callable[..., None]) -> None:
         self.config = config
         self.managers = managers
         self.layouts = layouts
@@ -56,9 +55,8 @@ class DecodeReceive:
         self.table = table
         self.requests = requests
         self.counts = counts
-        """The worker's counters (this part adds integrity_failures, bad_notices and failed)."""
+        """The worker's counters (this part adds integrity_failures and bad_notices)."""
         self._wake = wake
-        self._submit = submit
 
     def on_prefill(self, conn: PeerConnection, msg: ControlMessage) -> None:
         """A message from a prefill peer about one of its requests (or a stale or quarantined one)."""
@@ -109,9 +107,9 @@ class DecodeReceive:
         src_ids = decode_block_ids(msg.blocks, len(job.src_layouts), "kv_pull.blocks")
         if now() >= job.lease_until:
             self.requests.tell(job, KvRelease(request_id=rid))
-            self.requests.fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease may "
-                                           f"have expired before decode could read (decode stalled)"),
-                       remote_done=True)
+            self.requests.fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease "
+                                                   f"may have expired before decode could read (decode stalled)"),
+                               remote_done=True)
             return
         try:
             plan = plan_between(job.src_layouts, src_ids, self.layouts, job.caches,
@@ -275,10 +273,7 @@ class DecodeReceive:
             commit_s = now() - arrived
             prompt_kv = self._prompt_kv(job) if job.return_kv else None   # after TTFT: a check, not serving
         except KvxferError as exc:
-            self.counts["failed"] += 1
-            self.table.move(job, JobState.FAILED)
-            self.requests.close_caches(job)
-            self.requests.resolve_error(job, exc)
+            self.requests.fail_in_place(job, exc)
             return
         pushed = job.pushed
         nbytes = pushed.nbytes if isinstance(pushed, KvPosted | KvPushed) else \
@@ -300,8 +295,7 @@ class DecodeReceive:
             with torch.inference_mode():
                 return model.continue_greedy(kv, first, max_new)
 
-        self.table.move(job, JobState.GENERATING)
-        self._submit(job, run)
+        self.requests.generate(job, run)
 
     def _prompt_kv(self, job: DecodeJob) -> PromptKV:
         """The committed prompt KV at up to ``job.return_kv`` positions, read through decode's own pages and

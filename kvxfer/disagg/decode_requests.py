@@ -43,13 +43,15 @@ log = logging.getLogger("kvxfer.disagg.decode")
 class DecodeRequests:
     """The lifecycle of a decode worker's requests (engine thread only): it decides every move of a request
     and makes it in ``table``. The worker builds it with what it needs: the caches (``managers``), the
-    prefill peers to place requests on, ``on_unhealthy`` (the engine's health) and ``draining`` (whether
-    the worker still takes requests)."""
+    prefill peers to place requests on, ``on_unhealthy`` (the engine's health), ``draining`` (whether
+    the worker still takes requests) and ``submit`` (runs a request's generation on the compute thread,
+    whose answer comes back to ``generated``)."""
 
     def __init__(self, config: WorkerConfig, managers: list[KVCacheManager], table: JobTable, peers: PrefillPeers,
                  *, layers_per_send: int, counts: dict[str, int],
                  result_observers: list[Callable[[GenerationResult], None]], draining: Callable[[], bool],
-                 on_unhealthy: Callable[[str], None]) -> None:
+                 on_unhealthy: Callable[[str], None], submit: Callable[[DecodeJob, Callable[[], list[int]]], None]
+                 ) -> None:
         self.config = config
         self.managers = managers
         self.table = table
@@ -61,6 +63,7 @@ class DecodeRequests:
         """Called with each completed request's result (metrics); must not raise."""
         self._draining = draining
         self._on_unhealthy = on_unhealthy
+        self._submit = submit
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Fail a request that has not got its KV yet with RequestCancelled; False when there is none."""
@@ -108,7 +111,7 @@ class DecodeRequests:
         waited = now() - job.submitted
         if waited >= self.config.deadline_s:   # asking prefill now would only waste its compute
             self.fail(job, TransferTimeout(f"request {job.request_id}: its {self.config.deadline_s} s deadline "
-                                            f"passed while it waited {waited:.1f} s in decode's queue; not sent"))
+                                           f"passed while it waited {waited:.1f} s in decode's queue; not sent"))
             return
         if job.failover_cause is not None and not job.caches:
             # A failover attempt takes its pages before a prefill computes for it: while earlier attempts' pages
@@ -127,7 +130,7 @@ class DecodeRequests:
         conn = peer.conn if peer is not None else None
         if peer is None or conn is None:
             self.fail(job, self.after_failover(job, PeerUnreachable(f"no prefill worker connected"
-                                                                      f"{self.peers.no_prefill_reason()}")))
+                                                                     f"{self.peers.no_prefill_reason()}")))
             return
         job.peer, job.prefill, job.conn, job.src_layouts = conn.peer.name, peer, conn, peer.layouts
         job.templates = peer.templates
@@ -198,6 +201,18 @@ class DecodeRequests:
         for job in list(self.table.parked):
             if job.state is JobState.PARKED:
                 self.begin(job)
+
+    def generate(self, job: DecodeJob, run: Callable[[], list[int]]) -> None:
+        """The request's KV is in place and committed: ``run`` (on the compute thread) generates its tokens."""
+        self.table.move(job, JobState.GENERATING)
+        self._submit(job, run)
+
+    def fail_in_place(self, job: DecodeJob, error: KvxferError) -> None:
+        """Fail a request whose KV was in place (its transfer done: nothing for prefill to stop) and free it."""
+        self.counts["failed"] += 1
+        self.table.move(job, JobState.FAILED)
+        self.close_caches(job)
+        self.resolve_error(job, error)
 
     def generated(self, job: DecodeJob, tokens: list[int] | None, error: BaseException | None) -> None:
         """The compute thread finished a request's generation: free its pages, answer."""
@@ -313,10 +328,10 @@ class DecodeRequests:
         if not stale.zombie_until:
             self.close_caches(stale)
         self.begin(DecodeJob(request_id=job.request_id, tokens=job.tokens, max_new_tokens=job.max_new_tokens,
-                         mode=job.mode, layerwise=job.layerwise, future=job.future, session=Session(job.request_id),
-                         submitted=job.submitted, deadline=job.deadline, reply=job.reply,
-                         client_request_id=job.client_request_id, return_kv=job.return_kv, tried=job.tried,
-                         attempt=job.attempt + 1, failover_cause=job.failover_cause or error))
+                             mode=job.mode, layerwise=job.layerwise, future=job.future, session=Session(job.request_id),
+                             submitted=job.submitted, deadline=job.deadline, reply=job.reply,
+                             client_request_id=job.client_request_id, return_kv=job.return_kv, tried=job.tried,
+                             attempt=job.attempt + 1, failover_cause=job.failover_cause or error))
         return True
 
     def fail_all(self, error: KvxferError) -> None:

@@ -159,10 +159,10 @@ class DecodeWorker(WorkerBase):
                                   on_requests_lost=lambda conn, what: self.requests.requests_lost(conn, what))
         self.requests = DecodeRequests(config, self.managers, self.jobs, self.peers, layers_per_send=layers_per_send,
                                        counts=self.counts, result_observers=self.result_observers,
-                                       draining=lambda: self._draining, on_unhealthy=self.engine.mark_unhealthy)
+                                       draining=lambda: self._draining, on_unhealthy=self.engine.mark_unhealthy,
+                                       submit=self._generate_on_compute)
         self.receive = DecodeReceive(config, self.managers, self.layouts, self.model, self.transport, self.jobs,
-                                     self.requests, counts=self.counts, wake=self.engine.wake,
-                                     submit=self._generate_on_compute)
+                                     self.requests, counts=self.counts, wake=self.engine.wake)
         try:
             self.engine.start()
             self.compute = ComputeThread(config.name, self.engine)
