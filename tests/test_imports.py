@@ -75,7 +75,8 @@ def test_cache_modules_form_no_import_circle() -> None:
     assert find_cycle({"m": {"k"}, "k": {"t"}, "t": {"m"}}) == ["k", "t", "m", "k"]
 
 
-#: The decode worker's concerns, lowest first: each module imports (at run time) none above it.
+#: The decode worker's concerns, lowest first: each module imports (at run time) none above it; the worker
+#: (last) builds one part of each and hands it only the parts below it.
 DECODE_LAYERS = ["kvxfer.disagg.worker", "kvxfer.disagg.decode_jobs", "kvxfer.disagg.decode_peers",
                  "kvxfer.disagg.decode_requests", "kvxfer.disagg.decode_receive", "kvxfer.disagg.worker_decode"]
 
@@ -108,6 +109,31 @@ def test_the_decode_worker_concerns_are_layered() -> None:
     sample = PACKAGE.parent / "kvxfer" / "disagg" / "decode_jobs.py"
     assert "kvxfer.disagg.worker" in runtime_imports(sample, "kvxfer.disagg")
     assert "kvxfer.disagg.decode_peers" not in runtime_imports(sample, "kvxfer.disagg")
+
+
+def test_the_decode_worker_owns_its_concerns_as_parts() -> None:
+    """The decode worker inherits only the shared worker base; each concern is a class of its own, no base
+    of another, built from what it needs and never handed the worker."""
+    import abc
+    import inspect
+
+    from kvxfer.disagg.decode_jobs import JobTable
+    from kvxfer.disagg.decode_peers import PrefillPeers
+    from kvxfer.disagg.decode_receive import DecodeReceive
+    from kvxfer.disagg.decode_requests import DecodeRequests
+    from kvxfer.disagg.worker import WorkerBase
+    from kvxfer.disagg.worker_decode import DecodeWorker
+    assert DecodeWorker.__mro__ == (DecodeWorker, WorkerBase, abc.ABC, object)
+    for part in (JobTable, PrefillPeers, DecodeRequests, DecodeReceive):
+        assert part.__mro__ == (part, object), part
+        for param in inspect.signature(part).parameters.values():
+            assert "DecodeWorker" not in str(param.annotation) and "WorkerBase" not in str(param.annotation), \
+                (part.__name__, param)
+    # the worker builds one of each (the attributes callers and tests reach them by)
+    source = inspect.getsource(DecodeWorker.__init__)
+    for attr, part in (("jobs", JobTable), ("peers", PrefillPeers), ("requests", DecodeRequests),
+                       ("receive", DecodeReceive)):
+        assert f"self.{attr} = {part.__name__}(" in source, attr
 
 
 def test_the_worker_modules_keep_their_public_names() -> None:

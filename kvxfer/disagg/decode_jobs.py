@@ -1,6 +1,8 @@
 """A decode worker's requests: their states and allowed moves (``JobState``, ``JOB_TRANSITIONS``), the
-record of one request (``DecodeJob``) and the result it ends with (``GenerationResult``). The request
-lifecycle that moves them is ``kvxfer.disagg.decode_requests``; docs/architecture.md draws the whole."""
+record of one request (``DecodeJob``), the result it ends with (``GenerationResult``) and the table that
+holds every live request in the collection of its state (``JobTable``, whose ``move`` is the one place a
+state changes). The request lifecycle that decides the moves is ``kvxfer.disagg.decode_requests``;
+docs/architecture.md draws the whole."""
 
 from __future__ import annotations
 
@@ -105,9 +107,9 @@ def one_host_landing_s(stats: Mapping[str, Any]) -> float | None:
 
 
 class JobState(enum.Enum):
-    """Where a decode request is. ``JOB_TRANSITIONS`` lists the moves; ``DecodeRequests._move`` makes every
-    one of them, and keeps the worker's collection of each state in step (``_waiting``, ``_parked``,
-    ``_jobs``, ``_generating``, ``_zombies``)."""
+    """Where a decode request is. ``JOB_TRANSITIONS`` lists the moves; ``JobTable.move`` makes every one of
+    them, and keeps the table's collection of each state in step (``waiting``, ``parked``, ``requested``,
+    ``generating``, ``quarantined``)."""
 
     NEW = "new"
     """Submitted, not placed yet."""
@@ -147,7 +149,7 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _S.DONE: frozenset(), _S.FAILED: frozenset(), _S.RETRIED: frozenset(), _S.FREED: frozenset(),
 }
 """Every legal move of a decode request. REQUESTED -> FREED and -> QUARANTINED also serve the stale copy
-of a retried attempt (``DecodeRequests._retry``)."""
+of a retried attempt (``DecodeRequests.retry``)."""
 
 
 def check_move(request_id: str, old: JobState, new: JobState) -> None:
@@ -211,4 +213,68 @@ class DecodeJob:
     failover_cause: KvxferError | None = None
     """Why the previous attempt's prefill was left (set on a failover's attempt)."""
     state: JobState = JobState.NEW
-    """Where the request is; changed only by ``DecodeRequests._move``."""
+    """Where the request is; changed only by ``JobTable.move``."""
+
+
+class JobTable:
+    """Every live request of a decode worker, in the collection of its state; ``move`` is the one place
+    that changes a request's state, and keeps the collections in step (engine thread only). Terminal
+    states have no collection: a request that reaches one is dropped."""
+
+    def __init__(self) -> None:
+        self.waiting: list[DecodeJob] = []
+        """WAITING: requests waiting for a reconnect attempt."""
+        self.parked: list[DecodeJob] = []
+        """PARKED: failover attempts waiting for quarantined pages."""
+        self.requested: dict[str, DecodeJob] = {}
+        """REQUESTED: sent to a prefill, by request id (a prefill's load)."""
+        self.generating: dict[str, DecodeJob] = {}
+        """GENERATING: KV in place, tokens being generated on the compute thread."""
+        self.quarantined: dict[str, DecodeJob] = {}
+        """QUARANTINED: ended, pages held while something may still write into them."""
+
+    def move(self, job: DecodeJob, state: JobState) -> None:
+        """Move ``job`` to ``state`` (SessionError if ``JOB_TRANSITIONS`` does not allow it), taking it out
+        of the collection of its old state and into that of the new one."""
+        check_move(job.request_id, job.state, state)
+        match job.state:
+            case JobState.WAITING:
+                self.waiting.remove(job)
+            case JobState.PARKED:
+                self.parked.remove(job)
+            case JobState.REQUESTED if self.requested.get(job.request_id) is job:
+                del self.requested[job.request_id]
+            case JobState.GENERATING if self.generating.get(job.request_id) is job:
+                del self.generating[job.request_id]
+            case JobState.QUARANTINED if self.quarantined.get(job.request_id) is job:
+                del self.quarantined[job.request_id]
+        job.state = state
+        match state:
+            case JobState.WAITING:
+                self.waiting.append(job)
+            case JobState.PARKED:
+                self.parked.append(job)
+            case JobState.REQUESTED:
+                self.requested[job.request_id] = job
+            case JobState.GENERATING:
+                self.generating[job.request_id] = job
+            case JobState.QUARANTINED:
+                self.quarantined[job.request_id] = job
+
+    def cancellable(self, request_id: str) -> DecodeJob | None:
+        """The request ``request_id`` while it has not got its KV yet (sent, waiting or parked), or None."""
+        return self.requested.get(request_id) or next((j for j in self.waiting + self.parked
+                                                       if j.request_id == request_id), None)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a request with this id is live in any state (a new one may not reuse the id)."""
+        return request_id in self.requested or request_id in self.quarantined or request_id in self.generating \
+            or any(j.request_id == request_id for j in self.waiting + self.parked)
+
+    def in_flight(self) -> int:
+        """Requests not answered yet (quarantined ones were: only their pages are held)."""
+        return len(self.requested) + len(self.waiting) + len(self.parked) + len(self.generating)
+
+    def load(self, conn: PeerConnection | None) -> int:
+        """Requests sent over ``conn`` whose KV is not in place yet (a prefill's load)."""
+        return sum(1 for j in self.requested.values() if j.conn is conn)

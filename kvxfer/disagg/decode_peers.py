@@ -1,15 +1,16 @@
 """A decode worker's prefill peers (xPyD): connecting and handshaking, the reconnect loop of each, the
 choice of a prefill for a request, and what a lost prefill means for the peer table. What it means for
-the requests it served is the request lifecycle's (``DecodeRequests._requests_lost``). The layers of
-the decode worker: docs/architecture.md, "One worker base, the decode worker split by concern"."""
+the requests it served is the request lifecycle's (``DecodeRequests.requests_lost``), reached through
+the callback the worker gives. The parts of the decode worker: docs/architecture.md, "One worker base,
+the decode worker composed of its concerns"."""
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import functools
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ from kvxfer.disagg.control import PeerConnection, Secret, connect
 from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import KvRanks
 from kvxfer.disagg.router import KVRouter
-from kvxfer.disagg.worker import Reconnected, WorkerBase, now, peer_templates
+from kvxfer.disagg.worker import Engine, Reconnected, WorkerConfig, now, peer_templates
 from kvxfer.disagg.worker_protocol import decode_layouts, encode_layouts
 from kvxfer.errors import (
     ConfigError,
@@ -66,62 +67,135 @@ class PrefillPeer:
         return conn is not None and conn.alive
 
 
-class PrefillPeers(WorkerBase):
-    """The prefill side of a decode worker (``DecodeWorker`` builds it; engine thread unless said)."""
+class PrefillPeers:
+    """The prefill side of a decode worker: its prefill connections by address, their reconnect loops and
+    the choice of a prefill for a request. The worker builds it with what it needs: the engine (to run
+    attachments on its thread and post reconnect outcomes), the transport and layouts the handshake
+    presents, ``load`` (a prefill connection's requests in flight) and ``on_requests_lost`` (the request
+    lifecycle's answer to a lost prefill). Engine thread unless said."""
 
-    transport: Transport
-    layouts: list[CacheLayoutDesc]
-    versions: tuple[int, int]
-    connect_timeout: float
-    router: KVRouter | None
-    counts: dict[str, int]
-    _secret: Secret
-    _prefills: dict[str, PrefillPeer]
-    """By address, in the order added."""
-    _rotation: int
-    """Rotates the choice among equally loaded prefills."""
-    _reconnect_stop: threading.Event
-    _connect_lock: threading.Lock
-    _jobs: dict[str, DecodeJob]
-    """Requests sent to a prefill (REQUESTED): a prefill's load."""
+    def __init__(self, config: WorkerConfig, engine: Engine, transport: Transport, layouts: list[CacheLayoutDesc],
+                 secret: Secret, *, versions: tuple[int, int], connect_timeout: float, router: KVRouter | None,
+                 counts: dict[str, int], load: Callable[[PeerConnection | None], int],
+                 on_requests_lost: Callable[[PeerConnection, str], None]) -> None:
+        self.config = config
+        self.engine = engine
+        self.transport = transport
+        self.layouts = layouts
+        self.versions = versions
+        self.connect_timeout = connect_timeout
+        self.router = router
+        self.counts = counts
+        """The worker's counters (this part adds ``peer_losses``)."""
+        self._secret = secret
+        self._load_of = load
+        self._requests_lost = on_requests_lost
+        self._prefills: dict[str, PrefillPeer] = {}
+        """By address, in the order added."""
+        self._rotation = 0
+        """Rotates the choice among equally loaded prefills."""
+        self._reconnect_stop = threading.Event()
+        self._connect_lock = threading.Lock()
 
     def connect(self, address: str, timeout: float | None = None) -> None:
         """Make the prefill worker at ``address`` this worker's only prefill (the single-prefill API): once
         it is connected, requests in flight with any other (or a previous connection to it) fail and the
         others are dropped. Raises AuthenticationError / HandshakeRefused (with the reason) / ControlTimeout,
-        and then changes nothing."""
+        and then changes nothing. Any thread but the engine's."""
         self._handshake_and_attach(address, timeout, only=True)
 
-    def add_prefill(self, address: str, timeout: float | None = None) -> None:
+    def add(self, address: str, timeout: float | None = None) -> None:
         """Connect to one more prefill worker while serving; the next request may go there. Reconnecting to
         an address already known replaces that connection only. Raises like ``connect`` (then nothing is
-        added)."""
+        added). Any thread but the engine's."""
         self._handshake_and_attach(address, timeout, only=False)
 
-    def remove_prefill(self, address: str) -> bool:
+    def remove(self, address: str) -> bool:
         """Stop using the prefill at ``address``: its requests in flight fail, its connection closes and it
-        is no longer reconnected. False when no such prefill is known."""
+        is no longer reconnected. False when no such prefill is known. Any thread."""
         return bool(self.engine.call(lambda: self._remove(address, "removed by the caller"), 10.0))
 
     @property
-    def prefills(self) -> list[str]:
-        """The known prefill addresses, in the order added (connected or reconnecting)."""
+    def addresses(self) -> list[str]:
+        """The known prefill addresses, in the order added (connected or reconnecting). Any thread."""
         return list(self._prefills)
 
-    @property
-    def prefill_address(self) -> str | None:
-        """The first known prefill address (the one prefill of the single-prefill API), or None."""
-        return next(iter(self._prefills), None)
+    def __iter__(self) -> Iterator[PrefillPeer]:
+        """The known prefill peers, in the order added."""
+        return iter(list(self._prefills.values()))
 
-    def prefill_load(self) -> dict[str, int]:
-        """This worker's requests in flight (KV not yet in place) per connected prefill address."""
+    def load_by_address(self) -> dict[str, int]:
+        """Requests in flight (KV not yet in place) per connected prefill address. Any thread."""
         return dict(self.engine.call(lambda: {p.address: self._load(p) for p in self._prefills.values() if p.alive},
                                      10.0))
 
     @property
     def connected(self) -> bool:
-        """Whether at least one prefill peer is connected and alive."""
+        """Whether at least one prefill peer is connected and alive. Any thread."""
         return any(p.alive for p in list(self._prefills.values()))
+
+    @property
+    def num_connected(self) -> int:
+        """Prefill peers connected and alive."""
+        return sum(p.alive for p in list(self._prefills.values()))
+
+    @property
+    def closing(self) -> bool:
+        """Whether the worker is closing (``stop_reconnecting`` was called): no reconnects, no failover."""
+        return self._reconnect_stop.is_set()
+
+    def can_take(self, tried: set[str]) -> bool:
+        """Whether a connected prefill outside ``tried`` (addresses a request was sent to) is known."""
+        return any(p.alive and p.address not in tried for p in self._prefills.values())
+
+    def reconnect_idle(self) -> bool:
+        """No prefill is connected: start the reconnect loop of every known prefill that has none (and was
+        not removed); True when any loop runs (a request may wait for its outcome), False when none is
+        known."""
+        for peer in self._prefills.values():
+            if peer.reconnecting is None and not peer.stop.is_set():
+                self._start_reconnecting(peer)
+        return self.reconnecting
+
+    @property
+    def reconnecting(self) -> bool:
+        """Whether any reconnect loop runs."""
+        return any(p.reconnecting is not None for p in self._prefills.values())
+
+    def reconnected(self, outcome: Reconnected) -> None:
+        """A reconnect attempt ended: note on its peer whether the loop ends, and why the attempt failed."""
+        peer, error = outcome.peer, outcome.error
+        if outcome.last:
+            peer.reconnecting = None
+        if error is not None:
+            peer.reconnect_error = f"; reconnecting failed: {type(error).__name__}: {error}"
+
+    def route_done(self, job: DecodeJob) -> None:
+        """The request no longer waits on its prefill: it stops counting as load at the router."""
+        route, job.route = job.route, None
+        if route is not None and self.router is not None:
+            self.router.finished(route)
+
+    def stop_reconnecting(self) -> None:
+        """The worker closes: no reconnect loop starts or goes on, and no request fails over. Any thread."""
+        self._reconnect_stop.set()
+
+    def end_reconnects(self) -> None:
+        """Stop every reconnect loop and wait for each (bounded by ``connect_timeout``: a loop attaches
+        through the engine, which must still run). Any thread but the engine's."""
+        peers = list(self._prefills.values())
+        for peer in peers:
+            peer.stop.set()
+        for peer in peers:
+            reconnecting = peer.reconnecting
+            if reconnecting is not None:
+                reconnecting.join(self.connect_timeout + 15.0)
+
+    def close_connections(self, reason: str) -> None:
+        """Close the connection of every known prefill peer (the worker closes). Any thread."""
+        for peer in list(self._prefills.values()):
+            if peer.conn is not None:
+                peer.conn.close(reason)
 
     def _handshake(self, address: str, wait: float) -> tuple[PeerConnection, list[CacheLayoutDesc]]:
         """Open and authenticate a control connection to a prefill and exchange rank layouts."""
@@ -163,9 +237,9 @@ class PrefillPeers(WorkerBase):
             conn.close("decode could not finish connecting")
             raise
 
-    def _connect_many(self, addresses: list[str]) -> None:
+    def connect_many(self, addresses: list[str]) -> None:
         """Connect to each address; an unreachable one keeps reconnecting in the background. Raises a refusal
-        at once, and the last error when none connected."""
+        at once, and the last error when none connected. Any thread but the engine's."""
         if not addresses:
             raise ConfigError("DecodeWorker.prefill: the list of prefill addresses is empty")
         if len(set(addresses)) != len(addresses):
@@ -173,7 +247,7 @@ class PrefillPeers(WorkerBase):
         errors: list[KvxferError] = []
         for address in addresses:
             try:
-                self.add_prefill(address)
+                self.add(address)
             except HandshakeRefused:
                 raise
             except KvxferError as exc:
@@ -210,7 +284,7 @@ class PrefillPeers(WorkerBase):
         peer.draining = False
         old = peer.conn
         if old is not None:
-            self._on_prefill_lost(old, "replaced by a new prefill connection", reconnect=False)
+            self.lost(old, "replaced by a new prefill connection", reconnect=False)
             old.close("replaced by a new prefill connection")
         self.transport.connect(name, conn.peer.metadata)
         peer.conn, peer.layouts, peer.reconnect_error = conn, layouts, ""
@@ -224,15 +298,15 @@ class PrefillPeers(WorkerBase):
             return False
         peer.stop.set()
         if peer.conn is not None:
-            self._on_prefill_lost(peer.conn, reason, reconnect=False, peer=peer)
+            self.lost(peer.conn, reason, reconnect=False, peer=peer)
         return True
 
-    def _peer_of(self, conn: PeerConnection) -> PrefillPeer | None:
+    def peer_of(self, conn: PeerConnection) -> PrefillPeer | None:
+        """The prefill peer ``conn`` is the live connection of, or None (a client's, or an old one)."""
         return next((p for p in self._prefills.values() if p.conn is conn), None)
 
     def _load(self, peer: PrefillPeer) -> int:
-        conn = peer.conn
-        return sum(1 for j in self._jobs.values() if j.conn is conn)
+        return self._load_of(peer.conn)
 
     def _keep_reconnecting(self, address: str, error: KvxferError) -> None:
         """Know ``address`` as a prefill that could not be reached, and retry it in the background."""
@@ -271,17 +345,17 @@ class PrefillPeers(WorkerBase):
                     error = PeerUnreachable(f"{type(exc).__name__}: {exc}")
                 last = error is None or isinstance(error, HandshakeRefused) or stopped()
                 with contextlib.suppress(KvxferError):
-                    self.engine._post_internal(Reconnected(peer, error, started, last))
+                    self.engine.post_internal(Reconnected(peer, error, started, last))
                 if last:
                     return
                 peer.stop.wait(RECONNECT_PAUSE_S)
             with contextlib.suppress(KvxferError):
-                self.engine._post_internal(Reconnected(peer, None, now(), True))
+                self.engine.post_internal(Reconnected(peer, None, now(), True))
 
         peer.reconnecting = threading.Thread(target=run, name=f"kvxfer-reconnect-{self.config.name}", daemon=True)
         peer.reconnecting.start()
 
-    def _pick(self, job: DecodeJob) -> PrefillPeer | None:
+    def pick(self, job: DecodeJob) -> PrefillPeer | None:
         """The prefill for a request: the caller's choice when connected, else the least loaded (rotating
         among equals); never one the request was sent to before, nor a stopping one while another is
         connected; None when none is connected."""
@@ -302,20 +376,19 @@ class PrefillPeers(WorkerBase):
         order = {id(p): (i - self._rotation) % n for i, p in enumerate(live)}
         return min(live, key=lambda p: (self._load(p), order[id(p)]))
 
-    def _no_prefill_reason(self) -> str:
+    def no_prefill_reason(self) -> str:
+        """Why no prefill can take a request (each known one's last reconnect error), for its error."""
         reasons = [p.reconnect_error for p in self._prefills.values() if p.reconnect_error]
         if len(self._prefills) <= 1:
             return reasons[0] if reasons else ""
         return "".join(f"; {p.address}{p.reconnect_error or ': not connected'}" for p in self._prefills.values())
 
-    def _on_prefill_lost(self, conn: PeerConnection, reason: str, *, reconnect: bool = True,
-                         peer: PrefillPeer | None = None) -> None:
-        """Fail the lost prefill's requests. Pushed-to blocks are quarantined, not freed: a prefill that is
-        only frozen or cut off may still write until its lease runs out (it checks before each write, but a
-        write posted just before the loss can land later), so they stay held until the lease plus one more
-        lease period (for writes already posted) has passed. Pull destinations are ours to free once our
-        read is stopped."""
-        peer = peer if peer is not None else self._peer_of(conn)
+    def lost(self, conn: PeerConnection, reason: str, *, reconnect: bool = True,
+             peer: PrefillPeer | None = None) -> None:
+        """A prefill connection ended (or was replaced, or broke the protocol): forget it, start its
+        reconnect loop (``reconnect``), and hand its requests to ``on_requests_lost``. A connection that is
+        no prefill's (a client's, an old one) changes nothing."""
+        peer = peer if peer is not None else self.peer_of(conn)
         if peer is None or peer.conn is not conn:
             return
         peer.conn = None
@@ -329,6 +402,3 @@ class PrefillPeers(WorkerBase):
         if not any(p.alive and p.conn is not None and p.conn.peer.name == name for p in self._prefills.values()):
             self.transport.disconnect(name)
 
-    @abc.abstractmethod
-    def _requests_lost(self, conn: PeerConnection, what: str) -> None:
-        """Fail over, or fail, the requests sent over ``conn`` (its prefill is lost: ``what``)."""

@@ -1,22 +1,26 @@
 """How a decode request's KV arrives: prefill's answers (``kv_posted``, ``kv_pushed``, ``kv_pull``,
 ``kv_failed``), decode's own read (pull), the transport's tagged notices (push), the tick that watches
 transfers, deadlines and lease renewals, and the check and commit once the KV is in place (``_arrived``),
-which hands the request to the generation (docs/architecture.md draws the data flow)."""
+which hands the request to the generation. A part the decode worker owns (``DecodeReceive``), built on the
+request table and lifecycle (docs/architecture.md draws the data flow)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
+from kvxfer.cache.descriptors import CacheLayoutDesc
+from kvxfer.cache.manager import KVCacheManager
 from kvxfer.disagg.control import PeerConnection
-from kvxfer.disagg.decode_jobs import DecodeJob, GenerationResult, JobState
+from kvxfer.disagg.decode_jobs import DecodeJob, GenerationResult, JobTable
 from kvxfer.disagg.decode_requests import DecodeRequests
 from kvxfer.disagg.messages import ControlMessage, KvFailed, KvPosted, KvPull, KvPushed, KvRelease, LeaseRenew
 from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
 from kvxfer.disagg.session import SessionState
-from kvxfer.disagg.worker import now, plan_between
+from kvxfer.disagg.worker import WorkerConfig, now, plan_between, send_quietly
 from kvxfer.disagg.worker_protocol import NOTICE_MAGIC, decode_block_ids, decode_notice, is_prefill_shutdown
 from kvxfer.errors import (
     DecodeError,
@@ -27,38 +31,57 @@ from kvxfer.errors import (
     TransferTimeout,
 )
 from kvxfer.extractor import check_writable
-from kvxfer.transport import TransferStatus
+from kvxfer.model import Model
+from kvxfer.transport import TransferStatus, Transport
 from kvxfer.transport.integrity import KVDigest, verify_kv
 
 log = logging.getLogger("kvxfer.disagg.decode")
 
 
-class DecodeReceive(DecodeRequests):
-    """The receive paths of a decode worker (engine thread)."""
+class DecodeReceive:
+    """The receive paths of a decode worker (engine thread). The worker builds it with what it needs: the
+    caches and model the KV lands in and is generated from, the transport it arrives by, the request
+    table (to find a request) and lifecycle (to fail, fail over, free or generate it) and ``wake`` (the
+    engine's, for decode's own reads)."""
 
-    def _on_prefill(self, conn: PeerConnection, msg: ControlMessage) -> None:
+    def __init__(self, config: WorkerConfig, managers: list[KVCacheManager], layouts: list[CacheLayoutDesc],
+                 model: Model, transport: Transport, table: JobTable, requests: DecodeRequests, *,
+                 counts: dict[str, int], wake: Callable[..., None]) -> None:
+        self.config = config
+        self.managers = managers
+        self.layouts = layouts
+        self.model = model
+        self.transport = transport
+        self.table = table
+        self.requests = requests
+        self.counts = counts
+        """The worker's counters (this part adds integrity_failures and bad_notices)."""
+        self._wake = wake
+
+    def on_prefill(self, conn: PeerConnection, msg: ControlMessage) -> None:
+        """A message from a prefill peer about one of its requests (or a stale or quarantined one)."""
         if not isinstance(msg, KvPosted | KvPushed | KvPull | KvFailed):
             raise ProtocolError(f"unexpected message {msg.kind!r} from the prefill worker")
         rid = msg.request_id
-        zombie = self._zombies.get(rid)
+        zombie = self.table.quarantined.get(rid)
         if zombie is not None and zombie.conn is conn:
             match msg:
                 case KvFailed():
-                    self._bury(zombie)   # prefill will not write there any more
+                    self.requests.bury(zombie)   # prefill will not write there any more
                 case KvPushed() if zombie.read is None:
-                    self._bury(zombie)
+                    self.requests.bury(zombie)
                 case KvPull():
-                    self._send(conn, KvRelease(request_id=rid))
+                    send_quietly(conn, KvRelease(request_id=rid))
             return
-        generating = self._generating.get(rid)
+        generating = self.table.generating.get(rid)
         if isinstance(msg, KvPushed) and generating is not None and generating.conn is conn \
                 and generating.result is not None:   # taken at kv_posted: prefill's copy time, for the result
             generating.result = replace(generating.result, transfer_s=msg.transfer_s, transfer_by_prefill=True)
             return
-        job = self._jobs.get(rid)
+        job = self.table.requested.get(rid)
         if job is None or job.conn is not conn or job.session.state is not SessionState.TRANSFERRING:
             if isinstance(msg, KvPull):
-                self._send(conn, KvRelease(request_id=rid))
+                send_quietly(conn, KvRelease(request_id=rid))
             return
         match msg:
             case KvPosted():
@@ -74,19 +97,19 @@ class DecodeReceive(DecodeRequests):
                 if is_prefill_shutdown(reason):   # it is stopping: nothing of this request will come from it
                     if job.prefill is not None:
                         job.prefill.draining = True
-                    if self._retry(job, error):
+                    if self.requests.retry(job, error):
                         return
-                self._fail(job, error, remote_done=True)
+                self.requests.fail(job, error, remote_done=True)
 
     def _read(self, job: DecodeJob, msg: KvPull) -> None:
         """Pull: read the request's KV from where prefill says it is (within prefill's lease)."""
         rid = job.request_id
         src_ids = decode_block_ids(msg.blocks, len(job.src_layouts), "kv_pull.blocks")
         if now() >= job.lease_until:
-            self._tell(job, KvRelease(request_id=rid))
-            self._fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease may "
-                                           f"have expired before decode could read (decode stalled)"),
-                       remote_done=True)
+            self.requests.tell(job, KvRelease(request_id=rid))
+            self.requests.fail(job, TransferFailed(f"pull of request {rid}: prefill's {self.config.lease_s} s lease "
+                                                   f"may have expired before decode could read (decode stalled)"),
+                               remote_done=True)
             return
         try:
             plan = plan_between(job.src_layouts, src_ids, self.layouts, job.caches,
@@ -95,12 +118,15 @@ class DecodeReceive(DecodeRequests):
             check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
             job.read_posted = now()
             job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
-            job.read.add_done_callback(self.engine.wake)
+            job.read.add_done_callback(self._wake)
         except KvxferError as exc:
-            self._tell(job, KvRelease(request_id=rid))
-            self._fail(job, exc)
+            self.requests.tell(job, KvRelease(request_id=rid))
+            self.requests.fail(job, exc)
 
-    def _tick(self) -> float:
+    def tick(self) -> float:
+        """Take the transport's notices, finish requests whose KV is in place, fail late or failed transfers,
+        renew prefill's leases; seconds until the next of these is due (a short poll while a transfer
+        completes only when polled)."""
         t = now()
         for peer, notes in self.transport.notifications().items():
             for note in notes:
@@ -108,7 +134,7 @@ class DecodeReceive(DecodeRequests):
         polled = self.transport.notifications_need_polling
         due = t + 1.0
         busy = False
-        for job in list(self._jobs.values()):
+        for job in list(self.table.requested.values()):
             if job.session.state is not SessionState.TRANSFERRING:
                 continue
             # Poll only for what cannot wake us: transfers that complete when polled, and a backend that
@@ -117,9 +143,9 @@ class DecodeReceive(DecodeRequests):
             if job.read is not None:
                 status = job.read.status
                 if status is TransferStatus.DONE:
-                    self._tell(job, KvRelease(request_id=job.request_id))
+                    self.requests.tell(job, KvRelease(request_id=job.request_id))
                     if t >= job.lease_until:   # prefill may have reused the pages before the read ended
-                        self._fail(job, TransferFailed(
+                        self.requests.fail(job, TransferFailed(
                             f"pull of request {job.request_id}: prefill's {self.config.lease_s} s lease may have "
                             f"expired before the read completed (decode stalled {t - job.last_renew:.1f} s); "
                             f"the data is not used"), remote_done=True)
@@ -127,8 +153,8 @@ class DecodeReceive(DecodeRequests):
                     self._arrived(job, now() - job.read_posted)
                     continue
                 if status.terminal:
-                    self._tell(job, KvRelease(request_id=job.request_id))
-                    self._fail(job, TransferFailed(f"read of request {job.request_id}: {job.read.reason}"))
+                    self.requests.tell(job, KvRelease(request_id=job.request_id))
+                    self.requests.fail(job, TransferFailed(f"read of request {job.request_id}: {job.read.reason}"))
                     continue
             elif isinstance(job.pushed, KvPosted | KvPushed) and len(job.parts) >= job.pushed.parts:
                 # kv_posted: prefill has not seen its writes complete yet; the notifications say they landed.
@@ -136,28 +162,13 @@ class DecodeReceive(DecodeRequests):
                               else max(0.0, now() - job.posted_seen))
                 continue
             if t >= job.deadline:
-                self._fail(job, TransferTimeout(self._late(job)))
+                self.requests.fail(job, TransferTimeout(self._late(job)))
             elif t - job.last_renew >= self.config.lease_s / 3:
                 if t < job.lease_until:   # renewals only extend a lease that has not run out
                     job.lease_until = t + self.config.lease_s
                 job.last_renew = t
-                self._tell(job, LeaseRenew(request_id=job.request_id))
+                self.requests.tell(job, LeaseRenew(request_id=job.request_id))
             due = min(due, job.deadline, job.last_renew + self.config.lease_s / 3)
-        for zombie in list(self._zombies.values()):
-            if zombie.read is not None and zombie.read.done():
-                self._bury(zombie)
-            elif t >= zombie.zombie_until:
-                log.info("%s: freeing blocks of %s without prefill's confirmation (its lease has run out)",
-                         self.config.name, zombie.request_id)
-                self._bury(zombie)
-            else:
-                due = min(due, zombie.zombie_until if zombie.read is None or not zombie.read.completes_when_polled
-                          else t + 0.001)
-        for job in [j for j in self._parked if t >= j.deadline]:
-            self._fail(job, self._after_failover(job, TransferTimeout(
-                f"request {job.request_id}: its {self.config.deadline_s} s deadline passed while it waited for "
-                f"decode's pages")))
-        due = min([due, *(j.deadline for j in self._parked)])
         return 0.001 if busy else max(0.0, due - now())
 
     def _on_notice(self, peer: str, note: bytes) -> None:
@@ -172,7 +183,7 @@ class DecodeReceive(DecodeRequests):
             except ProtocolError as exc:
                 self._bad_notice(peer, str(exc))
                 return
-            job = self._jobs.get(notice.request_id)
+            job = self.table.requested.get(notice.request_id)
             if job is None or job.peer != peer or job.conn is None or job.conn.peer.version < 2:
                 return   # ended (a late or duplicated notice), or another peer's request
             if not job.conn.verify_notice(notice.signed, notice.tag):
@@ -184,7 +195,7 @@ class DecodeReceive(DecodeRequests):
                 self._posted(job, notice.summary)
             return
         rid, _, part = note.decode("utf-8", "replace").rpartition("#")
-        job = self._jobs.get(rid)
+        job = self.table.requested.get(rid)
         if job is None or job.peer != peer or job.conn is None:
             return
         if job.conn.peer.version >= 2:
@@ -244,14 +255,13 @@ class DecodeReceive(DecodeRequests):
             except KvxferError as exc:
                 self.counts["integrity_failures"] += 1
                 error = exc if isinstance(exc, IntegrityError) else IntegrityError(f"request {job.request_id}: {exc}")
-                self._fail(job, error, remote_done=True)   # uncommitted: none of its pages enter the tree
+                self.requests.fail(job, error, remote_done=True)   # uncommitted: none of its pages enter the tree
                 return
         arrived = now()
         # The first token (prefill's) is known and its KV is in place, verified: a streaming server would send
         # it now, as a one-process engine sends its first token before it commits the prompt into its cache.
         ttft = arrived - job.submitted
-        job.session.done("KV in place")
-        self._route_done(job)
+        self.requests.kv_in_place(job)
         try:
             for cache in job.caches:
                 # Release the sliding-window pages the prompt no longer needs before they are committed:
@@ -263,10 +273,7 @@ class DecodeReceive(DecodeRequests):
             commit_s = now() - arrived
             prompt_kv = self._prompt_kv(job) if job.return_kv else None   # after TTFT: a check, not serving
         except KvxferError as exc:
-            self.counts["failed"] += 1
-            self._move(job, JobState.FAILED)
-            self._close_caches(job)
-            self._resolve_error(job, exc)
+            self.requests.fail_in_place(job, exc)
             return
         pushed = job.pushed
         nbytes = pushed.nbytes if isinstance(pushed, KvPosted | KvPushed) else \
@@ -288,9 +295,7 @@ class DecodeReceive(DecodeRequests):
             with torch.inference_mode():
                 return model.continue_greedy(kv, first, max_new)
 
-        assert self.compute is not None
-        self._move(job, JobState.GENERATING)
-        self.compute.submit(job, run)
+        self.requests.generate(job, run)
 
     def _prompt_kv(self, job: DecodeJob) -> PromptKV:
         """The committed prompt KV at up to ``job.return_kv`` positions, read through decode's own pages and

@@ -398,7 +398,7 @@ class Engine:
             self._events.append(ev)
         self._wakeup.set()
 
-    def _post_internal(self, ev: Event) -> None:
+    def post_internal(self, ev: Event) -> None:
         """Queue what the engine itself must learn (results of its own work): never refused."""
         with self._lock:
             self._events.append(ev)
@@ -421,7 +421,7 @@ class Engine:
             finally:
                 done.set()
 
-        self._post_internal(Call(run))
+        self.post_internal(Call(run))
         if not done.wait(timeout):
             if self._dead is not None:
                 raise WorkerUnhealthy(f"{self.name}: engine thread ended: {self._dead}")
@@ -570,7 +570,7 @@ class ComputeThread:
             except BaseException as exc:   # handed to the engine (or the caller), which fails the job with the cause
                 result = (None, exc)
             if reply is None:
-                self._engine._post_internal(Computed(key, *result))
+                self._engine.post_internal(Computed(key, *result))
             elif result[1] is None:
                 reply.set_result(result[0])
             else:
@@ -798,12 +798,17 @@ class WorkerBase(abc.ABC):
 
     @staticmethod
     def _send(conn: PeerConnection, message: ControlMessage, *, urgent: bool = False) -> None:
-        """Send, ignoring a lost peer (its ``Lost`` event handles it); ``urgent``: on a request's critical
-        path, handed to the I/O thread before the engine goes on (``send_urgent``)."""
-        if not conn.alive:
-            return
-        with contextlib.suppress(KvxferError):
-            (conn.send_urgent if urgent else conn.send)(message)
+        """``send_quietly``."""
+        send_quietly(conn, message, urgent=urgent)
+
+
+def send_quietly(conn: PeerConnection, message: ControlMessage, *, urgent: bool = False) -> None:
+    """Send, ignoring a lost peer (its ``Lost`` event handles it); ``urgent``: on a request's critical
+    path, handed to the I/O thread before the engine goes on (``send_urgent``)."""
+    if not conn.alive:
+        return
+    with contextlib.suppress(KvxferError):
+        (conn.send_urgent if urgent else conn.send)(message)
 
 
 def release_managers(managers: Sequence[KVCacheManager]) -> None:

@@ -5,7 +5,7 @@ Prefill peers (xPyD): a decode worker holds any number of prefill connections, o
 its own automatic reconnect. Each request goes to the prefill the caller names (a router's choice) when
 that one is connected, else to the connected prefill with the fewest of this worker's requests in flight
 (ties rotate). A request whose prefill is lost, removed or stopping before its KV arrived goes to another
-connected prefill (failover, ``_retry``); it fails only when none can take it. The others keep serving,
+connected prefill (failover, ``DecodeRequests.retry``); it fails only when none can take it. The others keep serving,
 and a prefill added while serving (``add_prefill``) takes the next request. ``drain`` stops taking requests
 and lets those in flight finish; ``close`` fails the rest with WorkerShuttingDown.
 
@@ -44,11 +44,13 @@ from kvxfer.disagg.decode_jobs import (
     DecodeJob,
     GenerationResult,
     JobState,
+    JobTable,
     check_move,
     one_host_landing_s,
 )
-from kvxfer.disagg.decode_peers import RECONNECT_ATTEMPT_S, RECONNECT_PAUSE_S, PrefillPeer
+from kvxfer.disagg.decode_peers import RECONNECT_ATTEMPT_S, RECONNECT_PAUSE_S, PrefillPeer, PrefillPeers
 from kvxfer.disagg.decode_receive import DecodeReceive
+from kvxfer.disagg.decode_requests import DecodeRequests
 from kvxfer.disagg.handshake import LocalIdentity
 from kvxfer.disagg.messages import (
     MODES,
@@ -70,6 +72,7 @@ from kvxfer.disagg.worker import (
     Received,
     Reconnected,
     Submitted,
+    WorkerBase,
     WorkerConfig,
     all_regions,
     make_transport,
@@ -95,10 +98,13 @@ __all__ = ["JOB_TRANSITIONS", "RECONNECT_ATTEMPT_S", "RECONNECT_PAUSE_S", "Decod
            "GenerationResult", "JobState", "PrefillPeer", "check_move", "one_host_landing_s"]
 
 
-class DecodeWorker(DecodeReceive):
-    """Serves requests with KV from a prefill worker; see the module docstring. Its concerns live in the
-    classes it builds on: ``PrefillPeers`` (kvxfer/disagg/decode_peers.py), ``DecodeRequests``
-    (decode_requests.py) and ``DecodeReceive`` (decode_receive.py)."""
+class DecodeWorker(WorkerBase):
+    """Serves requests with KV from a prefill worker; see the module docstring. It owns its concerns as
+    parts, each built here with only what it needs: ``peers`` (``PrefillPeers``, decode_peers.py: the
+    prefill connections), ``jobs`` (``JobTable``, decode_jobs.py: every live request by state),
+    ``requests`` (``DecodeRequests``, decode_requests.py: the lifecycle) and ``receive``
+    (``DecodeReceive``, decode_receive.py: how the KV arrives). The worker itself holds the public API,
+    the engine's event dispatch and the client messages."""
 
     role = "decode"
 
@@ -119,20 +125,13 @@ class DecodeWorker(DecodeReceive):
         self.mode, self.layerwise, self.layers_per_send = mode, layerwise, layers_per_send
         self.versions = versions
         self.connect_timeout = connect_timeout
-        self._prefills: dict[str, PrefillPeer] = {}   # by address, in the order added (engine thread only)
-        self._rotation = 0   # rotates the choice among equally loaded prefills
         self.router = router
-        self._reconnect_stop = threading.Event()
-        self._connect_lock = threading.Lock()
-        self._waiting: list[DecodeJob] = []   # requests waiting for a reconnect attempt (engine thread only)
-        self._parked: list[DecodeJob] = []   # failover attempts waiting for quarantined pages (engine thread only)
         self._draining = False   # set by drain: new requests fail with WorkerShuttingDown
-        self._secret = secret
         self.managers = config.managers()
         self.layouts: list[CacheLayoutDesc] = [m.layout for m in self.managers]
         self.engine = Engine(config.name, self._on_event, self._tick,
-                             on_error=lambda reason: self._fail_all(WorkerUnhealthy(f"decode worker unhealthy: "
-                                                                                    f"{reason}")))
+                             on_error=lambda reason: self.requests.fail_all(WorkerUnhealthy(
+                                 f"decode worker unhealthy: {reason}")))
         self.server: ControlServer | None = None
         self.address: str | None = None
         self._accepting: threading.Thread | None = None
@@ -146,9 +145,6 @@ class DecodeWorker(DecodeReceive):
             if router is not None:
                 router.close()
             raise
-        self._jobs: dict[str, DecodeJob] = {}
-        self._zombies: dict[str, DecodeJob] = {}
-        self._generating: dict[str, DecodeJob] = {}   # KV in place, tokens being generated on the compute thread
         self.compute: ComputeThread | None = None
         self.counts = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "integrity_failures": 0,
                        "peer_losses": 0, "bad_notices": 0, "failovers": 0}
@@ -156,6 +152,17 @@ class DecodeWorker(DecodeReceive):
         self.result_observers: list[Callable[[GenerationResult], None]] = []
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
+        self.jobs = JobTable()
+        self.peers = PrefillPeers(config, self.engine, self.transport, self.layouts, secret, versions=versions,
+                                  connect_timeout=connect_timeout, router=router, counts=self.counts,
+                                  load=self.jobs.load,
+                                  on_requests_lost=lambda conn, what: self.requests.requests_lost(conn, what))
+        self.requests = DecodeRequests(config, self.managers, self.jobs, self.peers, layers_per_send=layers_per_send,
+                                       counts=self.counts, result_observers=self.result_observers,
+                                       draining=lambda: self._draining, on_unhealthy=self.engine.mark_unhealthy,
+                                       submit=self._generate_on_compute)
+        self.receive = DecodeReceive(config, self.managers, self.layouts, self.model, self.transport, self.jobs,
+                                     self.requests, counts=self.counts, wake=self.engine.wake)
         try:
             self.engine.start()
             self.compute = ComputeThread(config.name, self.engine)
@@ -170,11 +177,50 @@ class DecodeWorker(DecodeReceive):
             if isinstance(prefill, str):
                 self.connect(prefill)
             elif prefill is not None:
-                self._connect_many(list(prefill))
+                self.peers.connect_many(list(prefill))
         except BaseException:
             self.close()
             raise
 
+    # --- prefill peers ------------------------------------------------------------------------------
+    def connect(self, address: str, timeout: float | None = None) -> None:
+        """Make the prefill worker at ``address`` this worker's only prefill (the single-prefill API): once
+        it is connected, requests in flight with any other (or a previous connection to it) fail and the
+        others are dropped. Raises AuthenticationError / HandshakeRefused (with the reason) / ControlTimeout,
+        and then changes nothing."""
+        self.peers.connect(address, timeout)
+
+    def add_prefill(self, address: str, timeout: float | None = None) -> None:
+        """Connect to one more prefill worker while serving; the next request may go there. Reconnecting to
+        an address already known replaces that connection only. Raises like ``connect`` (then nothing is
+        added)."""
+        self.peers.add(address, timeout)
+
+    def remove_prefill(self, address: str) -> bool:
+        """Stop using the prefill at ``address``: its requests in flight fail, its connection closes and it
+        is no longer reconnected. False when no such prefill is known."""
+        return self.peers.remove(address)
+
+    @property
+    def prefills(self) -> list[str]:
+        """The known prefill addresses, in the order added (connected or reconnecting)."""
+        return self.peers.addresses
+
+    @property
+    def prefill_address(self) -> str | None:
+        """The first known prefill address (the one prefill of the single-prefill API), or None."""
+        return next(iter(self.peers.addresses), None)
+
+    def prefill_load(self) -> dict[str, int]:
+        """This worker's requests in flight (KV not yet in place) per connected prefill address."""
+        return self.peers.load_by_address()
+
+    @property
+    def connected(self) -> bool:
+        """Whether at least one prefill peer is connected and alive."""
+        return self.peers.connected
+
+    # --- requests -----------------------------------------------------------------------------------
     def submit(self, tokens: npt.ArrayLike, max_new_tokens: int, *, mode: str | None = None,
                layerwise: bool | None = None, request_id: str | None = None,
                return_kv: int = 0, prefill: str | None = None) -> Future[GenerationResult]:
@@ -210,44 +256,33 @@ class DecodeWorker(DecodeReceive):
     def cancel(self, request_id: str, reason: str = "cancelled by the caller") -> bool:
         """Cancel a request in flight: its future raises RequestCancelled, prefill is told, and its blocks
         are freed once nothing can write into them. False when no such request is in flight."""
-        return bool(self.engine.call(lambda: self._cancel(request_id, reason), 10.0))
+        return bool(self.engine.call(lambda: self.requests.cancel(request_id, reason), 10.0))
 
+    # --- what the worker says about itself, and how it ends -----------------------------------------
     def _own_status(self) -> dict[str, int | float | str]:
-        return {"jobs": self._in_flight(), "zombies": len(self._zombies), "connected": int(self.connected),
-                "prefills": len(self._prefills), "prefills_connected": sum(p.alive for p in self._prefills.values()),
+        return {"jobs": self._in_flight(), "zombies": len(self.jobs.quarantined), "connected": int(self.connected),
+                "prefills": len(self.peers.addresses), "prefills_connected": self.peers.num_connected,
                 **self.counts}
 
     def _in_flight(self) -> int:
-        return len(self._jobs) + len(self._waiting) + len(self._parked) + len(self._generating)
+        return self.jobs.in_flight()
 
     def close(self) -> None:
         """Fail open requests, stop the threads, close connections and the transport."""
         if self.engine.stopping:
             return
-        self._reconnect_stop.set()
+        self.peers.stop_reconnecting()
         stopping = WorkerShuttingDown(f"decode worker {self.config.name} shutting down")
         with contextlib.suppress(KvxferError):
-            self.engine.call(lambda: self._fail_all(stopping), 10.0)
-        peers = list(self._prefills.values())
-        for peer in peers:
-            peer.stop.set()
-        for peer in peers:
-            reconnecting = peer.reconnecting
-            if reconnecting is not None:   # bounded by connect_timeout; it attaches through the engine
-                reconnecting.join(self.connect_timeout + 15.0)
+            self.engine.call(lambda: self.requests.fail_all(stopping), 10.0)
+        self.peers.end_reconnects()
         if self.server is not None:
             self.server.close("decode worker shutting down")
-        for peer in peers:
-            if peer.conn is not None:
-                peer.conn.close("decode worker shutting down")
+        self.peers.close_connections("decode worker shutting down")
         self.engine.stop()
         if self.compute is not None:
             self.compute.stop()   # the generation in progress finishes; the engine no longer answers it
-        for job in list(self._generating.values()):
-            self._close_caches(job)
-            if not job.future.done():
-                job.future.set_exception(stopping)
-        self._generating.clear()
+        self.requests.abandon_generating(stopping)
         if self._accepting is not None:
             self._accepting.join(5.0)
         self.transport.close()
@@ -255,16 +290,26 @@ class DecodeWorker(DecodeReceive):
             self.router.close()
         release_managers(self.managers)
 
+    # --- engine thread ------------------------------------------------------------------------------
+    def _generate_on_compute(self, job: DecodeJob, run: Callable[[], list[int]]) -> None:
+        """Hand a request's generation to the compute thread (its tokens come back as a ``Computed``)."""
+        assert self.compute is not None
+        self.compute.submit(job, run)
+
+    def _tick(self) -> float:
+        return min(self.receive.tick(), self.requests.tick())
+
     def _on_event(self, ev: Event) -> None:
         match ev:
             case Submitted(job=job):
-                self._start(job)
+                self.requests.start(job)
             case Computed(job=job, value=value, error=error):
-                self._generated(job, value, error)
-            case Reconnected():
-                self._reconnected(ev)
+                self.requests.generated(job, value, error)
+            case Reconnected(started=started):
+                self.peers.reconnected(ev)
+                self.requests.reconnected(started)
             case Lost(conn=conn, reason=reason):
-                self._on_prefill_lost(conn, reason)
+                self.peers.lost(conn, reason)
             case Received(conn=conn, message=msg):
                 self._received(conn, msg, lambda: self._on_message(conn, msg))
             case _:
@@ -273,11 +318,11 @@ class DecodeWorker(DecodeReceive):
     def _on_message(self, conn: PeerConnection, msg: ControlMessage) -> None:
         if conn.peer.role == "client":
             self._on_client(conn, msg)
-        elif self._peer_of(conn) is not None:
-            self._on_prefill(conn, msg)
+        elif self.peers.peer_of(conn) is not None:
+            self.receive.on_prefill(conn, msg)
 
     def _on_protocol_error(self, conn: PeerConnection, reason: str) -> None:
-        self._on_prefill_lost(conn, reason)
+        self.peers.lost(conn, reason)
 
     def _on_client(self, conn: PeerConnection, msg: ControlMessage) -> None:
         match msg:
@@ -286,21 +331,20 @@ class DecodeWorker(DecodeReceive):
                     conn.send(WorkerStatusReply(stats=encode_stats(self._status())))
             case GenerateCancel(request_id=client_rid, reason=reason):
                 rid = f"{conn.peer.name}/{client_rid}"
-                owner = self._jobs.get(rid) or next((w for w in self._waiting + self._parked if w.request_id == rid),
-                                                    None)
+                owner = self.jobs.cancellable(rid)
                 if owner is not None and owner.reply is conn:   # a client cancels only what it submitted itself
-                    self._cancel(rid, reason or "cancelled by the client")
+                    self.requests.cancel(rid, reason or "cancelled by the client")
             case Generate():
                 rid = f"{conn.peer.name}/{msg.request_id}"
                 t = now()
                 job = DecodeJob(request_id=rid, tokens=np.asarray(msg.tokens, dtype=np.int64),
-                           max_new_tokens=msg.max_new_tokens, mode=msg.mode or self.mode,
-                           layerwise=msg.layerwise or self.layerwise, future=Future(), session=Session(rid),
-                           submitted=t, deadline=t + self.config.deadline_s, reply=conn,
-                           client_request_id=msg.request_id, return_kv=msg.return_kv)
+                                max_new_tokens=msg.max_new_tokens, mode=msg.mode or self.mode,
+                                layerwise=msg.layerwise or self.layerwise, future=Future(), session=Session(rid),
+                                submitted=t, deadline=t + self.config.deadline_s, reply=conn,
+                                client_request_id=msg.request_id, return_kv=msg.return_kv)
                 if not job.tokens.size:
-                    self._reply_failed(job, CapacityError("the prompt must hold at least one token"))
+                    self.requests.reply_failed(job, CapacityError("the prompt must hold at least one token"))
                     return
-                self._start(job)
+                self.requests.start(job)
             case _:
                 raise ProtocolError(f"unexpected message {msg.kind!r} from a client")

@@ -471,7 +471,7 @@ class PrefillWorker(WorkerBase):
                 # Take (and pin) the pages the writes read now, on this thread: the commit at the end of the
                 # prompt may swap the last block for the prefix tree's copy before the engine posts them.
                 self._source_ids(job)
-                engine._post_internal(LayerDone(job, layer))
+                engine.post_internal(LayerDone(job, layer))
 
         def run() -> tuple[int, float]:   # compute thread: only this request's pages are touched
             started = job.compute_started = now()
@@ -479,7 +479,7 @@ class PrefillWorker(WorkerBase):
                 else model.bind(shards)
             if plan_early:   # every page of the prompt now (the model would take them chunk by chunk)
                 kv.reserve(int(tokens.size))
-                engine._post_internal(Reserved(job))
+                engine.post_internal(Reserved(job))
             with torch.inference_mode():
                 logits = model.prefill(kv, tokens[job.reused_tokens:], chunk, last_only=True)
             return greedy(logits[-1]), now() - started

@@ -139,7 +139,7 @@ def test_heterogeneous_tp_block_size_and_head_order(mode: str) -> None:
             DecodeWorker(WorkerConfig(name("decode"), tokens_per_block=8, head_order="NHD", tp_size=2), SECRET,
                          prefill=prefill.address, mode=mode, layerwise=mode == "push") as decode:
         caches = list(prefill._peer_templates.values()) if mode == "push" else \
-            [p.templates for p in decode._prefills.values()]
+            [p.templates for p in decode.peers]
         kept = []
         for tokens in prompts(3):
             assert_matches_reference(decode.generate(tokens, NEW, timeout=60, return_kv=KV), tokens, NEW)

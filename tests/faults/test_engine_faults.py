@@ -89,13 +89,13 @@ def test_an_unexpected_error_in_an_engine_handler_fails_the_requests_and_marks_t
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
             DecodeWorker(WorkerConfig(name("decode"), checksum=ChecksumPolicy()), SECRET,
                          prefill=prefill.address) as decode:
-        real = decode._on_prefill
+        real = decode.receive.on_prefill
 
         def buggy(conn: Any, msg: Any) -> None:
             if isinstance(msg, KvPosted | KvPushed):
                 raise RuntimeError("injected bug in a message handler")
             real(conn, msg)
-        monkeypatch.setattr(decode, "_on_prefill", buggy)
+        monkeypatch.setattr(decode.receive, "on_prefill", buggy)
         tokens = prompts(61)[0]
         with pytest.raises(WorkerUnhealthy, match=r"decode worker unhealthy: unexpected error while handling a "
                                                   r"Received event: RuntimeError: injected bug in a message handler"):
