@@ -61,11 +61,18 @@ from kvxfer.cache.hashing import (
 )
 from kvxfer.cache.kv_cache import CacheState, KVCache, PriorityCallback
 from kvxfer.cache.layout import place_layout, plan_layout
-from kvxfer.cache.manager_config import EXTRA_REUSE_MATCH_BACKOFF, KVCacheManagerConfig, copy_config
+from kvxfer.cache.manager_config import (
+    EXTRA_POOL_RATIO,
+    EXTRA_REUSE_MATCH_BACKOFF,
+    KVCacheManagerConfig,
+    copy_config,
+)
 from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.cache.page_movement import PageMovement
 from kvxfer.cache.pins import PinnedPages
+from kvxfer.cache.pool_ratio import check_batch, check_initial_pool_ratio, gpu_granularity, planner_for
+from kvxfer.cache.pool_tuner import PoolTuner
 from kvxfer.cache.prefix_reuse import PrefixReuse, check_scope
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree, check_priority
 from kvxfer.cache.recurrent import RecurrentStates
@@ -387,8 +394,10 @@ class CacheLifecycle:
                                                            released_tiers)
 
     def close(self, cache: KVCache) -> None:
-        """Release every page and scratch slot of the cache and commit its pending statistics."""
+        """Release every page and scratch slot of the cache and commit its pending statistics (the
+        auto-tuner samples its length first)."""
         with self.state.lock:
+            self.parts.tuner.on_close(cache)
             self.store_tail(cache)
             for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
                 self.release(g, blocks, tiers, cache.record.stream)
@@ -551,6 +560,7 @@ class ManagerParts:
         self.reuse = PrefixReuse(state, self)
         self.recurrent = RecurrentStates(state, self)
         self.lifecycle = CacheLifecycle(state, self)
+        self.tuner = PoolTuner(state, self)
 
 
 class KVCacheManager:
@@ -584,6 +594,14 @@ class KVCacheManager:
         self._state.digests = DigestTable()
         primary = config.primary
         plan = plan_layout(config)
+        init_cfg = self._state.init_config
+        check_initial_pool_ratio(getattr(init_cfg, "initial_pool_ratio", None), len(plan.layer_groups))
+        #: Slot counts per pool group by ratio (``pool_ratio``); the tuner re-splits with the same planner.
+        self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []))
+        if dict(config.extra).get(EXTRA_POOL_RATIO):
+            granularity = gpu_granularity(primary.quota_bytes)
+            plan = plan_layout(config, num_slots=self._state.planner.slot_counts(
+                primary.quota_bytes, self._state.planner.initial_ratio(init_cfg, granularity), granularity))
         planned = sum(pool.nbytes for pg in plan.pool_groups for pool in pg.pools)
         if planned > primary.quota_bytes:     # slot floors raised the primary level past its quota
             self._state.current = dataclasses.replace(
@@ -598,7 +616,6 @@ class KVCacheManager:
         self._state.allocators = [SlotAllocator(pg.num_slots, f"pool group {pg.pool_group_index}")
                             for pg in self._state.layout.pool_groups]
         self._state.lg_pool_group = [lg.pool_group_index for lg in self._state.layout.layer_groups]
-        _check_initial_pool_ratio(self._state.init_config, len(self._state.layout.layer_groups))
         self._state.tree = PrefixTree(len(self._state.layout.layer_groups), self._state.layout.tokens_per_block)
         self._state.in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in self._state.layout.pool_groups]
         self._state.events = EventQueue(config.event_queue_capacity, sink=None if event_manager is None else
@@ -664,6 +681,7 @@ class KVCacheManager:
         self._state.cached_tokens_by_level = [0] * len(self._state.tiers)
         self._state.reused_blocks_by_level = {}
         self._parts.usage.sample_usage()
+        self._parts.tuner.start()
 
     # --- published view ---------------------------------------------------------------------
 
@@ -1036,13 +1054,25 @@ class KVCacheManager:
 
     @property
     def need_adjustment(self) -> bool:
-        """Whether ``adjust()`` would change the pool split: never, kvxfer's split changes only by
-        ``rebalance_slots`` or ``resize``."""
-        return False
+        """Whether the auto-tuner asks for a pool re-split: enough closed kv caches sampled
+        (``rebalance_min_sampled_kv_caches``), the cooldown over (``rebalance_cooldown_secs``) and a pool
+        group's share of the primary bytes off its target by more than ``rebalance_ratio_threshold``."""
+        return self._parts.tuner.need_adjustment
 
     def adjust(self) -> None:
-        """Apply a pending pool re-split; with ``need_adjustment`` always False there is none to apply."""
-        return None
+        """Re-split the primary slots between pool groups by the tuner's target ratio (every kv cache
+        suspended or closed: ManagerBusyError otherwise). Pages survive; a pool group that grows gets
+        new memory, so re-read base addresses (``layout``, ``get_mem_pool_base_address``) after it."""
+        self._parts.tuner.adjust()
+
+    @property
+    def pool_tuner(self) -> PoolTuner:
+        """The auto-tuner part (white-box hooks for ``_introspection``: counters, target ratio)."""
+        return self._parts.tuner
+
+    def compute_slots_for_batch(self, batch: Any) -> list[int]:
+        """The fewest primary slots per pool group that run ``batch`` (a ``BatchDesc``) at once."""
+        return self._state.planner.slots_for_batch(check_batch(batch, "compute_slots_for_batch: batch"))
 
     # --- the parts' public API, as the manager's ----------------------------------------------------
     @property
@@ -1231,20 +1261,3 @@ def check_layer_group(layout: CacheLayoutDesc, layer_group: int) -> None:
     """Raise LayoutError when ``layer_group`` is not a layer group of ``layout``."""
     if not 0 <= layer_group < len(layout.layer_groups):
         raise LayoutError(f"no layer group {layer_group} (have 0..{len(layout.layer_groups) - 1})")
-
-
-def _check_initial_pool_ratio(config: Any, num_layer_groups: int) -> None:
-    """``KVCacheManagerConfig.initial_pool_ratio``: None, or one positive share per layer group summing to 1
-    (ConfigError otherwise). kvxfer sizes its pools from the layers themselves; the shares are validated
-    as the reference validates them."""
-    ratio = getattr(config, "initial_pool_ratio", None)
-    if ratio is None:
-        return
-    values = [float(r) for r in ratio]
-    if len(values) != num_layer_groups:
-        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio length {len(values)} does not match the "
-                          f"{num_layer_groups} layer groups")
-    if not all(v > 0 for v in values):
-        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio values must be positive, got {values}")
-    if abs(sum(values) - 1.0) > 1e-6:
-        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio values must sum to 1.0, got {sum(values)}")
