@@ -125,20 +125,24 @@ def all_tree_pages_droppable(manager: Any) -> bool:
 
 
 def active_page_stats(kv_cache: Any) -> tuple[list[int], list[int]]:
-    """(the kv cache's pages by cache level, those of them that could be offloaded now): a suspended
-    request's pages above the coldest level can move down; an active request's cannot."""
-    levels = len(kv_cache.manager.cache_tier_list)
+    """(the kv cache's pages by cache level, those of them that are evictable but not eviction
+    candidates). kvxfer's eviction takes its victims from every page no active or resuming request
+    locks, so a page of a suspended request is a candidate the moment it is suspended: the second list
+    counts only the primary pages of a request held in place while it resumes (zero otherwise)."""
+    manager = kv_cache.manager
+    levels = len(manager.cache_tier_list)
     counts = [0] * levels
-    movable = [0] * levels
-    for lg in range(len(kv_cache.manager.layer_grouping)):
+    unscheduled = [0] * levels
+    held_in_place = not kv_cache.is_active and kv_cache.id in manager.resuming_cache_ids
+    for lg in range(len(manager.layer_grouping)):
         ids, tiers = kv_cache.page_locations(lg)
         for page, tier in zip(ids.tolist(), tiers.tolist(), strict=True):
             if page < 0:
                 continue
             counts[tier] += 1
-            if not kv_cache.is_active and tier < levels - 1:
-                movable[tier] += 1
-    return counts, movable
+            if held_in_place and tier == 0 < levels - 1:
+                unscheduled[tier] += 1
+    return counts, unscheduled
 
 
 def _reuse_match(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt], enable_partial: bool,

@@ -71,7 +71,7 @@ from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.cache.page_movement import PageMovement
 from kvxfer.cache.pins import PinnedPages
-from kvxfer.cache.pool_ratio import check_batch, check_initial_pool_ratio, gpu_granularity, planner_for
+from kvxfer.cache.pool_ratio import check_batch, check_initial_pool_ratio, planner_for
 from kvxfer.cache.pool_tuner import PoolTuner
 from kvxfer.cache.prefix_reuse import PrefixReuse, check_scope
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree, check_priority
@@ -238,8 +238,19 @@ class CacheLifecycle:
         begin, end = max(old_n, sink), min(int(lo[0]), new_n)
         return (begin, end) if end > begin else (0, 0)
 
-    def resize(self, cache: KVCache, capacity: int) -> None:
-        """Grow or shrink the cache's blocks to hold ``capacity`` tokens (OutOfSlotsError when out of slots)."""
+    def stale_span(self, layer_group: int, old_n: int, new_n: int, history: int | None) -> tuple[int, int]:
+        """Blocks ``[begin, end)`` among the new ones ``[old_n, new_n)`` of a sliding-window group that
+        are already out of the window at ``history`` written tokens: they get no page (as if released)."""
+        lg = self.state.layout.layer_groups[layer_group]
+        if history is None or lg.window is None or lg.recurrent:
+            return 0, 0
+        lo, sink = self.parts.reuse.window_start(layer_group, np.array([history], dtype=np.int64))
+        begin, end = max(old_n, sink), min(int(lo[0]), new_n)
+        return (begin, end) if end > begin else (0, 0)
+
+    def resize(self, cache: KVCache, capacity: int, history: int | None = None) -> None:
+        """Grow or shrink the cache's blocks to hold ``capacity`` tokens (OutOfSlotsError when out of
+        slots); new blocks already out of a sliding window at ``history`` tokens (when given) get no page."""
         with self.state.lock:
             tpb = self.state.layout.tokens_per_block
             new_n = math.ceil(capacity / tpb)
@@ -248,6 +259,9 @@ class CacheLifecycle:
             recurrent = set(self.state.recurrent_groups)    # one state slot each: no pages per block
             spans = [self.scratch_span(cache, g, old_n, new_n, capacity) if new_n > old_n else (0, 0)
                      for g in range(n_lg)]
+            # where no scratch slot stands in, blocks stale at the new history get no page at all
+            stale = [self.stale_span(g, old_n, new_n, history) if new_n > old_n and spans[g] == (0, 0) else (0, 0)
+                     for g in range(n_lg)]
             if new_n > old_n:
                 needs: dict[int, int] = {}
                 for g, (begin, end) in enumerate(spans):
@@ -255,7 +269,8 @@ class CacheLifecycle:
                         continue
                     pg = self.state.lg_pool_group[g]
                     extra_scratch = max(0, (end - begin) - cache.record.scratch[g].size)
-                    needs[pg] = needs.get(pg, 0) + (new_n - old_n) - (end - begin) + extra_scratch
+                    needs[pg] = needs.get(pg, 0) + (new_n - old_n) - (end - begin) + extra_scratch \
+                        - (stale[g][1] - stale[g][0])
                 self.parts.eviction.reserve(needs)
                 for g, (begin, end) in enumerate(spans):
                     if g in recurrent:
@@ -264,6 +279,7 @@ class CacheLifecycle:
                     fresh = np.full(new_n - old_n, -1, dtype=np.int32)
                     real = np.ones(new_n - old_n, dtype=bool)
                     real[begin - old_n:end - old_n] = False
+                    real[stale[g][0] - old_n:stale[g][1] - old_n] = False
                     fresh[real] = alloc.alloc(int(np.count_nonzero(real)))
                     cache.record.blocks[g] = np.concatenate([cache.record.blocks[g], fresh])
                     cache.record.tiers[g] = np.concatenate([cache.record.tiers[g], np.zeros(new_n - old_n, dtype=np.int8)])
@@ -271,7 +287,8 @@ class CacheLifecycle:
                     self.parts.streams.wait_slots(g, fresh, cache.record.stream)
                 # a recurrent layer group counts no page per block (as a block range of scratch positions)
                 self.parts.usage.count_allocation(cache, old_n, new_n, [
-                    (old_n, new_n) if g in recurrent else span for g, span in enumerate(spans)])
+                    (old_n, new_n) if g in recurrent else span if span != (0, 0) else stale[g]
+                    for g, span in enumerate(spans)])
                 if cache.priority_callback is not None:
                     self.prioritize_blocks(cache, old_n, new_n)
             else:
@@ -599,7 +616,7 @@ class KVCacheManager:
         #: Slot counts per pool group by ratio (``pool_ratio``); the tuner re-splits with the same planner.
         self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []))
         if dict(config.extra).get(EXTRA_POOL_RATIO):
-            granularity = gpu_granularity(primary.quota_bytes)
+            granularity = self._state.planner.granularity(primary.quota_bytes)
             plan = plan_layout(config, num_slots=self._state.planner.slot_counts(
                 primary.quota_bytes, self._state.planner.initial_ratio(init_cfg, granularity), granularity))
         planned = sum(pool.nbytes for pg in plan.pool_groups for pool in pg.pools)
@@ -1064,6 +1081,11 @@ class KVCacheManager:
         suspended or closed: ManagerBusyError otherwise). Pages survive; a pool group that grows gets
         new memory, so re-read base addresses (``layout``, ``get_mem_pool_base_address``) after it."""
         self._parts.tuner.adjust()
+
+    @property
+    def resuming_cache_ids(self) -> frozenset[Any]:
+        """Kv caches being resumed now: their primary pages are held in place (no eviction victims)."""
+        return frozenset(self._state.pinned)
 
     @property
     def pool_tuner(self) -> PoolTuner:

@@ -223,6 +223,14 @@ class PoolRatioPlanner:
         return normalized(out)
 
     # --- ratio -> slots ------------------------------------------------------------------------------
+    def granularity(self, quota: int) -> int:
+        """The grain the primary quota is cut into: ``gpu_granularity`` where the quota holds one grain
+        per pool (the reference's pools are mapped in physical pages of that size, so slot counts match
+        it), else one byte (kvxfer's pools are byte-exact tensors; rounding a small quota up to whole
+        grains would multiply the memory asked for)."""
+        grain = gpu_granularity(quota)
+        return grain if quota >= grain * sum(len(sizes) for sizes in self.slot_size_lists) else 1
+
     def min_quota(self, granularity: int) -> int:
         """Bytes the floors take (the smallest quota this manager can run with)."""
         return sum(self.bytes_for_slots(self.min_slots, granularity))

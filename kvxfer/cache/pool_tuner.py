@@ -26,7 +26,7 @@ from kvxfer.cache.manager_config import (
     DEFAULT_REBALANCE_TARGET_RATIO_UPDATE_INTERVAL,
 )
 from kvxfer.cache.manager_state import ManagerState
-from kvxfer.cache.pool_ratio import gpu_granularity, normalized
+from kvxfer.cache.pool_ratio import normalized
 from kvxfer.errors import ConfigError
 
 
@@ -113,7 +113,7 @@ class PoolTuner:
         planner = self.state.planner
         quota = self.state.current.primary.quota_bytes
         ratio = planner.ratio_from_length(history, capacity)
-        self.target_gpu_ratio = planner.constrain(ratio, quota, gpu_granularity(quota))
+        self.target_gpu_ratio = planner.constrain(ratio, quota, planner.granularity(quota))
 
     # --- the gates -----------------------------------------------------------------------------------
     def off_target(self) -> bool:
@@ -146,7 +146,8 @@ class PoolTuner:
             self.state.check_no_active("adjust")
             if self.off_target():
                 quota = self.state.current.primary.quota_bytes
-                counts = self.state.planner.slot_counts(quota, self.target_gpu_ratio, gpu_granularity(quota))
+                counts = self.state.planner.slot_counts(quota, self.target_gpu_ratio,
+                                                               self.state.planner.granularity(quota))
                 self.parts.quotas.resize_primary_slots(counts)
             self.last_adjustment_time = time.monotonic()
 

@@ -16,6 +16,7 @@ from kvxfer.cache import tiers as tier_storage
 from kvxfer.cache.config import DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.kv_cache import KVCache
 from kvxfer.cache.layout import place_layout, plan_layout
+from kvxfer.cache.manager_config import EXTRA_POOL_RATIO
 from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.memory import allocate_pool
 from kvxfer.cache.radix_tree import BlockNode
@@ -129,6 +130,16 @@ class TierQuotas:
                 if isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or not 0 < quota_bytes <= limit:
                     raise TierError(f"resize_quota: the primary quota must be an int in (0, {limit}] (the registered "
                                     f"pools' size; they cannot grow), got {quota_bytes!r}")
+                if dict(self.state.config.extra).get(EXTRA_POOL_RATIO):
+                    # split by the auto-tuner's target ratio, the floors kept (the reference's re-split)
+                    planner = self.state.planner
+                    grain = planner.granularity(quota_bytes)
+                    if quota_bytes < planner.min_quota(grain):
+                        raise TierError(f"resize_quota: primary quota {quota_bytes} is below the "
+                                        f"{planner.min_quota(grain)} bytes the slot floors and constraints need")
+                    counts = planner.slot_counts(quota_bytes, self.parts.tuner.target_gpu_ratio, grain)
+                    self.resize_primary_slots(counts, quota_bytes)
+                    return
                 try:
                     plan = plan_layout(dataclasses.replace(self.state.config, tiers=(PrimaryTier(
                         quota_bytes, self.state.config.primary.device),)))
@@ -181,12 +192,13 @@ class TierQuotas:
                                 f"quota of {quota} bytes")
             self.rebalance([int(n) for n in counts], quota)
 
-    def resize_primary_slots(self, counts: Sequence[int]) -> None:
+    def resize_primary_slots(self, counts: Sequence[int], quota_bytes: int | None = None) -> None:
         """Give every primary pool group ``counts[pg]`` usable slots (the auto-tuner's re-split; no kv
         cache active). Shrinking ones first: pages above the new count are evicted or moved below it
         (their memory stays registered); then growing ones past their registered slots get a larger
         pool each, the old bytes copied so every slot keeps its id (new base addresses, published in
-        ``layout``). The primary quota becomes at least the bytes of the new counts."""
+        ``layout``). The primary quota becomes ``quota_bytes`` (default: unchanged), at least the bytes
+        of the new counts."""
         with self.state.lock:
             self.state.check_no_active("adjust")
             want = [int(n) for n in counts]
@@ -194,7 +206,7 @@ class TierQuotas:
                 raise TierError(f"adjust: need one slot count >= 1 per pool group "
                                 f"({len(self.state.allocators)}), got {want}")
             nbytes = sum(n * b for n, b in zip(want, self.state.page_bytes, strict=True))
-            quota = max(self.state.current.primary.quota_bytes, nbytes)
+            quota = max(self.state.current.primary.quota_bytes if quota_bytes is None else quota_bytes, nbytes)
             self.rebalance([min(n, a.num_slots) for n, a in zip(want, self.state.allocators, strict=True)], quota)
             grown = False
             for pg, n in enumerate(want):
