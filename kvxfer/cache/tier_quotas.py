@@ -138,7 +138,7 @@ class TierQuotas:
                         raise TierError(f"resize_quota: primary quota {quota_bytes} is below the "
                                         f"{planner.min_quota(grain)} bytes the slot floors and constraints need")
                     counts = planner.slot_counts(quota_bytes, self.parts.tuner.target_gpu_ratio, grain)
-                    self.resize_primary_slots(counts, quota_bytes)
+                    self.resize_primary_slots(counts, quota_bytes, "resize_quota")
                     return
                 try:
                     plan = plan_layout(dataclasses.replace(self.state.config, tiers=(PrimaryTier(
@@ -192,7 +192,8 @@ class TierQuotas:
                                 f"quota of {quota} bytes")
             self.rebalance([int(n) for n in counts], quota)
 
-    def resize_primary_slots(self, counts: Sequence[int], quota_bytes: int | None = None) -> None:
+    def resize_primary_slots(self, counts: Sequence[int], quota_bytes: int | None = None,
+                             what: str = "adjust") -> None:
         """Give every primary pool group ``counts[pg]`` usable slots (the auto-tuner's re-split; no kv
         cache active). Shrinking ones first: pages above the new count are evicted or moved below it
         (their memory stays registered); then growing ones past their registered slots get a larger
@@ -200,10 +201,10 @@ class TierQuotas:
         ``layout``). The primary quota becomes ``quota_bytes`` (default: unchanged), at least the bytes
         of the new counts."""
         with self.state.lock:
-            self.state.check_no_active("adjust")
+            self.state.check_no_active(what)
             want = [int(n) for n in counts]
             if len(want) != len(self.state.allocators) or any(n < 1 for n in want):
-                raise TierError(f"adjust: need one slot count >= 1 per pool group "
+                raise TierError(f"{what}: need one slot count >= 1 per pool group "
                                 f"({len(self.state.allocators)}), got {want}")
             nbytes = sum(n * b for n, b in zip(want, self.state.page_bytes, strict=True))
             quota = max(self.state.current.primary.quota_bytes if quota_bytes is None else quota_bytes, nbytes)
