@@ -76,10 +76,14 @@ def ratio_to_slot_count_list(quota: int, slot_size_lists: Sequence[Sequence[int]
     pinned: set[int] = set()
     while True:
         free = total - sum(mins[i] for i in pinned)
-        weight = sum(ratio_list[i] for i in range(n) if i not in pinned)
-        grains = [mins[i] if i in pinned else (int(free * ratio_list[i] / weight) if weight > 0 else 0)
-                  for i in range(n)]
-        short = [i for i in range(n) if i not in pinned and grains[i] < mins[i]]
+        grains = [mins[i] if i in pinned else 0 for i in range(n)]
+        # smallest share first, each rounded, the largest taking what is left: every grain is spent
+        active = sorted((i for i in range(n) if i not in pinned), key=lambda i: ratio_list[i])
+        for k, i in enumerate(active):
+            weight = sum(ratio_list[j] for j in active[k:])
+            grains[i] = free if k == len(active) - 1 else round(free * ratio_list[i] / weight)
+            free -= grains[i]
+        short = [i for i in active if grains[i] < mins[i]]
         if not short:
             break
         pinned.update(short)
