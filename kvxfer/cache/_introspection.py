@@ -1,10 +1,12 @@
 """Backend-neutral inspection helpers (the reference design's ``_introspection`` module): what tests,
 the extractor and sparse-attention managers read off a manager or a kv cache, computed from their
-public interfaces only, plus the pool-sizing arithmetic (grains of a memory granularity to slots).
+public interfaces only, plus the pool-sizing arithmetic (grains of a memory granularity to slots,
+from ``pool_ratio``).
 
 Test blocks for event tests (``make_test_block``) are stand-alone blocks keyed as the manager keys its
-tree blocks. The reference's helpers that reach into its C++ backend (the padding cold-page codec,
-auto-tuner knobs) have no kvxfer counterpart and are absent.
+tree blocks. The auto-tuner hooks set the counters and the target of the manager's ``pool_tuner``.
+The reference's helpers that reach into its C++ backend (the padding cold-page codec) have no kvxfer
+counterpart and are absent.
 """
 
 from __future__ import annotations
@@ -13,66 +15,58 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.cache.common import GPU_LEVEL, PRIORITY_DEFAULT, div_up
+from kvxfer.cache.common import GPU_LEVEL, PRIORITY_DEFAULT
 from kvxfer.cache.hashing import ReuseScope, TokenIdExt, block_keys
+from kvxfer.cache.manager_config import BatchDesc, SwaScratchReuseConfig
+from kvxfer.cache.pool_ratio import grains_for_slots as grains_for_slots
+from kvxfer.cache.pool_ratio import grains_to_slots as grains_to_slots
+from kvxfer.cache.pool_ratio import ratio_to_slot_count_list as ratio_to_slot_count_list
 from kvxfer.cache.stats import StorageStatistics
 from kvxfer.errors import ConfigError
 
-# --- pool sizing --------------------------------------------------------------------------------------
+# --- pool sizing (``pool_ratio``) and the auto-tuner (``pool_tuner``) ------------------------------
 
 
-def grains_for_slots(num_slots: int, slot_size_list: Sequence[int], granularity: int) -> int:
-    """Grains of ``granularity`` bytes that ``num_slots`` slots take: each pool of the pool group
-    (one per slot size) is rounded up to whole grains."""
-    if granularity <= 0:
-        raise ConfigError(f"grains_for_slots: granularity must be > 0, got {granularity}")
-    return sum(div_up(num_slots * size, granularity) for size in slot_size_list)
+def compute_slots_for_batch(manager: Any, batch: BatchDesc, tokens_per_block: int,
+                            swa_scratch_reuse: SwaScratchReuseConfig | None = None) -> list[int]:
+    """The fewest primary slots per pool group that run ``batch`` at once. ``swa_scratch_reuse`` changes
+    nothing here: kvxfer gives each scratch block a slot of its own, as many as pages would take."""
+    del swa_scratch_reuse
+    if tokens_per_block != manager.tokens_per_block:
+        raise ConfigError(f"compute_slots_for_batch: tokens_per_block {tokens_per_block} is not the manager's "
+                          f"{manager.tokens_per_block}")
+    return list(manager.compute_slots_for_batch(batch))
 
 
-def grains_to_slots(pg_grains: int, slot_size_list: Sequence[int], granularity: int) -> tuple[int, int]:
-    """(the most slots ``pg_grains`` grains hold, the grains those slots take)."""
-    per_slot = sum(slot_size_list)
-    if per_slot <= 0:
-        raise ConfigError(f"grains_to_slots: slot sizes must be positive, got {list(slot_size_list)}")
-    lo, hi = 0, pg_grains * granularity // per_slot
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if grains_for_slots(mid, slot_size_list, granularity) <= pg_grains:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo, grains_for_slots(lo, slot_size_list, granularity)
+def set_num_sampled_kv_caches(manager: Any, value: int) -> None:
+    """Set the sampled-kv-cache counter the auto-tuner's first gate reads."""
+    manager.pool_tuner.set_num_sampled(value)
 
 
-def ratio_to_slot_count_list(quota: int, slot_size_lists: Sequence[Sequence[int]], ratio_list: Sequence[float],
-                             granularity: int, min_slots: Sequence[int]) -> list[int]:
-    """Slots per pool group splitting ``quota`` bytes by ``ratio_list``, each pool group getting at
-    least ``min_slots`` (a pool group whose share would fall short is held at its minimum and the
-    rest is split among the others by their ratios)."""
-    n = len(slot_size_lists)
-    if not len(ratio_list) == len(min_slots) == n:
-        raise ConfigError(f"ratio_to_slot_count_list: {n} pool groups, {len(ratio_list)} ratios, "
-                          f"{len(min_slots)} minimums")
-    total = quota // granularity
-    mins = [grains_for_slots(m, sizes, granularity) for m, sizes in zip(min_slots, slot_size_lists, strict=True)]
-    if sum(mins) > total:
-        raise ConfigError(f"ratio_to_slot_count_list: quota {quota} holds {total} grains, the minimums need "
-                          f"{sum(mins)}")
-    pinned: set[int] = set()
-    while True:
-        free = total - sum(mins[i] for i in pinned)
-        weight = sum(ratio_list[i] for i in range(n) if i not in pinned)
-        grains = [mins[i] if i in pinned else (int(free * ratio_list[i] / weight) if weight > 0 else 0)
-                  for i in range(n)]
-        short = [i for i in range(n) if i not in pinned and grains[i] < mins[i]]
-        if not short:
-            break
-        pinned.update(short)
-    out = []
-    for i in range(n):
-        slots, _ = grains_to_slots(grains[i], slot_size_lists[i], granularity)
-        out.append(max(slots, int(min_slots[i])))
-    return out
+def set_last_adjustment_time(manager: Any, value: float) -> None:
+    """Set the ``time.monotonic()`` of the last pool re-split (the cooldown counts from it)."""
+    manager.pool_tuner.set_last_adjustment_time(value)
+
+
+def set_target_ratio_list_gpu(manager: Any, ratios: Sequence[float]) -> None:
+    """Override the auto-tuner's target primary ratio (drives the next re-split)."""
+    manager.pool_tuner.set_target_ratio(ratios)
+
+
+def force_rebalance_precondition(manager: Any, skew: float = 2.0) -> None:
+    """Open the auto-tuner's sample and cooldown gates and scale pool group 0's target share by
+    ``skew`` (renormalised), so the next ``adjust()`` really moves slots; ConfigError with fewer than
+    two pool groups (the re-split would be a no-op)."""
+    current = current_gpu_ratio(manager)
+    if len(current) < 2:
+        raise ConfigError(f"force_rebalance_precondition: needs at least 2 pool groups, got {len(current)}")
+    if not skew > 0:
+        raise ConfigError(f"force_rebalance_precondition: skew must be > 0, got {skew!r}")
+    set_num_sampled_kv_caches(manager, max(manager.init_config.rebalance_min_sampled_kv_caches, 0) + 1)
+    set_last_adjustment_time(manager, 0.0)
+    skewed = [current[0] * skew, *current[1:]]
+    total = sum(skewed)
+    set_target_ratio_list_gpu(manager, [x / total for x in skewed])
 
 
 # --- manager and kv-cache views ------------------------------------------------------------------------
@@ -131,20 +125,24 @@ def all_tree_pages_droppable(manager: Any) -> bool:
 
 
 def active_page_stats(kv_cache: Any) -> tuple[list[int], list[int]]:
-    """(the kv cache's pages by cache level, those of them that could be offloaded now): a suspended
-    request's pages above the coldest level can move down; an active request's cannot."""
-    levels = len(kv_cache.manager.cache_tier_list)
+    """(the kv cache's pages by cache level, those of them that are evictable but not eviction
+    candidates). kvxfer's eviction takes its victims from every page no active or resuming request
+    locks, so a page of a suspended request is a candidate the moment it is suspended: the second list
+    counts only the primary pages of a request held in place while it resumes (zero otherwise)."""
+    manager = kv_cache.manager
+    levels = len(manager.cache_tier_list)
     counts = [0] * levels
-    movable = [0] * levels
-    for lg in range(len(kv_cache.manager.layer_grouping)):
+    unscheduled = [0] * levels
+    held_in_place = not kv_cache.is_active and kv_cache.id in manager.resuming_cache_ids
+    for lg in range(len(manager.layer_grouping)):
         ids, tiers = kv_cache.page_locations(lg)
         for page, tier in zip(ids.tolist(), tiers.tolist(), strict=True):
             if page < 0:
                 continue
             counts[tier] += 1
-            if not kv_cache.is_active and tier < levels - 1:
-                movable[tier] += 1
-    return counts, movable
+            if held_in_place and tier == 0 < levels - 1:
+                unscheduled[tier] += 1
+    return counts, unscheduled
 
 
 def _reuse_match(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt], enable_partial: bool,

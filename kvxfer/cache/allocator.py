@@ -51,6 +51,16 @@ class SlotAllocator:
         self._free[:self._top] = free[::-1]
         self.usable = n
 
+    def grow(self, n: int) -> None:
+        """Extend the group to ``n`` slots (>= ``num_slots``), all usable: the new ids are free; held
+        slots keep their ids and counts."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < self.num_slots:
+            raise BlockIdError(f"{self.name}: can only grow from {self.num_slots} slots, got {n!r}")
+        self.refcount = np.concatenate([self.refcount, np.zeros(n - self.num_slots, dtype=np.int32)])
+        self._free = np.empty(n, dtype=np.int32)
+        self.num_slots = n
+        self.set_usable(n)
+
     def alloc(self, n: int) -> IntArray:
         """``n`` fresh slots with a reference count of 1; raises OutOfSlotsError, taking nothing."""
         if n < 0:

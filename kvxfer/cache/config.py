@@ -14,6 +14,7 @@ from kvxfer.cache.dtypes import dtype_name, itemsize
 from kvxfer.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS, HASH_V2_SHA256_PACKED
 from kvxfer.cache.manager_config import (
     EXTRA_COMMIT_MIN_SNAPSHOT,
+    EXTRA_POOL_RATIO,
     EXTRA_REUSE_MATCH_BACKOFF,
     EXTRA_SLOT_FLOORS,
     EXTRA_STORE_TAIL_BLOCKS,
@@ -417,7 +418,7 @@ def cache_config_of(config: KVCacheManagerConfig) -> CacheConfig:
         raise ConfigError(f"KVCacheManagerConfig.reuse_match_backoff must be an int >= 0, got {backoff!r}")
     extra = ((EXTRA_REUSE_MATCH_BACKOFF, backoff), (EXTRA_COMMIT_MIN_SNAPSHOT, bool(config.commit_min_snapshot)),
              (EXTRA_TEXT_ONLY, bool(config.text_only)), (EXTRA_STORE_TAIL_BLOCKS, True),
-             (EXTRA_SLOT_FLOORS, True))
+             (EXTRA_SLOT_FLOORS, True), (EXTRA_POOL_RATIO, True))
     return CacheConfig(layers=tuple(specs), tokens_per_block=tpb, dtype="uint8", tiers=tuple(tiers),
                        hash_algo=HASH_V2_SHA256_PACKED,
                        enable_partial_reuse=bool(config.enable_partial_reuse), enable_stats=bool(config.enable_stats),

@@ -59,7 +59,7 @@ class CacheOps(Protocol):
 
     def suspend(self, cache: KVCache) -> None: ...
 
-    def resize(self, cache: KVCache, capacity: int) -> None: ...
+    def resize(self, cache: KVCache, capacity: int, history: int | None = None) -> None: ...
 
     def encode_tokens(self, tokens: Any, what: str) -> npt.NDArray[np.int64]: ...
 
@@ -537,7 +537,7 @@ class KVCache:
         if history_length is not None and history < self.record.history:
             self.history_length = history
         try:
-            self._ops.resize(self, capacity)
+            self._ops.resize(self, capacity, history if history_length is not None else None)
         except OutOfSlotsError:
             return False
         self.record.capacity = capacity

@@ -8,7 +8,8 @@ Rules (docs/architecture.md, "Vocabulary"):
   sorted by slot size, largest first;
 - layer groups whose variants have the same ``slot_size_list`` share one pool group (one slot
   allocator), even when their buffer sizes and counts differ (4 x 4096 B and 2 x 8192 B slots);
-- the primary quota is split so that every layer group gets the same number of slots.
+- the primary quota is split so that every layer group gets the same number of slots, unless the
+  caller gives each pool group's slot count (``num_slots``: the ratio planning of ``pool_ratio``).
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ def slot_floors(config: CacheConfig, group_keys: Sequence[tuple[int | None, int,
             for window, sink, recurrent in group_keys]
 
 
-def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLayoutDesc:
+def plan_layout(config: CacheConfig, quota_bytes: int | None = None,
+                num_slots: Sequence[int] | None = None) -> CacheLayoutDesc:
     """The layout of ``config`` with unplaced pools (base address 0) sized to ``quota_bytes``
-    (default: the primary tier's quota)."""
+    (default: the primary tier's quota), or holding ``num_slots[pg]`` slots per pool group."""
     formats = buffer_formats(config)
     # 1. layer groups by (window, sink blocks: sink tokens rounded up to whole blocks), ordered by first
     #    layer id; a group's sink_tokens is its layers' largest (the model's value, what peers compare)
@@ -128,14 +130,17 @@ def plan_layout(config: CacheConfig, quota_bytes: int | None = None) -> CacheLay
     per_layer_group_slots = quota // bytes_per_group_slot
     if dict(config.extra).get(EXTRA_SLOT_FLOORS):
         per_layer_group_slots = max(per_layer_group_slots, max(slot_floors(config, [gk for gk, _ in ordered])))
-    if per_layer_group_slots < 1:
+    if per_layer_group_slots < 1 and num_slots is None:
         raise ConfigError(f"quota_bytes={quota} holds no block: one block of every layer group needs "
                           f"{bytes_per_group_slot} bytes")
+    if num_slots is not None and (len(num_slots) != len(members_of) or any(int(n) < 1 for n in num_slots)):
+        raise ConfigError(f"plan_layout: num_slots must give every one of the {len(members_of)} pool groups "
+                          f"at least one slot, got {list(num_slots)}")
     pool_groups = []
     for pgi, ((sizes, _), members) in enumerate(members_of.items()):
-        num_slots = per_layer_group_slots * len(members)
-        pools = tuple(PoolDesc(pi, 0, size, num_slots, "cpu", 0) for pi, size in enumerate(sizes))
-        pool_groups.append(PoolGroupDesc(pgi, num_slots, SlotDesc(tuple(members)), pools))
+        count = per_layer_group_slots * len(members) if num_slots is None else int(num_slots[pgi])
+        pools = tuple(PoolDesc(pi, 0, size, count, "cpu", 0) for pi, size in enumerate(sizes))
+        pool_groups.append(PoolGroupDesc(pgi, count, SlotDesc(tuple(members)), pools))
     layer_groups = tuple(
         LayerGroupDesc(gi, tuple(ids), gk[0], group_sink[gk], pool_group_of[gi], recurrent=gk[2])
         for gi, (gk, ids) in enumerate(ordered))

@@ -61,11 +61,18 @@ from kvxfer.cache.hashing import (
 )
 from kvxfer.cache.kv_cache import CacheState, KVCache, PriorityCallback
 from kvxfer.cache.layout import place_layout, plan_layout
-from kvxfer.cache.manager_config import EXTRA_REUSE_MATCH_BACKOFF, KVCacheManagerConfig, copy_config
+from kvxfer.cache.manager_config import (
+    EXTRA_POOL_RATIO,
+    EXTRA_REUSE_MATCH_BACKOFF,
+    KVCacheManagerConfig,
+    copy_config,
+)
 from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.memory import MemoryRegion, allocate_pool
 from kvxfer.cache.page_movement import PageMovement
 from kvxfer.cache.pins import PinnedPages
+from kvxfer.cache.pool_ratio import check_batch, check_initial_pool_ratio, planner_for
+from kvxfer.cache.pool_tuner import PoolTuner
 from kvxfer.cache.prefix_reuse import PrefixReuse, check_scope
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree, check_priority
 from kvxfer.cache.recurrent import RecurrentStates
@@ -231,8 +238,19 @@ class CacheLifecycle:
         begin, end = max(old_n, sink), min(int(lo[0]), new_n)
         return (begin, end) if end > begin else (0, 0)
 
-    def resize(self, cache: KVCache, capacity: int) -> None:
-        """Grow or shrink the cache's blocks to hold ``capacity`` tokens (OutOfSlotsError when out of slots)."""
+    def stale_span(self, layer_group: int, old_n: int, new_n: int, history: int | None) -> tuple[int, int]:
+        """Blocks ``[begin, end)`` among the new ones ``[old_n, new_n)`` of a sliding-window group that
+        are already out of the window at ``history`` written tokens: they get no page (as if released)."""
+        lg = self.state.layout.layer_groups[layer_group]
+        if history is None or lg.window is None or lg.recurrent:
+            return 0, 0
+        lo, sink = self.parts.reuse.window_start(layer_group, np.array([history], dtype=np.int64))
+        begin, end = max(old_n, sink), min(int(lo[0]), new_n)
+        return (begin, end) if end > begin else (0, 0)
+
+    def resize(self, cache: KVCache, capacity: int, history: int | None = None) -> None:
+        """Grow or shrink the cache's blocks to hold ``capacity`` tokens (OutOfSlotsError when out of
+        slots); new blocks already out of a sliding window at ``history`` tokens (when given) get no page."""
         with self.state.lock:
             tpb = self.state.layout.tokens_per_block
             new_n = math.ceil(capacity / tpb)
@@ -241,6 +259,9 @@ class CacheLifecycle:
             recurrent = set(self.state.recurrent_groups)    # one state slot each: no pages per block
             spans = [self.scratch_span(cache, g, old_n, new_n, capacity) if new_n > old_n else (0, 0)
                      for g in range(n_lg)]
+            # where no scratch slot stands in, blocks stale at the new history get no page at all
+            stale = [self.stale_span(g, old_n, new_n, history) if new_n > old_n and spans[g] == (0, 0) else (0, 0)
+                     for g in range(n_lg)]
             if new_n > old_n:
                 needs: dict[int, int] = {}
                 for g, (begin, end) in enumerate(spans):
@@ -248,7 +269,8 @@ class CacheLifecycle:
                         continue
                     pg = self.state.lg_pool_group[g]
                     extra_scratch = max(0, (end - begin) - cache.record.scratch[g].size)
-                    needs[pg] = needs.get(pg, 0) + (new_n - old_n) - (end - begin) + extra_scratch
+                    needs[pg] = needs.get(pg, 0) + (new_n - old_n) - (end - begin) + extra_scratch \
+                        - (stale[g][1] - stale[g][0])
                 self.parts.eviction.reserve(needs)
                 for g, (begin, end) in enumerate(spans):
                     if g in recurrent:
@@ -257,6 +279,7 @@ class CacheLifecycle:
                     fresh = np.full(new_n - old_n, -1, dtype=np.int32)
                     real = np.ones(new_n - old_n, dtype=bool)
                     real[begin - old_n:end - old_n] = False
+                    real[stale[g][0] - old_n:stale[g][1] - old_n] = False
                     fresh[real] = alloc.alloc(int(np.count_nonzero(real)))
                     cache.record.blocks[g] = np.concatenate([cache.record.blocks[g], fresh])
                     cache.record.tiers[g] = np.concatenate([cache.record.tiers[g], np.zeros(new_n - old_n, dtype=np.int8)])
@@ -264,7 +287,8 @@ class CacheLifecycle:
                     self.parts.streams.wait_slots(g, fresh, cache.record.stream)
                 # a recurrent layer group counts no page per block (as a block range of scratch positions)
                 self.parts.usage.count_allocation(cache, old_n, new_n, [
-                    (old_n, new_n) if g in recurrent else span for g, span in enumerate(spans)])
+                    (old_n, new_n) if g in recurrent else span if span != (0, 0) else stale[g]
+                    for g, span in enumerate(spans)])
                 if cache.priority_callback is not None:
                     self.prioritize_blocks(cache, old_n, new_n)
             else:
@@ -390,8 +414,10 @@ class CacheLifecycle:
                                                            released_tiers)
 
     def close(self, cache: KVCache) -> None:
-        """Release every page and scratch slot of the cache and commit its pending statistics."""
+        """Release every page and scratch slot of the cache and commit its pending statistics (the
+        auto-tuner samples its length first)."""
         with self.state.lock:
+            self.parts.tuner.on_close(cache)
             self.store_tail(cache)
             for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
                 self.release(g, blocks, tiers, cache.record.stream)
@@ -554,6 +580,7 @@ class ManagerParts:
         self.reuse = PrefixReuse(state, self)
         self.recurrent = RecurrentStates(state, self)
         self.lifecycle = CacheLifecycle(state, self)
+        self.tuner = PoolTuner(state, self)
 
 
 class KVCacheManager:
@@ -587,6 +614,14 @@ class KVCacheManager:
         self._state.digests = DigestTable()
         primary = config.primary
         plan = plan_layout(config)
+        init_cfg = self._state.init_config
+        check_initial_pool_ratio(getattr(init_cfg, "initial_pool_ratio", None), len(plan.layer_groups))
+        #: Slot counts per pool group by ratio (``pool_ratio``); the tuner re-splits with the same planner.
+        self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []))
+        if dict(config.extra).get(EXTRA_POOL_RATIO):
+            granularity = self._state.planner.granularity(primary.quota_bytes)
+            plan = plan_layout(config, num_slots=self._state.planner.slot_counts(
+                primary.quota_bytes, self._state.planner.initial_ratio(init_cfg, granularity), granularity))
         planned = sum(pool.nbytes for pg in plan.pool_groups for pool in pg.pools)
         if planned > primary.quota_bytes:     # slot floors raised the primary level past its quota
             self._state.current = dataclasses.replace(
@@ -601,7 +636,6 @@ class KVCacheManager:
         self._state.allocators = [SlotAllocator(pg.num_slots, f"pool group {pg.pool_group_index}")
                             for pg in self._state.layout.pool_groups]
         self._state.lg_pool_group = [lg.pool_group_index for lg in self._state.layout.layer_groups]
-        _check_initial_pool_ratio(self._state.init_config, len(self._state.layout.layer_groups))
         self._state.tree = PrefixTree(len(self._state.layout.layer_groups), self._state.layout.tokens_per_block)
         self._state.in_tree = [np.zeros(pg.num_slots, dtype=bool) for pg in self._state.layout.pool_groups]
         self._state.events = EventQueue(config.event_queue_capacity, sink=None if event_manager is None else
@@ -667,6 +701,7 @@ class KVCacheManager:
         self._state.cached_tokens_by_level = [0] * len(self._state.tiers)
         self._state.reused_blocks_by_level = {}
         self._parts.usage.sample_usage()
+        self._parts.tuner.start()
 
     # --- published view ---------------------------------------------------------------------
 
@@ -1039,13 +1074,30 @@ class KVCacheManager:
 
     @property
     def need_adjustment(self) -> bool:
-        """Whether ``adjust()`` would change the pool split: never, kvxfer's split changes only by
-        ``rebalance_slots`` or ``resize``."""
-        return False
+        """Whether the auto-tuner asks for a pool re-split: enough closed kv caches sampled
+        (``rebalance_min_sampled_kv_caches``), the cooldown over (``rebalance_cooldown_secs``) and a pool
+        group's share of the primary bytes off its target by more than ``rebalance_ratio_threshold``."""
+        return self._parts.tuner.need_adjustment
 
     def adjust(self) -> None:
-        """Apply a pending pool re-split; with ``need_adjustment`` always False there is none to apply."""
-        return None
+        """Re-split the primary slots between pool groups by the tuner's target ratio (every kv cache
+        suspended or closed: ManagerBusyError otherwise). Pages survive; a pool group that grows gets
+        new memory, so re-read base addresses (``layout``, ``get_mem_pool_base_address``) after it."""
+        self._parts.tuner.adjust()
+
+    @property
+    def resuming_cache_ids(self) -> frozenset[Any]:
+        """Kv caches being resumed now: their primary pages are held in place (no eviction victims)."""
+        return frozenset(self._state.pinned)
+
+    @property
+    def pool_tuner(self) -> PoolTuner:
+        """The auto-tuner part (white-box hooks for ``_introspection``: counters, target ratio)."""
+        return self._parts.tuner
+
+    def compute_slots_for_batch(self, batch: Any) -> list[int]:
+        """The fewest primary slots per pool group that run ``batch`` (a ``BatchDesc``) at once."""
+        return self._state.planner.slots_for_batch(check_batch(batch, "compute_slots_for_batch: batch"))
 
     # --- the parts' public API, as the manager's ----------------------------------------------------
     @property
@@ -1234,20 +1286,3 @@ def check_layer_group(layout: CacheLayoutDesc, layer_group: int) -> None:
     """Raise LayoutError when ``layer_group`` is not a layer group of ``layout``."""
     if not 0 <= layer_group < len(layout.layer_groups):
         raise LayoutError(f"no layer group {layer_group} (have 0..{len(layout.layer_groups) - 1})")
-
-
-def _check_initial_pool_ratio(config: Any, num_layer_groups: int) -> None:
-    """``KVCacheManagerConfig.initial_pool_ratio``: None, or one positive share per layer group summing to 1
-    (ConfigError otherwise). kvxfer sizes its pools from the layers themselves; the shares are validated
-    as the reference validates them."""
-    ratio = getattr(config, "initial_pool_ratio", None)
-    if ratio is None:
-        return
-    values = [float(r) for r in ratio]
-    if len(values) != num_layer_groups:
-        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio length {len(values)} does not match the "
-                          f"{num_layer_groups} layer groups")
-    if not all(v > 0 for v in values):
-        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio values must be positive, got {values}")
-    if abs(sum(values) - 1.0) > 1e-6:
-        raise ConfigError(f"KVCacheManagerConfig.initial_pool_ratio values must sum to 1.0, got {sum(values)}")

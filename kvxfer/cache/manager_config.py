@@ -9,6 +9,7 @@ dtype, tensor-parallel split) builds one with ``CacheConfig.to_manager_config()`
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -28,6 +29,16 @@ EXTRA_STORE_TAIL_BLOCKS = "store_tail_blocks"
 #: (a sliding window: its sink blocks, the window and one more; full attention: the largest of those),
 #: the primary quota raised where it holds fewer (``KVCacheManagerConfig`` managers, as the reference).
 EXTRA_SLOT_FLOORS = "slot_floors"
+#: ``CacheConfig.extra`` flag: the primary slots are split between pool groups by a target ratio
+#: (``kvxfer.cache.pool_ratio``; ``KVCacheManagerConfig`` managers) instead of equally per layer group.
+EXTRA_POOL_RATIO = "pool_ratio"
+
+#: Auto-tuner defaults (``KVCacheManagerConfig.rebalance_*``; ``kvxfer.cache.pool_tuner``).
+DEFAULT_REBALANCE_MIN_SAMPLED_KV_CACHES = 2000
+DEFAULT_REBALANCE_COOLDOWN_SECS = 120.0
+DEFAULT_REBALANCE_TARGET_RATIO_UPDATE_INTERVAL = 100
+DEFAULT_REBALANCE_RATIO_THRESHOLD = 1.25
+DEFAULT_REBALANCE_MOVING_AVERAGE_DECAY = 0.9999
 
 
 @runtime_checkable
@@ -192,6 +203,16 @@ class KVCacheManagerConfig:
     commit_min_snapshot: bool = False
     enable_stats: bool = True
     text_only: bool = False
+    #: Closed kv caches the auto-tuner must have sampled before it asks for a pool re-split.
+    rebalance_min_sampled_kv_caches: int = DEFAULT_REBALANCE_MIN_SAMPLED_KV_CACHES
+    #: Seconds between two re-splits.
+    rebalance_cooldown_secs: float = DEFAULT_REBALANCE_COOLDOWN_SECS
+    #: Newly sampled kv caches between two recomputations of the target ratio.
+    rebalance_target_ratio_update_interval: int = DEFAULT_REBALANCE_TARGET_RATIO_UPDATE_INTERVAL
+    #: How far (a factor, > 1) a pool group's share may drift from its target before a re-split.
+    rebalance_ratio_threshold: float = DEFAULT_REBALANCE_RATIO_THRESHOLD
+    #: Decay of the moving averages of request lengths the target ratio is computed from, in (0, 1).
+    rebalance_moving_average_decay: float = DEFAULT_REBALANCE_MOVING_AVERAGE_DECAY
 
     @property
     def enable_swa_scratch_reuse(self) -> bool:
@@ -203,6 +224,31 @@ class KVCacheManagerConfig:
             raise ConfigContractError("KVCacheManagerConfig: commit_min_snapshot must be True when SSM layers "
                                       "(SsmLayerConfig) are present: a recurrent state is only reusable where a "
                                       "commit ended")
+        _check_rebalance(self)
+
+
+def _check_rebalance(config: KVCacheManagerConfig) -> None:
+    """ConfigContractError (a ConfigError and an AssertionError, as the reference asserts) naming the
+    first invalid ``rebalance_*`` field and its value."""
+    def bad(name: str, rule: str) -> ConfigContractError:
+        return ConfigContractError(f"KVCacheManagerConfig.{name} must be {rule}, got {getattr(config, name)!r}")
+
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_real(v: object) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not is_int(config.rebalance_min_sampled_kv_caches) or config.rebalance_min_sampled_kv_caches < 0:
+        raise bad("rebalance_min_sampled_kv_caches", "an int >= 0")
+    if not is_real(config.rebalance_cooldown_secs) or config.rebalance_cooldown_secs < 0:
+        raise bad("rebalance_cooldown_secs", "a finite number >= 0")
+    if not is_int(config.rebalance_target_ratio_update_interval) or config.rebalance_target_ratio_update_interval <= 0:
+        raise bad("rebalance_target_ratio_update_interval", "an int > 0")
+    if not is_real(config.rebalance_ratio_threshold) or not config.rebalance_ratio_threshold > 1.0:
+        raise bad("rebalance_ratio_threshold", "a finite number > 1")
+    if not is_real(config.rebalance_moving_average_decay) or not 0.0 < config.rebalance_moving_average_decay < 1.0:
+        raise bad("rebalance_moving_average_decay", "a number in (0, 1)")
 
 
 def copy_config(config: KVCacheManagerConfig) -> KVCacheManagerConfig:

@@ -25,6 +25,7 @@ from kvxfer.cache.manager_config import (
     EXTRA_STORE_TAIL_BLOCKS,
     KVCacheManagerConfig,
 )
+from kvxfer.cache.pool_ratio import PoolRatioPlanner
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree
 from kvxfer.cache.stats import ReusedBlocksByLevel, StatsCollector, TierTrafficCounter
 from kvxfer.cache.streams import SlotReadiness
@@ -78,6 +79,8 @@ class ManagerState:
     disk_prefetch_blocks: int
     cached_tokens_by_level: list[int]
     reused_blocks_by_level: dict[LifeCycleId, ReusedBlocksByLevel]
+    #: Slot counts per pool group by ratio (``pool_ratio``), for the initial split and the tuner.
+    planner: PoolRatioPlanner
 
     @property
     def current_config(self) -> CacheConfig:

@@ -67,6 +67,12 @@ class SlotReadiness:
         self._next = 0
         self._gc_at = _GC_THRESHOLD
 
+    def grow(self, pool_group: int, num_slots: int) -> None:
+        """Track ``num_slots`` slots of a pool group that grew (the new ones have no last user)."""
+        ids = self._ids[pool_group]
+        if num_slots > ids.size:
+            self._ids[pool_group] = np.concatenate([ids, np.full(num_slots - ids.size, -1, dtype=np.int64)])
+
     def stamp(self, pool_group: int, slots: npt.ArrayLike, stream: Any) -> None:
         """Record an event on ``stream`` now and make it the readiness of ``slots`` (ids < 0 ignored)."""
         ids = np.asarray(slots, dtype=np.int64)

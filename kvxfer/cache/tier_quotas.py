@@ -15,11 +15,13 @@ import torch
 from kvxfer.cache import tiers as tier_storage
 from kvxfer.cache.config import DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.kv_cache import KVCache
-from kvxfer.cache.layout import plan_layout
+from kvxfer.cache.layout import place_layout, plan_layout
+from kvxfer.cache.manager_config import EXTRA_POOL_RATIO
 from kvxfer.cache.manager_state import ManagerState
+from kvxfer.cache.memory import allocate_pool
 from kvxfer.cache.radix_tree import BlockNode
 from kvxfer.cache.stats import TierTraffic
-from kvxfer.cache.tiers import DiskTierStorage, TierStats, TierStorage
+from kvxfer.cache.tiers import DiskTierStorage, TierStats, TierStorage, primary_tier_of
 from kvxfer.errors import ConfigError, TierError
 
 IntArray = npt.NDArray[np.int32]
@@ -128,6 +130,16 @@ class TierQuotas:
                 if isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or not 0 < quota_bytes <= limit:
                     raise TierError(f"resize_quota: the primary quota must be an int in (0, {limit}] (the registered "
                                     f"pools' size; they cannot grow), got {quota_bytes!r}")
+                if dict(self.state.config.extra).get(EXTRA_POOL_RATIO):
+                    # split by the auto-tuner's target ratio, the floors kept (the reference's re-split)
+                    planner = self.state.planner
+                    grain = planner.granularity(quota_bytes)
+                    if quota_bytes < planner.min_quota(grain):
+                        raise TierError(f"resize_quota: primary quota {quota_bytes} is below the "
+                                        f"{planner.min_quota(grain)} bytes the slot floors and constraints need")
+                    counts = planner.slot_counts(quota_bytes, self.parts.tuner.target_gpu_ratio, grain)
+                    self.resize_primary_slots(counts, quota_bytes, "resize_quota")
+                    return
                 try:
                     plan = plan_layout(dataclasses.replace(self.state.config, tiers=(PrimaryTier(
                         quota_bytes, self.state.config.primary.device),)))
@@ -179,6 +191,60 @@ class TierQuotas:
                 raise TierError(f"rebalance_slots: {counts} slots take {nbytes} bytes, more than the primary "
                                 f"quota of {quota} bytes")
             self.rebalance([int(n) for n in counts], quota)
+
+    def resize_primary_slots(self, counts: Sequence[int], quota_bytes: int | None = None,
+                             what: str = "adjust") -> None:
+        """Give every primary pool group ``counts[pg]`` usable slots (the auto-tuner's re-split; no kv
+        cache active). Shrinking ones first: pages above the new count are evicted or moved below it
+        (their memory stays registered); then growing ones past their registered slots get a larger
+        pool each, the old bytes copied so every slot keeps its id (new base addresses, published in
+        ``layout``). The primary quota becomes ``quota_bytes`` (default: unchanged), at least the bytes
+        of the new counts."""
+        with self.state.lock:
+            self.state.check_no_active(what)
+            want = [int(n) for n in counts]
+            if len(want) != len(self.state.allocators) or any(n < 1 for n in want):
+                raise TierError(f"{what}: need one slot count >= 1 per pool group "
+                                f"({len(self.state.allocators)}), got {want}")
+            nbytes = sum(n * b for n, b in zip(want, self.state.page_bytes, strict=True))
+            quota = max(self.state.current.primary.quota_bytes if quota_bytes is None else quota_bytes, nbytes)
+            self.rebalance([min(n, a.num_slots) for n, a in zip(want, self.state.allocators, strict=True)], quota)
+            grown = False
+            for pg, n in enumerate(want):
+                if n > self.state.allocators[pg].num_slots:
+                    self.grow_pool_group(pg, n)
+                    grown = True
+            if grown:
+                self.state.tiers[0] = primary_tier_of(self.parts.manager)
+                self.parts.usage.sample_usage()
+
+    def grow_pool_group(self, pool_group: int, num_slots: int) -> None:
+        """Reallocate a primary pool group's pools for ``num_slots`` slots, copying the old bytes (slot
+        ids unchanged), and republish the layout with the new base addresses and slot count."""
+        old_pools = self.state.pools[pool_group]
+        device = self.state.device
+        if device.type == "cuda":       # the old pools' last writers are done before they are read
+            torch.cuda.synchronize(device)
+        pg_desc = self.state.layout.pool_groups[pool_group]
+        new_pools = []
+        for pool, raw in zip(pg_desc.pools, old_pools, strict=True):
+            fresh = allocate_pool(num_slots * pool.slot_bytes, str(device))
+            fresh[:raw.numel()].copy_(raw)
+            new_pools.append(fresh)
+        self.state.pools[pool_group] = new_pools
+        grown = dataclasses.replace(pg_desc, num_slots=num_slots, pools=tuple(
+            dataclasses.replace(p, num_slots=num_slots) for p in pg_desc.pools))
+        groups = list(self.state.layout.pool_groups)
+        groups[pool_group] = grown
+        first = pg_desc.pools[0]
+        bases = [[int(t.data_ptr()) for t in group] for group in self.state.pools]
+        self.state.layout = place_layout(dataclasses.replace(self.state.layout, pool_groups=tuple(groups)),
+                                         bases, first.memory_kind, first.device_id)
+        self.state.allocators[pool_group].grow(num_slots)
+        in_tree = self.state.in_tree[pool_group]
+        self.state.in_tree[pool_group] = np.concatenate([in_tree, np.zeros(num_slots - in_tree.size, dtype=bool)])
+        if self.state.readiness is not None:
+            self.state.readiness.grow(pool_group, num_slots)
 
     def rebalance(self, counts: list[int], quota_bytes: int) -> None:
         """Make ``counts[pg]`` the usable primary slots of each pool group (see rebalance_slots)."""

@@ -182,6 +182,7 @@ def test_a_suspended_state_is_offloaded_and_comes_back_intact() -> None:
 def test_clamp_max_seq_len_counts_one_state_slot_per_sequence() -> None:
     cfg = config(quota=64 << 10, attn_layers=1, ssm_layers=1, state_size=4096)
     cfg.layers[0].sliding_window_size = 2 * TPB     # the window holds 3 blocks of a sequence of any length
+    cfg.initial_pool_ratio = [1 / 9, 8 / 9]         # byte shares 512 : 4096, about as many slots each
     mgr = KVCacheManager(cfg)
     state_slots = mgr.get_storage_statistics()[mgr.layout.layer_groups[1].pool_group_index].total
     assert mgr.clamp_max_seq_len_for_mem(1, 1 << 20) == 1 << 20       # a state never limits a length

@@ -1,0 +1,174 @@
+"""The pool auto-tuner: watches the lengths of closing requests and re-splits the primary slots
+between pool groups when the split drifts from what those requests need.
+
+Each closing kv cache (unless its statistics are excluded: warm-up and padding requests reserve the
+model's whole context and would skew the averages) feeds moving averages of its squared capacity and
+history length (squared: long requests also live long, and are sampled only once) and of its reused
+prefix. Every ``rebalance_target_ratio_update_interval`` samples the target ratio becomes the bytes an
+average request needs per pool group, with the floors applied. ``need_adjustment`` is true once
+enough requests were sampled, the cooldown has passed and some pool group's share is off its target
+by more than ``rebalance_ratio_threshold``; ``adjust()`` then moves the slots (all kv caches suspended).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvxfer.cache.kv_cache import KVCache
+from kvxfer.cache.manager_config import (
+    DEFAULT_REBALANCE_COOLDOWN_SECS,
+    DEFAULT_REBALANCE_MIN_SAMPLED_KV_CACHES,
+    DEFAULT_REBALANCE_MOVING_AVERAGE_DECAY,
+    DEFAULT_REBALANCE_RATIO_THRESHOLD,
+    DEFAULT_REBALANCE_TARGET_RATIO_UPDATE_INTERVAL,
+)
+from kvxfer.cache.manager_state import ManagerState
+from kvxfer.cache.pool_ratio import normalized
+from kvxfer.errors import ConfigError
+
+
+class MovingAverage:
+    """An exponentially weighted average whose early values are not biased towards zero: the weight
+    of the past decays by ``decay`` per update and the average is normalised by the total weight."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = float(decay)
+        self.value = 0.0
+        self.weight = 0.0
+        self.num_updates = 0
+
+    def update(self, value: float) -> float:
+        """Fold ``value`` in; returns the new average."""
+        self.weight = 1.0 + self.decay * self.weight
+        self.value += (float(value) - self.value) / self.weight
+        self.num_updates += 1
+        return self.value
+
+
+class PoolTuner:
+    """The auto-tuner part of the manager: samples, target ratio, gates and the re-split."""
+
+    def __init__(self, state: ManagerState, parts: Any) -> None:
+        """``parts``: the manager's ``ManagerParts`` (the re-split goes through its tier-quota part)."""
+        self.state = state
+        self.parts = parts
+        self.min_sampled = DEFAULT_REBALANCE_MIN_SAMPLED_KV_CACHES
+        self.cooldown_secs = DEFAULT_REBALANCE_COOLDOWN_SECS
+        self.update_interval = DEFAULT_REBALANCE_TARGET_RATIO_UPDATE_INTERVAL
+        self.ratio_threshold = DEFAULT_REBALANCE_RATIO_THRESHOLD
+        decay = DEFAULT_REBALANCE_MOVING_AVERAGE_DECAY
+        self.avg_reused_length = MovingAverage(decay)
+        self.avg_sqr_capacity = MovingAverage(decay)
+        self.avg_sqr_history_length = MovingAverage(decay)
+        self.target_gpu_ratio: list[float] = []
+        self.num_sampled = 0
+        self.last_update_num_sampled = 0
+        self.last_adjustment_time = time.monotonic()
+
+    def start(self) -> None:
+        """Read the gates from the manager's configuration and take the current split as the target
+        (called once the pools exist)."""
+        cfg = self.state.init_config
+        self.min_sampled = int(cfg.rebalance_min_sampled_kv_caches)
+        self.cooldown_secs = float(cfg.rebalance_cooldown_secs)
+        self.update_interval = int(cfg.rebalance_target_ratio_update_interval)
+        self.ratio_threshold = float(cfg.rebalance_ratio_threshold)
+        decay = float(cfg.rebalance_moving_average_decay)
+        self.avg_reused_length = MovingAverage(decay)
+        self.avg_sqr_capacity = MovingAverage(decay)
+        self.avg_sqr_history_length = MovingAverage(decay)
+        self.target_gpu_ratio = self.current_gpu_ratio()
+        self.last_adjustment_time = time.monotonic()
+
+    # --- observation ---------------------------------------------------------------------------------
+    def current_gpu_ratio(self) -> list[float]:
+        """Each primary pool group's share of the primary bytes in use (usable slots times slot bytes)."""
+        sizes = [a.usable * b for a, b in zip(self.state.allocators, self.state.page_bytes, strict=True)]
+        total = sum(sizes)
+        return [s / total if total else 0.0 for s in sizes]
+
+    def on_close(self, cache: KVCache) -> None:
+        """Sample a closing kv cache (not one whose statistics are excluded, nor one that never held a
+        token) and recompute the target when enough new samples came in."""
+        if cache.capacity <= 0 or self.parts.usage.is_stats_excluded(cache.id):
+            return
+        self.avg_sqr_capacity.update(float(cache.capacity) ** 2)
+        self.avg_sqr_history_length.update(float(cache.history_length) ** 2)
+        self.avg_reused_length.update(float(cache.num_reused_tokens))
+        self.num_sampled += 1
+        self.update_target()
+
+    def update_target(self) -> None:
+        """Recompute the target ratio from the averages (every ``update_interval`` samples)."""
+        if self.num_sampled - self.last_update_num_sampled < self.update_interval:
+            return
+        self.last_update_num_sampled = self.num_sampled
+        capacity = round(math.sqrt(self.avg_sqr_capacity.value))
+        history = round(math.sqrt(self.avg_sqr_history_length.value))
+        if capacity <= 0:
+            return
+        planner = self.state.planner
+        quota = self.state.current.primary.quota_bytes
+        ratio = planner.ratio_from_length(history, capacity)
+        self.target_gpu_ratio = planner.constrain(ratio, quota, planner.granularity(quota))
+
+    # --- the gates -----------------------------------------------------------------------------------
+    def off_target(self) -> bool:
+        """Whether some pool group's share differs from its target by more than the threshold factor."""
+        t = self.ratio_threshold
+        for want, have in zip(self.target_gpu_ratio, self.current_gpu_ratio(), strict=True):
+            if have <= 0 or want <= 0:
+                if have != want:
+                    return True
+                continue
+            if not 1.0 / t < want / have < t:
+                return True
+        return False
+
+    @property
+    def need_adjustment(self) -> bool:
+        """Enough samples, past the cooldown, and off target."""
+        with self.state.lock:
+            if self.num_sampled < self.min_sampled:
+                return False
+            if time.monotonic() - self.last_adjustment_time < self.cooldown_secs:
+                return False
+            return self.off_target()
+
+    def adjust(self) -> None:
+        """Re-split the primary slots by the target ratio when off target (ManagerBusyError while a kv
+        cache is active); pages above a shrinking pool group's new count are evicted or moved below it,
+        a growing pool group's memory is reallocated (its base addresses change). The cooldown restarts."""
+        with self.state.lock:
+            self.state.check_no_active("adjust")
+            if self.off_target():
+                quota = self.state.current.primary.quota_bytes
+                counts = self.state.planner.slot_counts(quota, self.target_gpu_ratio,
+                                                               self.state.planner.granularity(quota))
+                self.parts.quotas.resize_primary_slots(counts)
+            self.last_adjustment_time = time.monotonic()
+
+    # --- white-box hooks (``_introspection``) ---------------------------------------------------------
+    def set_num_sampled(self, value: int) -> None:
+        """Set the sampled-kv-cache counter the first gate reads."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"set_num_sampled_kv_caches: value must be an int >= 0, got {value!r}")
+        with self.state.lock:
+            self.num_sampled = value
+
+    def set_last_adjustment_time(self, value: float) -> None:
+        """Set the ``time.monotonic()`` of the last re-split the cooldown counts from."""
+        with self.state.lock:
+            self.last_adjustment_time = float(value)
+
+    def set_target_ratio(self, ratios: Sequence[float]) -> None:
+        """Override the target primary ratio (one positive share per pool group)."""
+        values = [float(r) for r in ratios]
+        if len(values) != len(self.state.allocators) or any(not v > 0 for v in values):
+            raise ConfigError(f"set_target_ratio_list_gpu: need {len(self.state.allocators)} positive shares, "
+                              f"got {values}")
+        with self.state.lock:
+            self.target_gpu_ratio = normalized(values)
