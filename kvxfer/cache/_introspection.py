@@ -163,13 +163,15 @@ def _reuse_match(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[
 
 def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt], lc_id: int,
                       enable_partial: bool = False) -> tuple[int, list[tuple[int, int | None] | None]]:
-    """Match ``tokens`` against the prefix tree: (tokens matched, per matched block ``(slot, tokens in
-    the block)`` of layer group ``lc_id``'s page, or None where that block has no page there)."""
+    """Match ``tokens`` against the prefix tree: (tokens matched, per matched block ``(slot, tokens its
+    page holds)`` of layer group ``lc_id``'s page, or None where that block has no page there). An
+    attention page holds a prefix of its block; a recurrent snapshot is the state after exactly that
+    many tokens of it."""
     num_tokens, nodes = _reuse_match(manager, reuse_scope, tokens, enable_partial, "reuse_match_pages")
     pages: list[tuple[int, int | None] | None] = []
     for node in nodes:
         page = int(node.pages[lc_id])
-        pages.append(None if page < 0 else (page, int(node.tokens.size)))
+        pages.append(None if page < 0 else (page, node.page_coverage(lc_id)))
     return num_tokens, pages
 
 
