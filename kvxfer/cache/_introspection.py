@@ -120,6 +120,13 @@ def is_commit_allowed(kv_cache: Any) -> bool:
     return bool(kv_cache.commit_allowed)
 
 
+def committed_page_is_linked(kv_cache: Any, ordinal: int, lc_id: int) -> bool | None:
+    """Whether the kv cache's page of block ``ordinal`` in life cycle ``lc_id`` is still a prefix-tree
+    block's page (None: no page there, or an uncommitted one). A page a wider one replaced in its block
+    is no longer tied to that block, so nothing reaches the block through it once the block goes."""
+    return kv_cache.manager.lifecycle.committed_page_in_tree(kv_cache, ordinal, lc_id)
+
+
 def all_tree_pages_droppable(manager: Any) -> bool:
     """Whether only the prefix tree holds every page of every tree block (no request shares one)."""
     pg_of = manager.get_life_cycle_pool_group_indices(0)

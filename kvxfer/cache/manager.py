@@ -449,6 +449,20 @@ class CacheLifecycle:
             return PlannedDropHandle(lambda: self.drop_pages(pairs))
         return PlannedDropHandle(lambda: self.drop_chain(nodes))
 
+    def committed_page_in_tree(self, cache: KVCache, ordinal: int, layer_group: int) -> bool | None:
+        """Whether the cache's page of block ``ordinal`` in ``layer_group`` is a prefix-tree block's page
+        now (None: no page there, or the block holds no committed token). A committed page stops being
+        one when a wider page replaces it in its block, or its block leaves the tree: the request then
+        holds it as a private page, tied to no block."""
+        with self.state.lock:
+            blocks, tiers = cache.record.blocks[layer_group], cache.record.tiers[layer_group]
+            if layer_group in self.state.recurrent_groups or not 0 <= ordinal < blocks.size \
+                    or blocks[ordinal] < 0 or ordinal * self.state.layout.tokens_per_block >= cache.num_committed_tokens:
+                return None
+            pg = self.state.lg_pool_group[layer_group]
+            owner = self.state.tree_owner[int(tiers[ordinal])][pg].get(int(blocks[ordinal]))
+            return owner is not None and not owner[0].removed
+
     def planned_drop_count(self, node: BlockNode, layer_group: int) -> int:
         """Open planned drops naming ``node``'s page of ``layer_group``."""
         return self.state.planned_drops.get((id(node), layer_group), 0)

@@ -609,10 +609,16 @@ class PrefixReuse:
                            tiers: TierArray) -> None:
         """The tree lets go of the sliding-window pages a request just released for blocks
         [start, start + len(released)) once no other request holds them (the node keeps -1 there),
-        so window memory is not pinned by the tree; a node left without pages is requeued. One
-        reference drop per tier, one Removed per run of blocks of one medium."""
+        so window memory is not pinned by the tree; a node left without pages is requeued. Blocks the
+        request reused from the tree keep their pages: they are what earlier requests entered, and
+        other endpoints may need them. One reference drop per tier, one Removed per run of blocks of
+        one medium."""
         pg = self.state.lg_pool_group[layer_group]
-        nodes = cache.record.tree_nodes[start:start + released.size]
+        reused = cache.num_reused_tokens // self.state.layout.tokens_per_block
+        if start + released.size <= reused:
+            return
+        skip = max(0, reused - start)
+        nodes = [None] * skip + cache.record.tree_nodes[start + skip:start + released.size]
         drops: dict[int, list[int]] = {}
         run: list[bytes]
         groups = layer_group_subset([i == layer_group for i in range(len(self.state.layout.layer_groups))])
