@@ -610,11 +610,12 @@ class PrefixReuse:
         """The tree lets go of the sliding-window pages a request just released for blocks
         [start, start + len(released)) once no other request holds them (the node keeps -1 there),
         so window memory is not pinned by the tree; a node left without pages is requeued. Blocks the
-        request reused from the tree keep their pages: they are what earlier requests entered, and
-        other endpoints may need them. One reference drop per tier, one Removed per run of blocks of
-        one medium."""
+        request reused from the tree keep their pages unless ``drops_reused_window_pages``: they are
+        what earlier requests entered, and other endpoints may need them. One reference drop per tier,
+        one Removed per run of blocks of one medium."""
         pg = self.state.lg_pool_group[layer_group]
-        reused = cache.num_reused_tokens // self.state.layout.tokens_per_block
+        reused = 0 if self.state.drops_reused_window_pages else \
+            cache.num_reused_tokens // self.state.layout.tokens_per_block
         if start + released.size <= reused:
             return
         skip = max(0, reused - start)
