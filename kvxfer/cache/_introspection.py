@@ -124,7 +124,8 @@ def committed_page_is_linked(kv_cache: Any, ordinal: int, lc_id: int) -> bool | 
     """Whether the kv cache's page of block ``ordinal`` in life cycle ``lc_id`` is still a prefix-tree
     block's page (None: no page there, or an uncommitted one). A page a wider one replaced in its block
     is no longer tied to that block, so nothing reaches the block through it once the block goes."""
-    return kv_cache.manager.lifecycle.committed_page_in_tree(kv_cache, ordinal, lc_id)
+    linked: bool | None = kv_cache.manager.lifecycle.committed_page_in_tree(kv_cache, ordinal, lc_id)
+    return linked
 
 
 def all_tree_pages_droppable(manager: Any) -> bool:
@@ -162,7 +163,7 @@ def _reuse_match(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[
     root = scope.root_key_for(algo)
     arr = manager.lifecycle.encode_tokens(list(tokens), caller)
     keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
-    match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
+    match = manager.prefix_tree.match(root, keys, arr, exact_only=not enable_partial)
     nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
     num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if match.partial else 0)
     return num_tokens, nodes

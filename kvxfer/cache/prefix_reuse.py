@@ -117,8 +117,8 @@ class PrefixReuse:
         limit = tokens.size - holdback
         backoff = self.state.reuse_match_backoff
         if backoff:     # trim the raw walk (what the tree holds), then keep what every layer group can use
-            match = self.state.tree.match(root_key, keys, tokens if self.state.config.enable_partial_reuse else None,
-                                          max_tokens=max(limit, 0))
+            match = self.state.tree.match(root_key, keys, tokens, max_tokens=max(limit, 0),
+                                          exact_only=not self.state.config.enable_partial_reuse)
             partial = match.partial_tokens if match.partial is not None and len(match.nodes) not in extras else 0
             limit = len(match.nodes) * self.state.layout.tokens_per_block + partial - backoff
         return self.plan_reuse(root_key, keys, tokens, extras, limit)
@@ -132,8 +132,8 @@ class PrefixReuse:
         none = _ReusePlan(0, (), None, np.empty((0, n_lg), dtype=np.int32), np.empty((0, n_lg), dtype=np.int8))
         if max_tokens <= 0:
             return none
-        match = self.state.tree.match(root_key, keys, tokens if self.state.config.enable_partial_reuse else None,
-                                 max_tokens=max_tokens)
+        match = self.state.tree.match(root_key, keys, tokens, max_tokens=max_tokens,
+                                      exact_only=not self.state.config.enable_partial_reuse)
         nodes = match.nodes
         partial = match.partial if len(nodes) not in extras else None
         walked = len(nodes) * tpb + (match.partial_tokens if partial is not None else 0)
@@ -390,47 +390,106 @@ class PrefixReuse:
             self.mark_tree_pages(node, [lg])
             self.state.allocators[self.state.lg_pool_group[lg]].decref(np.array([slot], dtype=np.int32))
 
-    def enter_tail(self, cache: KVCache) -> BlockNode | None:
+    def enter_tail(self, cache: KVCache, *, share_state: bool = False) -> BlockNode | None:
         """Enter the cache's partial last committed block (its committed tokens end inside a block)
         into the tree as a tail block: a leaf holding those tokens and the cache's pages of that block,
-        keyed by the chain key of its tokens, with one Stored event. When a sibling already begins with
-        the same tokens (a longer or equal block covers them) no block is added: the sibling takes the
-        cache's page of each layer group where its own holds fewer tokens (or it has none), so this
-        endpoint stays reusable. A shorter tail sibling the new block continues is replaced by it
-        (``absorb``). Returns the block that took pages (None: nothing entered; the block before is not
-        in the tree, or every page is already the tree's). The cache must not write into the block
-        afterwards (it is closing)."""
-        if self.state.recurrent_groups:   # a tail block would need a state snapshot at its end: none is taken
-            return None
+        keyed by the chain key of its tokens, with one Stored event. A recurrent layer group's page is
+        a snapshot of the cache's state there: a copy, or (``share_state``, when no commit follows)
+        the state slot itself, which the cache then holds as the tree's (a later resume gives it a
+        private copy). When a sibling already begins with the same tokens (a longer or equal block
+        covers them) no block is added: the sibling takes the cache's page of each layer group where its
+        own holds fewer tokens (or it has none), so this endpoint stays reusable. A shorter tail sibling
+        the new block continues is replaced by it (``absorb``). Returns the block that took pages (None:
+        nothing entered; the block before is not in the tree, or every page is already the tree's).
+        Attention pages stay the cache's too: it writes only past the tokens the tree's page holds."""
         tpb = self.state.layout.tokens_per_block
+        recurrent = self.state.recurrent_groups
+        attn = [lg for lg in range(len(cache.record.blocks)) if lg not in recurrent]
         n = cache.num_committed_tokens
         full, rem = divmod(n, tpb)
-        if rem == 0 or len(cache.record.tree_nodes) != full or full >= cache.record.blocks[0].size:
+        if rem == 0 or len(cache.record.tree_nodes) != full or not attn \
+                or full >= cache.record.blocks[attn[0]].size:
             return None
         parent = cache.record.tree_nodes[full - 1] if full else None
         if full and (parent is None or parent.removed):
             return None
         tail = cache.record.tokens[full * tpb:n]
         extra = full in cache.record.extra_keys
-        pages = np.array([int(blocks[full]) for blocks in cache.record.blocks], dtype=np.int32)
-        tiers = np.array([int(t[full]) for t in cache.record.tiers], dtype=np.int8)
-        for lg in np.flatnonzero(pages >= 0).tolist():     # a page the tree has already stays where it is
-            if self.state.in_tree_t[int(tiers[lg])][self.state.lg_pool_group[lg]][int(pages[lg])]:
-                pages[lg] = -1
         covering, shorter = self.tail_siblings(cache.record.root_key, parent, tail, extra)
-        if covering is not None:
-            took = [lg for lg in np.flatnonzero(pages >= 0).tolist()
-                    if self.install_page(covering, lg, int(pages[lg]), int(tiers[lg]), rem, cache)]
-            self.state.tree.touch(covering)
-            return covering if took else None
-        if not (pages >= 0).any():
-            return None
+        n_lg = len(cache.record.blocks)
+        pages = np.full(n_lg, -1, dtype=np.int32)
+        tiers = np.zeros(n_lg, dtype=np.int8)
+        for lg in attn:
+            page, tier = int(cache.record.blocks[lg][full]), int(cache.record.tiers[lg][full])
+            if page < 0:
+                continue
+            pg = self.state.lg_pool_group[lg]
+            if self.state.in_tree_t[tier][pg][page]:
+                owner = self.state.tree_owner[tier][pg].get(page)
+                if owner is None or owner[0] is not shorter or covering is not None:
+                    continue                # a page the tree has already stays where it is
+                self.unlink_page(shorter, lg)   # the cache's own earlier endpoint: this one holds more
+            pages[lg], tiers[lg] = page, tier
+        target = covering
+        shared: list[int] = []
+        for lg in recurrent:
+            if target is not None and target.page_coverage(lg) >= rem:
+                continue
+            slot = self.snapshot_slot(cache, lg, share_state)
+            if slot >= 0:
+                pages[lg] = slot
+                shared.append(lg)
+        try:
+            if covering is not None:
+                took = [lg for lg in np.flatnonzero(pages >= 0).tolist()
+                        if self.install_page(covering, lg, int(pages[lg]), int(tiers[lg]), rem, cache)]
+                self.state.tree.touch(covering)
+                if took:
+                    cache.record.tail_node = covering
+                return covering if took else None
+            if not (pages >= 0).any():
+                return None
+            node = self.insert_tail(cache, parent, tail, pages, tiers)
+        finally:
+            for lg in shared:       # the tree took its own reference (or none): the snapshot's goes
+                self.release_snapshot(cache, lg, int(pages[lg]), share_state)
+        if shorter is not None:
+            self.absorb(node, shorter, cache.reuse_scope.lora_id)
+        cache.record.tail_node = node
+        return node
+
+    def snapshot_slot(self, cache: KVCache, layer_group: int, share: bool) -> int:
+        """A slot holding the cache's recurrent state of ``layer_group`` now, with a reference the caller
+        gives back through ``release_snapshot``: the live state slot itself (``share``) or a copy of
+        it; -1 when there is none."""
+        if not share:
+            return int(self.parts.recurrent.take_snapshot(cache, layer_group))
+        live = cache.record.blocks[layer_group]
+        if live.size == 0 or layer_group in cache.record.ssm_shared or int(cache.record.tiers[layer_group][0]) != 0:
+            return -1
+        return int(live[0])
+
+    def release_snapshot(self, cache: KVCache, layer_group: int, slot: int, shared: bool) -> None:
+        """Give back ``snapshot_slot``'s reference: a copy's own reference goes; a shared state slot the
+        tree took becomes, for the cache, the tree's snapshot (copied into a private slot at resume)."""
+        pg = self.state.lg_pool_group[layer_group]
+        if not shared:
+            self.state.allocators[pg].decref(np.array([slot], dtype=np.int32))
+        elif self.state.in_tree_t[0][pg][slot]:
+            cache.record.ssm_shared.add(layer_group)
+
+    def insert_tail(self, cache: KVCache, parent: BlockNode | None, tail: TokenArray, pages: IntArray,
+                    tiers: TierArray) -> BlockNode:
+        """Add the tail block of ``tail`` under ``parent`` with ``pages`` (each holding all of it), give
+        the tree its references and emit its Stored event."""
+        tpb = self.state.layout.tokens_per_block
+        full, rem = divmod(cache.num_committed_tokens, tpb)
         parent_key = parent.key if parent is not None else cache.record.root_key
         key = block_keys(tail, rem, parent_key, first_block=full, extra_keys=cache.record.extra_keys,
                          algo=self.state.key_algo, scope=cache.reuse_scope, digests=self.state.digests)[0]
         priority = cache.record.block_priority.get(full, DEFAULT_PRIORITY)
-        node = self.state.tree.insert(cache.record.root_key, parent, key, tail, pages, has_extra_key=extra,
-                                      priority=priority)
+        node = self.state.tree.insert(cache.record.root_key, parent, key, tail, pages,
+                                      has_extra_key=full in cache.record.extra_keys, priority=priority)
         node.tiers[:] = tiers
         live = np.flatnonzero(pages >= 0).tolist()
         self.mark_tree_pages(node, live)
@@ -441,8 +500,6 @@ class PrefixReuse:
         self.state.events.put(Stored(None if parent is None else parent.key, (key,), tuple(tail.tolist()), tpb,
                                      scope.lora_id, medium,
                                      stored_extra_keys(full, 1, scope.salt, cache.record.extra_keys), groups))
-        if shorter is not None:
-            self.absorb(node, shorter, cache.reuse_scope.lora_id)
         return node
 
     def tail_siblings(self, root_key: bytes, parent: BlockNode | None, tokens: TokenArray,
@@ -538,13 +595,17 @@ class PrefixReuse:
         parent = cache.record.tree_nodes[first - 1] if first > 0 else None
         toks = cache.record.tokens
         live = [np.flatnonzero(pages[:, lg] >= 0) for lg in range(pages.shape[1])]
+        _, shorter = self.tail_siblings(cache.record.root_key, parent, toks[first * tpb:(first + 1) * tpb],
+                                        first in cache.record.extra_keys)
+        if shorter is not None:     # the cache's own earlier endpoint in this block: its pages come along
+            for lg in range(pages.shape[1]):
+                if pages[0, lg] >= 0 and int(shorter.pages[lg]) == int(pages[0, lg]) and shorter.tiers[lg] == 0:
+                    self.unlink_page(shorter, lg)
         for lg, rows in enumerate(live):       # a new block's page cannot be a tree page already
             pg = self.state.lg_pool_group[lg]
             taken = pages[rows, lg][self.state.in_tree_t[0][pg][pages[rows, lg]]]
             if taken.size:
                 raise KVCacheError(f"pool group {pg}: slot {int(taken[0])} of tier 0 is already a tree page")
-        _, shorter = self.tail_siblings(cache.record.root_key, parent, toks[first * tpb:(first + 1) * tpb],
-                                        first in cache.record.extra_keys)
         nodes = self.state.tree.insert_chain(cache.record.root_key, parent, keys, toks[first * tpb:stop * tpb].reshape(n, tpb),
                                         pages, [b in cache.record.extra_keys for b in range(first, stop)], priority=priority)
         cache.record.tree_nodes.extend(nodes)
@@ -647,14 +708,15 @@ class PrefixReuse:
 
     def window_nodes(self, cache: KVCache) -> list[tuple[BlockNode, int]]:
         """(tree block, sliding-window layer group) of every page a request continuing exactly where
-        ``cache`` ends would need from the tree: the window (and sinks) before its committed length."""
+        ``cache`` ends would need from the tree: the window (and sinks) before its committed length, the
+        partial last block's included, and the recurrent snapshot where it ends."""
         n = cache.num_committed_tokens
-        nodes = cache.record.tree_nodes
+        nodes = self.endpoint_nodes(cache)
         out: list[tuple[BlockNode, int]] = []
         tpb = self.state.layout.tokens_per_block
         for lg, group in enumerate(self.state.layout.layer_groups):
             if group.recurrent:     # the snapshot where the cache ends
-                if n and n % tpb == 0 and n // tpb <= len(nodes) and (node := nodes[n // tpb - 1]) is not None:
+                if n and -(-n // tpb) <= len(nodes) and (node := nodes[-(-n // tpb) - 1]) is not None:
                     out.append((node, lg))
                 continue
             if group.window is None:
@@ -663,6 +725,28 @@ class PrefixReuse:
             needed = [*range(min(sink, len(nodes))), *range(max(int(lo[0]), sink), len(nodes))]
             out.extend((node, lg) for b in needed if (node := nodes[b]) is not None)
         return out
+
+    def endpoint_nodes(self, cache: KVCache) -> list[BlockNode | None]:
+        """The tree blocks of the cache's committed tokens: one per full block, and the block holding
+        its partial last block's pages when it ends inside one (None where a block is not in the tree)."""
+        nodes: list[BlockNode | None] = list(cache.record.tree_nodes)
+        if cache.num_committed_tokens % self.state.layout.tokens_per_block:
+            tail = cache.record.tail_node
+            nodes.append(tail if tail is not None and not tail.removed else None)
+        return nodes
+
+    def endpoint_cut_short(self, cache: KVCache) -> bool:
+        """Whether a match of the cache's committed tokens, all of whose blocks are in the tree, would
+        now stop early: a page some layer group needs there holds fewer tokens than the match reaches,
+        or is gone (``prune``)."""
+        nodes = self.endpoint_nodes(cache)
+        if not nodes or any(node is None or node.removed for node in nodes):
+            return False
+        tpb = self.state.layout.tokens_per_block
+        n = cache.num_committed_tokens
+        cov = np.stack([np.where(node.pages >= 0, node.coverage, 0) for node in nodes if node is not None])
+        nb, last = self.prune(cov, n - (len(nodes) - 1) * tpb, self.state.recurrent_groups)
+        return nb == 0 or (nb - 1) * tpb + last != n
 
     def drop_node_pages(self, pairs: list[tuple[BlockNode, int]]) -> None:
         """The tree lets go of layer group ``lg``'s page of each ``(node, lg)`` that only the tree holds

@@ -138,10 +138,11 @@ class PrefixTree:
         return None if parent is None else parent.children.get(key)
 
     def match(self, root_key: bytes, keys: Sequence[bytes], tokens: TokenArray | None = None,
-              max_tokens: int | None = None) -> PrefixMatch:
+              max_tokens: int | None = None, *, exact_only: bool = False) -> PrefixMatch:
         """The longest run of ``keys`` present from ``root_key``; when ``tokens`` is given, also the
         child of the last matched node sharing the longest token prefix with the next block (capped so
-        that at most ``max_tokens`` tokens are matched in all)."""
+        that at most ``max_tokens`` tokens are matched in all). ``exact_only``: only a tail block holding
+        exactly the rest of the (capped) tokens, as its key would match (no partial match)."""
         tpb = self.tokens_per_block
         node = self._roots.get(root_key)
         if node is None:
@@ -161,7 +162,7 @@ class PrefixTree:
         if stop <= start or not node.children:
             return PrefixMatch(tuple(path))
         best, common = self._best_partial(node, tokens[start:stop])
-        if best is None or common == 0:
+        if best is None or common == 0 or (exact_only and not common == best.num_tokens == stop - start):
             return PrefixMatch(tuple(path))
         return PrefixMatch(tuple(path), best, common)
 

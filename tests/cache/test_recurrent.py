@@ -216,15 +216,15 @@ def test_a_match_stops_at_the_last_snapshot() -> None:
     assert kv.resume()
     kv.capacity = 2 * TPB
     kv.commit(prompt[:TPB])                 # snapshot after block 0
-    kv.commit(prompt[TPB:TPB + 4])          # ends inside block 1: no snapshot
+    kv.commit(prompt[TPB:TPB + 4])          # ends inside block 1: a snapshot 4 tokens into it
     kv.capacity = 4 * TPB
-    kv.commit(prompt[TPB + 4:3 * TPB])      # snapshot after block 2
+    kv.commit(prompt[TPB + 4:3 * TPB])      # snapshot after block 2; block 1 keeps the one at 4 tokens
     kv.close()
-    expect = {TPB: TPB, TPB + 4: TPB, 2 * TPB: TPB, 3 * TPB: 3 * TPB, 4 * TPB: 3 * TPB}
+    expect = {TPB: TPB, TPB + 4: TPB + 4, 2 * TPB: TPB + 4, 3 * TPB: 3 * TPB, 4 * TPB: 3 * TPB}
     for n, reused in expect.items():
         assert mgr.probe_reuse(input_tokens=prompt[:n]) == reused, n
     cut = mgr.create_kv_cache(input_tokens=prompt[:2 * TPB + 3])
-    assert cut.num_committed_tokens == TPB
+    assert cut.num_committed_tokens == TPB + 4
     assert cut._get_num_reusable_tokens_before_hybrid_pruning() == 2 * TPB + 3   # the attention pages went further
     assert cut._get_num_reusable_tokens_before_pruning() == 2 * TPB + 3
     cut.close()
@@ -233,7 +233,7 @@ def test_a_match_stops_at_the_last_snapshot() -> None:
     whole.close()
     fork = mgr.create_kv_cache(input_tokens=prompt[:2 * TPB] + tokens(2 * TPB))
     assert fork._get_num_reusable_tokens_before_pruning() == 2 * TPB     # where the content leaves the tree
-    assert fork.num_committed_tokens == TPB
+    assert fork.num_committed_tokens == TPB + 4
     fork.close()
 
 

@@ -22,9 +22,9 @@ from kvxfer.cache import (
     LayerSpec,
     PrimaryTier,
     ReuseScope,
+    _introspection,
     sequence_to_blockchain_keys,
 )
-from kvxfer.cache import _introspection
 from kvxfer.cache.events import AllCleared, Removed, Stored
 from kvxfer.cache.radix_tree import PrefixTree
 from kvxfer.errors import KVCacheError
@@ -108,12 +108,14 @@ def test_a_request_reusing_the_tail_writes_into_a_copy() -> None:
     probe.close()
 
 
-def test_without_partial_reuse_only_full_blocks_are_reused() -> None:
+def test_without_partial_reuse_a_tail_matches_by_its_key_only() -> None:
     mgr = ref_manager(partial_reuse=False)
     tokens = list(range(40, 50))
     run(mgr, tokens)
     assert [len(e.token_ids) for e in stored(mgr)] == [10]    # the tail is stored all the same
-    assert mgr.probe_reuse(None, tokens) == 8
+    assert mgr.probe_reuse(None, tokens) == 10                # the same 2 tokens: the tail's chain key
+    assert mgr.probe_reuse(None, [*tokens, 7]) == 8           # 3 tokens there: no partial match
+    assert mgr.probe_reuse(None, tokens[:9]) == 8             # 1 token of the tail: no partial match
 
 
 def test_cache_config_managers_keep_full_blocks_only() -> None:
