@@ -27,6 +27,7 @@ from kvxfer.cache.common import (
     LayerGroupId,
     LayerId,
     LifeCycleId,
+    LifeCycleRegistry,
     MemAddress,
     PageIndexConverter,
     PageIndexMode,
@@ -1079,6 +1080,17 @@ class KVCacheManager:
     def lifecycle(self) -> CacheLifecycle:
         """The kv caches' life-cycle part (what each KVCache calls)."""
         return self._parts.lifecycle
+
+    @property
+    def life_cycle_registry(self) -> LifeCycleRegistry:
+        """The life cycle of each layer group (attention with its window and sinks, or recurrent), in
+        layer group order: the registry the prefix tree and the kv caches go by."""
+        return LifeCycleRegistry(self._parts.lifecycle.life_cycles())
+
+    @property
+    def _life_cycles(self) -> LifeCycleRegistry:
+        """The reference design's name of the manager's life-cycle registry (``life_cycle_registry``)."""
+        return self.life_cycle_registry
 
     def allocator(self, pool_group: int, tier: int = 0) -> SlotAllocator:
         """The slot allocator of a pool group in a tier (0 = primary; read-only use: counts and reference counts)."""
