@@ -430,15 +430,14 @@ class PrefixReuse:
                     continue                # a page the tree has already stays where it is
                 self.unlink_page(shorter, lg)   # the cache's own earlier endpoint: this one holds more
             pages[lg], tiers[lg] = page, tier
-        target = covering
-        shared: list[int] = []
+        snapshots: list[int] = []
         for lg in recurrent:
-            if target is not None and target.page_coverage(lg) >= rem:
-                continue
+            if covering is not None and covering.page_coverage(lg) >= rem:
+                continue            # the covering block's snapshot is as late or later: keep it
             slot = self.snapshot_slot(cache, lg, share_state)
             if slot >= 0:
                 pages[lg] = slot
-                shared.append(lg)
+                snapshots.append(lg)
         try:
             if covering is not None:
                 took = [lg for lg in np.flatnonzero(pages >= 0).tolist()
@@ -451,7 +450,7 @@ class PrefixReuse:
                 return None
             node = self.insert_tail(cache, parent, tail, pages, tiers)
         finally:
-            for lg in shared:       # the tree took its own reference (or none): the snapshot's goes
+            for lg in snapshots:    # the tree took its own reference (or none): the snapshot's goes
                 self.release_snapshot(cache, lg, int(pages[lg]), share_state)
         if shorter is not None:
             self.absorb(node, shorter, cache.reuse_scope.lora_id)
@@ -558,6 +557,7 @@ class PrefixReuse:
         none: a sliding window's page released before the commit), keeping the tokens each holds, so
         the shorter endpoint stays reusable; the rest go, and ``shorter`` leaves the tree (Removed)."""
         n_lg = len(self.state.layout.layer_groups)
+        medium = self.state.node_medium(shorter)
         moved: list[int] = []
         for lg in range(n_lg):
             page, tier, cov = int(shorter.pages[lg]), int(shorter.tiers[lg]), shorter.page_coverage(lg)
@@ -573,7 +573,6 @@ class PrefixReuse:
             if self.state.in_tree_t[tier][pg][page]:
                 self.state.tree_owner[tier][pg][page] = (node, lg)
             moved.append(lg)
-        medium = self.state.node_medium(shorter) if (shorter.pages >= 0).any() else self.state.medium
         self.state.tree.remove(shorter)
         self.state.events.put(Removed((shorter.key,), medium))
         if moved:
@@ -646,10 +645,10 @@ class PrefixReuse:
 
     def adopt(self, cache: KVCache, block: int, node: BlockNode, swaps: dict[int, tuple[list[int], list[int]]]) -> None:
         """A committed block duplicating ``node``: use the tree's pages and free the cache's own;
-        a page the tree lacks (sliding window), or has only for part of the block, is taken from the cache. A tree page in a colder tier
-        is not adopted (an active request's pages stay primary): the cache keeps its own. The reference
-        swaps are left in ``swaps`` (pool group -> (tree pages to take, own pages to let go, in order))
-        for the caller to apply in one step."""
+        a page the tree lacks (sliding window), or has only for part of the block, is taken from the
+        cache. A tree page in a colder tier is not adopted (an active request's pages stay primary):
+        the cache keeps its own. The reference swaps are left in ``swaps`` (pool group -> (tree pages
+        to take, own pages to let go, in order)) for the caller to apply in one step."""
         for lg, blocks in enumerate(cache.record.blocks):
             if lg in self.state.recurrent_groups:   # snapshots: see adopt_snapshot
                 continue
