@@ -130,7 +130,7 @@ class BlockRadixTree:
         root_key = reuse_scope.root_key_for(HASH_V2_SHA256_PACKED)
         arr = self._digests.encode(list(tokens), "BlockRadixTree.match")
         keys = block_keys(arr, self.tokens_per_block, root_key, algo=HASH_V2_SHA256_PACKED, digests=self._digests)
-        found = self._tree.match(root_key, keys, arr if enable_partial_match else None)
+        found = self._tree.match(root_key, keys, arr, exact_only=not enable_partial_match)
         blocks = [self._blocks[id(node)] for node in found.nodes]
         num_tokens = len(blocks) * self.tokens_per_block
         if found.partial is not None:

@@ -114,6 +114,14 @@ def is_commit_allowed(kv_cache: Any) -> bool:
     return bool(kv_cache.commit_allowed)
 
 
+def committed_page_is_linked(kv_cache: Any, ordinal: int, lc_id: int) -> bool | None:
+    """Whether the kv cache's page of block ``ordinal`` in life cycle ``lc_id`` is still a prefix-tree
+    block's page (None: no page there, or an uncommitted one). A page a wider one replaced in its block
+    is no longer tied to that block, so nothing reaches the block through it once the block goes."""
+    linked: bool | None = kv_cache.manager.lifecycle.committed_page_in_tree(kv_cache, ordinal, lc_id)
+    return linked
+
+
 def all_tree_pages_droppable(manager: Any) -> bool:
     """Whether only the prefix tree holds every page of every tree block (no request shares one)."""
     pg_of = manager.get_life_cycle_pool_group_indices(0)
@@ -153,7 +161,7 @@ def _reuse_match(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[
     root = scope.root_key_for(algo)
     arr = manager.lifecycle.encode_tokens(list(tokens), caller)
     keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
-    match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
+    match = manager.prefix_tree.match(root, keys, arr, exact_only=not enable_partial)
     nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
     num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if match.partial else 0)
     return num_tokens, nodes
@@ -161,13 +169,15 @@ def _reuse_match(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[
 
 def reuse_match_pages(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[TokenIdExt], lc_id: int,
                       enable_partial: bool = False) -> tuple[int, list[tuple[int, int | None] | None]]:
-    """Match ``tokens`` against the prefix tree: (tokens matched, per matched block ``(slot, tokens in
-    the block)`` of layer group ``lc_id``'s page, or None where that block has no page there)."""
+    """Match ``tokens`` against the prefix tree: (tokens matched, per matched block ``(slot, tokens its
+    page holds)`` of layer group ``lc_id``'s page, or None where that block has no page there). An
+    attention page holds a prefix of its block; a recurrent snapshot is the state after exactly that
+    many tokens of it."""
     num_tokens, nodes = _reuse_match(manager, reuse_scope, tokens, enable_partial, "reuse_match_pages")
     pages: list[tuple[int, int | None] | None] = []
     for node in nodes:
         page = int(node.pages[lc_id])
-        pages.append(None if page < 0 else (page, int(node.tokens.size)))
+        pages.append(None if page < 0 else (page, node.page_coverage(lc_id)))
     return num_tokens, pages
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import enum
 import math
 import os
-from collections.abc import Callable, Iterable, MutableSequence, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import Final, Generic, NewType, TypeAlias, TypeVar
+from typing import Any, Final, Generic, NewType, TypeAlias, TypeVar
 
 from kvxfer.errors import ConfigError, IndexMathError
 
@@ -264,6 +264,46 @@ class SsmLifeCycle:
 
 #: The life cycle of a layer group.
 LifeCycle = AttnLifeCycle | SsmLifeCycle
+
+
+class LifeCycleRegistry:
+    """The life cycles of a manager's layer groups."""
+
+    def __init__(self, life_cycles: Sequence[LifeCycle]) -> None:
+        self._life_cycles = tuple(life_cycles)
+
+    @classmethod
+    def of(cls, manager: Any) -> LifeCycleRegistry:
+        """The registry of a ``KVCacheManager`` (read through its life-cycle part)."""
+        return cls(manager.lifecycle.life_cycles())
+
+    @property
+    def size(self) -> int:
+        """Life cycles (one per layer group)."""
+        return len(self._life_cycles)
+
+    @property
+    def ssm_life_cycle_id(self) -> LayerGroupId | None:
+        """The recurrent (SSM) life cycle, None when the manager has no recurrent layers."""
+        for i, lc in enumerate(self._life_cycles):
+            if isinstance(lc, SsmLifeCycle):
+                return LayerGroupId(i)
+        return None
+
+    def attention_life_cycles(self) -> Iterator[tuple[LayerGroupId, AttnLifeCycle]]:
+        """(layer group id, life cycle) of every attention layer group."""
+        return ((LayerGroupId(i), lc) for i, lc in enumerate(self._life_cycles) if isinstance(lc, AttnLifeCycle))
+
+    def items(self) -> Iterator[tuple[LayerGroupId, LifeCycle]]:
+        """(layer group id, life cycle) of every layer group."""
+        return ((LayerGroupId(i), lc) for i, lc in enumerate(self._life_cycles))
+
+    def get_life_cycle(self, life_cycle_id: LayerGroupId) -> LifeCycle:
+        """The life cycle of one layer group."""
+        return self._life_cycles[life_cycle_id]
+
+    def __getitem__(self, life_cycle_id: LayerGroupId) -> LifeCycle:
+        return self._life_cycles[life_cycle_id]
 
 
 # --- page index conversion -----------------------------------------------------------------------------

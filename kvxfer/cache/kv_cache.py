@@ -67,7 +67,7 @@ class CacheOps(Protocol):
 
     def check_commit(self, cache: KVCache, num_new: int) -> None: ...
 
-    def on_commit(self, cache: KVCache, priority: int | None = None) -> None: ...
+    def on_commit(self, cache: KVCache, priority: int | None = None, is_end: bool = False) -> None: ...
 
     def release_out_of_window(self, cache: KVCache) -> None: ...
 
@@ -95,7 +95,8 @@ class RequestState:
     ``blocks[lg]`` / ``tiers[lg]``: slot id (-1: none) and tier of each block's page per layer group;
     ``tokens``: the committed token ids; ``keys`` / ``tree_nodes``: keys of the committed full blocks
     and the tree node tied to each (None once the chain could not be inserted); ``partial_src``: the
-    tree block a partially reused block was taken from (until it is copied); ``prompt_keys``: the
+    tree block a partially reused block was taken from (until it is copied); ``tail_node``: the tree
+    block that took the pages of the cache's partial last committed block; ``prompt_keys``: the
     prompt's block keys; ``scratch`` / ``scratch_range``: scratch slots per layer group and the block
     range they stand in for; ``pending``: statistics not yet committed; ``block_priority``: the
     eviction priority ``custom_priority_callback`` gave each block when it was allocated. A recurrent
@@ -114,6 +115,7 @@ class RequestState:
     keys: list[bytes]
     tree_nodes: list[BlockNode | None]
     partial_src: BlockNode | None
+    tail_node: BlockNode | None
     prompt_keys: list[bytes]
     root_key: bytes
     last_used: int
@@ -180,6 +182,7 @@ class KVCache:
         self.record.keys = []
         self.record.tree_nodes = []
         self.record.partial_src = None
+        self.record.tail_node = None
         self.record.prompt_keys = []
         self.record.root_key = b""   # the scope's root under the manager's hash algorithm
         self.record.block_priority = {}
@@ -578,7 +581,7 @@ class KVCache:
         self._ops.check_commit(self, int(arr.size))
         self.record.tokens = np.concatenate([self.record.tokens, arr])
         self.record.history = max(self.record.history, self.num_committed_tokens)
-        self._ops.on_commit(self, priority)
+        self._ops.on_commit(self, priority, is_end)
         self._ops.release_out_of_window(self)
         self._sync_index_bufs()
         if is_end:

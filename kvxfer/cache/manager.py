@@ -27,6 +27,7 @@ from kvxfer.cache.common import (
     LayerGroupId,
     LayerId,
     LifeCycleId,
+    LifeCycleRegistry,
     MemAddress,
     PageIndexConverter,
     PageIndexMode,
@@ -350,8 +351,10 @@ class CacheLifecycle:
         """Refuse a commit the recurrent layer groups cannot snapshot (see ``RecurrentStates.check_commit``)."""
         self.parts.recurrent.check_commit(cache, num_new)
 
-    def on_commit(self, cache: KVCache, priority: int | None = None) -> None:
-        """After a commit: publish the newly full blocks to other streams and enter them into the prefix tree."""
+    def on_commit(self, cache: KVCache, priority: int | None = None, is_end: bool = False) -> None:
+        """After a commit: publish the newly full blocks to other streams and enter them into the prefix
+        tree. With recurrent layers a commit ending inside a block enters that partial block too, with a
+        snapshot of the state there (the state slot itself when ``is_end``: no commit follows)."""
         with self.state.lock:
             done, full = cache.record.published_blocks, cache.num_committed_tokens // self.state.layout.tokens_per_block
             if full > done:   # pages others may now reuse: ready once this request's writes are
@@ -362,6 +365,9 @@ class CacheLifecycle:
                 self.parts.reuse.insert_committed(cache, priority)
                 if priority is None and cache.priority_callback is not None and full > done:
                     self.apply_priority_callback(cache, done, full)
+                if self.state.recurrent_groups and self.state.stores_tail_blocks \
+                        and cache.num_committed_tokens % self.state.layout.tokens_per_block:
+                    self.enter_partial(cache, share_state=is_end)
             self.parts.usage.sample_usage()
 
     def life_cycles(self) -> list[AttnLifeCycle | SsmLifeCycle]:
@@ -433,13 +439,22 @@ class CacheLifecycle:
     def store_tail(self, cache: KVCache) -> None:
         """Enter the cache's partial last committed block into the prefix tree (a reference-API
         manager's request ending its commits: ``stop_committing``, ``commit(is_end=True)``, close); its
-        page is published to other streams once the request's writes are done."""
+        page is published to other streams once the request's writes are done. With recurrent layers
+        the commit that ended inside the block entered it already (with the state snapshot there)."""
         with self.state.lock:
             if self.state.config.enable_prefix_reuse and self.state.stores_tail_blocks \
-                    and self.parts.reuse.enter_tail(cache) is not None:
-                b = cache.num_committed_tokens // self.state.layout.tokens_per_block
-                for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
-                    self.parts.streams.stamp(g, blocks[b:b + 1], tiers[b:b + 1], cache.record.stream)
+                    and not self.state.recurrent_groups:
+                self.enter_partial(cache, share_state=False)
+
+    def enter_partial(self, cache: KVCache, *, share_state: bool) -> None:
+        """Enter the cache's partial last committed block into the prefix tree and publish the pages it
+        gave to other streams once the request's writes are done."""
+        if self.parts.reuse.enter_tail(cache, share_state=share_state) is None:
+            return
+        b = cache.num_committed_tokens // self.state.layout.tokens_per_block
+        for g, (blocks, tiers) in enumerate(zip(cache.record.blocks, cache.record.tiers, strict=True)):
+            rows = slice(0, 1) if g in self.state.recurrent_groups else slice(b, b + 1)
+            self.parts.streams.stamp(g, blocks[rows], tiers[rows], cache.record.stream)
 
     def count_reused_levels(self, cache: KVCache, plan: Any) -> None:
         """Record where the reused pages of a new cache were: per block, the coldest level among its
@@ -467,9 +482,11 @@ class CacheLifecycle:
         full-attention blocks stay reusable, and so do other conversations' windows. Without one, the
         cache's chain leaves the tree from its end back while only the tree holds it."""
         nodes = [n for n in cache.record.tree_nodes if n is not None]
-        if not nodes:
+        if not nodes and cache.record.tail_node is None:
             return None
         if self.state.has_windows or self.state.recurrent_groups:
+            if self.parts.reuse.endpoint_cut_short(cache):
+                return None     # the endpoint no longer matches exactly (a page holds fewer tokens)
             with self.state.lock:
                 pairs = self.parts.reuse.window_nodes(cache)
                 for node, lg in pairs:      # a page several open plans name goes with the last of them
@@ -477,6 +494,20 @@ class CacheLifecycle:
                     self.state.planned_drops[key] = self.state.planned_drops.get(key, 0) + 1
             return PlannedDropHandle(lambda: self.drop_pages(pairs))
         return PlannedDropHandle(lambda: self.drop_chain(nodes))
+
+    def committed_page_in_tree(self, cache: KVCache, ordinal: int, layer_group: int) -> bool | None:
+        """Whether the cache's page of block ``ordinal`` in ``layer_group`` is a prefix-tree block's page
+        now (None: no page there, or the block holds no committed token). A committed page stops being
+        one when a wider page replaces it in its block, or its block leaves the tree: the request then
+        holds it as a private page, tied to no block."""
+        with self.state.lock:
+            blocks, tiers = cache.record.blocks[layer_group], cache.record.tiers[layer_group]
+            if layer_group in self.state.recurrent_groups or not 0 <= ordinal < blocks.size \
+                    or blocks[ordinal] < 0 or ordinal * self.state.layout.tokens_per_block >= cache.num_committed_tokens:
+                return None
+            pg = self.state.lg_pool_group[layer_group]
+            owner = self.state.tree_owner[int(tiers[ordinal])][pg].get(int(blocks[ordinal]))
+            return owner is not None and not owner[0].removed
 
     def planned_drop_count(self, node: BlockNode, layer_group: int) -> int:
         """Open planned drops naming ``node``'s page of ``layer_group``."""
@@ -1104,6 +1135,17 @@ class KVCacheManager:
     def lifecycle(self) -> CacheLifecycle:
         """The kv caches' life-cycle part (what each KVCache calls)."""
         return self._parts.lifecycle
+
+    @property
+    def life_cycle_registry(self) -> LifeCycleRegistry:
+        """The life cycle of each layer group (attention with its window and sinks, or recurrent), in
+        layer group order: the registry the prefix tree and the kv caches go by."""
+        return LifeCycleRegistry(self._parts.lifecycle.life_cycles())
+
+    @property
+    def _life_cycles(self) -> LifeCycleRegistry:
+        """The reference design's name of the manager's life-cycle registry (``life_cycle_registry``)."""
+        return self.life_cycle_registry
 
     def allocator(self, pool_group: int, tier: int = 0) -> SlotAllocator:
         """The slot allocator of a pool group in a tier (0 = primary; read-only use: counts and reference counts)."""

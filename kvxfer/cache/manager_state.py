@@ -96,6 +96,14 @@ class ManagerState:
         return bool(dict(self.config.extra).get(EXTRA_COMMIT_MIN_SNAPSHOT, True))
 
     @property
+    def drops_reused_window_pages(self) -> bool:
+        """Whether a request moving past sliding-window pages it reused from the tree takes them out of
+        the tree too (kvxfer's ``CacheConfig`` default). Under ``KVCacheManagerConfig.commit_min_snapshot``
+        a request's commits keep only the minimum snapshot of what it enters; pages earlier requests
+        entered stay for the endpoints that need them."""
+        return EXTRA_COMMIT_MIN_SNAPSHOT not in dict(self.config.extra)
+
+    @property
     def stores_tail_blocks(self) -> bool:
         """Whether a closing request enters its partial last block into the prefix tree (a
         ``KVCacheManagerConfig`` manager, as the reference; not a ``CacheConfig`` one by default)."""

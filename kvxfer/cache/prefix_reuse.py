@@ -117,8 +117,8 @@ class PrefixReuse:
         limit = tokens.size - holdback
         backoff = self.state.reuse_match_backoff
         if backoff:     # trim the raw walk (what the tree holds), then keep what every layer group can use
-            match = self.state.tree.match(root_key, keys, tokens if self.state.config.enable_partial_reuse else None,
-                                          max_tokens=max(limit, 0))
+            match = self.state.tree.match(root_key, keys, tokens, max_tokens=max(limit, 0),
+                                          exact_only=not self.state.config.enable_partial_reuse)
             partial = match.partial_tokens if match.partial is not None and len(match.nodes) not in extras else 0
             limit = len(match.nodes) * self.state.layout.tokens_per_block + partial - backoff
         return self.plan_reuse(root_key, keys, tokens, extras, limit)
@@ -132,8 +132,8 @@ class PrefixReuse:
         none = _ReusePlan(0, (), None, np.empty((0, n_lg), dtype=np.int32), np.empty((0, n_lg), dtype=np.int8))
         if max_tokens <= 0:
             return none
-        match = self.state.tree.match(root_key, keys, tokens if self.state.config.enable_partial_reuse else None,
-                                 max_tokens=max_tokens)
+        match = self.state.tree.match(root_key, keys, tokens, max_tokens=max_tokens,
+                                      exact_only=not self.state.config.enable_partial_reuse)
         nodes = match.nodes
         partial = match.partial if len(nodes) not in extras else None
         walked = len(nodes) * tpb + (match.partial_tokens if partial is not None else 0)
@@ -142,44 +142,74 @@ class PrefixReuse:
 
     def _plan_pages(self, match: PrefixMatch, nodes: tuple[BlockNode, ...], partial: BlockNode | None,
                     n_lg: int) -> _ReusePlan:
-        """The plan of a tree walk: the longest prefix of it whose pages every layer group needs exist."""
+        """The plan of a tree walk: the longest prefix of it whose pages every layer group needs exist
+        and hold the tokens reused from them (``prune``); it may end inside a full block whose page
+        of some layer group covers only part of it."""
         tpb = self.state.layout.tokens_per_block
         none = _ReusePlan(0, (), None, np.empty((0, n_lg), dtype=np.int32), np.empty((0, n_lg), dtype=np.int8))
-        rows = [n.pages for n in nodes] + ([partial.pages] if partial is not None else [])
+        rows = [*nodes, *(() if partial is None else (partial,))]
         if not rows:
             return none
-        pages = np.concatenate(rows).reshape(len(rows), n_lg)
-        tiers = np.concatenate([n.tiers for n in (*nodes, *(() if partial is None else (partial,)))]
-                               ).reshape(len(rows), n_lg)
-        full = len(nodes)
+        cov = np.stack([np.where(n.pages >= 0, n.coverage, 0) for n in rows])
+        last = match.partial_tokens if partial is not None else tpb
         recurrent = self.state.recurrent_groups
-        if not self.state.has_windows and not recurrent:   # full attention keeps every page: the whole match holds
-            return _ReusePlan(full * tpb + match.partial_tokens if partial is not None else full * tpb,
-                              nodes, partial, pages, tiers)
+        nb, last = self.prune(cov, last, recurrent)
         unpruned = 0
-        if recurrent:       # a snapshot is a state after whole blocks: no partially reused block
-            attn = [lg for lg in range(n_lg) if lg not in recurrent]
-            b = np.arange(full + 1)
-            ok = self.window_pages_exist(pages[:, attn], b * tpb, b, attn)
-            unpruned = int(np.flatnonzero(ok)[-1]) * tpb
-            if partial is not None and self.window_pages_exist(
-                    pages[:, attn], np.array([full * tpb + match.partial_tokens]), np.array([full + 1]), attn)[0]:
-                unpruned = full * tpb + match.partial_tokens
-            if partial is not None:
-                partial = None
-                pages, tiers = pages[:full], tiers[:full]
-        elif partial is not None:
-            n_tok = full * tpb + match.partial_tokens
-            if self.window_pages_exist(pages, np.array([n_tok]), np.array([full + 1]))[0]:
-                return _ReusePlan(n_tok, nodes, partial, self.needed_pages(pages[:full + 1], n_tok),
-                                  tiers[:full + 1])
-        b = np.arange(full + 1)
-        ok = self.window_pages_exist(pages, b * tpb, b)
-        best = int(np.flatnonzero(ok)[-1])
-        if best == 0:
+        if recurrent:       # what the attention pages alone would give (the hybrid diagnostic)
+            nb0, last0 = self.prune(cov, match.partial_tokens if partial is not None else tpb, ())
+            unpruned = (nb0 - 1) * tpb + last0 if nb0 else 0
+        if nb == 0:
             return dataclasses.replace(none, unpruned=unpruned)
-        return _ReusePlan(best * tpb, nodes[:best], None, self.needed_pages(pages[:best], best * tpb), tiers[:best],
-                          unpruned if unpruned > best * tpb else 0)
+        n_tok = (nb - 1) * tpb + last
+        taken = rows[:nb]
+        pages = np.stack([n.pages for n in taken])
+        tiers = np.stack([n.tiers for n in taken])
+        if last == tpb and nb <= len(nodes):
+            full_nodes, part = tuple(taken), None
+        else:
+            full_nodes, part = tuple(taken[:-1]), taken[-1]
+        return _ReusePlan(n_tok, full_nodes, part, self.needed_pages(pages, n_tok), tiers,
+                          unpruned if unpruned > n_tok else 0)
+
+    def prune(self, cov: IntArray, last: int, recurrent: Sequence[int]) -> tuple[int, int]:
+        """The reusable part of a walk over ``cov.shape[0]`` blocks whose last one matched ``last``
+        tokens: (blocks, tokens of the last one). ``cov[b, lg]``: the tokens block b's page of layer
+        group lg holds (0: none). A recurrent group's snapshot is the state after exactly that many
+        tokens, so the match ends at the last snapshot it reaches; an attention group needs, at the
+        endpoint, every block outside its stale window range to hold the tokens matched there (a
+        page holding fewer shortens the match to what it holds). Each step only shortens the match,
+        and the recurrent cut moves the endpoint the attention checks use, so it repeats until
+        nothing changes."""
+        tpb = self.state.layout.tokens_per_block
+        nb = cov.shape[0]
+        attn = [lg for lg in range(cov.shape[1]) if lg not in self.state.recurrent_groups]
+        while nb:
+            for lg in recurrent:
+                col = cov[:nb, lg]
+                matched = np.full(nb, tpb, dtype=np.int64)
+                matched[-1] = last
+                hits = np.flatnonzero((col > 0) & (matched >= col))
+                if not hits.size:
+                    return 0, 0
+                nb, last = int(hits[-1]) + 1, int(col[hits[-1]])
+            n = (nb - 1) * tpb + last
+            need = np.full(nb, tpb, dtype=np.int64)
+            need[-1] = last
+            cut = None
+            for lg in attn:
+                lo, sink = self.window_start(lg, np.array([n], dtype=np.int64))
+                bad = cov[:nb, lg] < need
+                if int(lo[0]) > sink:
+                    bad[sink:int(lo[0])] = False      # stale blocks: no page needed there
+                first_bad = np.flatnonzero(bad)
+                if first_bad.size:
+                    cut = (int(first_bad[0]), int(cov[int(first_bad[0]), lg]))
+                    break
+            if cut is None:
+                break
+            i, c = cut
+            nb, last = (i + 1, c) if c > 0 else (i, tpb)
+        return nb, (last if nb else 0)
 
     def window_start(self, layer_group: int, num_tokens: npt.NDArray[np.int64]) -> tuple[
             npt.NDArray[np.int64], int]:
@@ -194,21 +224,6 @@ class PrefixReuse:
         sink = math.ceil(lg.sink_tokens / tpb)
         first = np.maximum(0, num_tokens - lg.window + 1) // tpb
         return np.where(first <= sink, 0, first), sink
-
-    def window_pages_exist(self, pages: IntArray, num_tokens: npt.NDArray[np.int64],
-                            num_blocks: npt.NDArray[np.int64],
-                            layer_groups: Sequence[int] | None = None) -> npt.NDArray[np.bool_]:
-        """For each candidate (num_tokens[i] in num_blocks[i] blocks): whether every page a layer
-        group needs for it (sink blocks and the window before it; a recurrent group: the snapshot of
-        the last block) exists in ``pages`` (whose columns are ``layer_groups``, default all)."""
-        ok = np.ones(num_tokens.size, dtype=bool)
-        groups = range(pages.shape[1]) if layer_groups is None else layer_groups
-        for col, lg in enumerate(groups):
-            missing = np.concatenate([[0], np.cumsum(pages[:, col] < 0)])
-            lo, sink = self.window_start(lg, num_tokens.astype(np.int64))
-            ok &= missing[num_blocks] - missing[np.minimum(lo, num_blocks)] == 0
-            ok &= missing[np.minimum(sink, num_blocks)] == 0
-        return ok
 
     def needed_pages(self, pages: IntArray, num_tokens: int) -> IntArray:
         """``pages`` with -1 where a sliding-window group does not need the block."""
@@ -375,43 +390,105 @@ class PrefixReuse:
             self.mark_tree_pages(node, [lg])
             self.state.allocators[self.state.lg_pool_group[lg]].decref(np.array([slot], dtype=np.int32))
 
-    def enter_tail(self, cache: KVCache) -> BlockNode | None:
+    def enter_tail(self, cache: KVCache, *, share_state: bool = False) -> BlockNode | None:
         """Enter the cache's partial last committed block (its committed tokens end inside a block)
         into the tree as a tail block: a leaf holding those tokens and the cache's pages of that block,
-        keyed by the chain key of its tokens, with one Stored event. Nothing is entered when the block
-        before it is not in the tree, a page of it is already a tree page, or a block already there
-        begins with the same tokens (a longer or equal sibling covers it: it is touched instead).
-        The cache must not write into the block afterwards (it is closing)."""
-        if self.state.recurrent_groups:   # a tail block would need a state snapshot at its end: none is taken
-            return None
+        keyed by the chain key of its tokens, with one Stored event. A recurrent layer group's page is
+        a snapshot of the cache's state there: a copy, or (``share_state``, when no commit follows)
+        the state slot itself, which the cache then holds as the tree's (a later resume gives it a
+        private copy). When a sibling already begins with the same tokens (a longer or equal block
+        covers them) no block is added: the sibling takes the cache's page of each layer group where its
+        own holds fewer tokens (or it has none), so this endpoint stays reusable. A shorter tail sibling
+        the new block continues is replaced by it (``absorb``). Returns the block that took pages (None:
+        nothing entered; the block before is not in the tree, or every page is already the tree's).
+        Attention pages stay the cache's too: it writes only past the tokens the tree's page holds."""
         tpb = self.state.layout.tokens_per_block
+        recurrent = self.state.recurrent_groups
+        attn = [lg for lg in range(len(cache.record.blocks)) if lg not in recurrent]
         n = cache.num_committed_tokens
         full, rem = divmod(n, tpb)
-        if rem == 0 or len(cache.record.tree_nodes) != full or full >= cache.record.blocks[0].size:
+        if rem == 0 or len(cache.record.tree_nodes) != full or not attn \
+                or full >= cache.record.blocks[attn[0]].size:
             return None
         parent = cache.record.tree_nodes[full - 1] if full else None
         if full and (parent is None or parent.removed):
             return None
         tail = cache.record.tokens[full * tpb:n]
         extra = full in cache.record.extra_keys
-        siblings = (parent if parent is not None else self.state.tree.root(cache.record.root_key))
-        for child in ([] if siblings is None else siblings.children.values()):
-            if child.num_tokens >= rem and child.has_extra_key == extra and np.array_equal(child.tokens[:rem], tail):
-                self.state.tree.touch(child)
+        covering, shorter = self.tail_siblings(cache.record.root_key, parent, tail, extra)
+        n_lg = len(cache.record.blocks)
+        pages = np.full(n_lg, -1, dtype=np.int32)
+        tiers = np.zeros(n_lg, dtype=np.int8)
+        for lg in attn:
+            page, tier = int(cache.record.blocks[lg][full]), int(cache.record.tiers[lg][full])
+            if page < 0:
+                continue
+            pg = self.state.lg_pool_group[lg]
+            if self.state.in_tree_t[tier][pg][page]:
+                owner = self.state.tree_owner[tier][pg].get(page)
+                if owner is None or owner[0] is not shorter or covering is not None:
+                    continue                # a page the tree has already stays where it is
+                self.unlink_page(shorter, lg)   # the cache's own earlier endpoint: this one holds more
+            pages[lg], tiers[lg] = page, tier
+        snapshots: list[int] = []
+        for lg in recurrent:
+            if covering is not None and covering.page_coverage(lg) >= rem:
+                continue            # the covering block's snapshot is as late or later: keep it
+            slot = self.snapshot_slot(cache, lg, share_state)
+            if slot >= 0:
+                pages[lg] = slot
+                snapshots.append(lg)
+        try:
+            if covering is not None:
+                took = [lg for lg in np.flatnonzero(pages >= 0).tolist()
+                        if self.install_page(covering, lg, int(pages[lg]), int(tiers[lg]), rem, cache)]
+                self.state.tree.touch(covering)
+                if took:
+                    cache.record.tail_node = covering
+                return covering if took else None
+            if not (pages >= 0).any():
                 return None
-        pages = np.array([int(blocks[full]) for blocks in cache.record.blocks], dtype=np.int32)
-        tiers = np.array([int(t[full]) for t in cache.record.tiers], dtype=np.int8)
-        if not (pages >= 0).any():
-            return None
-        for lg in np.flatnonzero(pages >= 0).tolist():
-            if self.state.in_tree_t[int(tiers[lg])][self.state.lg_pool_group[lg]][int(pages[lg])]:
-                return None
+            node = self.insert_tail(cache, parent, tail, pages, tiers)
+        finally:
+            for lg in snapshots:    # the tree took its own reference (or none): the snapshot's goes
+                self.release_snapshot(cache, lg, int(pages[lg]), share_state)
+        if shorter is not None:
+            self.absorb(node, shorter, cache.reuse_scope.lora_id)
+        cache.record.tail_node = node
+        return node
+
+    def snapshot_slot(self, cache: KVCache, layer_group: int, share: bool) -> int:
+        """A slot holding the cache's recurrent state of ``layer_group`` now, with a reference the caller
+        gives back through ``release_snapshot``: the live state slot itself (``share``) or a copy of
+        it; -1 when there is none."""
+        if not share:
+            return int(self.parts.recurrent.take_snapshot(cache, layer_group))
+        live = cache.record.blocks[layer_group]
+        if live.size == 0 or layer_group in cache.record.ssm_shared or int(cache.record.tiers[layer_group][0]) != 0:
+            return -1
+        return int(live[0])
+
+    def release_snapshot(self, cache: KVCache, layer_group: int, slot: int, shared: bool) -> None:
+        """Give back ``snapshot_slot``'s reference: a copy's own reference goes; a shared state slot the
+        tree took becomes, for the cache, the tree's snapshot (copied into a private slot at resume)."""
+        pg = self.state.lg_pool_group[layer_group]
+        if not shared:
+            self.state.allocators[pg].decref(np.array([slot], dtype=np.int32))
+        elif self.state.in_tree_t[0][pg][slot]:
+            cache.record.ssm_shared.add(layer_group)
+
+    def insert_tail(self, cache: KVCache, parent: BlockNode | None, tail: TokenArray, pages: IntArray,
+                    tiers: TierArray) -> BlockNode:
+        """Add the tail block of ``tail`` under ``parent`` with ``pages`` (each holding all of it), give
+        the tree its references and emit its Stored event."""
+        tpb = self.state.layout.tokens_per_block
+        full, rem = divmod(cache.num_committed_tokens, tpb)
         parent_key = parent.key if parent is not None else cache.record.root_key
         key = block_keys(tail, rem, parent_key, first_block=full, extra_keys=cache.record.extra_keys,
                          algo=self.state.key_algo, scope=cache.reuse_scope, digests=self.state.digests)[0]
         priority = cache.record.block_priority.get(full, DEFAULT_PRIORITY)
-        node = self.state.tree.insert(cache.record.root_key, parent, key, tail, pages, has_extra_key=extra,
-                                      priority=priority)
+        node = self.state.tree.insert(cache.record.root_key, parent, key, tail, pages,
+                                      has_extra_key=full in cache.record.extra_keys, priority=priority)
         node.tiers[:] = tiers
         live = np.flatnonzero(pages >= 0).tolist()
         self.mark_tree_pages(node, live)
@@ -424,6 +501,88 @@ class PrefixReuse:
                                      stored_extra_keys(full, 1, scope.salt, cache.record.extra_keys), groups))
         return node
 
+    def tail_siblings(self, root_key: bytes, parent: BlockNode | None, tokens: TokenArray,
+                      extra: bool) -> tuple[BlockNode | None, BlockNode | None]:
+        """Among the blocks under ``parent`` (None: the scope's root): (one beginning with ``tokens``,
+        so it covers them; a shorter tail block ``tokens`` begin with, so a block of ``tokens`` replaces
+        it). Blocks with an extra key only pair with blocks that have one."""
+        siblings = parent if parent is not None else self.state.tree.root(root_key)
+        covering = shorter = None
+        for child in ([] if siblings is None else siblings.children.values()):
+            if child.has_extra_key != extra:
+                continue
+            k = child.num_tokens
+            if k >= tokens.size and np.array_equal(child.tokens[:tokens.size], tokens):
+                covering = child
+            elif k < tokens.size and np.array_equal(tokens[:k], child.tokens):
+                shorter = child
+        return covering, shorter
+
+    def install_page(self, node: BlockNode, layer_group: int, page: int, tier: int, coverage: int,
+                     cache: KVCache) -> bool:
+        """Make ``page`` (of ``tier``, holding ``coverage`` tokens of the block) ``node``'s page of
+        ``layer_group`` when the node's own holds fewer tokens or it has none: a block keeps only the
+        widest page. The page it replaces is no tree page any more (a request holding it keeps it, as a
+        private page). False, changing nothing, when the node's page is at least as wide."""
+        if node.removed or node.page_coverage(layer_group) >= coverage:
+            return False
+        self.unlink_page(node, layer_group)
+        node.pages[layer_group] = page
+        node.tiers[layer_group] = tier
+        node.coverage[layer_group] = coverage
+        self.mark_tree_pages(node, [layer_group])
+        parent = node.parent
+        n_lg = len(self.state.layout.layer_groups)
+        self.state.events.put(Stored(None if parent is None or parent.is_root else parent.key, (node.key,),
+                                     tuple(node.tokens.tolist()), self.state.layout.tokens_per_block,
+                                     cache.reuse_scope.lora_id, self.state.media[tier],
+                                     stored_extra_keys(node.depth, 1, cache.reuse_scope.salt, cache.record.extra_keys),
+                                     layer_group_subset([i == layer_group for i in range(n_lg)])))
+        return True
+
+    def unlink_page(self, node: BlockNode, layer_group: int) -> None:
+        """Take ``node``'s page of ``layer_group`` off the tree (the tree's reference goes; the node keeps -1)."""
+        page, tier = int(node.pages[layer_group]), int(node.tiers[layer_group])
+        if page < 0:
+            return
+        pg = self.state.lg_pool_group[layer_group]
+        if self.state.tree_owner[tier][pg].get(page, (None, -1))[0] is node:
+            self.state.unmark_tree_page(tier, pg, page)
+            self.state.alloc_of(tier, pg).decref_each(np.array([page], dtype=np.int32))
+        node.pages[layer_group] = -1
+
+    def absorb(self, node: BlockNode, shorter: BlockNode, lora_id: int | None) -> None:
+        """``node`` continues the tail block ``shorter`` (a sibling whose tokens it begins with): move
+        each of ``shorter``'s pages into ``node`` where ``node``'s own holds fewer tokens (or it has
+        none: a sliding window's page released before the commit), keeping the tokens each holds, so
+        the shorter endpoint stays reusable; the rest go, and ``shorter`` leaves the tree (Removed)."""
+        n_lg = len(self.state.layout.layer_groups)
+        medium = self.state.node_medium(shorter)
+        moved: list[int] = []
+        for lg in range(n_lg):
+            page, tier, cov = int(shorter.pages[lg]), int(shorter.tiers[lg]), shorter.page_coverage(lg)
+            if page < 0:
+                continue
+            if node.page_coverage(lg) >= cov:
+                self.unlink_page(shorter, lg)
+                continue
+            self.unlink_page(node, lg)
+            pg = self.state.lg_pool_group[lg]
+            node.pages[lg], node.tiers[lg], node.coverage[lg] = page, tier, cov
+            shorter.pages[lg] = -1
+            if self.state.in_tree_t[tier][pg][page]:
+                self.state.tree_owner[tier][pg][page] = (node, lg)
+            moved.append(lg)
+        self.state.tree.remove(shorter)
+        self.state.events.put(Removed((shorter.key,), medium))
+        if moved:
+            parent = node.parent
+            self.state.events.put(Stored(None if parent is None or parent.is_root else parent.key, (node.key,),
+                                         tuple(node.tokens.tolist()), self.state.layout.tokens_per_block, lora_id,
+                                         self.state.node_medium(node), None,
+                                         layer_group_subset([i in moved for i in range(n_lg)])))
+        self.state.tree.touch(node)
+
     def enter_chain(self, cache: KVCache, first: int, keys: list[bytes], pages: IntArray, priority: int) -> None:
         """Enter the cache's blocks ``first, first + 1, ...`` (keys ``keys``, primary pages ``pages[i]``
         per layer group, -1: none) into the tree as a chain of new blocks, give the tree its references
@@ -435,6 +594,12 @@ class PrefixReuse:
         parent = cache.record.tree_nodes[first - 1] if first > 0 else None
         toks = cache.record.tokens
         live = [np.flatnonzero(pages[:, lg] >= 0) for lg in range(pages.shape[1])]
+        _, shorter = self.tail_siblings(cache.record.root_key, parent, toks[first * tpb:(first + 1) * tpb],
+                                        first in cache.record.extra_keys)
+        if shorter is not None:     # the cache's own earlier endpoint in this block: its pages come along
+            for lg in range(pages.shape[1]):
+                if pages[0, lg] >= 0 and int(shorter.pages[lg]) == int(pages[0, lg]) and shorter.tiers[lg] == 0:
+                    self.unlink_page(shorter, lg)
         for lg, rows in enumerate(live):       # a new block's page cannot be a tree page already
             pg = self.state.lg_pool_group[lg]
             taken = pages[rows, lg][self.state.in_tree_t[0][pg][pages[rows, lg]]]
@@ -463,6 +628,8 @@ class PrefixReuse:
                                     tuple(toks[(first + s) * tpb:(first + e) * tpb].tolist()), tpb, scope.lora_id,
                                     self.state.medium, stored_extra_keys(first + s, e - s, scope.salt, cache.record.extra_keys),
                                     groups))
+        if shorter is not None:      # the first new block continues a tail block: it takes that block's place
+            self.absorb(nodes[0], shorter, scope.lora_id)
 
     def mark_tree_pages(self, node: BlockNode, layer_groups: Sequence[int] | range) -> None:
         """Give the tree its reference on ``node``'s page of each listed layer group."""
@@ -478,15 +645,18 @@ class PrefixReuse:
 
     def adopt(self, cache: KVCache, block: int, node: BlockNode, swaps: dict[int, tuple[list[int], list[int]]]) -> None:
         """A committed block duplicating ``node``: use the tree's pages and free the cache's own;
-        a page the tree lacks (sliding window) is taken from the cache. A tree page in a colder tier
-        is not adopted (an active request's pages stay primary): the cache keeps its own. The reference
-        swaps are left in ``swaps`` (pool group -> (tree pages to take, own pages to let go, in order))
-        for the caller to apply in one step."""
+        a page the tree lacks (sliding window), or has only for part of the block, is taken from the
+        cache. A tree page in a colder tier is not adopted (an active request's pages stay primary):
+        the cache keeps its own. The reference swaps are left in ``swaps`` (pool group -> (tree pages
+        to take, own pages to let go, in order)) for the caller to apply in one step."""
         for lg, blocks in enumerate(cache.record.blocks):
             if lg in self.state.recurrent_groups:   # snapshots: see adopt_snapshot
                 continue
             mine, theirs = int(blocks[block]), int(node.pages[lg])
             pg = self.state.lg_pool_group[lg]
+            if mine >= 0 and node.page_coverage(lg) < node.num_tokens:    # none, or one holding part of it
+                self.install_page(node, lg, mine, int(cache.record.tiers[lg][block]), node.num_tokens, cache)
+                continue
             if theirs >= 0 and node.tiers[lg] != 0:
                 continue
             if theirs >= 0 and mine >= 0 and mine != theirs:
@@ -494,25 +664,22 @@ class PrefixReuse:
                 take.append(theirs)
                 drop.append(mine)
                 blocks[block] = theirs
-            elif theirs < 0 <= mine:
-                node.pages[lg] = mine
-                node.tiers[lg] = cache.record.tiers[lg][block]
-                self.mark_tree_pages(node, [lg])
-                parent = node.parent
-                self.state.events.put(Stored(None if parent is None or parent.is_root else parent.key, (node.key,),
-                                        tuple(node.tokens.tolist()), self.state.layout.tokens_per_block,
-                                        cache.reuse_scope.lora_id, self.state.media[int(node.tiers[lg])],
-                                        stored_extra_keys(block, 1, cache.reuse_scope.salt, cache.record.extra_keys),
-                                        layer_group_subset([i == lg for i in range(len(cache.record.blocks))])))
 
     def drop_window_pages(self, cache: KVCache, layer_group: int, start: int, released: IntArray,
                            tiers: TierArray) -> None:
         """The tree lets go of the sliding-window pages a request just released for blocks
         [start, start + len(released)) once no other request holds them (the node keeps -1 there),
-        so window memory is not pinned by the tree; a node left without pages is requeued. One
-        reference drop per tier, one Removed per run of blocks of one medium."""
+        so window memory is not pinned by the tree; a node left without pages is requeued. Blocks the
+        request reused from the tree keep their pages unless ``drops_reused_window_pages``: they are
+        what earlier requests entered, and other endpoints may need them. One reference drop per tier,
+        one Removed per run of blocks of one medium."""
         pg = self.state.lg_pool_group[layer_group]
-        nodes = cache.record.tree_nodes[start:start + released.size]
+        reused = 0 if self.state.drops_reused_window_pages else \
+            cache.num_reused_tokens // self.state.layout.tokens_per_block
+        if start + released.size <= reused:
+            return
+        skip = max(0, reused - start)
+        nodes = [None] * skip + cache.record.tree_nodes[start + skip:start + released.size]
         drops: dict[int, list[int]] = {}
         run: list[bytes]
         groups = layer_group_subset([i == layer_group for i in range(len(self.state.layout.layer_groups))])
@@ -540,14 +707,15 @@ class PrefixReuse:
 
     def window_nodes(self, cache: KVCache) -> list[tuple[BlockNode, int]]:
         """(tree block, sliding-window layer group) of every page a request continuing exactly where
-        ``cache`` ends would need from the tree: the window (and sinks) before its committed length."""
+        ``cache`` ends would need from the tree: the window (and sinks) before its committed length, the
+        partial last block's included, and the recurrent snapshot where it ends."""
         n = cache.num_committed_tokens
-        nodes = cache.record.tree_nodes
+        nodes = self.endpoint_nodes(cache)
         out: list[tuple[BlockNode, int]] = []
         tpb = self.state.layout.tokens_per_block
         for lg, group in enumerate(self.state.layout.layer_groups):
             if group.recurrent:     # the snapshot where the cache ends
-                if n and n % tpb == 0 and n // tpb <= len(nodes) and (node := nodes[n // tpb - 1]) is not None:
+                if n and -(-n // tpb) <= len(nodes) and (node := nodes[-(-n // tpb) - 1]) is not None:
                     out.append((node, lg))
                 continue
             if group.window is None:
@@ -556,6 +724,28 @@ class PrefixReuse:
             needed = [*range(min(sink, len(nodes))), *range(max(int(lo[0]), sink), len(nodes))]
             out.extend((node, lg) for b in needed if (node := nodes[b]) is not None)
         return out
+
+    def endpoint_nodes(self, cache: KVCache) -> list[BlockNode | None]:
+        """The tree blocks of the cache's committed tokens: one per full block, and the block holding
+        its partial last block's pages when it ends inside one (None where a block is not in the tree)."""
+        nodes: list[BlockNode | None] = list(cache.record.tree_nodes)
+        if cache.num_committed_tokens % self.state.layout.tokens_per_block:
+            tail = cache.record.tail_node
+            nodes.append(tail if tail is not None and not tail.removed else None)
+        return nodes
+
+    def endpoint_cut_short(self, cache: KVCache) -> bool:
+        """Whether a match of the cache's committed tokens, all of whose blocks are in the tree, would
+        now stop early: a page some layer group needs there holds fewer tokens than the match reaches,
+        or is gone (``prune``)."""
+        nodes = self.endpoint_nodes(cache)
+        if not nodes or any(node is None or node.removed for node in nodes):
+            return False
+        tpb = self.state.layout.tokens_per_block
+        n = cache.num_committed_tokens
+        cov = np.stack([np.where(node.pages >= 0, node.coverage, 0) for node in nodes if node is not None])
+        nb, last = self.prune(cov, n - (len(nodes) - 1) * tpb, self.state.recurrent_groups)
+        return nb == 0 or (nb - 1) * tpb + last != n
 
     def drop_node_pages(self, pairs: list[tuple[BlockNode, int]]) -> None:
         """The tree lets go of layer group ``lg``'s page of each ``(node, lg)`` that only the tree holds

@@ -43,8 +43,10 @@ class BlockNode:
     """One committed block: its key, its tokens and the page holding it in each layer group.
 
     ``pages[lg]`` is a slot of tier ``tiers[lg]`` (0 = primary; the cache manager moves pages
-    between tiers and rewrites both). A root node (``key`` = the scope's root key, ``depth`` -1)
-    holds no tokens and no pages.
+    between tiers and rewrites both). ``coverage[lg]`` is the tokens of the block that page holds
+    (its recorded token count): the block's own length, or fewer for a page a shorter sibling
+    handed over when this block replaced it (see ``page_coverage``). A root node (``key`` = the
+    scope's root key, ``depth`` -1) holds no tokens and no pages.
     """
 
     key: bytes
@@ -61,6 +63,16 @@ class BlockNode:
     _version: int = 0
     _child_tokens: TokenArray | None = None
     _child_list: list[BlockNode] | None = None
+    coverage: IntArray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+
+    def __post_init__(self) -> None:
+        if self.coverage.size != self.pages.size:
+            self.coverage = np.full(self.pages.size, self.tokens.size, dtype=np.int32)
+
+    def page_coverage(self, layer_group: int) -> int:
+        """Tokens of this block that layer group ``layer_group``'s page holds (0: no page). For an
+        attention group a prefix of the block; for a recurrent one the exact position of its snapshot."""
+        return int(self.coverage[layer_group]) if self.pages[layer_group] >= 0 else 0
 
     @property
     def is_root(self) -> bool:
@@ -126,10 +138,11 @@ class PrefixTree:
         return None if parent is None else parent.children.get(key)
 
     def match(self, root_key: bytes, keys: Sequence[bytes], tokens: TokenArray | None = None,
-              max_tokens: int | None = None) -> PrefixMatch:
+              max_tokens: int | None = None, *, exact_only: bool = False) -> PrefixMatch:
         """The longest run of ``keys`` present from ``root_key``; when ``tokens`` is given, also the
         child of the last matched node sharing the longest token prefix with the next block (capped so
-        that at most ``max_tokens`` tokens are matched in all)."""
+        that at most ``max_tokens`` tokens are matched in all). ``exact_only``: only a tail block holding
+        exactly the rest of the (capped) tokens, as its key would match (no partial match)."""
         tpb = self.tokens_per_block
         node = self._roots.get(root_key)
         if node is None:
@@ -149,7 +162,7 @@ class PrefixTree:
         if stop <= start or not node.children:
             return PrefixMatch(tuple(path))
         best, common = self._best_partial(node, tokens[start:stop])
-        if best is None or common == 0:
+        if best is None or common == 0 or (exact_only and not common == best.num_tokens == stop - start):
             return PrefixMatch(tuple(path))
         return PrefixMatch(tuple(path), best, common)
 

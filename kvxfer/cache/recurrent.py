@@ -6,9 +6,10 @@ request's length. It is taken at the first ``resume``, kept (offloaded like any 
 request is suspended, and let go at ``close``.
 
 Reuse: a commit whose committed length ends on a block boundary copies the live state into a new slot,
-the recurrent layer group's page of the tree block where the committed prefix ends (one snapshot per
-tree block; a block that already has one keeps it). A prefix match then only counts up to a block whose
-snapshot exists (the attention layer groups' pages must exist too). The new request holds that snapshot
+the recurrent layer group's page of the tree block where the committed prefix ends (a block that already
+has one keeps it). A commit ending inside a block gives that partial block (a tail block of the tree) a
+snapshot recorded after that many of its tokens (prefix_reuse.enter_tail). A prefix match then ends at the
+last snapshot it reaches (the attention layer groups' pages must exist too). The new request holds that snapshot
 until its first ``resume`` copies it into a private slot (an intra-device copy), so that its own
 computation never writes the tree's page. Under ``commit_min_snapshot`` (required with recurrent layers)
 a commit must start or end at ``history_length``: then the state the request holds is the state after

@@ -217,15 +217,15 @@ def test_a_match_stops_at_the_last_snapshot() -> None:
     assert kv.resume()
     kv.capacity = 2 * TPB
     kv.commit(prompt[:TPB])                 # snapshot after block 0
-    kv.commit(prompt[TPB:TPB + 4])          # ends inside block 1: no snapshot
+    kv.commit(prompt[TPB:TPB + 4])          # ends inside block 1: a snapshot 4 tokens into it
     kv.capacity = 4 * TPB
-    kv.commit(prompt[TPB + 4:3 * TPB])      # snapshot after block 2
+    kv.commit(prompt[TPB + 4:3 * TPB])      # snapshot after block 2; block 1 keeps the one at 4 tokens
     kv.close()
-    expect = {TPB: TPB, TPB + 4: TPB, 2 * TPB: TPB, 3 * TPB: 3 * TPB, 4 * TPB: 3 * TPB}
+    expect = {TPB: TPB, TPB + 4: TPB + 4, 2 * TPB: TPB + 4, 3 * TPB: 3 * TPB, 4 * TPB: 3 * TPB}
     for n, reused in expect.items():
         assert mgr.probe_reuse(input_tokens=prompt[:n]) == reused, n
     cut = mgr.create_kv_cache(input_tokens=prompt[:2 * TPB + 3])
-    assert cut.num_committed_tokens == TPB
+    assert cut.num_committed_tokens == TPB + 4
     assert cut._get_num_reusable_tokens_before_hybrid_pruning() == 2 * TPB + 3   # the attention pages went further
     assert cut._get_num_reusable_tokens_before_pruning() == 2 * TPB + 3
     cut.close()
@@ -234,8 +234,112 @@ def test_a_match_stops_at_the_last_snapshot() -> None:
     whole.close()
     fork = mgr.create_kv_cache(input_tokens=prompt[:2 * TPB] + tokens(2 * TPB))
     assert fork._get_num_reusable_tokens_before_pruning() == 2 * TPB     # where the content leaves the tree
-    assert fork.num_committed_tokens == TPB
+    assert fork.num_committed_tokens == TPB + 4
     fork.close()
+
+
+def partial_prefix(mgr: KVCacheManager, toks: list[TokenId], ends: list[int], *, state: int | None = None,
+                   is_end: bool = False) -> int:
+    """A request computing ``toks`` and committing up to each of ``ends`` in turn (its state set to
+    ``state`` first), closing; returns its state slot."""
+    kv = mgr.create_kv_cache()
+    assert kv.resume()
+    kv.capacity = len(toks)
+    slot = kv.get_ssm_block_base_index(ssm_group(mgr))
+    if state is not None:
+        write_state(mgr, slot, state)
+    done = 0
+    for end in ends:
+        kv.history_length = end
+        kv.commit(toks[done:end], is_end=is_end and end == ends[-1])
+        done = end
+    kv.close()
+    return slot
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_commit_ending_inside_a_block_snapshots_the_state_there(partial: bool) -> None:
+    mgr = KVCacheManager(config(partial=partial))
+    prompt = tokens(2 * TPB)
+    partial_prefix(mgr, prompt, [TPB, TPB + 4], state=5)
+    num, pages = _introspection.reuse_match_pages(mgr, None, prompt[:TPB + 4], ssm_group(mgr), partial)
+    assert num == TPB + 4 and pages[-1] is not None and pages[-1][1] == 4
+    assert mgr.probe_reuse(input_tokens=prompt[:TPB + 4]) == TPB + 4    # the tail block's own key
+    # past the endpoint only a partial match reaches the snapshot inside block 1
+    assert mgr.probe_reuse(input_tokens=prompt) == (TPB + 4 if partial else TPB)
+    kv = mgr.create_kv_cache(input_tokens=prompt[:TPB + 4])
+    assert kv.num_committed_tokens == TPB + 4
+    assert kv.resume() and state_values(mgr, kv.get_ssm_block_base_index(ssm_group(mgr))) == {5}
+    kv.close()
+
+
+def test_the_last_commit_gives_the_tree_the_state_slot_itself() -> None:
+    mgr = KVCacheManager(config(partial=True))
+    lg = ssm_group(mgr)
+    prompt = tokens(TPB + 4)
+    slot = partial_prefix(mgr, prompt, [len(prompt)], state=6, is_end=True)
+    _, pages = _introspection.reuse_match_pages(mgr, None, prompt, lg, True)
+    assert pages[-1] == (slot, 4)                   # moved into the tree, not copied
+    kv = mgr.create_kv_cache(input_tokens=prompt)
+    assert kv.num_committed_tokens == len(prompt)
+    assert kv.resume()
+    mine = kv.get_ssm_block_base_index(lg)
+    assert mine != slot and state_values(mgr, mine) == {6}
+    kv.close()
+
+
+def test_a_snapshot_inside_a_block_moves_into_the_block_that_replaces_it() -> None:
+    mgr = KVCacheManager(config(partial=True))
+    lg = ssm_group(mgr)
+    prompt = tokens(3 * TPB)
+    partial_prefix(mgr, prompt, [TPB + 4])          # no snapshot on block 0: the commit ended past it
+    kv = mgr.create_kv_cache(input_tokens=prompt)
+    assert kv.num_committed_tokens == TPB + 4
+    assert kv.resume()
+    kv.capacity = len(prompt)
+    kv.history_length = len(prompt)
+    kv.commit(prompt[TPB + 4:])                     # block 1 full now, its own snapshot on block 2
+    kv.close()
+    num, pages = _introspection.reuse_match_pages(mgr, None, prompt[:TPB + 4], lg, True)
+    assert num == TPB + 4 and len(pages) == 2 and pages[-1] is not None and pages[-1][1] == 4
+    assert _introspection.reuse_match_pages(mgr, None, prompt, lg, True)[0] == len(prompt)
+    assert mgr.probe_reuse(input_tokens=prompt[:2 * TPB]) == TPB + 4
+    assert mgr.probe_reuse(input_tokens=prompt) == len(prompt)
+
+
+def test_a_block_keeps_its_latest_snapshot_and_a_fork_before_it_reuses_nothing() -> None:
+    mgr = KVCacheManager(config(partial=True))
+    prompt = tokens(2 * TPB)
+    partial_prefix(mgr, prompt, [3, 6])
+    assert mgr.probe_reuse(input_tokens=prompt[:5] + tokens(4)) == 0   # the state after 6 tokens is ahead
+    assert mgr.probe_reuse(input_tokens=prompt[:7] + tokens(4)) == 6
+    assert mgr.probe_reuse(input_tokens=prompt[:3] + tokens(4)) == 0   # the 3-token snapshot went
+    partial_prefix(mgr, prompt, [TPB])
+    assert mgr.probe_reuse(input_tokens=prompt[:TPB] + tokens(4)) == TPB
+    assert mgr.probe_reuse(input_tokens=prompt[:7] + tokens(4)) == 0   # the whole block's state replaced it
+
+
+def test_a_planned_drop_takes_the_window_and_the_snapshot_of_a_partial_endpoint() -> None:
+    layers: list[AttentionLayerConfig | SsmLayerConfig] = [
+        AttentionLayerConfig(LayerId(0), [BufferConfig(DataRole("key"), 256)], sliding_window_size=TPB),
+        SsmLayerConfig(LayerId(1), [BufferConfig(STATE, 512)])]
+    mgr = KVCacheManager(KVCacheManagerConfig(tokens_per_block=TPB, cache_tiers=[GpuCacheTierConfig(1 << 20)],
+                                              layers=layers, commit_min_snapshot=True))
+    attn = _introspection.attention_life_cycle_ids(mgr)[0]
+    prompt = tokens(TPB + 4)
+    kv = mgr.create_kv_cache()
+    assert kv.resume()
+    kv.capacity = len(prompt)
+    kv.commit(prompt)
+    kv.stop_committing()
+    handle = kv.plan_committed_block_drop()
+    assert handle is not None
+    assert _introspection.reuse_match_planned_drop_counts(mgr, None, prompt, attn) == (len(prompt), [1, 1])
+    assert _introspection.reuse_match_planned_drop_counts(mgr, None, prompt, ssm_group(mgr))[1][-1] == 1
+    kv.close()
+    assert mgr.probe_reuse(input_tokens=prompt) == len(prompt)
+    handle.drop()
+    assert mgr.probe_reuse(input_tokens=prompt) == 0
 
 
 def test_no_snapshot_no_reuse_even_with_attention_pages() -> None:

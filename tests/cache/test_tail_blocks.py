@@ -22,9 +22,10 @@ from kvxfer.cache import (
     LayerSpec,
     PrimaryTier,
     ReuseScope,
+    _introspection,
     sequence_to_blockchain_keys,
 )
-from kvxfer.cache.events import AllCleared, Stored
+from kvxfer.cache.events import AllCleared, Removed, Stored
 from kvxfer.cache.radix_tree import PrefixTree
 from kvxfer.errors import KVCacheError
 
@@ -85,27 +86,36 @@ def test_a_request_reusing_the_tail_writes_into_a_copy() -> None:
     mgr = ref_manager()
     tokens = list(range(20, 30))
     run(mgr, tokens)
+    lg = mgr.get_layer_group_id(LayerId(0))
+    _, pages = _introspection.reuse_match_pages(mgr, ReuseScope(), tokens, lg, True)
+    tail_page = pages[-1]
+    assert tail_page is not None and tail_page[1] == 2
     kv = mgr.create_kv_cache(None, [*tokens, 1, 2])
     assert kv.num_committed_tokens == 10
     assert kv.resume()
     assert kv.resize(12)
-    lg = mgr.get_layer_group_id(LayerId(0))
     own = int(kv.get_base_page_indices(lg)[2])
-    kv.commit([1, 2])                                   # block 2 full now: a new block beside the tail
+    assert own != tail_page[0]                          # the request writes into its own copy
+    mgr.drain_events()
+    kv.commit([1, 2])                                   # block 2 full now: it takes the tail block's place
     kv.close()
-    # the tail block still holds its page, not the one the second request wrote
+    removed = [k for e in mgr.drain_events() if isinstance(e, Removed) for k in e.block_hashes]
+    assert len(removed) == 1
+    _, pages = _introspection.reuse_match_pages(mgr, ReuseScope(), tokens, lg, True)
+    assert pages[-1] == (own, TPB)                      # the full block's page covers the old endpoint
     probe = mgr.create_kv_cache(None, tokens)
     assert probe.num_committed_tokens == 10
-    assert int(probe.get_base_page_indices(lg)[2]) != own
     probe.close()
 
 
-def test_without_partial_reuse_only_full_blocks_are_reused() -> None:
+def test_without_partial_reuse_a_tail_matches_by_its_key_only() -> None:
     mgr = ref_manager(partial_reuse=False)
     tokens = list(range(40, 50))
     run(mgr, tokens)
     assert [len(e.token_ids) for e in stored(mgr)] == [10]    # the tail is stored all the same
-    assert mgr.probe_reuse(None, tokens) == 8
+    assert mgr.probe_reuse(None, tokens) == 10                # the same 2 tokens: the tail's chain key
+    assert mgr.probe_reuse(None, [*tokens, 7]) == 8           # 3 tokens there: no partial match
+    assert mgr.probe_reuse(None, tokens[:9]) == 8             # 1 token of the tail: no partial match
 
 
 def test_cache_config_managers_keep_full_blocks_only() -> None:
