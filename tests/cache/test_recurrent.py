@@ -211,7 +211,9 @@ def test_reuse_restores_the_snapshot_into_a_private_slot() -> None:
 
 
 def test_a_match_stops_at_the_last_snapshot() -> None:
-    mgr = KVCacheManager(config(partial=True))
+    cfg = config(partial=True)
+    cfg.initial_pool_ratio = [0.5, 0.5]     # equal byte shares: room for every snapshot this test keeps
+    mgr = KVCacheManager(cfg)
     prompt = tokens(4 * TPB)
     kv = mgr.create_kv_cache()
     assert kv.resume()
