@@ -155,9 +155,15 @@ def _reuse_match(manager: Any, reuse_scope: ReuseScope | None, tokens: Sequence[
     root = scope.root_key_for(algo)
     arr = manager.lifecycle.encode_tokens(list(tokens), caller)
     keys = block_keys(arr, manager.tokens_per_block, root, algo=algo, scope=scope, digests=manager.digest_table)
-    match = manager.prefix_tree.match(root, keys, arr if enable_partial else None)
-    nodes = list(match.nodes) + ([match.partial] if match.partial is not None else [])
-    num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if match.partial else 0)
+    match = manager.prefix_tree.match(root, keys, arr)
+    partial = match.partial
+    if partial is not None and not enable_partial:
+        # without partial matching a tail block still matches when its tokens are exactly the rest
+        rest = arr.size - len(match.nodes) * manager.tokens_per_block
+        if not match.partial_tokens == partial.tokens.size == rest:
+            partial = None
+    nodes = list(match.nodes) + ([partial] if partial is not None else [])
+    num_tokens = len(match.nodes) * manager.tokens_per_block + (match.partial_tokens if partial is not None else 0)
     return num_tokens, nodes
 
 

@@ -455,13 +455,16 @@ class CacheLayoutDesc:
                 for pg in self.pool_groups for v in pg.slot_desc.variants for s in v.buffer_spans()}
 
     def locate(self, buffer_id: BufferId) -> tuple[PoolGroupDesc, PoolDesc, BufferSpan]:
-        """(pool group, pool, span) where ``buffer_id`` lives."""
-        for pg in self.pool_groups:
-            for v in pg.slot_desc.variants:
-                for s in v.buffer_spans():
-                    if s.buffer_id == buffer_id:
-                        return pg, pg.pools[s.pool_index], s
-        raise LayoutError(f"no buffer {buffer_id} in this layout")
+        """(pool group, pool, span) where ``buffer_id`` lives (indexed once per layout: engines ask this
+        for every buffer of every step)."""
+        index = self.__dict__.get("_located")
+        if index is None:
+            index = self.buffer_spans()
+            object.__setattr__(self, "_located", index)
+        found = index.get(buffer_id)
+        if found is None:
+            raise LayoutError(f"no buffer {buffer_id} in this layout")
+        return found
 
     def aggregated_pages(self, buffers: Iterable[BufferId]) -> tuple[AggregatedPageDesc, ...]:
         """The reference design's aggregated pages of ``buffers``: one descriptor per run of consecutive
