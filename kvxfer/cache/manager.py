@@ -775,6 +775,11 @@ class KVCacheManager:
         bid = BufferId(layer_id, role)
         pg, pool, eb = self._state.layout.locate(bid)
         fmt = self._state.layout.format_of(bid)
+        if fmt.opaque or fmt.tokens_per_block != self._state.layout.tokens_per_block:
+            what = f"opaque ({fmt.block_bytes} bytes per page)" if fmt.opaque else \
+                f"paged by {fmt.tokens_per_block} of the cache's {self._state.layout.tokens_per_block} tokens"
+            raise LayoutError(f"buffer_view(layer {layer_id}, {role!r}): the buffer is {what}; it has no "
+                              f"[slot, head, token, dim] view (address its pages with get_page_index_converter)")
         raw = self._state.pools[pg.pool_group_index][pool.pool_index]
         rows = raw.view(pool.num_slots, pool.slot_bytes)[:, eb.offset:eb.offset + eb.size]
         typed = rows.view(torch_dtype(fmt.dtype))
@@ -946,18 +951,23 @@ class KVCacheManager:
         return MemAddress(pool.base_address + offset)
 
     def get_page_stride(self, layer_id: LayerId, data_role: DataRole) -> int:
-        """Bytes of one page of a buffer (its bytes per block)."""
-        return self._span(layer_id, data_role)[2]
+        """Bytes of one page of a buffer (a block's bytes, or a part of them for a buffer paged by
+        fewer tokens than the cache)."""
+        return exact_div(self._span(layer_id, data_role)[2], self._expansion(layer_id, data_role))
+
+    def _expansion(self, layer_id: LayerId, data_role: DataRole) -> int:
+        return self._state.layout.expansion_of(BufferId(int(layer_id), str(data_role)))
 
     def get_page_index_scale(self, layer_id: LayerId, data_role: DataRole) -> int:
-        """Pages of the buffer's stride in one slot of its pool: page index = slot id * scale."""
+        """Blocks of the buffer's size in one slot of its pool (the buffers coalesced there): base page
+        index * scale is the buffer's block index (times the expansion: its page index)."""
         pool, _, size = self._span(layer_id, data_role)
         return exact_div(pool.slot_bytes, size)
 
     def get_page_index_upper_bound(self, layer_id: LayerId, data_role: DataRole) -> int:
         """One past the largest page index of a buffer."""
         pool, _, _ = self._span(layer_id, data_role)
-        return pool.num_slots * self.get_page_index_scale(layer_id, data_role)
+        return pool.num_slots * self.get_page_index_scale(layer_id, data_role) * self._expansion(layer_id, data_role)
 
     def get_page_index_converter(self, layer_id: LayerId, data_role: DataRole) -> PageIndexConverter:
         """Turns base page indices of the buffer's layer group into page indices of the buffer."""
@@ -965,8 +975,8 @@ class KVCacheManager:
         bid = BufferId(int(layer_id), str(data_role))
         variant = self._state.layout.pool_groups[self._state.lg_pool_group[self.get_layer_group_id(layer_id)]] \
             .slot_desc.variant_of(int(self.get_layer_group_id(layer_id)))
-        return PageIndexConverter(self.get_page_index_scale(layer_id, data_role), 1, exact_div(offset, size),
-                                  layer_pages_per_block(variant, bid))
+        return PageIndexConverter(self.get_page_index_scale(layer_id, data_role), self._expansion(layer_id, data_role),
+                                  exact_div(offset, size), layer_pages_per_block(variant, bid))
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None,
                     input_tokens: Sequence[TokenIdExt] | npt.ArrayLike | None = None, *,

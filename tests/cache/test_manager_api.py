@@ -158,8 +158,12 @@ def test_unsupported_reference_settings_are_named() -> None:
         KVCacheManager(ssm)
     with pytest.raises(ConfigError, match="cold_page_codec"):
         KVCacheManager(config(), cold_page_codec=object())
-    with pytest.raises(ConfigError, match="multiple of its 4 tokens"):
-        KVCacheManager(config(key_size=258))
+    with pytest.raises(ConfigError, match="size must be a positive int"):
+        KVCacheManager(config(key_size=0))
+    bad_override = config()
+    bad_override.layers[0].buffers[0] = BufferConfig(KEY, 256, tokens_per_block_override=3)
+    with pytest.raises(ConfigError, match="tokens_per_block_override must be a positive divisor of the manager's 4"):
+        KVCacheManager(bad_override)
 
 
 # --- addresses --------------------------------------------------------------------------------------------
