@@ -28,6 +28,7 @@ from kvxfer.cache.config import cache_config_of, manager_config_of
 from kvxfer.cache.descriptors import BufferId, CacheLayoutDesc, plain
 from kvxfer.errors import ConfigError, LayoutError
 from kvxfer.extractor import extract, plan_transfer
+from kvxfer.transport.integrity import ChecksumPolicy, digest_kv
 
 TPB = 4
 KEY, VALUE, SCALE = DataRole("key"), DataRole("value"), DataRole("scale")
@@ -81,6 +82,8 @@ def test_the_extractor_and_views_refuse_an_opaque_buffer() -> None:
         plan_transfer(mgr.layout, kv, other.layout, dst)
     with pytest.raises(LayoutError, match="opaque"):
         mgr.buffer_view(0, "scale")
+    with pytest.raises(LayoutError, match=r"digest_kv: buffer .* is opaque"):
+        digest_kv([mgr.layout], [kv], (0, 2 * TPB), ChecksumPolicy(), "r")
     kv.close()
     dst.close()
 
