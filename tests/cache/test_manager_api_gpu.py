@@ -84,3 +84,18 @@ def test_pages_written_at_published_addresses_survive_offload_and_resume(manager
          for s in kv.get_base_page_indices(lg)]
     kv.close()
     mgr.shutdown()
+
+
+def test_an_active_caches_new_stream_waits_for_its_old_one(manager: KVCacheManager) -> None:
+    old, new = torch.cuda.Stream(), torch.cuda.Stream()
+    kv = manager.create_kv_cache()
+    assert kv.resume(old.cuda_stream) and kv.resize(TPB)
+    with torch.cuda.stream(old):
+        torch.cuda._sleep(2_000_000_000)           # the old stream's work: about a second of spinning
+    kv.cuda_stream = new.cuda_stream
+    after = torch.cuda.Event()
+    after.record(new)
+    assert not after.query()                       # queued behind the old stream's work
+    after.synchronize()
+    assert old.query()
+    kv.close()
