@@ -67,8 +67,9 @@ class PageStatus(enum.Enum):
 
 
 class PageIndexMode(enum.IntEnum):
-    """How page indices address a buffer: from one base shared by every layer of a pool
-    (``SHARED``), or from the buffer's own base (``PER_LAYER``)."""
+    """How page indices address a buffer: ``SHARED`` indices are the same for every buffer of a layer
+    group and address from the buffer's own base; ``PER_LAYER`` indices include the buffer's sub-page
+    within its slot and address from the pool's base (what scratch blocks need)."""
 
     SHARED = 0
     PER_LAYER = 1
@@ -325,32 +326,42 @@ class ScratchDesc:
 class PageIndexConverter:
     """Turns base page indices (slot ids of a layer group) into page indices of one buffer.
 
-    A slot of the buffer's pool holds ``scale`` pages of the buffer's stride; the buffer is page
-    ``layer_offset`` of its slot (used in ``SHARED`` mode, where every buffer of the pool indexes from
-    the pool's base), and each block of an ``expansion``-times finer buffer spans ``expansion``
-    consecutive pages.
+    A slot of the buffer's pool holds ``scale`` pages of the buffer's size; the buffer is sub-page
+    ``layer_offset`` of its slot, which ``PER_LAYER`` indices include (they address from the pool's
+    base) and ``SHARED`` ones (the default) leave to the base address. A block of a buffer paged by
+    fewer tokens spans ``expansion`` consecutive pages of ``1 / expansion`` the size. Blocks in a
+    scratch range (``PER_LAYER`` only) live in the scratch slots, block ``i`` of the range at
+    sub-page ``i * scratch_pages_per_block`` of them (wrapping into the next slot), shifted by the
+    buffer's sub-page.
     """
 
     scale: int
     expansion: int
     layer_offset: int
+    scratch_pages_per_block: int = 1
 
     def __call__(self, base_indices: Sequence[int], index_mode: PageIndexMode | None = None,
                  scratch: ScratchDesc | None = None) -> list[int]:
-        mode = PageIndexMode.PER_LAYER if index_mode is None else index_mode
-        offset = self.layer_offset if mode is PageIndexMode.SHARED else 0
-        bases = [int(b) for b in base_indices]
-        if scratch:
-            for ordinal, slot in zip(range(scratch.range.beg, scratch.range.end), scratch.slot_ids, strict=True):
-                if ordinal < len(bases):
-                    bases[ordinal] = int(slot)
+        if index_mode is None:
+            if scratch:
+                raise ConfigError("PageIndexConverter: index_mode must be given (PER_LAYER) with a scratch range, "
+                                  f"got None with {scratch!r}")
+            index_mode = PageIndexMode.SHARED
+        if scratch and index_mode is not PageIndexMode.PER_LAYER:
+            raise ConfigError(f"PageIndexConverter: scratch blocks need PageIndexMode.PER_LAYER indices, got {index_mode!r}")
+        scale, expansion = self.scale, self.expansion
+        offset = self.layer_offset if index_mode is PageIndexMode.PER_LAYER else 0
         out: list[int] = []
-        for base in bases:
-            if base == BAD_PAGE_INDEX:
-                out.extend([BAD_PAGE_INDEX] * self.expansion)
+        for ordinal, base in enumerate(base_indices):
+            if scratch and scratch.range.beg <= ordinal < scratch.range.end:
+                sub = (ordinal - scratch.range.beg) * self.scratch_pages_per_block
+                index = int(scratch.slot_ids[sub // scale]) * scale + (sub % scale + offset) % scale
+            elif int(base) == BAD_PAGE_INDEX:
+                out.extend([BAD_PAGE_INDEX] * expansion)
+                continue
             else:
-                first = base * self.scale + offset
-                out.extend(first + k for k in range(self.expansion))
+                index = int(base) * scale + offset
+            out.extend(index * expansion + k for k in range(expansion))
         return out
 
 

@@ -48,11 +48,18 @@ class RoleSpec:
     """A buffer role of a layer: "key", "value", or e.g. a quantisation-scale role of its own size.
 
     ``head_dim``/``dtype`` of None mean "the layer's head_dim" / "the cache's dtype".
+    ``tokens_per_block``: the role's own page size when it is paged by fewer tokens than the cache
+    (a divisor of the cache's; a block's slot then holds several of its pages). ``block_bytes``: an
+    opaque role of that many bytes per page with no (head, token) structure (the reference design's
+    buffers whose size is not a multiple of their tokens per block): pools and slots hold it, but the
+    extractor, ``buffer_view`` and ``write_kv``/``read_kv`` refuse it.
     """
 
     name: str
     head_dim: int | None = None
     dtype: str | None = None
+    tokens_per_block: int | None = None
+    block_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -61,6 +68,10 @@ class RoleSpec:
             _positive_int(self.head_dim, f"RoleSpec({self.name}).head_dim")
         if self.dtype is not None:
             object.__setattr__(self, "dtype", dtype_name(self.dtype, f"RoleSpec({self.name}).dtype"))
+        if self.tokens_per_block is not None:
+            _positive_int(self.tokens_per_block, f"RoleSpec({self.name}).tokens_per_block")
+        if self.block_bytes is not None:
+            _positive_int(self.block_bytes, f"RoleSpec({self.name}).block_bytes")
 
 
 @dataclass(frozen=True)
@@ -219,6 +230,15 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}")
         if not isinstance(self.swa_scratch_reuse, bool):
             raise ConfigError(f"CacheConfig.swa_scratch_reuse must be a bool, got {self.swa_scratch_reuse!r}")
+        for layer in layers:
+            for role in layer.role_specs:
+                if role.tokens_per_block is not None and self.tokens_per_block % role.tokens_per_block:
+                    raise ConfigError(f"LayerSpec({layer.layer_id}) role {role.name!r}: tokens_per_block "
+                                      f"{role.tokens_per_block} does not divide the cache's {self.tokens_per_block}")
+                if role.block_bytes is not None and (layer.num_kv_heads != 1 or self.tp_size != 1):
+                    raise ConfigError(f"LayerSpec({layer.layer_id}) role {role.name!r}: an opaque role (block_bytes="
+                                      f"{role.block_bytes}) has no heads to split: num_kv_heads must be 1 and "
+                                      f"tp_size 1, got {layer.num_kv_heads} and {self.tp_size}")
 
     # --- derived --------------------------------------------------------------------------------
     @property
@@ -319,10 +339,12 @@ def manager_config_of(config: CacheConfig) -> KVCacheManagerConfig:
     layers: list[LayerConfig] = []
     for layer in config.layers:
         _, heads = config.local_heads(layer)
-        buffers = [BufferConfig(DataRole(role.name),
-                                heads * (role.head_dim or layer.head_dim) * itemsize(role.dtype or config.dtype)
-                                * config.tokens_per_block)
-                   for role in layer.role_specs]
+        buffers = []
+        for role in layer.role_specs:
+            own = role.tokens_per_block or config.tokens_per_block
+            size = role.block_bytes or heads * (role.head_dim or layer.head_dim) * itemsize(role.dtype or config.dtype) * own
+            buffers.append(BufferConfig(DataRole(role.name), size,
+                                        own if own != config.tokens_per_block else None))
         if layer.recurrent:
             layers.append(SsmLayerConfig(LayerId(layer.layer_id), buffers))
         else:
@@ -352,11 +374,14 @@ def _check_layers(layers: Sequence[object], tokens_per_block: int) -> list[Atten
         for buf in layer.buffers:
             if not isinstance(buf, BufferConfig):
                 raise ConfigError(f"{kind}({layer.layer_id}).buffers must hold BufferConfig, got {buf!r}")
-            tpb = buf.tokens_per_block_override or tokens_per_block
-            # A recurrent state is kept as a block's worth of bytes (tokens_per_block rows of size/tpb).
-            if isinstance(buf.size, bool) or not isinstance(buf.size, int) or buf.size <= 0 or buf.size % tpb:
-                raise ConfigError(f"BufferConfig(layer {layer.layer_id}, {buf.role!r}).size must be a positive "
-                                  f"multiple of its {tpb} tokens per block, got {buf.size!r}")
+            where = f"BufferConfig(layer {layer.layer_id}, {buf.role!r})"
+            if isinstance(buf.size, bool) or not isinstance(buf.size, int) or buf.size <= 0:
+                raise ConfigError(f"{where}.size must be a positive int (bytes per page), got {buf.size!r}")
+            own = buf.tokens_per_block_override
+            if own is not None and (isinstance(own, bool) or not isinstance(own, int) or own <= 0
+                                    or tokens_per_block % own):
+                raise ConfigError(f"{where}.tokens_per_block_override must be a positive divisor of the manager's "
+                                  f"{tokens_per_block} tokens per block, got {own!r}")
         out.append(layer)
     return out
 
@@ -394,10 +419,11 @@ def cache_config_of(config: KVCacheManagerConfig) -> CacheConfig:
         roles = []
         for buf in layer.buffers:
             own_tpb = buf.tokens_per_block_override or tpb
-            roles.append(RoleSpec(str(buf.role), head_dim=buf.size // own_tpb, dtype="uint8"))
-            if own_tpb != tpb:
-                raise ConfigError(f"BufferConfig(layer {layer.layer_id}, {buf.role!r}).tokens_per_block_override="
-                                  f"{own_tpb}: kvxfer's pools page every buffer by the manager's {tpb} tokens")
+            own = own_tpb if own_tpb != tpb else None
+            if buf.size % own_tpb:      # no per-token rows: an opaque page of buf.size bytes
+                roles.append(RoleSpec(str(buf.role), dtype="uint8", tokens_per_block=own, block_bytes=buf.size))
+            else:
+                roles.append(RoleSpec(str(buf.role), head_dim=buf.size // own_tpb, dtype="uint8", tokens_per_block=own))
         if isinstance(layer, SsmLayerConfig):
             specs.append(LayerSpec(int(layer.layer_id), 1, roles[0].head_dim or 1, roles=tuple(roles),
                                    recurrent=True))

@@ -59,6 +59,8 @@ class BufferFormat:
     ``head_start``/``num_heads`` are the global head range this rank holds out of ``total_heads``.
     ``tokens_per_block`` is the buffer's own page size: the layout's, or a divisor of it for an
     expanded buffer (``ExpandedBuffer``), whose slot then holds ``expansion`` such pages back to back.
+    ``block_bytes`` > 0 makes the buffer opaque: a page is that many bytes with no (head, token)
+    structure (one nominal head of one element); slots hold it, nothing maps its bytes to tokens.
     """
 
     dtype: str
@@ -68,8 +70,14 @@ class BufferFormat:
     num_heads: int
     total_heads: int
     order: Literal["HND", "NHD"] = "HND"
+    block_bytes: int = 0
 
     def __post_init__(self) -> None:
+        _check_int(self.block_bytes, "BufferFormat.block_bytes")
+        if self.block_bytes and (self.num_heads, self.total_heads, self.head_start) != (1, 1, 0):
+            raise LayoutError(f"BufferFormat: an opaque buffer (block_bytes={self.block_bytes}) has one nominal "
+                              f"head, got heads [{self.head_start}, {self.head_start + self.num_heads}) of "
+                              f"{self.total_heads}")
         try:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
         except ConfigError as exc:
@@ -89,8 +97,15 @@ class BufferFormat:
         return itemsize(self.dtype)
 
     @property
+    def opaque(self) -> bool:
+        """Whether the buffer's bytes have no (head, token) structure (``block_bytes``)."""
+        return self.block_bytes > 0
+
+    @property
     def nbytes(self) -> int:
         """Bytes of one page of this buffer (``tokens_per_block`` tokens of one layer and role)."""
+        if self.block_bytes:
+            return self.block_bytes
         return self.num_heads * self.tokens_per_block * self.head_dim * self.itemsize
 
 
@@ -591,6 +606,7 @@ class BufferFormatWire(_Wire, frozen=True):
     num_heads: Positive
     total_heads: Positive
     order: Annotated[str, msgspec.Meta(max_length=8)]
+    block_bytes: Count = 0
 
 
 class CoalescedBufferWire(_Wire, frozen=True):
@@ -694,6 +710,9 @@ def plain(value: Any) -> Any:
                 "layer_groups": plain(value.layer_groups), "pool_groups": plain(value.pool_groups),
                 "formats": [{"buffer_id": plain(b), "format": plain(f)} for b, f in value.formats],
                 "fingerprint": value.fingerprint.hex()}
+    if isinstance(value, BufferFormat) and not value.block_bytes:
+        # ``block_bytes`` only when set: structured formats keep their wire form and fingerprint
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "block_bytes"}
     if isinstance(value, LayerGroupDesc) and not value.recurrent:
         # ``recurrent`` only when set: attention-only layouts keep their wire form and fingerprint
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "recurrent"}

@@ -59,7 +59,7 @@ class CacheOps(Protocol):
 
     def suspend(self, cache: KVCache) -> None: ...
 
-    def resize(self, cache: KVCache, capacity: int, history: int | None = None) -> None: ...
+    def resize(self, cache: KVCache, capacity: int, history: int | None = None, *, skip_stale: bool = False) -> None: ...
 
     def encode_tokens(self, tokens: Any, what: str) -> npt.NDArray[np.int64]: ...
 
@@ -82,6 +82,8 @@ class CacheOps(Protocol):
     def discard_stats(self, cache: KVCache) -> None: ...
 
     def set_scratch_reuse(self, cache: KVCache, enable: bool) -> None: ...
+
+    def switch_stream(self, cache: KVCache, stream: Any) -> None: ...
 
     def prefetch(self, cache: KVCache, target: int) -> bool: ...
 
@@ -268,7 +270,9 @@ class KVCache:
     @cuda_stream.setter
     def cuda_stream(self, stream: Any) -> None:
         self._check_open("set cuda_stream")
-        self.record.stream = self._ops.check_stream(stream, f"KVCache {self.id}.cuda_stream")
+        checked = self._ops.check_stream(stream, f"KVCache {self.id}.cuda_stream")
+        self._ops.switch_stream(self, checked)      # an active cache's new stream waits for its old one
+        self.record.stream = checked
 
     @property
     def torch_stream(self) -> Any:
@@ -277,8 +281,9 @@ class KVCache:
 
     @property
     def enable_swa_scratch_reuse(self) -> bool:
-        """Whether growing a sliding-window group gives blocks already out of the window at the new
-        capacity scratch slots instead of pages (``CacheConfig.swa_scratch_reuse`` by default)."""
+        """Whether a step's blocks of a sliding-window group that are out of the window by the step's end
+        get shared scratch slots instead of pages (the manager's setting by default). Changing it is
+        refused (ScratchInUseError) while the current step would use scratch blocks."""
         return self.record.swa_scratch_reuse
 
     @enable_swa_scratch_reuse.setter
@@ -290,12 +295,14 @@ class KVCache:
         self.record.swa_scratch_reuse = enable
 
     def get_scratch_desc(self, layer_group_id: int) -> ScratchDesc | None:
-        """The scratch slots of a layer group for the current step, or None when it has none."""
+        """The scratch blocks of a layer group for the current step and the slots holding them (to pass
+        to ``PageIndexConverter`` with ``PER_LAYER`` indices), or None when it has none. Valid until the
+        next change of capacity or history."""
         self._check_layer_group(layer_group_id)
         begin, end = self.record.scratch_range[layer_group_id]
         if end <= begin:
             return None
-        return ScratchDesc(HalfOpenRange(begin, end), tuple(int(s) for s in self.record.scratch[layer_group_id][:end - begin]))
+        return ScratchDesc(HalfOpenRange(begin, end), tuple(int(s) for s in self.record.scratch[layer_group_id]))
 
     @property
     def has_scratch_slots(self) -> bool:
@@ -482,8 +489,11 @@ class KVCache:
         self._text_only = bool(text_only)
 
     def supports_index_mode(self, mode: PageIndexMode) -> bool:
-        """Both page index modes are supported."""
-        return mode in (PageIndexMode.SHARED, PageIndexMode.PER_LAYER)
+        """``PER_LAYER`` always; ``SHARED`` while the cache holds no scratch slots (scratch blocks of
+        different buffers share slots, which only ``PER_LAYER`` indices tell apart)."""
+        if mode is PageIndexMode.SHARED:
+            return not self.has_scratch_slots
+        return mode is PageIndexMode.PER_LAYER
 
     # --- lifecycle -----------------------------------------------------------------------------
     def _check_open(self, op: str) -> None:
@@ -540,7 +550,7 @@ class KVCache:
         if history_length is not None and history < self.record.history:
             self.history_length = history
         try:
-            self._ops.resize(self, capacity, history if history_length is not None else None)
+            self._ops.resize(self, capacity, history, skip_stale=history_length is not None)
         except OutOfSlotsError:
             return False
         self.record.capacity = capacity
@@ -556,6 +566,9 @@ class KVCache:
 
     @capacity.setter
     def capacity(self, capacity: int) -> None:
+        if self.record.swa_scratch_reuse:
+            raise ConfigError(f"KVCache {self.id}: cannot set capacity ({capacity!r}) while SWA scratch reuse is "
+                              f"enabled (the scratch range depends on history too); use resize(capacity, history_length)")
         if not self.resize(capacity):
             raise OutOfPagesError(f"KVCache {self.id}: no pages for capacity {capacity}")
 

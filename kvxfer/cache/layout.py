@@ -56,11 +56,22 @@ def buffer_formats(config: CacheConfig) -> dict[BufferId, BufferFormat]:
     for layer in config.layers:
         start, heads = config.local_heads(layer)
         for role in layer.role_specs:
-            out[BufferId(layer.layer_id, role.name)] = BufferFormat(
-                dtype=role.dtype or config.dtype, head_dim=role.head_dim or layer.head_dim,
-                tokens_per_block=config.tokens_per_block, head_start=start, num_heads=heads,
-                total_heads=layer.num_kv_heads, order=config.head_order)
+            own_tpb = role.tokens_per_block or config.tokens_per_block
+            if role.block_bytes:    # opaque: one nominal uint8 head, a page of block_bytes
+                fmt = BufferFormat(dtype="uint8", head_dim=1, tokens_per_block=own_tpb, head_start=0, num_heads=1,
+                                   total_heads=1, order=config.head_order, block_bytes=role.block_bytes)
+            else:
+                fmt = BufferFormat(dtype=role.dtype or config.dtype, head_dim=role.head_dim or layer.head_dim,
+                                   tokens_per_block=own_tpb, head_start=start, num_heads=heads,
+                                   total_heads=layer.num_kv_heads, order=config.head_order)
+            out[BufferId(layer.layer_id, role.name)] = fmt
     return out
+
+
+def slot_bytes_of(config: CacheConfig, fmt: BufferFormat) -> int:
+    """Bytes one block of a buffer takes in its slot: its pages of the block (several for a buffer
+    paged by fewer tokens than the cache)."""
+    return fmt.nbytes * (config.tokens_per_block // fmt.tokens_per_block)
 
 
 def _group_buffers(config: CacheConfig, layer_group_id: int, layer_ids: Sequence[int],
@@ -71,11 +82,11 @@ def _group_buffers(config: CacheConfig, layer_group_id: int, layer_ids: Sequence
     ids = [bid for bid in sorted(formats, key=lambda b: (b.layer_id, _role_rank(config, b)))
            if bid.layer_id in chosen]
     if not config.coalesce:
-        buffers = [CoalescedBuffer(formats[b].nbytes, (b,)) for b in ids]
+        buffers = [CoalescedBuffer(slot_bytes_of(config, formats[b]), (b,)) for b in ids]
     else:
         by_size: dict[int, list[BufferId]] = {}
         for bid in ids:
-            by_size.setdefault(formats[bid].nbytes, []).append(bid)
+            by_size.setdefault(slot_bytes_of(config, formats[bid]), []).append(bid)
         buffers = [CoalescedBuffer(size, tuple(members)) for size, members in by_size.items()]
     # Largest slot first (the big key/value pool, then small scale pools); ties by buffer size.
     buffers.sort(key=lambda c: (c.size, c.single_buffer_size), reverse=True)
@@ -166,4 +177,4 @@ def place_layout(layout: CacheLayoutDesc, base_addresses: Sequence[Sequence[int]
 
 def block_bytes(config: CacheConfig) -> int:
     """Bytes one block of every layer and role takes on this rank."""
-    return sum(f.nbytes for f in buffer_formats(config).values())
+    return sum(slot_bytes_of(config, f) for f in buffer_formats(config).values())

@@ -10,6 +10,7 @@ import logging
 import math
 import threading
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from kvxfer.cache.common import (
     CacheLevel,
     CacheTier,
     DataRole,
+    HalfOpenRange,
     LayerGroupId,
     LayerId,
     LifeCycleId,
@@ -36,6 +38,7 @@ from kvxfer.cache.common import (
     SsmLifeCycle,
     div_up,
     exact_div,
+    overlap,
 )
 from kvxfer.cache.config import (
     CacheConfig,
@@ -77,6 +80,7 @@ from kvxfer.cache.pool_tuner import PoolTuner
 from kvxfer.cache.prefix_reuse import PrefixReuse, check_scope
 from kvxfer.cache.radix_tree import BlockNode, PrefixTree, check_priority
 from kvxfer.cache.recurrent import RecurrentStates
+from kvxfer.cache.scratch import layer_pages_per_block, scratch_range, scratch_share, scratch_slots_needed
 from kvxfer.cache.stats import (
     KVCacheIterationStatsDelta,
     KVCacheStatsDelta,
@@ -99,6 +103,7 @@ from kvxfer.errors import (
     ConfigError,
     LayoutError,
     ManagerBusyError,
+    OutOfSlotsError,
     ScratchInUseError,
     TierError,
 )
@@ -125,6 +130,7 @@ class CacheLifecycle:
         """``parts``: the manager's parts, through which this part reaches the others."""
         self.state = state
         self.parts = parts
+        self._scratch_shares: dict[int, Fraction] = {}
 
     def unpin_pages(self, slots: Mapping[int, IntArray]) -> None:
         """Let go of the references ``pin_pages`` took (the release of a PinnedPages)."""
@@ -200,6 +206,10 @@ class CacheLifecycle:
                 needs[pg] = needs.get(pg, 0) + n
             for pg, by_tier in offloaded.items():
                 needs[pg] = needs.get(pg, 0) + sum(src.size for src in by_tier.values())
+            scratch = self.scratch_needs(cache, self.scratch_ranges(cache, cache.record.history, cache.record.capacity))
+            for pg, n in scratch.items():
+                if n > 0:
+                    needs[pg] = needs.get(pg, 0) + n
             self.state.pinned.add(cache.id)   # its primary pages stay put while room is made
             try:
                 if not all(self.parts.quotas.can_take(pg, n, pg in offloaded) for pg, n in needs.items()):
@@ -211,6 +221,12 @@ class CacheLifecycle:
                     return False
                 if not self.parts.recurrent.activate(cache, stream):
                     return False
+                if any(n > 0 for n in scratch.values()):     # a suspended step's scratch slots come back
+                    try:
+                        self.parts.eviction.reserve({pg: n for pg, n in scratch.items() if n > 0})
+                    except OutOfSlotsError:
+                        return False
+                    self.sync_scratch(cache, stream)
             finally:
                 self.state.pinned.discard(cache.id)
             self.parts.streams.wait_ready(cache, stream)
@@ -226,18 +242,20 @@ class CacheLifecycle:
             self.release_scratch(cache)
             cache.record.last_used = self.state.tree.tick()
 
-    def scratch_span(self, cache: KVCache, layer_group: int, old_n: int, new_n: int, capacity: int) -> tuple[int, int]:
-        """Blocks ``[begin, end)`` among the new ones ``[old_n, new_n)`` that get scratch slots: with
-        scratch reuse on, those of a sliding-window group already out of the window once history
-        reaches ``capacity`` less ``SwaScratchReuseConfig.max_rewind_len`` (the tokens a request may
-        roll back keep real pages; the same rule ``_release_out_of_window`` frees by)."""
-        if not cache.record.swa_scratch_reuse or self.state.layout.layer_groups[layer_group].window is None:
-            return 0, 0
-        scratch_cfg = getattr(self.state.init_config, "swa_scratch_reuse", None)
-        rewind = int(getattr(scratch_cfg, "max_rewind_len", 0) or 0)
-        lo, sink = self.parts.reuse.window_start(layer_group, np.array([max(0, capacity - rewind)], dtype=np.int64))
-        begin, end = max(old_n, sink), min(int(lo[0]), new_n)
-        return (begin, end) if end > begin else (0, 0)
+    def scratch_ranges(self, cache: KVCache, history: int, capacity: int,
+                       enabled: bool | None = None) -> list[HalfOpenRange[int]]:
+        """The scratch range of every layer group for the step ``[history, capacity)`` (see
+        ``kvxfer.cache.scratch``); empty ones while the cache's scratch reuse is off (``enabled``
+        overrides the cache's setting)."""
+        on = cache.record.swa_scratch_reuse if enabled is None else enabled
+        scratch_cfg = self.state.init_config.swa_scratch_reuse
+        groups = self.state.layout.layer_groups
+        if not on or scratch_cfg is None:
+            return [HalfOpenRange(0, 0)] * len(groups)
+        tpb = self.state.layout.tokens_per_block
+        return [HalfOpenRange(0, 0) if lg.recurrent else
+                scratch_range(lg.window, lg.sink_tokens, history, capacity, tpb, scratch_cfg.max_rewind_len)
+                for lg in groups]
 
     def stale_span(self, layer_group: int, old_n: int, new_n: int, history: int | None) -> tuple[int, int]:
         """Blocks ``[begin, end)`` among the new ones ``[old_n, new_n)`` of a sliding-window group that
@@ -249,94 +267,137 @@ class CacheLifecycle:
         begin, end = max(old_n, sink), min(int(lo[0]), new_n)
         return (begin, end) if end > begin else (0, 0)
 
-    def resize(self, cache: KVCache, capacity: int, history: int | None = None) -> None:
-        """Grow or shrink the cache's blocks to hold ``capacity`` tokens (OutOfSlotsError when out of
-        slots); new blocks already out of a sliding window at ``history`` tokens (when given) get no page."""
+    def scratch_slot_count(self, layer_group: int, blocks: HalfOpenRange[int]) -> int:
+        """Scratch slots that hold the blocks ``blocks`` of a layer group."""
+        share = self._scratch_shares.get(layer_group)
+        if share is None:
+            pg = self.state.layout.pool_groups[self.state.lg_pool_group[layer_group]]
+            share = self._scratch_shares[layer_group] = scratch_share(pg.slot_desc.variant_of(layer_group))
+        return scratch_slots_needed(len(blocks), share)
+
+    def scratch_needs(self, cache: KVCache, ranges: Sequence[HalfOpenRange[int]]) -> dict[int, int]:
+        """Slots per pool group the cache's scratch slots grow by (negative: shrink by) for ``ranges``."""
+        needs: dict[int, int] = {}
+        for g, rng in enumerate(ranges):
+            pg = self.state.lg_pool_group[g]
+            needs[pg] = needs.get(pg, 0) + self.scratch_slot_count(g, rng) - int(cache.record.scratch[g].size)
+        return needs
+
+    def resize(self, cache: KVCache, capacity: int, history: int | None = None, *, skip_stale: bool = False) -> None:
+        """Grow or shrink the cache's blocks to hold ``capacity`` tokens, and its scratch slots to what
+        the step ``[history, capacity)`` needs (OutOfSlotsError, nothing changed, when out of slots).
+        New blocks in a scratch range get no page; with ``skip_stale`` (a caller-given history) neither do
+        new blocks already out of a sliding window at ``history``."""
         with self.state.lock:
             tpb = self.state.layout.tokens_per_block
             new_n = math.ceil(capacity / tpb)
             old_n = cache.num_blocks
             n_lg = len(cache.record.blocks)
             recurrent = set(self.state.recurrent_groups)    # one state slot each: no pages per block
-            spans = [self.scratch_span(cache, g, old_n, new_n, capacity) if new_n > old_n else (0, 0)
-                     for g in range(n_lg)]
-            # where no scratch slot stands in, blocks stale at the new history get no page at all
-            stale = [self.stale_span(g, old_n, new_n, history) if new_n > old_n and spans[g] == (0, 0) else (0, 0)
-                     for g in range(n_lg)]
+            ranges = self.scratch_ranges(cache, cache.record.history if history is None else history, capacity)
+            grown = HalfOpenRange(old_n, new_n)
+            spans = [overlap(r, grown) if r and new_n > old_n else HalfOpenRange(0, 0) for r in ranges]
+            # where no scratch slot stands in, blocks stale at a given history get no page at all
+            stale = [self.stale_span(g, old_n, new_n, history if skip_stale else None)
+                     if new_n > old_n and not spans[g] else (0, 0) for g in range(n_lg)]
+            held_before = [int(slots.size) for slots in cache.record.scratch]
+            needs = self.scratch_needs(cache, ranges)
             if new_n > old_n:
-                needs: dict[int, int] = {}
-                for g, (begin, end) in enumerate(spans):
-                    if g in recurrent:
-                        continue
-                    pg = self.state.lg_pool_group[g]
-                    extra_scratch = max(0, (end - begin) - cache.record.scratch[g].size)
-                    needs[pg] = needs.get(pg, 0) + (new_n - old_n) - (end - begin) + extra_scratch \
-                        - (stale[g][1] - stale[g][0])
-                self.parts.eviction.reserve(needs)
-                for g, (begin, end) in enumerate(spans):
+                for g, span in enumerate(spans):
+                    if g not in recurrent:
+                        pg = self.state.lg_pool_group[g]
+                        needs[pg] = needs.get(pg, 0) + (new_n - old_n) - len(span) - (stale[g][1] - stale[g][0])
+            # excess scratch slots go back first: they may serve as the new blocks' pages
+            self.parts.eviction.reserve({pg: n for pg, n in needs.items() if n > 0})
+            for g, rng in enumerate(ranges):
+                if self.scratch_slot_count(g, rng) < cache.record.scratch[g].size:
+                    self.set_scratch(cache, g, rng)
+            if new_n > old_n:
+                for g, span in enumerate(spans):
                     if g in recurrent:
                         continue
                     alloc = self.state.allocators[self.state.lg_pool_group[g]]
                     fresh = np.full(new_n - old_n, -1, dtype=np.int32)
                     real = np.ones(new_n - old_n, dtype=bool)
-                    real[begin - old_n:end - old_n] = False
-                    real[stale[g][0] - old_n:stale[g][1] - old_n] = False
+                    if span:
+                        real[span.beg - old_n:span.end - old_n] = False
+                    if stale[g] != (0, 0):
+                        real[stale[g][0] - old_n:stale[g][1] - old_n] = False
                     fresh[real] = alloc.alloc(int(np.count_nonzero(real)))
                     cache.record.blocks[g] = np.concatenate([cache.record.blocks[g], fresh])
                     cache.record.tiers[g] = np.concatenate([cache.record.tiers[g], np.zeros(new_n - old_n, dtype=np.int8)])
-                    self.set_scratch(cache, g, begin, end)
                     self.parts.streams.wait_slots(g, fresh, cache.record.stream)
                 # a recurrent layer group counts no page per block (as a block range of scratch positions)
                 self.parts.usage.count_allocation(cache, old_n, new_n, [
-                    (old_n, new_n) if g in recurrent else span if span != (0, 0) else stale[g]
+                    (old_n, new_n) if g in recurrent else (span.beg, span.end) if span else stale[g]
                     for g, span in enumerate(spans)])
                 if cache.priority_callback is not None:
                     self.prioritize_blocks(cache, old_n, new_n)
-            else:
-                if new_n < old_n:
-                    self.parts.usage.uncount_allocation(cache, new_n, old_n)
-                    for g in range(n_lg):
-                        if g in recurrent:
-                            continue
-                        self.release(g, cache.record.blocks[g][new_n:], cache.record.tiers[g][new_n:], cache.record.stream)
-                        cache.record.blocks[g] = cache.record.blocks[g][:new_n].copy()
-                        cache.record.tiers[g] = cache.record.tiers[g][:new_n].copy()
-                held_scratch = any(slots.size for slots in cache.record.scratch)
-                self.release_scratch(cache)
-                if new_n == old_n and not held_scratch:
-                    return      # no slot changed hands: the usage peaks cannot have moved
+            elif new_n < old_n:
+                self.parts.usage.uncount_allocation(cache, new_n, old_n)
+                for g in range(n_lg):
+                    if g in recurrent:
+                        continue
+                    self.release(g, cache.record.blocks[g][new_n:], cache.record.tiers[g][new_n:], cache.record.stream)
+                    cache.record.blocks[g] = cache.record.blocks[g][:new_n].copy()
+                    cache.record.tiers[g] = cache.record.tiers[g][:new_n].copy()
+            for g, rng in enumerate(ranges):
+                self.set_scratch(cache, g, rng)
+            if new_n == old_n and held_before == [int(slots.size) for slots in cache.record.scratch]:
+                return      # no slot changed hands: the usage peaks cannot have moved
             self.parts.usage.sample_usage()
 
-    def set_scratch(self, cache: KVCache, layer_group: int, begin: int, end: int) -> None:
-        """Hold exactly ``end - begin`` scratch slots for a layer group (reusing those held) and record
-        the range they stand in for; the slots needed were reserved by the caller."""
+    def set_scratch(self, cache: KVCache, layer_group: int, blocks: HalfOpenRange[int], stream: Any = None) -> None:
+        """Hold exactly the scratch slots the blocks ``blocks`` of a layer group need (keeping those
+        held) and record the range they stand in for; slots to take were reserved by the caller. New
+        slots are waited for on ``stream`` (default: the cache's)."""
         held = cache.record.scratch[layer_group]
-        want = end - begin
+        want = self.scratch_slot_count(layer_group, blocks) if blocks else 0
         if want > held.size:
             more = self.state.allocators[self.state.lg_pool_group[layer_group]].alloc(want - held.size)
-            self.parts.streams.wait_slots(layer_group, more, cache.record.stream)
+            self.parts.streams.wait_slots(layer_group, more, cache.record.stream if stream is None else stream)
             held = np.concatenate([held, more])
         elif want < held.size:
             surplus = held[want:]
             self.release(layer_group, surplus, np.zeros(surplus.size, dtype=np.int8), cache.record.stream)
             held = held[:want].copy()
         cache.record.scratch[layer_group] = held
-        cache.record.scratch_range[layer_group] = (begin, end) if want else (0, 0)
+        cache.record.scratch_range[layer_group] = (blocks.beg, blocks.end) if want else (0, 0)
+
+    def sync_scratch(self, cache: KVCache, stream: Any = None) -> None:
+        """Fit the cache's scratch slots to its current step ``[history_length, capacity)`` (after the
+        history grew, or at resume); slots to take were reserved by the caller."""
+        with self.state.lock:
+            for g, rng in enumerate(self.scratch_ranges(cache, cache.record.history, cache.record.capacity)):
+                self.set_scratch(cache, g, rng, stream)
 
     def release_scratch(self, cache: KVCache) -> None:
         """Give back every scratch slot of the cache."""
         for g in range(len(cache.record.scratch)):
             if cache.record.scratch[g].size:
-                self.set_scratch(cache, g, 0, 0)
+                self.set_scratch(cache, g, HalfOpenRange(0, 0))
 
     def set_scratch_reuse(self, cache: KVCache, enable: bool) -> None:
-        """Turn sliding-window scratch slots on or off for the cache (off gives its scratch slots back)."""
+        """Turn sliding-window scratch slots on or off for the cache: refused (ScratchInUseError) while
+        its current step ``[history_length, capacity)`` would use scratch blocks, either way, and
+        (ConfigError) turning it on when the manager's configuration has it off."""
         with self.state.lock:
-            if not enable and any(end > begin for begin, end in cache.record.scratch_range):
-                raise ScratchInUseError(f"KVCache {cache.id}: cannot disable SWA scratch reuse while the current "
-                                        f"step uses scratch slots: scratch blocks are needed (resize first)")
+            if enable == cache.record.swa_scratch_reuse:
+                return
+            if enable and self.state.init_config.swa_scratch_reuse is None:
+                raise ConfigError(f"KVCache {cache.id}: cannot enable SWA scratch reuse for a request when it is "
+                                  f"disabled in the manager's configuration (swa_scratch_reuse=None)")
+            if any(self.scratch_ranges(cache, cache.record.history, cache.record.capacity, enabled=True)):
+                verb = "enable" if enable else "disable"
+                raise ScratchInUseError(f"KVCache {cache.id}: cannot {verb} SWA scratch reuse while scratch blocks "
+                                        f"are needed by the step [{cache.record.history}, {cache.record.capacity})")
             if not enable:
                 self.release_scratch(cache)
+
+    def switch_stream(self, cache: KVCache, stream: Any) -> None:
+        """An active cache moving to ``stream``: the new stream waits for the work queued on the old."""
+        if cache.state is CacheState.ACTIVE:
+            self.parts.streams.hand_over(cache.record.stream, stream)
 
     def encode_tokens(self, tokens: Any, what: str) -> TokenArray:
         """``tokens`` (ids, or 32-byte multimodal digests under ``v2_sha256_packed`` keys) as the manager's
@@ -418,6 +479,8 @@ class CacheLifecycle:
                     if self.state.drops_stale_window_pages:
                         self.parts.reuse.drop_window_pages(cache, lg.layer_group_id, sink_blocks, released,
                                                            released_tiers)
+        if any(s.size for s in cache.record.scratch):
+            self.sync_scratch(cache)
 
     def close(self, cache: KVCache) -> None:
         """Release every page and scratch slot of the cache and commit its pending statistics (the
@@ -780,6 +843,11 @@ class KVCacheManager:
         bid = BufferId(layer_id, role)
         pg, pool, eb = self._state.layout.locate(bid)
         fmt = self._state.layout.format_of(bid)
+        if fmt.opaque or fmt.tokens_per_block != self._state.layout.tokens_per_block:
+            what = f"opaque ({fmt.block_bytes} bytes per page)" if fmt.opaque else \
+                f"paged by {fmt.tokens_per_block} of the cache's {self._state.layout.tokens_per_block} tokens"
+            raise LayoutError(f"buffer_view(layer {layer_id}, {role!r}): the buffer is {what}; it has no "
+                              f"[slot, head, token, dim] view (address its pages with get_page_index_converter)")
         raw = self._state.pools[pg.pool_group_index][pool.pool_index]
         rows = raw.view(pool.num_slots, pool.slot_bytes)[:, eb.offset:eb.offset + eb.size]
         typed = rows.view(torch_dtype(fmt.dtype))
@@ -891,8 +959,16 @@ class KVCacheManager:
         """``KVCacheManagerConfig.commit_min_snapshot`` (kvxfer keeps only attention pages)."""
         return self._state.init_config.commit_min_snapshot
 
-    def supports_index_mode(self, mode: PageIndexMode) -> bool:
-        """Both page index modes are supported."""
+    @property
+    def enable_swa_scratch_reuse(self) -> bool:
+        """Whether sliding-window layer groups give prefill blocks out of the window scratch slots."""
+        return self._state.config.swa_scratch_reuse
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool | None:
+        """Whether every kv cache supports ``mode`` (None: it depends on the cache, see
+        ``KVCache.supports_index_mode``: ``SHARED`` indices cannot address scratch blocks)."""
+        if mode is PageIndexMode.SHARED and self.enable_swa_scratch_reuse:
+            return None
         return mode in (PageIndexMode.SHARED, PageIndexMode.PER_LAYER)
 
     @property
@@ -929,31 +1005,46 @@ class KVCacheManager:
 
     def get_mem_pool_base_address(self, layer_id: LayerId, data_role: DataRole,
                                   index_mode: PageIndexMode | None = None) -> MemAddress:
-        """Where page 0 of a buffer is: the buffer inside slot 0 (``PER_LAYER``, the default) or the
-        pool's base (``SHARED``, every buffer of the pool indexing from it)."""
+        """Where page 0 of a buffer is: the buffer inside slot 0 (``SHARED``, the default) or the
+        pool's base (``PER_LAYER``, whose indices include the buffer's sub-page). ConfigError for the
+        default under scratch reuse, where the mode must be chosen per cache."""
         pool, offset, _ = self._span(layer_id, data_role)
-        if index_mode is PageIndexMode.SHARED:
+        if index_mode is None:
+            if self.enable_swa_scratch_reuse:
+                raise ConfigError(f"get_mem_pool_base_address(layer {layer_id}, {data_role!r}): index_mode must be "
+                                  f"given when SWA scratch reuse is enabled, got None")
+            index_mode = PageIndexMode.SHARED
+        if index_mode is PageIndexMode.PER_LAYER:
             return MemAddress(pool.base_address)
         return MemAddress(pool.base_address + offset)
 
     def get_page_stride(self, layer_id: LayerId, data_role: DataRole) -> int:
-        """Bytes of one page of a buffer (its bytes per block)."""
-        return self._span(layer_id, data_role)[2]
+        """Bytes of one page of a buffer (a block's bytes, or a part of them for a buffer paged by
+        fewer tokens than the cache)."""
+        return exact_div(self._span(layer_id, data_role)[2], self._expansion(layer_id, data_role))
+
+    def _expansion(self, layer_id: LayerId, data_role: DataRole) -> int:
+        return self._state.layout.expansion_of(BufferId(int(layer_id), str(data_role)))
 
     def get_page_index_scale(self, layer_id: LayerId, data_role: DataRole) -> int:
-        """Pages of the buffer's stride in one slot of its pool: page index = slot id * scale."""
+        """Blocks of the buffer's size in one slot of its pool (the buffers coalesced there): base page
+        index * scale is the buffer's block index (times the expansion: its page index)."""
         pool, _, size = self._span(layer_id, data_role)
         return exact_div(pool.slot_bytes, size)
 
     def get_page_index_upper_bound(self, layer_id: LayerId, data_role: DataRole) -> int:
         """One past the largest page index of a buffer."""
         pool, _, _ = self._span(layer_id, data_role)
-        return pool.num_slots * self.get_page_index_scale(layer_id, data_role)
+        return pool.num_slots * self.get_page_index_scale(layer_id, data_role) * self._expansion(layer_id, data_role)
 
     def get_page_index_converter(self, layer_id: LayerId, data_role: DataRole) -> PageIndexConverter:
         """Turns base page indices of the buffer's layer group into page indices of the buffer."""
         _, offset, size = self._span(layer_id, data_role)
-        return PageIndexConverter(self.get_page_index_scale(layer_id, data_role), 1, exact_div(offset, size))
+        bid = BufferId(int(layer_id), str(data_role))
+        variant = self._state.layout.pool_groups[self._state.lg_pool_group[self.get_layer_group_id(layer_id)]] \
+            .slot_desc.variant_of(int(self.get_layer_group_id(layer_id)))
+        return PageIndexConverter(self.get_page_index_scale(layer_id, data_role), self._expansion(layer_id, data_role),
+                                  exact_div(offset, size), layer_pages_per_block(variant, bid))
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None,
                     input_tokens: Sequence[TokenIdExt] | npt.ArrayLike | None = None, *,

@@ -74,3 +74,12 @@ class StreamOrdering:
         the streams that used them last."""
         if self.state.readiness is not None:
             self.state.readiness.wait_for(self.state.lg_pool_group[layer_group], ids[ids >= 0], self.stream_of(stream))
+
+    def hand_over(self, old: Any, new: Any) -> None:
+        """Make ``new`` (a request's next stream) wait for the work queued so far on ``old`` (its
+        previous one), so what the request wrote or was waiting for stays ordered before its next work."""
+        if self.state.readiness is None:
+            return
+        src, dst = self.stream_of(old), self.stream_of(new)
+        if src is not None and dst is not None and src != dst:
+            dst.wait_stream(src)

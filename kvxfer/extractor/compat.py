@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from kvxfer.cache.descriptors import BufferId, CacheLayoutDesc
 from kvxfer.errors import LayoutMismatch
 from kvxfer.extractor.regions import Placement
-from kvxfer.extractor.selection import layer_span, refuse_recurrent
+from kvxfer.extractor.selection import layer_span, refuse_opaque, refuse_recurrent
 
 
 def paired_layers(src: CacheLayoutDesc, dst: CacheLayoutDesc, layers: Iterable[int] | None) -> list[int]:
@@ -26,6 +26,7 @@ def paired_layers(src: CacheLayoutDesc, dst: CacheLayoutDesc, layers: Iterable[i
                                      f"{layer_span(layout.layer_ids)}")
     for side, layout in (("source", src), ("destination", dst)):
         refuse_recurrent(layout, wanted, f"transfer plan ({side})")
+        refuse_opaque(layout, [b for b, _ in layout.formats if b.layer_id in set(wanted)], f"transfer plan ({side})")
     return wanted
 
 

@@ -27,7 +27,22 @@ def select_buffers(layout: CacheLayoutDesc, layers: Iterable[int] | None = None,
             raise LayoutError(f"roles {unknown} are not in this layout (roles {sorted(known_roles)})")
         every = [b for b in every if b.role in wanted_roles]
     refuse_recurrent(layout, {b.layer_id for b in every}, "extract")
+    refuse_opaque(layout, every, "extract")
     return frozenset(every)
+
+
+def refuse_opaque(layout: CacheLayoutDesc, buffers: Iterable[BufferId], what: str) -> None:
+    """LayoutError naming the first opaque buffer (``BufferFormat.block_bytes``) among ``buffers``: its
+    page has no (head, token) structure, so kvxfer cannot tell which of its bytes hold which tokens,
+    and a token range or a pairing with another layout would move the wrong bytes (select the other
+    roles or layers with ``roles=`` / ``layers=``)."""
+    formats = dict(layout.formats)
+    for bid in sorted(buffers):
+        fmt = formats.get(bid)
+        if fmt is not None and fmt.opaque:
+            raise LayoutError(f"{what}: buffer {bid} is opaque ({fmt.block_bytes} bytes per page of "
+                              f"{fmt.tokens_per_block} tokens, no per-token rows): kvxfer does not know which of its "
+                              f"bytes hold which tokens; leave it out with layers= or roles=")
 
 
 def refuse_recurrent(layout: CacheLayoutDesc, layer_ids: Iterable[int], what: str) -> None:

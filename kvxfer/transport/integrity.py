@@ -35,7 +35,7 @@ import numpy.typing as npt
 from kvxfer.cache.descriptors import BufferFormat, BufferId, CacheLayoutDesc
 from kvxfer.cache.dtypes import dtype_name, itemsize
 from kvxfer.cache.memory import MemoryRegion
-from kvxfer.errors import BackendUnavailable, ConfigError, DecodeError, IntegrityError
+from kvxfer.errors import BackendUnavailable, ConfigError, DecodeError, IntegrityError, LayoutError
 from kvxfer.extractor import BlockIds, layout_regions, placements
 from kvxfer.extractor.block_ids import block_id_map
 from kvxfer.transport.copy import host_view
@@ -554,6 +554,9 @@ def _side_buffers(layouts: Sequence[CacheLayoutDesc],
     for lay in layouts:
         for bid, fmt in lay.formats:
             if wanted is None or bid.layer_id in wanted:
+                if fmt.opaque:      # no per-token rows: nothing to key a position's digest by
+                    raise LayoutError(f"digest_kv: buffer {bid} is opaque ({fmt.block_bytes} bytes per page, no "
+                                      f"per-token rows); leave its layer out with layers=")
                 out.setdefault((bid.layer_id, bid.role), fmt)
     return out
 

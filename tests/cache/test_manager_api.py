@@ -44,6 +44,7 @@ from kvxfer.cache import (
     ReuseScope,
     ScratchDesc,
     SsmLayerConfig,
+    SwaScratchReuseConfig,
     _introspection,
     _KVCache,
     exact_div,
@@ -116,10 +117,12 @@ def test_attention_life_cycle_stale_range() -> None:
 
 def test_page_index_converter_modes_and_scratch() -> None:
     conv = PageIndexConverter(scale=3, expansion=1, layer_offset=1)
-    assert conv([0, 2, BAD_PAGE_INDEX]) == [0, 6, BAD_PAGE_INDEX]
-    assert conv([0, 2], PageIndexMode.SHARED) == [1, 7]
+    assert conv([0, 2, BAD_PAGE_INDEX]) == [0, 6, BAD_PAGE_INDEX]           # SHARED: the base holds the offset
+    assert conv([0, 2], PageIndexMode.PER_LAYER) == [1, 7]                   # PER_LAYER: the index does
     scratch = ScratchDesc(HalfOpenRange(1, 2), (5,))
-    assert conv([0, BAD_PAGE_INDEX], scratch=scratch) == [0, 15]
+    assert conv([0, BAD_PAGE_INDEX], PageIndexMode.PER_LAYER, scratch) == [1, 16]
+    with pytest.raises(ConfigError, match="index_mode must be given"):
+        conv([0, BAD_PAGE_INDEX], scratch=scratch)
 
 
 # --- configuration ------------------------------------------------------------------------------------
@@ -155,8 +158,12 @@ def test_unsupported_reference_settings_are_named() -> None:
         KVCacheManager(ssm)
     with pytest.raises(ConfigError, match="cold_page_codec"):
         KVCacheManager(config(), cold_page_codec=object())
-    with pytest.raises(ConfigError, match="multiple of its 4 tokens"):
-        KVCacheManager(config(key_size=258))
+    with pytest.raises(ConfigError, match="size must be a positive int"):
+        KVCacheManager(config(key_size=0))
+    bad_override = config()
+    bad_override.layers[0].buffers[0] = BufferConfig(KEY, 256, tokens_per_block_override=3)
+    with pytest.raises(ConfigError, match="tokens_per_block_override must be a positive divisor of the manager's 4"):
+        KVCacheManager(bad_override)
 
 
 # --- addresses --------------------------------------------------------------------------------------------
@@ -176,10 +183,11 @@ def test_page_addresses_land_on_the_buffer_views() -> None:
             assert bool((view[slot] != 0).all())
         assert mgr.get_page_index_upper_bound(LayerId(0), role) == mgr.pool_group_descs[0].num_slots * scale
         conv = mgr.get_page_index_converter(LayerId(0), role)
-        shared = mgr.get_mem_pool_base_address(LayerId(0), role, PageIndexMode.SHARED)
+        pool_base = mgr.get_mem_pool_base_address(LayerId(0), role, PageIndexMode.PER_LAYER)
+        assert mgr.get_mem_pool_base_address(LayerId(0), role, PageIndexMode.SHARED) == base
         for slot, page in zip(kv.get_base_page_indices(lg), conv(kv.get_base_page_indices(lg),
-                                                                 PageIndexMode.SHARED), strict=True):
-            assert shared + stride * page == base + stride * slot * scale
+                                                                 PageIndexMode.PER_LAYER), strict=True):
+            assert pool_base + stride * page == base + stride * slot * scale
     kv.close()
 
 
@@ -286,13 +294,22 @@ def test_external_base_page_index_buffer_follows_the_cache() -> None:
 
 
 def test_scratch_desc_range_is_a_half_open_range() -> None:
-    mgr = KVCacheManager(config(window=4, swa_scratch_reuse=None))
+    mgr = KVCacheManager(config(window=4, swa_scratch_reuse=SwaScratchReuseConfig()))
     kv = mgr.create_kv_cache()
-    kv.enable_swa_scratch_reuse = True
+    assert kv.enable_swa_scratch_reuse
     assert kv.resume() and kv.resize(12, 0)
     desc = kv.get_scratch_desc(1)
     assert desc is not None and isinstance(desc.range, HalfOpenRange) and desc.range.beg == 0
     assert len(desc.slot_ids) == len(desc.range)
+    kv.close()
+
+
+def test_a_request_cannot_turn_on_scratch_reuse_the_manager_has_off() -> None:
+    mgr = KVCacheManager(config(window=4))
+    kv = mgr.create_kv_cache()
+    assert not kv.enable_swa_scratch_reuse
+    with pytest.raises(ConfigError, match="disabled in the manager's configuration"):
+        kv.enable_swa_scratch_reuse = True
     kv.close()
 
 

@@ -76,11 +76,26 @@ def test_pages_written_at_published_addresses_survive_offload_and_resume(manager
     view = mgr.buffer_view(0, "key")
     for i, slot in enumerate(kv.get_base_page_indices(lg)):
         assert bool((view[slot] == 11 + i).all())
-    shared = mgr.get_mem_pool_base_address(LayerId(0), KEY, PageIndexMode.SHARED)
+    pool_base = mgr.get_mem_pool_base_address(LayerId(0), KEY, PageIndexMode.PER_LAYER)
     conv = mgr.get_page_index_converter(LayerId(0), KEY)
     stride = mgr.get_page_stride(LayerId(0), KEY)
-    assert [shared + stride * p for p in conv(kv.get_base_page_indices(lg), PageIndexMode.SHARED)] == \
+    assert [pool_base + stride * p for p in conv(kv.get_base_page_indices(lg), PageIndexMode.PER_LAYER)] == \
         [mgr.get_mem_pool_base_address(LayerId(0), KEY) + stride * s * mgr.get_page_index_scale(LayerId(0), KEY)
          for s in kv.get_base_page_indices(lg)]
     kv.close()
     mgr.shutdown()
+
+
+def test_an_active_caches_new_stream_waits_for_its_old_one(manager: KVCacheManager) -> None:
+    old, new = torch.cuda.Stream(), torch.cuda.Stream()
+    kv = manager.create_kv_cache()
+    assert kv.resume(old.cuda_stream) and kv.resize(TPB)
+    with torch.cuda.stream(old):
+        torch.cuda._sleep(2_000_000_000)           # the old stream's work: about a second of spinning
+    kv.cuda_stream = new.cuda_stream
+    after = torch.cuda.Event()
+    after.record(new)
+    assert not after.query()                       # queued behind the old stream's work
+    after.synchronize()
+    assert old.query()
+    kv.close()

@@ -29,7 +29,7 @@ from kvxfer.cache import (
 )
 from kvxfer.cache.hashing import HASH_ALGOS, key_width
 from kvxfer.cache.streams import SlotReadiness
-from kvxfer.errors import CacheStateError, ConfigError, ManagerBusyError, TierError
+from kvxfer.errors import CacheStateError, ConfigError, ManagerBusyError, ScratchInUseError, TierError
 from tests.support.reuse_support import TPB, check_kv, check_references, make_manager, prefill, write_kv
 
 
@@ -171,12 +171,15 @@ def test_scratch_slots_stand_in_for_blocks_out_of_the_window() -> None:
 
 
 def test_without_scratch_the_same_step_allocates_every_block() -> None:
-    mgr = window_manager(False)
+    mgr = window_manager(True)
     kv = mgr.create_kv_cache_for_prompt(np.arange(1000, 1032))
-    assert not kv.enable_swa_scratch_reuse
+    kv.enable_swa_scratch_reuse = False                # per request: nothing to write yet
     assert kv.resume() and kv.resize(32)
     assert (kv.block_ids(1) >= 0).all() and kv.get_scratch_desc(1) is None
     assert mgr.allocator(0).num_used == 16
+    with pytest.raises(ScratchInUseError, match="cannot enable"):
+        kv.enable_swa_scratch_reuse = True             # the step [0, 32) would have scratch blocks
+    kv.history_length = 32
     kv.enable_swa_scratch_reuse = True
     assert kv.resize(44)                               # blocks 8..10: 8 is out of the window at 44
     desc = kv.get_scratch_desc(1)

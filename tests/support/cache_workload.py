@@ -197,19 +197,22 @@ def _sliding_window(record: Record) -> None:
     """Two layer groups (full attention and a 12-token window with 4 sink tokens): window pages the
     tree lets go of, adoption of a page the tree lacks, scratch slots, eviction under pressure."""
     cfg = CacheConfig.for_model(4, 2, 8, TPB, "float16", 24, windows=[None, 12], sink_tokens=4,
-                                event_queue_capacity=4096)
+                                event_queue_capacity=4096, swa_scratch_reuse=True)
     run = _Run("swa", KVCacheManager(cfg), record)
     run.check("created")
     p1 = _tokens(11, 41)
     a = run.open("a", p1)
+    a.enable_swa_scratch_reuse = False      # scratch slots for request e only
     a.resume()
     run.prefill(a, p1, 6)
     run.check("a committed (window pages dropped)")
     b = run.open("b", p1)
+    b.enable_swa_scratch_reuse = False
     b.resume()
     run.prefill(b, p1, 41, priority=60)
     run.check("b prefix hit")
     c, d = run.open("c", _tokens(12, 30)), run.open("d", _tokens(12, 30))
+    c.enable_swa_scratch_reuse = d.enable_swa_scratch_reuse = False
     c.resume()
     d.resume()
     run.prefill(c, _tokens(12, 30), 4)
