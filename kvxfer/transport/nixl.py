@@ -402,6 +402,72 @@ class NixlTransport(Transport):
                 self._grids.popitem(last=False)[1].handle.release()
         return grid
 
+    def _backend_post_blocks(self, op: Op, peer: str, plan: BlockPlan, notify: bytes | None, transfer_id: int,
+                             check: Callable[[], None], *, settled: bool = False) -> TransferHandle | None:
+        """A BlockPlan posted without its expansion: checked in O(blocks + template) (``check``: bounds per
+        template run at the extreme slots, destination disjoint by the template's shape), and its grid cells
+        computed from the template straight into the index arrays NIXL takes (``_block_cells``: one outer
+        sum a side), so no TransferPlan of B x T entries is made, checked or indexed. None, before anything
+        is made, where the template's sides mix memory types or the grid would be too fine (the caller
+        checks the plan and posts its expansion)."""
+        side = self._sides.get(peer)
+        if side is None or not len(plan):
+            return None
+        check()
+        nbytes = plan.total_bytes
+        try:
+            cells = self._block_cells(op, peer, plan, side)
+            if cells is None:
+                return None
+            request = self._make(op, cells[0], cells[1], cells[2], cells[3], notify or b"")
+        except Exception as exc:
+            return _failed(transfer_id, peer, nbytes, op, f"NIXL could not prepare {len(plan)} descriptors: "
+                           f"{exc!r}", exc)
+        return self._launch(op, peer, nbytes, request, transfer_id)
+
+    def _block_cells(self, op: Op, peer: str, plan: BlockPlan, side: _Side) -> tuple[_Grid, Any, _Grid, Any] | None:
+        """(local grid, local cells, remote grid, remote cells) of a checked BlockPlan, in its expansion's
+        order (block by block, template order inside a block): the unit is the gcd of every template run's
+        length, step and offset inside its region on both sides (it divides every run's offset, whatever
+        the slot), each template run becomes its cells of one slot, and run (b, t)'s cells are block b's slot
+        x the run's step in cells plus those. O(T) work on the template, then one outer sum per side. None
+        when a side's template runs lie in regions of several memory types or no grid serves the unit."""
+        mine = self._local
+        sides = [(plan.src_slots, plan.src_step, plan.src_offset, plan.src_region),
+                 (plan.dst_slots, plan.dst_step, plan.dst_offset, plan.dst_region)]
+        (ls, lstep, loff, lreg), (rs, rstep, roff, rreg) = sides if op == "write" else sides[::-1]
+        lm = mine.mem or _one_mem(mine.mems, lreg)
+        rm = side.mem or _one_mem(side.mems, rreg)
+        if lm is None or rm is None:
+            return None
+        # Offsets inside their regions, signed: a template offset may lie below its region's base when no
+        # block of slot 0 is moved (the check bounded every run at the slots the plan names).
+        lrel = loff.astype(np.int64) - mine.base_np[lreg].astype(np.int64)
+        rrel = roff.astype(np.int64) - side.base_np[rreg].astype(np.int64)
+        length = plan.nbytes.astype(np.int64)
+        unit = int(np.gcd.reduce(np.concatenate((length, lstep.astype(np.int64), lrel, rstep.astype(np.int64),
+                                                 rrel))))
+        if unit <= 0:
+            return None
+        lg = self._grid(_LOCAL, lm, unit, mine.regions)
+        rg = self._grid(peer, rm, unit, side.regions)
+        if lg is None or rg is None:
+            return None
+        count = length // unit
+        pick: Any = slice(None)
+        within: Any = 0
+        if int(count.max()) != 1 or int(count.min()) != 1:   # runs of several cells: the template cut into cells
+            pick = np.repeat(np.arange(count.size), count)
+            within = np.arange(pick.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+
+        def outer(slots: npt.NDArray[np.uint64], step: npt.NDArray[np.uint64], rel: npt.NDArray[np.int64],
+                  region: npt.NDArray[np.uint32], grid: _Grid) -> npt.NDArray[np.int32]:
+            first = grid.first[region[pick]] + rel[pick] // unit + within
+            cells: npt.NDArray[np.int64] = slots.astype(np.int64)[:, None] * (step[pick].astype(np.int64) // unit)[None, :] \
+                + first[None, :]
+            return cells.ravel().astype(np.int32)
+        return lg, outer(ls, lstep, lrel, lreg, lg), rg, outer(rs, rstep, rrel, rreg, rg)
+
     def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
                                transfer_id: int, check: Callable[[], None], *,
                                settled: bool = False) -> TransferHandle | None:
@@ -918,6 +984,12 @@ def _unit(lt: PageTable, lbase: npt.NDArray[np.uint64], rt: PageTable, rbase: np
     roff = rt.addr - (rbase[0] if rbase.size == 1 else rbase[rt.region])
     g = np.gcd.reduce(np.concatenate([lt.nbytes, loff, roff]))
     return max(1, int(g))
+
+
+def _one_mem(mems: list[str], regions: npt.NDArray[np.uint32]) -> str | None:
+    """The memory type every region of ``regions`` has (indices into ``mems``), or None when they differ."""
+    kinds = {mems[r] for r in np.unique(regions).tolist()}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _disjoint(addr: list[int], nbytes: list[int]) -> bool:

@@ -15,10 +15,10 @@ import numpy.typing as npt
 import pytest
 
 from kvxfer.errors import PageTableError
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport import Transport, available_backends
 from tests.support.transport_helpers.pairs import connected_pair, drain_notifications
-from tests.support.transport_helpers.plans import PAGE, expected_after
+from tests.support.transport_helpers.plans import PAGE, expected_after, expected_after_blocks
 
 REASON = available_backends()["nixl"]
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
@@ -183,3 +183,52 @@ def test_faults_are_refused_before_nixl_sees_the_plan(agents: Pair, op: str, fau
     assert agents.made == made
     assert drain_notifications(agents.b, 1, timeout=0.05) == []
     assert all(np.array_equal(got, w) for got, w in zip(agents.a_bufs + agents.b_bufs, before, strict=True))
+
+
+def shifted_block_plan(rng: np.random.Generator, p: Pair, op: str, blocks: int, run_bytes: int,
+                       half: bool) -> BlockPlan:
+    """A BlockPlan of ``blocks`` slot pairs whose template offsets lie one slot below their region's base
+    (slot 0 is never named), four runs of ``run_bytes`` per slot at distinct multiples of ``run_bytes``,
+    shifted by half a run when ``half`` (runs of two grid cells); the source's runs in regions 0 and 1, the
+    destination's in region 1."""
+    src, _, dst, _ = p.sides(op)
+    runs = 4
+    step = 4 * runs * run_bytes
+
+    def offsets(t: Transport, regions: list[int]) -> npt.NDArray[np.uint64]:
+        base = np.array([t.regions[r].base_address for r in regions], np.uint64)
+        place = rng.choice(step // run_bytes - 1, runs, replace=False).astype(np.uint64) * np.uint64(run_bytes)
+        return base - np.uint64(step) + place + np.uint64(run_bytes // 2 if half else 0)
+
+    src_region = np.array([0, 1, 0, 1], np.uint32)
+    dst_region = np.ones(runs, np.uint32)
+    slots = min(t.regions[0].nbytes for t in (src, dst)) // step
+    return BlockPlan(rng.choice(np.arange(1, slots), blocks, replace=False).astype(np.uint64),
+                     rng.choice(np.arange(1, slots), blocks, replace=False).astype(np.uint64),
+                     np.full(runs, step, np.uint64), offsets(src, src_region.tolist()),
+                     np.full(runs, step, np.uint64), offsets(dst, dst_region.tolist()),
+                     np.full(runs, run_bytes, np.uint64), src_region, dst_region)
+
+
+@pytest.mark.parametrize("place", ["cell", "half cell"])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_block_plans_are_posted_without_their_expansion_and_land_exactly(agents: Pair, op: str, place: str) -> None:
+    """A BlockPlan goes to NIXL as one request whose cells come from its template (no expansion is made:
+    ``BlockPlan.expand`` is not called), with template offsets below the region's base (slot 0 unused),
+    source runs in two regions, and runs of one grid cell or of two (offsets at half a run): the destination
+    holds exactly what the plan's runs name, computed run by run. Mutation: dropping the regions' first
+    cells, a run's cells past its first, or the signed offset moves other bytes."""
+    rng = np.random.default_rng(3 if place == "cell" else 4)
+    plan = shifted_block_plan(rng, agents, op, 6, 2 * PAGE, place != "cell")
+    src, src_bufs, dst, dst_bufs = agents.sides(op)
+    want = expected_after_blocks(plan, list(src.regions), src_bufs, list(dst.regions), dst_bufs)
+    made = agents.made
+    expand = BlockPlan.expand
+    try:
+        BlockPlan.expand = None  # type: ignore[assignment,method-assign]   # any expansion fails the post
+        getattr(agents.a, op)(agents.b.name, plan, notify=b"blocks").wait(10.0)
+    finally:
+        BlockPlan.expand = expand  # type: ignore[method-assign]
+    assert agents.made == made + 1
+    assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+    assert drain_notifications(agents.b, 1) == [b"blocks"]
