@@ -49,6 +49,10 @@ SMALL_POST_ENTRIES = 16
 #: Plans of the KV pool's shape (``NixlTransport._cells``) of at most this many entries are checked through
 #: lists (C loops over Python ints); larger ones through arrays (a handful of numpy calls whatever their size).
 LIST_CELLS = 128
+#: BlockPlans of at most this many runs are posted as their expansion when it has the KV pool's shape
+#: (``NixlTransport._cells``): measured cheaper up to a few thousand runs than the O(blocks + template)
+#: checks, and alike above (where NIXL's own per-descriptor work decides).
+EXPANDED_BLOCK_RUNS = 4096
 #: The byte order of the plans' columns (native), for comparing a column with a repeated value as bytes.
 _ORDER: Literal["little", "big"] = sys.byteorder
 _LOCAL = ""
@@ -245,6 +249,14 @@ class NixlTransport(Transport):
                     handle = self._post_small(op, peer, plan, notify)
                     if handle is not None:
                         return handle
+        elif (type(plan) is BlockPlan and 0 < len(plan) <= EXPANDED_BLOCK_RUNS and self._core is not None
+              and not self._closed and (notify is None or (type(notify) is bytes and len(notify) <= MAX_NOTIFY_BYTES))):
+            # A small BlockPlan costs less as its expansion on the per-entry path than through the template's
+            # checks (some thirty numpy calls); a fault, or another shape, goes the BlockPlan's own way below,
+            # which names a fault by block and template run.
+            handle = self._post_cells(op, peer, plan.expand(), notify)
+            if handle is not None:
+                return handle
         return super()._post(op, peer, plan, notify, settled)
 
     def _post_cells(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle | None:

@@ -17,6 +17,7 @@ import pytest
 from kvxfer.errors import PageTableError
 from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
 from kvxfer.transport import Transport, available_backends
+from kvxfer.transport import nixl as nixl_backend
 from tests.support.transport_helpers.pairs import connected_pair, drain_notifications
 from tests.support.transport_helpers.plans import PAGE, expected_after, expected_after_blocks
 
@@ -212,12 +213,15 @@ def shifted_block_plan(rng: np.random.Generator, p: Pair, op: str, blocks: int, 
 
 @pytest.mark.parametrize("place", ["cell", "half cell"])
 @pytest.mark.parametrize("op", ["write", "read"])
-def test_block_plans_are_posted_without_their_expansion_and_land_exactly(agents: Pair, op: str, place: str) -> None:
-    """A BlockPlan goes to NIXL as one request whose cells come from its template (no expansion is made:
-    ``BlockPlan.expand`` is not called), with template offsets below the region's base (slot 0 unused),
-    source runs in two regions, and runs of one grid cell or of two (offsets at half a run): the destination
-    holds exactly what the plan's runs name, computed run by run. Mutation: dropping the regions' first
-    cells, a run's cells past its first, or the signed offset moves other bytes."""
+def test_block_plans_are_posted_without_their_expansion_and_land_exactly(agents: Pair, op: str, place: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BlockPlan (past the size below which its expansion is posted instead) goes to NIXL as one request
+    whose cells come from its template (no expansion is made: ``BlockPlan.expand`` is not called), with
+    template offsets below the region's base (slot 0 unused), source runs in two regions, and runs of one
+    grid cell or of two (offsets at half a run): the destination holds exactly what the plan's runs name,
+    computed run by run. Mutation: dropping the regions' first cells, a run's cells past its first, or the
+    signed offset moves other bytes."""
+    monkeypatch.setattr(nixl_backend, "EXPANDED_BLOCK_RUNS", 0)
     rng = np.random.default_rng(3 if place == "cell" else 4)
     plan = shifted_block_plan(rng, agents, op, 6, 2 * PAGE, place != "cell")
     src, src_bufs, dst, dst_bufs = agents.sides(op)
@@ -232,3 +236,45 @@ def test_block_plans_are_posted_without_their_expansion_and_land_exactly(agents:
     assert agents.made == made + 1
     assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
     assert drain_notifications(agents.b, 1) == [b"blocks"]
+
+
+@pytest.mark.parametrize("fault", ["none", "past the end", "overlap"])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_small_block_plans_of_one_region_a_side_land_exactly_or_are_refused_by_block(agents: Pair, op: str,
+                                                                                      fault: str) -> None:
+    """A small BlockPlan whose runs lie in one region a side (posted as its expansion on the per-entry path)
+    lands exactly with one request; one with a slot past the destination's region or two blocks on one
+    destination slot is refused naming the side and the block (the BlockPlan's own check), nothing moved."""
+    rng = np.random.default_rng(9)
+    runs, length = 4, 2 * PAGE
+    step = 2 * runs * length
+    src, src_bufs, dst, dst_bufs = agents.sides(op)
+
+    def offsets(t: Transport) -> npt.NDArray[np.uint64]:
+        place = rng.permutation(2 * runs)[:runs].astype(np.uint64) * np.uint64(length)
+        return np.uint64(t.regions[1].base_address) + place
+
+    dst_slots = rng.choice(20, 8, replace=False).astype(np.uint64)
+    if fault == "past the end":
+        dst_slots[3] = dst.regions[1].nbytes // step
+    elif fault == "overlap":
+        dst_slots[4] = dst_slots[1]
+    plan = BlockPlan(rng.choice(20, 8, replace=False).astype(np.uint64), dst_slots, np.full(runs, step, np.uint64),
+                     offsets(src), np.full(runs, step, np.uint64), offsets(dst), np.full(runs, length, np.uint64),
+                     np.ones(runs, np.uint32), np.ones(runs, np.uint32))
+    before = [x.copy() for x in agents.a_bufs + agents.b_bufs]
+    made = agents.made
+    side = "remote" if op == "write" else "local"
+    if fault == "none":
+        want = expected_after_blocks(plan, list(src.regions), src_bufs, list(dst.regions), dst_bufs)
+        getattr(agents.a, op)(agents.b.name, plan, notify=b"small").wait(10.0)
+        assert agents.made == made + 1
+        assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+        assert drain_notifications(agents.b, 1) == [b"small"]
+        return
+    words = rf"{side} .*block 3.*outside region" if fault == "past the end" else rf"{side} .*overlap"
+    with pytest.raises(PageTableError, match=words):
+        getattr(agents.a, op)(agents.b.name, plan, notify=b"never")
+    assert agents.made == made
+    assert drain_notifications(agents.b, 1, timeout=0.05) == []
+    assert all(np.array_equal(got, w) for got, w in zip(agents.a_bufs + agents.b_bufs, before, strict=True))
