@@ -9,7 +9,7 @@ from kvxfer.extractor.blocks import (
     segment_template,
 )
 from kvxfer.extractor.extract import COORDS, extract
-from kvxfer.extractor.multirank import all_regions, plan_between, region_offsets
+from kvxfer.extractor.multirank import all_regions, plan_between, plan_phased, region_offsets
 from kvxfer.extractor.pairing import plan_transfer
 from kvxfer.extractor.regions import Placement, layout_regions, layout_roles, placements, region_indices
 from kvxfer.extractor.writable import HasCommittedTokens, check_writable, committed_tokens, writable_block_ids
@@ -31,6 +31,7 @@ __all__ = [
     "placements",
     "plan_between",
     "plan_blocks",
+    "plan_phased",
     "plan_templated",
     "plan_transfer",
     "region_indices",
