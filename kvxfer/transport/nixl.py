@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, PageTableError, PeerUnreachable, TransferFailed, TransportError
-from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, PhasedPlan, TransferPlan
 from kvxfer.transport.base import MAX_NOTIFY_BYTES, Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
@@ -228,7 +228,7 @@ class NixlTransport(Transport):
                 self._deliver(name, msg)
 
     # --- transfers ----------------------------------------------------------------------------------
-    def _post(self, op: Op, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None,
+    def _post(self, op: Op, peer: str, plan: TransferPlan | BlockPlan | PhasedPlan, notify: bytes | None,
               settled: bool = False) -> TransferHandle:
         """A per-request plan of one entry (a page, or a coalesced run: the one-page post of a decode step,
         a layer chunk that coalesced into one run) is checked and posted by ``_post_one`` in straight-line
@@ -249,11 +249,12 @@ class NixlTransport(Transport):
                     handle = self._post_small(op, peer, plan, notify)
                     if handle is not None:
                         return handle
-        elif (type(plan) is BlockPlan and 0 < len(plan) <= EXPANDED_BLOCK_RUNS and self._core is not None
+        elif (type(plan) in (BlockPlan, PhasedPlan) and 0 < len(plan) <= EXPANDED_BLOCK_RUNS and self._core is not None
               and not self._closed and (notify is None or (type(notify) is bytes and len(notify) <= MAX_NOTIFY_BYTES))):
-            # A small BlockPlan costs less as its expansion on the per-entry path than through the template's
-            # checks (some thirty numpy calls); a fault, or another shape, goes the BlockPlan's own way below,
-            # which names a fault by block and template run.
+            # A small BlockPlan (or PhasedPlan) costs less as its expansion on the per-entry path than through
+            # the template's checks (some thirty numpy calls); a fault, or another shape, goes the plan's own
+            # way below, which names a fault by block and template run.
+            assert isinstance(plan, BlockPlan | PhasedPlan)
             handle = self._post_cells(op, peer, plan.expand(), notify)
             if handle is not None:
                 return handle
@@ -422,63 +423,83 @@ class NixlTransport(Transport):
         sum a side), so no TransferPlan of B x T entries is made, checked or indexed. None, before anything
         is made, where the template's sides mix memory types or the grid would be too fine (the caller
         checks the plan and posts its expansion)."""
+        return self._post_templates(op, peer, [plan], notify, transfer_id, check)
+
+    def _backend_post_phases(self, op: Op, peer: str, plan: PhasedPlan, notify: bytes | None, transfer_id: int,
+                             check: Callable[[], None], *, settled: bool = False) -> TransferHandle | None:
+        """A PhasedPlan as one request: ``_backend_post_blocks`` over every phase, their cells side by side
+        (one grid unit for all: the gcd over every phase's template)."""
+        return self._post_templates(op, peer, [p for p in plan.phases if len(p)], notify, transfer_id, check)
+
+    def _post_templates(self, op: Op, peer: str, plans: list[BlockPlan], notify: bytes | None, transfer_id: int,
+                        check: Callable[[], None]) -> TransferHandle | None:
+        """``check`` (O(blocks + template)), then one request over the cells of every plan (``_block_cells``)."""
         side = self._sides.get(peer)
-        if side is None or not len(plan):
+        if side is None or not sum(len(p) for p in plans):
             return None
         check()
-        nbytes = plan.total_bytes
+        nbytes = sum(p.total_bytes for p in plans)
         try:
-            cells = self._block_cells(op, peer, plan, side)
+            cells = self._block_cells(op, peer, plans, side)
             if cells is None:
                 return None
             request = self._make(op, cells[0], cells[1], cells[2], cells[3], notify or b"")
         except Exception as exc:
-            return _failed(transfer_id, peer, nbytes, op, f"NIXL could not prepare {len(plan)} descriptors: "
-                           f"{exc!r}", exc)
+            return _failed(transfer_id, peer, nbytes, op, f"NIXL could not prepare {sum(len(p) for p in plans)} "
+                           f"descriptors: {exc!r}", exc)
         return self._launch(op, peer, nbytes, request, transfer_id)
 
-    def _block_cells(self, op: Op, peer: str, plan: BlockPlan, side: _Side) -> tuple[_Grid, Any, _Grid, Any] | None:
-        """(local grid, local cells, remote grid, remote cells) of a checked BlockPlan, in its expansion's
-        order (block by block, template order inside a block): the unit is the gcd of every template run's
-        length, step and offset inside its region on both sides (it divides every run's offset, whatever
-        the slot), each template run becomes its cells of one slot, and run (b, t)'s cells are block b's slot
-        x the run's step in cells plus those. O(T) work on the template, then one outer sum per side. None
-        when a side's template runs lie in regions of several memory types or no grid serves the unit."""
+    def _block_cells(self, op: Op, peer: str, plans: list[BlockPlan], side: _Side
+                     ) -> tuple[_Grid, Any, _Grid, Any] | None:
+        """(local grid, local cells, remote grid, remote cells) of checked BlockPlans, in their expansions'
+        order (plan after plan, block by block, template order inside a block): the unit is the gcd of every
+        template run's length, step and offset inside its region on both sides (it divides every run's
+        offset, whatever the slot), each template run becomes its cells of one slot, and run (b, t)'s cells
+        are block b's slot x the run's step in cells plus those. O(T) work on the templates, then one outer
+        sum per plan and side. None when a side's runs lie in regions of several memory types or no grid
+        serves the unit."""
         mine = self._local
-        sides = [(plan.src_slots, plan.src_step, plan.src_offset, plan.src_region),
-                 (plan.dst_slots, plan.dst_step, plan.dst_offset, plan.dst_region)]
-        (ls, lstep, loff, lreg), (rs, rstep, roff, rreg) = sides if op == "write" else sides[::-1]
-        lm = mine.mem or _one_mem(mine.mems, lreg)
-        rm = side.mem or _one_mem(side.mems, rreg)
+        sides = []
+        for plan in plans:
+            src = (plan.src_slots, plan.src_step, plan.src_offset, plan.src_region)
+            dst = (plan.dst_slots, plan.dst_step, plan.dst_offset, plan.dst_region)
+            sides.append((src, dst) if op == "write" else (dst, src))
+        lregs = np.concatenate([lt[3] for lt, _ in sides])
+        rregs = np.concatenate([rt[3] for _, rt in sides])
+        lm = mine.mem or _one_mem(mine.mems, lregs)
+        rm = side.mem or _one_mem(side.mems, rregs)
         if lm is None or rm is None:
             return None
         # Offsets inside their regions, signed: a template offset may lie below its region's base when no
         # block of slot 0 is moved (the check bounded every run at the slots the plan names).
-        lrel = loff.astype(np.int64) - mine.base_np[lreg].astype(np.int64)
-        rrel = roff.astype(np.int64) - side.base_np[rreg].astype(np.int64)
-        length = plan.nbytes.astype(np.int64)
-        unit = int(np.gcd.reduce(np.concatenate((length, lstep.astype(np.int64), lrel, rstep.astype(np.int64),
-                                                 rrel))))
+        rels = [(lt[2].astype(np.int64) - mine.base_np[lt[3]].astype(np.int64),
+                 rt[2].astype(np.int64) - side.base_np[rt[3]].astype(np.int64)) for lt, rt in sides]
+        unit = int(np.gcd.reduce(np.concatenate([a for plan, (lt, rt), (lr, rr) in zip(plans, sides, rels, strict=True)
+                                                 for a in (plan.nbytes.astype(np.int64), lt[1].astype(np.int64), lr,
+                                                           rt[1].astype(np.int64), rr)])))
         if unit <= 0:
             return None
         lg = self._grid(_LOCAL, lm, unit, mine.regions)
         rg = self._grid(peer, rm, unit, side.regions)
         if lg is None or rg is None:
             return None
-        count = length // unit
-        pick: Any = slice(None)
-        within: Any = 0
-        if int(count.max()) != 1 or int(count.min()) != 1:   # runs of several cells: the template cut into cells
-            pick = np.repeat(np.arange(count.size), count)
-            within = np.arange(pick.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-
-        def outer(slots: npt.NDArray[np.uint64], step: npt.NDArray[np.uint64], rel: npt.NDArray[np.int64],
-                  region: npt.NDArray[np.uint32], grid: _Grid) -> npt.NDArray[np.int32]:
-            first = grid.first[region[pick]] + rel[pick] // unit + within
-            cells: npt.NDArray[np.int64] = slots.astype(np.int64)[:, None] * (step[pick].astype(np.int64) // unit)[None, :] \
-                + first[None, :]
-            return cells.ravel().astype(np.int32)
-        return lg, outer(ls, lstep, lrel, lreg, lg), rg, outer(rs, rstep, rrel, rreg, rg)
+        lcells: list[npt.NDArray[np.int32]] = []
+        rcells: list[npt.NDArray[np.int32]] = []
+        for plan, (lt, rt), (lrel, rrel) in zip(plans, sides, rels, strict=True):
+            count = plan.nbytes.astype(np.int64) // unit
+            pick: Any = slice(None)
+            within: Any = 0
+            if int(count.max()) != 1 or int(count.min()) != 1:   # runs of several cells: the template cut into cells
+                pick = np.repeat(np.arange(count.size), count)
+                within = np.arange(pick.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+            for (slots, step, _, region), rel, grid, out in ((lt, lrel, lg, lcells), (rt, rrel, rg, rcells)):
+                first = grid.first[region[pick]] + rel[pick] // unit + within
+                cells: npt.NDArray[np.int64] = slots.astype(np.int64)[:, None] \
+                    * (step[pick].astype(np.int64) // unit)[None, :] + first[None, :]
+                out.append(cells.ravel().astype(np.int32))
+        li = lcells[0] if len(lcells) == 1 else np.concatenate(lcells)
+        ri = rcells[0] if len(rcells) == 1 else np.concatenate(rcells)
+        return lg, li, rg, ri
 
     def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
                                transfer_id: int, check: Callable[[], None], *,

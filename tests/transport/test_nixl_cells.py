@@ -15,7 +15,7 @@ import numpy.typing as npt
 import pytest
 
 from kvxfer.errors import PageTableError
-from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, PhasedPlan, TransferPlan
 from kvxfer.transport import Transport, available_backends
 from kvxfer.transport import nixl as nixl_backend
 from tests.support.transport_helpers.pairs import connected_pair, drain_notifications
@@ -278,3 +278,34 @@ def test_small_block_plans_of_one_region_a_side_land_exactly_or_are_refused_by_b
     assert agents.made == made
     assert drain_notifications(agents.b, 1, timeout=0.05) == []
     assert all(np.array_equal(got, w) for got, w in zip(agents.a_bufs + agents.b_bufs, before, strict=True))
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_phased_plans_are_posted_as_one_request_without_their_expansion(agents: Pair, op: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PhasedPlan (two BlockPlans of different templates, runs of two cells in one, the second phase's
+    destination slots none of the first's) goes to NIXL as one request over both phases' cells, no
+    expansion made, and lands exactly. Mutation: posting one phase's cells only, or each with its own
+    unit, moves other bytes."""
+    monkeypatch.setattr(nixl_backend, "EXPANDED_BLOCK_RUNS", 0)
+    rng = np.random.default_rng(12)
+    a = shifted_block_plan(rng, agents, op, 4, 2 * PAGE, False)
+    b = shifted_block_plan(rng, agents, op, 2, 2 * PAGE, True)
+    free = np.setdiff1d(np.arange(1, 8, dtype=np.uint64), a.dst_slots)[:2]
+    b = BlockPlan(b.src_slots, free, b.src_step, b.src_offset, b.dst_step, b.dst_offset, b.nbytes, b.src_region,
+                  b.dst_region)
+    plan = PhasedPlan((a, b))
+    src, src_bufs, dst, dst_bufs = agents.sides(op)
+    want = list(dst_bufs)
+    for phase in plan.phases:
+        want = expected_after_blocks(phase, list(src.regions), src_bufs, list(dst.regions), want)
+    made = agents.made
+    expand, phased_expand = BlockPlan.expand, PhasedPlan.expand
+    try:
+        BlockPlan.expand = PhasedPlan.expand = None  # type: ignore[assignment,method-assign]
+        getattr(agents.a, op)(agents.b.name, plan, notify=b"phases").wait(10.0)
+    finally:
+        BlockPlan.expand, PhasedPlan.expand = expand, phased_expand  # type: ignore[method-assign]
+    assert agents.made == made + 1
+    assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+    assert drain_notifications(agents.b, 1) == [b"phases"]
