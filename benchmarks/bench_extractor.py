@@ -33,7 +33,7 @@ from kvxfer.cache import BufferId, CacheConfig, CacheLayoutDesc
 from kvxfer.cache.layout import place_layout, plan_layout
 from kvxfer.extractor import TemplateCache, extract, multirank, placements, plan_templated, plan_transfer
 from kvxfer.extractor import blocks as extractor_blocks
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.pagetable import PageTable, PhasedPlan, TransferPlan
 
 SRC_BASE, DST_BASE = 0x7F00_0000_0000, 0x7A00_0000_0000
 
@@ -206,7 +206,8 @@ def same_table(table: PageTable, entries: list[tuple[int, int]]) -> bool:
 def worker_rows(layers: int, tokens: int, repeat: int, rng: np.random.Generator) -> list[dict[str, Any]]:
     """The workers' planning of one request between differing layouts (16 tokens per block at the source,
     fragmented slots): ``multirank.plan_between`` without templates against it with the peer's templates
-    warm; the two plans must list the same runs (ValueError otherwise)."""
+    warm, and ``multirank.plan_phased`` (the same templates, no expansion: what layer-wise pushes and pulls
+    post); the plans must list the same runs (ValueError otherwise)."""
     tpb = 16
     blocks = math.ceil(tokens / tpb)
     spare = 2 * blocks + 64
@@ -234,16 +235,25 @@ def worker_rows(layers: int, tokens: int, repeat: int, rng: np.random.Generator)
                  dst_ids: list[dict[int, np.ndarray]] = dst_ids) -> TransferPlan:
             return multirank.plan_between(src, src_ids, dst, dst_ids, token_range=(0, tokens), templates=templates)
 
+        def phases(dst: list[CacheLayoutDesc] = dst, dst_ids: list[dict[int, np.ndarray]] = dst_ids,
+                   cache: TemplateCache = cache) -> PhasedPlan:
+            return multirank.plan_phased(src, src_ids, dst, dst_ids, token_range=(0, tokens), templates=cache)
+
         t_plain, plain = best(functools.partial(plan, None), repeat)
         plan(cache)   # the first request of the layout pair makes the templates
         t_tmpl, templated = best(functools.partial(plan, cache), repeat)
-        if runs_of(plain) != runs_of(templated):
-            raise ValueError(f"{name}: the templated plan differs from the entry-per-run plan")
+        t_phased, phased = best(phases, repeat)
+        if runs_of(plain) != runs_of(templated) or runs_of(phased.expand()) != runs_of(templated):
+            raise ValueError(f"{name}: the templated or phased plan differs from the entry-per-run plan")
+        size = sum(p.num_blocks + p.runs_per_block for p in phased.phases)
         rows.append({"case": name, "plain_ms": t_plain * 1e3, "templated_ms": t_tmpl * 1e3,
-                     "speedup": t_plain / t_tmpl, "runs": len(templated)})
-    print(f"{'case':24} {'entry-per-run ms':>17} {'templated ms':>13} {'speed-up':>9} {'runs':>11}")
+                     "speedup": t_plain / t_tmpl, "runs": len(templated), "phased_ms": t_phased * 1e3,
+                     "phases": len(phased.phases), "phased_size": size})
+    print(f"{'case':24} {'entry-per-run ms':>17} {'templated ms':>13} {'speed-up':>9} {'runs':>11} "
+          f"{'phased ms':>10} {'phases':>7} {'slots+runs':>11}")
     for r in rows:
-        print(f"{r['case']:24} {r['plain_ms']:17.2f} {r['templated_ms']:13.2f} {r['speedup']:8.1f}x {r['runs']:11,}")
+        print(f"{r['case']:24} {r['plain_ms']:17.2f} {r['templated_ms']:13.2f} {r['speedup']:8.1f}x {r['runs']:11,} "
+              f"{r['phased_ms']:10.2f} {r['phases']:7} {r['phased_size']:11,}")
     return rows
 
 

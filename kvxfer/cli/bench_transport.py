@@ -557,7 +557,7 @@ def run_post_latency(backend: str, page_bytes: int = 16384, iters: int = 200, po
             if raw is not None:
                 runs.append(("raw", lambda: raw_post(ls.astype(np.int32), rs.astype(np.int32))))   # noqa: B023
             for k, (who, fn) in enumerate(runs[::-1] if i % 2 else runs):
-                t = verified(lt, rt, 0x21 + k + i, fn)
+                t = verified(lt, rt, 0x21 + k + i % 200, fn)
                 if i:
                     post[who].append(t)
     finally:
@@ -613,6 +613,18 @@ def run_table(iters: int = 5, latency_iters: int = 200, backends: tuple[str, ...
         rows.append(row)
     return {"backends": usable, "iters": iters, "latency_iters": latency_iters, "options": opts, "rows": rows,
             "verified": all(v for r in rows for k, v in r.items() if k.endswith("_verified"))}
+
+
+def run_chunks(entries: list[int], iters: int = 300) -> list[dict[str, Any]]:
+    """The layer-wise path's posts: per count in ``entries``, ``write(plan)`` alone of that many scattered
+    16 KiB pages over one pool a side (a layer chunk's shape), a new plan each iteration, against raw NIXL
+    posting the same pages (``run_post_latency``, interleaved, every iteration verified)."""
+    rows = []
+    for n in entries:
+        res = run_post_latency("nixl", iters=0, post_pages=n, post_iters=iters)
+        rows.append({"entries": n, "kvxfer_us": res["post_kvxfer_s"] * 1e6, "raw_nixl_us": res["post_raw_s"] * 1e6,
+                     "ratio": res["post_ratio"], "verified": res["verified"]})
+    return rows
 
 
 def _size(nbytes: int) -> str:
@@ -678,8 +690,33 @@ def main(argv: list[str] | None = None) -> int:
                          "4096-descriptor post, per-request plans; --iters per bandwidth row; with it "
                          "--no-error-handling / --no-rma apply to ucx, --error-handling / --progress-thread to "
                          "nixl and raw NIXL")
-    ap.add_argument("--latency-iters", type=int, default=200, help="--table: one-page iterations")
+    ap.add_argument("--latency-iters", type=int, default=200, help="--table: one-page iterations; --chunks: "
+                                                                      "iterations per count")
+    ap.add_argument("--chunks", metavar="N,N,...",
+                    help="nixl: the post (write() alone) of layer chunks of N scattered 16 KiB pages against raw "
+                         "NIXL's, per N (e.g. 2,16,64,256)")
     args = ap.parse_args(argv)
+    if args.chunks:
+        try:
+            counts = [int(x) for x in args.chunks.split(",")]
+        except ValueError:
+            ap.error(f"--chunks: comma-separated counts, got {args.chunks!r}")
+        if not counts or min(counts) < 1 or args.latency_iters < 1:
+            ap.error("--chunks counts and --latency-iters must be >= 1")
+        try:
+            rows = run_chunks(counts, args.latency_iters)
+        except BackendUnavailable as exc:
+            print(f"kvxfer bench transport: {exc}", file=sys.stderr)
+            return 2
+        if args.json:
+            print_json("bench.transport_chunks", {"iters": args.latency_iters, "rows": rows})
+        else:
+            print(f"layer chunks, write() alone, p50 of {args.latency_iters} (new plan each, verified)")
+            print(f"{'entries':>8} {'raw NIXL us':>12} {'kvxfer us':>10} {'ratio':>6} verified")
+            for r in rows:
+                print(f"{r['entries']:>8} {r['raw_nixl_us']:>12.1f} {r['kvxfer_us']:>10.1f} {r['ratio']:>6.2f} "
+                      f"{r['verified']}")
+        return 0 if all(r["verified"] for r in rows) else 1
     if args.table:
         if args.no_scatter_gather:
             ap.error("--no-scatter-gather does not apply to --table")

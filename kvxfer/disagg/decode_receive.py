@@ -20,7 +20,7 @@ from kvxfer.disagg.decode_requests import DecodeRequests
 from kvxfer.disagg.messages import ControlMessage, KvFailed, KvPosted, KvPull, KvPushed, KvRelease, LeaseRenew
 from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
 from kvxfer.disagg.session import SessionState
-from kvxfer.disagg.worker import WorkerConfig, now, plan_between, send_quietly
+from kvxfer.disagg.worker import WorkerConfig, now, plan_phased, send_quietly
 from kvxfer.disagg.worker_protocol import NOTICE_MAGIC, decode_block_ids, decode_notice, is_prefill_shutdown
 from kvxfer.errors import (
     DecodeError,
@@ -30,8 +30,9 @@ from kvxfer.errors import (
     TransferFailed,
     TransferTimeout,
 )
-from kvxfer.extractor import check_writable
+from kvxfer.extractor import check_writable, check_writable_phased
 from kvxfer.model import Model
+from kvxfer.pagetable import PhasedPlan
 from kvxfer.transport import TransferStatus, Transport
 from kvxfer.transport.integrity import KVDigest, verify_kv
 
@@ -112,10 +113,14 @@ class DecodeReceive:
                                remote_done=True)
             return
         try:
-            plan = plan_between(job.src_layouts, src_ids, self.layouts, job.caches,
-                                token_range=(job.skip, int(job.tokens.size)), request_id=rid,
-                                planner=self.config.planner, templates=job.templates)
-            check_writable(plan.dst, self.layouts, job.caches)   # never read into a page we share
+            plan = plan_phased(job.src_layouts, src_ids, self.layouts, job.caches,
+                               token_range=(job.skip, int(job.tokens.size)), request_id=rid,
+                               planner=self.config.planner, templates=job.templates)
+            # Never read into a page we share (a phased plan: checked on its templates, not run by run).
+            if isinstance(plan, PhasedPlan):
+                check_writable_phased(plan, self.layouts, job.caches)
+            else:
+                check_writable(plan.dst, self.layouts, job.caches)
             job.read_posted = now()
             job.read = self.transport.read(job.peer, plan, f"{rid}#1".encode())
             job.read.add_done_callback(self._wake)

@@ -72,6 +72,7 @@ from kvxfer.disagg.worker import (
     now,
     peer_templates,
     plan_between,
+    plan_phased,
     release_managers,
     resume_ranks,
     warm_up_model,
@@ -498,9 +499,9 @@ class PrefillWorker(WorkerBase):
             if job.session.state is SessionState.READY:
                 job.session.start_transfer("layer-wise writes posted")
                 job.posted_at = now()
-            plan = plan_between(self.layouts, job.src_ids, self._peer_layouts[job.peer], job.dst_ids,
-                                token_range=job.span, layers=job.groups[layer], request_id=job.request_id,
-                                planner=self.config.planner, templates=self._peer_templates.get(job.peer))
+            plan = plan_phased(self.layouts, job.src_ids, self._peer_layouts[job.peer], job.dst_ids,
+                               token_range=job.span, layers=job.groups[layer], request_id=job.request_id,
+                               planner=self.config.planner, templates=self._peer_templates.get(job.peer))
             job.parts += 1
             self._check_may_write(job)
             job.last_posted = now()

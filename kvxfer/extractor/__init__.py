@@ -9,10 +9,16 @@ from kvxfer.extractor.blocks import (
     segment_template,
 )
 from kvxfer.extractor.extract import COORDS, extract
-from kvxfer.extractor.multirank import all_regions, plan_between, region_offsets
+from kvxfer.extractor.multirank import all_regions, plan_between, plan_phased, region_offsets
 from kvxfer.extractor.pairing import plan_transfer
 from kvxfer.extractor.regions import Placement, layout_regions, layout_roles, placements, region_indices
-from kvxfer.extractor.writable import HasCommittedTokens, check_writable, committed_tokens, writable_block_ids
+from kvxfer.extractor.writable import (
+    HasCommittedTokens,
+    check_writable,
+    check_writable_phased,
+    committed_tokens,
+    writable_block_ids,
+)
 
 __all__ = [
     "COORDS",
@@ -24,6 +30,7 @@ __all__ = [
     "all_regions",
     "block_template",
     "check_writable",
+    "check_writable_phased",
     "committed_tokens",
     "extract",
     "layout_regions",
@@ -31,6 +38,7 @@ __all__ = [
     "placements",
     "plan_between",
     "plan_blocks",
+    "plan_phased",
     "plan_templated",
     "plan_transfer",
     "region_indices",

@@ -20,7 +20,8 @@ from kvxfer.extractor.block_ids import BlockIds
 from kvxfer.extractor.blocks import TemplateCache, plan_templated
 from kvxfer.extractor.pairing import plan_transfer
 from kvxfer.extractor.regions import layout_regions
-from kvxfer.pagetable import PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.pagetable.phased import PhasedPlan
 
 
 def region_offsets(layouts: Sequence[CacheLayoutDesc]) -> list[int]:
@@ -71,6 +72,40 @@ def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Block
     if not plans:
         return TransferPlan.empty()
     return plans[0] if len(plans) == 1 else TransferPlan.concat(plans)
+
+
+def plan_phased(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[BlockIds | Any],
+                dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[BlockIds | Any], *,
+                token_range: tuple[int, int], layers: Sequence[int] | None = None,
+                dst_committed: Sequence[int | None] | None = None,
+                templates: TemplateCache | None = None) -> PhasedPlan:
+    """``plan_between``'s plan without its expansion: every rank pair's BlockPlans (``plan_templated``'s
+    phases where the layouts differ and ``templates`` is given), region-shifted, and a pair planned by
+    ``plan_transfer`` as one block of its runs; ``expand()`` lists exactly ``plan_between``'s runs, in its
+    order. O(blocks + template runs) for the templated pairs, however finely the layouts cut the bytes."""
+    src_off, dst_off = region_offsets(src_layouts), region_offsets(dst_layouts)
+    committed = [None] * len(dst_layouts) if dst_committed is None else list(dst_committed)
+    phases: list[BlockPlan] = []
+    for i, (sl, si) in enumerate(zip(src_layouts, src_ids, strict=True)):
+        for j, (dl, di, dc) in enumerate(zip(dst_layouts, dst_ids, committed, strict=True)):
+            templated = plan_templated(sl, si, dl, di, layers=layers, token_range=token_range, dst_committed=dc,
+                                       templates=templates) \
+                if templates is not None and sl.fingerprint != dl.fingerprint else None
+            if templated is not None:
+                phases += [p.shift_regions(src_off[i], dst_off[j]) for p in templated if len(p)]
+                continue
+            plan = plan_transfer(sl, si, dl, di, layers=layers, token_range=token_range, dst_committed=dc)
+            if len(plan):
+                phases.append(_one_block(plan).shift_regions(src_off[i], dst_off[j]))
+    return PhasedPlan(tuple(phases))
+
+
+def _one_block(plan: TransferPlan) -> BlockPlan:
+    """A TransferPlan as a BlockPlan of one block (slot 0, step 0): its runs as the template."""
+    step = np.zeros(len(plan), np.uint64)
+    slot = np.zeros(1, np.uint64)
+    return BlockPlan(slot, slot, step, plan.src.addr, step, plan.dst.addr, plan.src.nbytes, plan.src.region,
+                     plan.dst.region)
 
 
 def _templated(src: CacheLayoutDesc, src_ids: Any, dst: CacheLayoutDesc, dst_ids: Any, layers: Sequence[int] | None,

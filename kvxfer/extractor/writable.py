@@ -21,7 +21,7 @@ from kvxfer.errors import BlockIdError, ReadOnlyPageError
 from kvxfer.extractor.block_ids import BlockIds, block_id_map
 from kvxfer.extractor.regions import region_indices
 from kvxfer.extractor.tokens import MAX_TOKEN
-from kvxfer.pagetable import PageTable
+from kvxfer.pagetable import PageTable, PhasedPlan
 
 I64 = npt.NDArray[np.int64]
 
@@ -126,3 +126,68 @@ def check_writable(table: PageTable, layouts: Sequence[CacheLayoutDesc], block_i
             f"destination entry {i} ({int(table.addr[i]):#x}, {int(table.nbytes[i])} bytes, region "
             f"{int(table.region[i])}) writes rank {rank} layer group {g} block {block} (slot {slot}), a committed "
             f"page the destination may share with its prefix tree; {int(bad.sum())} entries do")
+
+
+def check_writable_phased(plan: PhasedPlan, layouts: Sequence[CacheLayoutDesc], block_ids: Sequence[BlockIds | Any],
+                          committed: Sequence[int | None] | None = None) -> None:
+    """``check_writable`` on a PhasedPlan's destination without its expansion where its template allows: a
+    template run that lies inside one slot of its pool (its step the pool's slot size) writes, in block b,
+    the pool's slot ``dst_slots[b] + k`` for a k of its own, so the check is whether those slots meet the
+    read-only ones (O(blocks x distinct k + read-only blocks)). A phase with another run shape is checked
+    through its expansion. ReadOnlyPageError names the phase, block, template run and the page."""
+    if len(layouts) != len(block_ids):
+        raise BlockIdError(f"check_writable: {len(layouts)} layouts for {len(block_ids)} block-id maps")
+    limits = [None] * len(layouts) if committed is None else list(committed)
+    # Per region (pools of every rank, in rank order): base, slot size, read-only slots and their labels.
+    pools: list[tuple[int, int]] = []
+    ro: dict[int, tuple[I64, I64]] = {}   # region -> (slots, labels as rows of rank, group, block, slot)
+    for rank, (layout, ids_in, limit) in enumerate(zip(layouts, block_ids, limits, strict=True)):
+        offset = len(pools)
+        pools += [(pool.base_address, pool.slot_bytes) for pg in layout.pool_groups for pool in pg.pools]
+        n = committed_tokens(ids_in, limit) // layout.tokens_per_block
+        ids = block_id_map(layout, ids_in, range(len(layout.layer_groups)), "destination")
+        regions = region_indices(layout)
+        for g, arr in ids.items():
+            blocks = np.flatnonzero(arr[:n] >= 0)
+            slots = arr[:n][blocks].astype(np.int64)
+            pg = layout.layer_groups[g].pool_group_index
+            label = np.stack([np.full(slots.size, rank), np.full(slots.size, g), blocks, slots], axis=1)
+            for r in regions[pg]:
+                old = ro.get(offset + r)
+                ro[offset + r] = (slots, label) if old is None else (np.concatenate([old[0], slots]),
+                                                                     np.concatenate([old[1], label]))
+    if not ro:
+        return
+    for i, phase in enumerate(plan.phases):
+        live = np.flatnonzero(phase.nbytes > 0)
+        if not live.size:
+            continue
+        region = phase.dst_region[live].astype(np.int64)
+        if int(region.max()) >= len(pools):
+            raise BlockIdError(f"check_writable: phase {i} writes region {int(region.max())}, the layouts have "
+                               f"{len(pools)}")
+        base = np.array([pools[r][0] for r in region.tolist()], np.int64)
+        size = np.array([pools[r][1] for r in region.tolist()], np.int64)
+        rel = phase.dst_offset[live].astype(np.int64) - base
+        k, within = np.divmod(rel, size)
+        if not bool((phase.dst_step[live].astype(np.int64) == size).all()) or \
+                bool((within + phase.nbytes[live].astype(np.int64) > size).any()):
+            try:
+                check_writable(phase.expand().dst, layouts, block_ids, committed)
+            except ReadOnlyPageError as exc:
+                raise ReadOnlyPageError(f"phase {i}: {exc}") from None
+            continue
+        slots = phase.dst_slots.astype(np.int64)
+        for r, kk in sorted({(int(a), int(b)) for a, b in zip(region.tolist(), k.tolist(), strict=True)}):
+            if r not in ro:
+                continue
+            ro_slots, labels = ro[r]
+            hit = np.isin(slots + kk, ro_slots)
+            if hit.any():
+                b = int(np.argmax(hit))
+                t = int(live[int(np.argmax((region == r) & (k == kk)))])
+                rank, g, block, slot = labels[int(np.argmax(ro_slots == slots[b] + kk))].tolist()
+                raise ReadOnlyPageError(
+                    f"phase {i} block {b} template run {t} writes rank {rank} layer group {g} block {block} (slot "
+                    f"{slot}), a committed page the destination may share with its prefix tree; "
+                    f"{int(hit.sum())} blocks of that run do")

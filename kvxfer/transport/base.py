@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import PageTableError, PeerUnreachable, TransportError
-from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, PhasedPlan, TransferPlan
 from kvxfer.transport.handle import TransferHandle
 from kvxfer.transport.metadata import MAX_NAME_CHARS, TransportMetadata, check_regions
 from kvxfer.transport.prepared import PreparedTransfer
@@ -101,22 +101,23 @@ class Transport(ABC):
             self._backend_connect(peer, md)
             self._peers[peer] = md
 
-    def write(self, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None = None, *,
+    def write(self, peer: str, plan: TransferPlan | BlockPlan | PhasedPlan, notify: bytes | None = None, *,
               settled: bool = False) -> TransferHandle:
         """Push: ``plan.src`` (local) -> ``plan.dst`` (peer); ``notify`` reaches the peer after the data.
         A BlockPlan is checked in O(blocks + template) and moved as such by a backend that can (cuda_ipc's
-        kernel), else as its expansion.
+        kernel, nixl's cells from the template), else as its expansion; a PhasedPlan (several BlockPlans,
+        one transfer) likewise, its notification after all of it.
         ``settled``: the caller synchronized with the work that wrote the source pages, so a device
         backend need not order the copy after the model's stream (where later work may be queued by
         then, such as the next prompt's prefill), and may finish such a write with a notification
         before returning (cuda_ipc: the copy's own duration, sparing a thread hand-off)."""
         return self._post("write", peer, plan, notify, settled)
 
-    def read(self, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None = None) -> TransferHandle:
+    def read(self, peer: str, plan: TransferPlan | BlockPlan | PhasedPlan, notify: bytes | None = None) -> TransferHandle:
         """Pull: ``plan.src`` (peer) -> ``plan.dst`` (local); ``notify`` reaches the peer after the data."""
         return self._post("read", peer, plan, notify)
 
-    def prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan) -> PreparedTransfer:
+    def prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan | PhasedPlan) -> PreparedTransfer:
         """Check ``plan`` for ``op`` ("write": local -> peer, "read": peer -> local) with ``peer`` once and do the
         backend's per-plan work once (cuda_ipc: its kernel table packed and uploaded), so that each
         ``PreparedTransfer.post`` only starts the copy. A bad plan is refused here, as ``write``/``read``
@@ -126,11 +127,13 @@ class Transport(ABC):
             raise TransportError(f"prepare for peer {peer!r}: op must be 'write' or 'read', got {op!r:.40}")
         md = self._peer(peer)
         self._check_plan_type(op, peer, plan)
-        if isinstance(plan, BlockPlan):
+        if isinstance(plan, BlockPlan | PhasedPlan):
             self._check_block_plan(op, peer, plan, md)
         else:
             self._check_plan(op, peer, plan, md)
-        return PreparedTransfer(self, op, peer, md, plan, self._backend_prepare(op, peer, plan))
+        # A PhasedPlan is prepared as its expansion (a backend's per-plan work takes one plan).
+        return PreparedTransfer(self, op, peer, md, plan, self._backend_prepare(
+            op, peer, plan.expand() if isinstance(plan, PhasedPlan) else plan))
 
     def notifications(self) -> dict[str, list[bytes]]:
         """Messages received since the last call, per sending peer, each delivered exactly once."""
@@ -195,7 +198,7 @@ class Transport(ABC):
         if wake is not None:
             wake()
 
-    def _post(self, op: Op, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None,
+    def _post(self, op: Op, peer: str, plan: TransferPlan | BlockPlan | PhasedPlan, notify: bytes | None,
               settled: bool = False) -> TransferHandle:
         # The checks are inline where they pass (a one-page post pays each call's frame).
         if self._closed:
@@ -208,6 +211,14 @@ class Transport(ABC):
         if notify is not None:
             self._check_notify(op, peer, notify)
         transfer_id = next(self._ids)
+        if isinstance(plan, PhasedPlan):
+            phased = plan
+            phases = self._backend_post_phases(op, peer, phased, notify, transfer_id,
+                                               lambda: self._check_block_plan(op, peer, phased, md), settled=settled)
+            if phases is not None:
+                return phases
+            self._check_block_plan(op, peer, phased, md)
+            return self._backend_post(op, peer, phased.expand(), notify, transfer_id, settled=settled)
         if isinstance(plan, BlockPlan):
             blocks = self._backend_post_blocks(op, peer, plan, notify, transfer_id,
                                                lambda: self._check_block_plan(op, peer, plan, md), settled=settled)
@@ -251,8 +262,8 @@ class Transport(ABC):
 
     @staticmethod
     def _check_plan_type(op: Op, peer: str, plan: object) -> None:
-        if not isinstance(plan, TransferPlan | BlockPlan):
-            raise PageTableError(f"{op} to peer {peer!r}: expected a TransferPlan or BlockPlan, got "
+        if not isinstance(plan, TransferPlan | BlockPlan | PhasedPlan):
+            raise PageTableError(f"{op} to peer {peer!r}: expected a TransferPlan, BlockPlan or PhasedPlan, got "
                                  f"{type(plan).__name__}")
 
     @staticmethod
@@ -274,8 +285,8 @@ class Transport(ABC):
             self._validate(remote, md.regions, f"{op} with peer {peer!r}: remote {'destination' if op == 'write' else 'source'}")
             raise PageTableError(f"{op} with peer {peer!r}: {exc}") from None
 
-    def _check_block_plan(self, op: Op, peer: str, plan: BlockPlan, md: TransportMetadata) -> None:
-        """``_check_plan`` for a BlockPlan, its error naming the side (local/remote)."""
+    def _check_block_plan(self, op: Op, peer: str, plan: BlockPlan | PhasedPlan, md: TransportMetadata) -> None:
+        """``_check_plan`` for a BlockPlan or a PhasedPlan, its error naming the side (local/remote)."""
         src_regions, dst_regions = (self._regions, md.regions) if op == "write" else (md.regions, self._regions)
         try:
             plan.validate(src_regions, dst_regions)
@@ -325,6 +336,12 @@ class Transport(ABC):
         regions, while it moves (then a refusal returns once the copy has stopped, with no notification, as
         ``_backend_post_checking``). None (the default): this backend cannot, nothing was started, and the
         caller checks the plan and posts its expansion to ``_backend_post``."""
+        return None
+
+    def _backend_post_phases(self, op: Op, peer: str, plan: PhasedPlan, notify: bytes | None, transfer_id: int,
+                             check: Callable[[], None], *, settled: bool = False) -> TransferHandle | None:
+        """``_backend_post_blocks`` for a PhasedPlan: start all its phases as one transfer (the notification
+        after every phase), or None (the default): the caller checks the plan and posts its expansion."""
         return None
 
     def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan) -> object | None:

@@ -24,14 +24,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import BackendUnavailable, PageTableError, PeerUnreachable, TransferFailed, TransportError
-from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, PhasedPlan, TransferPlan
 from kvxfer.transport.base import MAX_NOTIFY_BYTES, Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
@@ -46,6 +46,15 @@ MAX_CACHED_GRIDS = 32
 #: Plans of at most this many entries are checked and indexed in one pass over Python ints (numpy's
 #: per-call cost would be most of a one-page post); larger ones with arrays.
 SMALL_POST_ENTRIES = 16
+#: Plans of the KV pool's shape (``NixlTransport._cells``) of at most this many entries are checked through
+#: lists (C loops over Python ints); larger ones through arrays (a handful of numpy calls whatever their size).
+LIST_CELLS = 128
+#: BlockPlans of at most this many runs are posted as their expansion when it has the KV pool's shape
+#: (``NixlTransport._cells``): measured cheaper up to a few thousand runs than the O(blocks + template)
+#: checks, and alike above (where NIXL's own per-descriptor work decides).
+EXPANDED_BLOCK_RUNS = 4096
+#: The byte order of the plans' columns (native), for comparing a column with a repeated value as bytes.
+_ORDER: Literal["little", "big"] = sys.byteorder
 _LOCAL = ""
 
 
@@ -219,7 +228,7 @@ class NixlTransport(Transport):
                 self._deliver(name, msg)
 
     # --- transfers ----------------------------------------------------------------------------------
-    def _post(self, op: Op, peer: str, plan: TransferPlan | BlockPlan, notify: bytes | None,
+    def _post(self, op: Op, peer: str, plan: TransferPlan | BlockPlan | PhasedPlan, notify: bytes | None,
               settled: bool = False) -> TransferHandle:
         """A per-request plan of one entry (a page, or a coalesced run: the one-page post of a decode step,
         a layer chunk that coalesced into one run) is checked and posted by ``_post_one`` in straight-line
@@ -232,11 +241,57 @@ class NixlTransport(Transport):
                 handle = self._post_one(op, peer, plan, notify)
                 if handle is not None:
                     return handle
-            elif 1 < n <= SMALL_POST_ENTRIES:
-                handle = self._post_small(op, peer, plan, notify)
+            elif n > 1:
+                handle = self._post_cells(op, peer, plan, notify)
                 if handle is not None:
                     return handle
+                if n <= SMALL_POST_ENTRIES:
+                    handle = self._post_small(op, peer, plan, notify)
+                    if handle is not None:
+                        return handle
+        elif (type(plan) in (BlockPlan, PhasedPlan) and 0 < len(plan) <= EXPANDED_BLOCK_RUNS and self._core is not None
+              and not self._closed and (notify is None or (type(notify) is bytes and len(notify) <= MAX_NOTIFY_BYTES))):
+            # A small BlockPlan (or PhasedPlan) costs less as its expansion on the per-entry path than through
+            # the template's checks (some thirty numpy calls); a fault, or another shape, goes the plan's own
+            # way below, which names a fault by block and template run.
+            assert isinstance(plan, BlockPlan | PhasedPlan)
+            handle = self._post_cells(op, peer, plan.expand(), notify)
+            if handle is not None:
+                return handle
         return super()._post(op, peer, plan, notify, settled)
+
+    def _post_cells(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle | None:
+        """Post a plan of the KV pool's shape (``_cells``: one region a side, every entry one grid cell)
+        straight through NIXL's binding; None, before anything is made, for a fault (the general path names
+        it) or a plan of another shape."""
+        side = self._sides.get(peer)
+        if side is None or peer not in self._peers:
+            return None
+        local, remote = (plan.src, plan.dst) if op == "write" else (plan.dst, plan.src)
+        cells = self._cells(op, peer, local, remote, side)
+        if cells is None or cells is _FAULT:
+            return None
+        lg, li, rg, ri, nbytes = cells
+        transfer_id = next(self._ids)
+        core = self._core
+        try:
+            if core is None or lg.raw is None or rg.raw is None:
+                return self._launch(op, peer, nbytes, self._make(op, lg, li, rg, ri, notify or b""), transfer_id)
+            # ``_make`` and ``_launch`` inline (a chunk's post pays each frame): made, posted, and released at
+            # once when NIXL finished it within the post.
+            req = core.make(core.write if op == "write" else core.read, lg.raw, li, rg.raw, ri, notify or b"",
+                            [], False)
+        except Exception as exc:
+            return _failed(transfer_id, peer, nbytes, op, f"NIXL could not prepare {len(plan)} "
+                           f"descriptors: {exc!r}", exc)
+        try:
+            state = core.post(req, b"")
+        except Exception as exc:
+            return self._pending(op, peer, nbytes, req, transfer_id, None, exc)
+        if state == core.success:
+            core.release(req)
+            return TransferHandle.completed(transfer_id, peer, nbytes, op)
+        return self._pending(op, peer, nbytes, req, transfer_id, state, None)
 
     def _post_small(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None) -> TransferHandle | None:
         """``_post_one`` for a plan of a few entries (a layer-wise chunk of a short prompt): ``_small_request``
@@ -301,24 +356,29 @@ class NixlTransport(Transport):
     def _launch(self, op: Op, peer: str, nbytes: int, req: Any, transfer_id: int) -> TransferHandle:
         """Post one request ``_make`` made (its notification, if any, travels with it): released at once when
         NIXL finished it within the post (small transfers do), a handle already done returned; else the
-        handle that polls it (a request NIXL refused fails it)."""
+        handle that polls it (``_pending``)."""
         core = self._core
         if type(req) is not int or core is None:
             return self._start(op, peer, nbytes, [req], None, transfer_id, per_post_notify=False)
         try:
             state = core.post(req, b"")
         except Exception as exc:
-            handle = _NixlHandle(self, transfer_id, peer, nbytes, op, [core.wrap(core.agent, req)], None, None)
-            with handle._req_lock:
-                handle._fail("NIXL refused to post the transfer", exc)
-            return handle
+            return self._pending(op, peer, nbytes, req, transfer_id, None, exc)
         if state == core.success:
             core.release(req)
             return TransferHandle.completed(transfer_id, peer, nbytes, op)
+        return self._pending(op, peer, nbytes, req, transfer_id, state, None)
+
+    def _pending(self, op: Op, peer: str, nbytes: int, req: int, transfer_id: int, state: Any,
+                 exc: Exception | None) -> TransferHandle:
+        """The handle of a request posted through the binding that NIXL did not finish within the post:
+        polled to completion while in progress, failed when NIXL refused it (``exc``: the post raised)."""
+        core = self._core
+        assert core is not None
         handle = _NixlHandle(self, transfer_id, peer, nbytes, op, [core.wrap(core.agent, req)], None, None)
-        if state != core.in_progress:
+        if exc is not None or state != core.in_progress:
             with handle._req_lock:
-                handle._fail("NIXL refused to post the transfer", None)
+                handle._fail("NIXL refused to post the transfer", exc)
         return handle
 
     def _grid(self, side: str, mem: str, unit: int, regions: tuple[MemoryRegion, ...]) -> _Grid | None:
@@ -355,6 +415,92 @@ class NixlTransport(Transport):
                 self._grids.popitem(last=False)[1].handle.release()
         return grid
 
+    def _backend_post_blocks(self, op: Op, peer: str, plan: BlockPlan, notify: bytes | None, transfer_id: int,
+                             check: Callable[[], None], *, settled: bool = False) -> TransferHandle | None:
+        """A BlockPlan posted without its expansion: checked in O(blocks + template) (``check``: bounds per
+        template run at the extreme slots, destination disjoint by the template's shape), and its grid cells
+        computed from the template straight into the index arrays NIXL takes (``_block_cells``: one outer
+        sum a side), so no TransferPlan of B x T entries is made, checked or indexed. None, before anything
+        is made, where the template's sides mix memory types or the grid would be too fine (the caller
+        checks the plan and posts its expansion)."""
+        return self._post_templates(op, peer, [plan], notify, transfer_id, check)
+
+    def _backend_post_phases(self, op: Op, peer: str, plan: PhasedPlan, notify: bytes | None, transfer_id: int,
+                             check: Callable[[], None], *, settled: bool = False) -> TransferHandle | None:
+        """A PhasedPlan as one request: ``_backend_post_blocks`` over every phase, their cells side by side
+        (one grid unit for all: the gcd over every phase's template)."""
+        return self._post_templates(op, peer, [p for p in plan.phases if len(p)], notify, transfer_id, check)
+
+    def _post_templates(self, op: Op, peer: str, plans: list[BlockPlan], notify: bytes | None, transfer_id: int,
+                        check: Callable[[], None]) -> TransferHandle | None:
+        """``check`` (O(blocks + template)), then one request over the cells of every plan (``_block_cells``)."""
+        side = self._sides.get(peer)
+        if side is None or not sum(len(p) for p in plans):
+            return None
+        check()
+        nbytes = sum(p.total_bytes for p in plans)
+        try:
+            cells = self._block_cells(op, peer, plans, side)
+            if cells is None:
+                return None
+            request = self._make(op, cells[0], cells[1], cells[2], cells[3], notify or b"")
+        except Exception as exc:
+            return _failed(transfer_id, peer, nbytes, op, f"NIXL could not prepare {sum(len(p) for p in plans)} "
+                           f"descriptors: {exc!r}", exc)
+        return self._launch(op, peer, nbytes, request, transfer_id)
+
+    def _block_cells(self, op: Op, peer: str, plans: list[BlockPlan], side: _Side
+                     ) -> tuple[_Grid, Any, _Grid, Any] | None:
+        """(local grid, local cells, remote grid, remote cells) of checked BlockPlans, in their expansions'
+        order (plan after plan, block by block, template order inside a block): the unit is the gcd of every
+        template run's length, step and offset inside its region on both sides (it divides every run's
+        offset, whatever the slot), each template run becomes its cells of one slot, and run (b, t)'s cells
+        are block b's slot x the run's step in cells plus those. O(T) work on the templates, then one outer
+        sum per plan and side. None when a side's runs lie in regions of several memory types or no grid
+        serves the unit."""
+        mine = self._local
+        sides = []
+        for plan in plans:
+            src = (plan.src_slots, plan.src_step, plan.src_offset, plan.src_region)
+            dst = (plan.dst_slots, plan.dst_step, plan.dst_offset, plan.dst_region)
+            sides.append((src, dst) if op == "write" else (dst, src))
+        lregs = np.concatenate([lt[3] for lt, _ in sides])
+        rregs = np.concatenate([rt[3] for _, rt in sides])
+        lm = mine.mem or _one_mem(mine.mems, lregs)
+        rm = side.mem or _one_mem(side.mems, rregs)
+        if lm is None or rm is None:
+            return None
+        # Offsets inside their regions, signed: a template offset may lie below its region's base when no
+        # block of slot 0 is moved (the check bounded every run at the slots the plan names).
+        rels = [(lt[2].astype(np.int64) - mine.base_np[lt[3]].astype(np.int64),
+                 rt[2].astype(np.int64) - side.base_np[rt[3]].astype(np.int64)) for lt, rt in sides]
+        unit = int(np.gcd.reduce(np.concatenate([a for plan, (lt, rt), (lr, rr) in zip(plans, sides, rels, strict=True)
+                                                 for a in (plan.nbytes.astype(np.int64), lt[1].astype(np.int64), lr,
+                                                           rt[1].astype(np.int64), rr)])))
+        if unit <= 0:
+            return None
+        lg = self._grid(_LOCAL, lm, unit, mine.regions)
+        rg = self._grid(peer, rm, unit, side.regions)
+        if lg is None or rg is None:
+            return None
+        lcells: list[npt.NDArray[np.int32]] = []
+        rcells: list[npt.NDArray[np.int32]] = []
+        for plan, (lt, rt), (lrel, rrel) in zip(plans, sides, rels, strict=True):
+            count = plan.nbytes.astype(np.int64) // unit
+            pick: Any = slice(None)
+            within: Any = 0
+            if int(count.max()) != 1 or int(count.min()) != 1:   # runs of several cells: the template cut into cells
+                pick = np.repeat(np.arange(count.size), count)
+                within = np.arange(pick.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+            for (slots, step, _, region), rel, grid, out in ((lt, lrel, lg, lcells), (rt, rrel, rg, rcells)):
+                first = grid.first[region[pick]] + rel[pick] // unit + within
+                cells: npt.NDArray[np.int64] = slots.astype(np.int64)[:, None] \
+                    * (step[pick].astype(np.int64) // unit)[None, :] + first[None, :]
+                out.append(cells.ravel().astype(np.int32))
+        li = lcells[0] if len(lcells) == 1 else np.concatenate(lcells)
+        ri = rcells[0] if len(rcells) == 1 else np.concatenate(rcells)
+        return lg, li, rg, ri
+
     def _backend_post_checking(self, op: Op, peer: str, plan: TransferPlan, notify: bytes | None,
                                transfer_id: int, check: Callable[[], None], *,
                                settled: bool = False) -> TransferHandle | None:
@@ -383,11 +529,13 @@ class NixlTransport(Transport):
         else:
             nbytes = plan.total_bytes
             try:
-                request = self._uniform_request(op, peer, local, remote, side, notify or b"")
+                cells = self._cells(op, peer, local, remote, side)
+                request = None if cells is None or cells is _FAULT else \
+                    self._make(op, cells[0], cells[1], cells[2], cells[3], notify or b"")
             except Exception as exc:
                 return _failed(transfer_id, peer, nbytes, op, f"NIXL could not prepare {n} "
                                f"descriptors: {exc!r}", exc)
-            if request is _FAULT:
+            if cells is _FAULT:
                 check()
                 raise PageTableError(f"{op} with peer {peer!r}: the plan lies outside the registered regions "
                                      f"or writes a destination byte twice")
@@ -430,51 +578,82 @@ class NixlTransport(Transport):
             ri = np.arange(rg.first_list[q] + ro // unit, rg.first_list[q] + (ro + b) // unit, dtype=np.int32)
         return self._make(op, lg, li, rg, ri, notify), b
 
-    def _uniform_request(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
-                         notify: bytes) -> Any:
-        """The NIXL request of the common KV plan - one registered region a side, one memory type, every
-        entry one length that is also the grid unit - checked on the way in a dozen array operations
-        (bounds by the extremes, no destination cell twice by marking the grid), where the general path
-        takes three times as many (the per-call cost of numpy is most of a mid-size post: the layer-wise
-        path posts 64-1024 entries per chunk). ``_FAULT`` when a check fails; None when the plan is not of
-        that shape (the general path checks and posts it)."""
+    def _cells(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side) -> Any:
+        """The grid cells of a plan of the KV pool's shape - every entry of a side in one registered region,
+        one length throughout that is also the grid unit (a layer-wise chunk, a page table of whole blocks,
+        a layer's pages in an engine that registers a tensor per layer) - checked on the way: regions,
+        bounds, no destination cell twice. No Python work per entry beyond one division, and nothing that
+        depends only on the registrations: a few entries go through lists (C loops: ``min``, ``max``,
+        ``sum``, ``set``), more through one (2, n) array of both sides' offsets (a handful of numpy calls
+        whatever n). Returns (local grid, local cells, remote grid, remote cells, bytes); ``_FAULT`` when a
+        check fails; None when the plan is not of that shape (the general path takes it)."""
         mine = self._local
-        if len(mine.base) != 1 or len(side.base) != 1 or mine.mem is None or side.mem is None:
+        nb, lreg, rreg = local.nbytes, local.region, remote.region
+        n = nb.size
+        length, r, q = nb.item(0), lreg.item(0), rreg.item(0)
+        # One length, and one region a side, compared as bytes: a memcmp each where numpy's comparison and
+        # reduction are two calls (the columns are C-contiguous and native: PageTable).
+        if length <= 0 or nb.tobytes() != length.to_bytes(8, _ORDER) * n:
             return None
-        nb = local.nbytes
-        length = int(nb[0])
-        if length <= 0 or int(nb.min()) != length or int(nb.max()) != length:
+        if lreg.tobytes() != r.to_bytes(4, _ORDER) * n or rreg.tobytes() != q.to_bytes(4, _ORDER) * n:
             return None
-        if int(local.region.max()) or int(remote.region.max()):
+        if r >= len(mine.base) or q >= len(side.base):
             return _FAULT
-        lo = local.addr - np.uint64(mine.base[0])   # below the base wraps to a huge offset: caught below
-        ro = remote.addr - np.uint64(side.base[0])
-        if int(lo.max()) + length > mine.end[0] - mine.base[0] or int(ro.max()) + length > side.end[0] - side.base[0]:
-            return _FAULT
-        unit = math.gcd(length, int(np.gcd.reduce(np.concatenate((lo, ro)))))
-        if unit != length:
-            return None
-        lg = self._grids.get((_LOCAL, mine.mem, unit)) or self._grid(_LOCAL, mine.mem, unit, mine.regions)
-        rg = self._grids.get((peer, side.mem, unit)) or self._grid(peer, side.mem, unit, side.regions)
+        lb, rb = mine.base[r], side.base[q]
+        ltop, rtop = mine.end[r] - length, side.end[q] - length   # the highest address an entry may start at
+        lm, rm = mine.mems[r], side.mems[q]
+        lg = self._grids.get((_LOCAL, lm, length)) or self._grid(_LOCAL, lm, length, mine.regions)
+        rg = self._grids.get((peer, rm, length)) or self._grid(peer, rm, length, side.regions)
         if lg is None or rg is None:
             return None
-        li = (lo // np.uint64(unit)).astype(np.int32)
-        ri = (ro // np.uint64(unit)).astype(np.int32)
-        dst, dst_grid = (ri, rg) if op == "write" else (li, lg)
-        if dst.size * 16 < dst_grid.units:   # few entries in a large grid: sort them
+        lf, rf = lg.first_list[r], rg.first_list[q]
+        li: Any
+        ri: Any
+        if n <= LIST_CELLS:
+            # Python's C loops over the addresses (numpy's per-call cost, ~3-6 us each once the copy of the
+            # post before has flushed the caches, would be most of a chunk's post): bounds by the extremes,
+            # each entry's cell by one division, the offsets on the cell grid when the cells account for
+            # every byte of them (a remainder is never negative above the base), no cell twice.
+            la, ra = local.addr.tolist(), remote.addr.tolist()
+            if min(la) < lb or max(la) > ltop or min(ra) < rb or max(ra) > rtop:
+                return _FAULT
+            li = [(a - lb) // length + lf for a in la]
+            ri = [(a - rb) // length + rf for a in ra]
+            if (sum(li) - n * lf) * length != sum(la) - n * lb or (sum(ri) - n * rf) * length != sum(ra) - n * rb:
+                return None   # an offset off the cell grid: a smaller unit (the general path)
+            if len(set(ri if op == "write" else li)) != n:   # distinct cells: no destination byte twice
+                return _FAULT
+            return lg, li, rg, ri, length * n
+        offsets = np.concatenate((local.addr, remote.addr)).reshape(2, n)
+        offsets -= np.array(((lb,), (rb,)), dtype=np.uint64)
+        # An address below the base wraps to an offset above 2**63: the one maximum catches both ends.
+        lmax, rmax = offsets.max(axis=1).tolist()
+        if lmax > ltop - lb or rmax > rtop - rb:
+            return _FAULT
+        if not length & (length - 1):   # a power of two: the offsets' low bits, then a shift
+            if int(np.bitwise_or.reduce(offsets, axis=None)) & (length - 1):
+                return None
+            offsets >>= np.uint64(length.bit_length() - 1)
+        else:
+            if math.gcd(int(np.gcd.reduce(offsets, axis=None)), length) != length:
+                return None
+            offsets //= np.uint64(length)
+        cells = offsets.astype(np.uint32)   # below the grid's size (<= MAX_GRID_DESCRIPTORS)
+        if lf:
+            cells[0] += np.uint32(lf)
+        if rf:
+            cells[1] += np.uint32(rf)
+        dst, dst_grid = (cells[1], rg) if op == "write" else (cells[0], lg)
+        if n * 16 < dst_grid.units:   # few entries in a large grid: sort them
             ordered = np.sort(dst)
             if bool((ordered[1:] == ordered[:-1]).any()):
                 return _FAULT
         else:
             seen = np.zeros(dst_grid.units, dtype=np.bool_)
             seen[dst] = True
-            if int(np.count_nonzero(seen)) != dst.size:
+            if int(np.count_nonzero(seen)) != n:
                 return _FAULT
-        if lg.first_list[0]:
-            li += np.int32(lg.first_list[0])
-        if rg.first_list[0]:
-            ri += np.int32(rg.first_list[0])
-        return self._make(op, lg, li, rg, ri, notify)
+        return lg, cells[0], rg, cells[1], length * n
 
     def _small_request(self, op: Op, peer: str, local: PageTable, remote: PageTable, side: _Side,
                        notify: bytes) -> tuple[Any, int]:
@@ -838,6 +1017,12 @@ def _unit(lt: PageTable, lbase: npt.NDArray[np.uint64], rt: PageTable, rbase: np
     roff = rt.addr - (rbase[0] if rbase.size == 1 else rbase[rt.region])
     g = np.gcd.reduce(np.concatenate([lt.nbytes, loff, roff]))
     return max(1, int(g))
+
+
+def _one_mem(mems: list[str], regions: npt.NDArray[np.uint32]) -> str | None:
+    """The memory type every region of ``regions`` has (indices into ``mems``), or None when they differ."""
+    kinds = {mems[r] for r in np.unique(regions).tolist()}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _disjoint(addr: list[int], nbytes: list[int]) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvxfer.errors import TransportError
-from kvxfer.pagetable import BlockPlan, TransferPlan
+from kvxfer.pagetable import BlockPlan, PhasedPlan, TransferPlan
 from kvxfer.transport.handle import TransferHandle
 from kvxfer.transport.metadata import TransportMetadata
 
@@ -28,7 +28,7 @@ class PreparedTransfer:
     also while an earlier post of it is in flight: the plan's memory is only read)."""
 
     def __init__(self, transport: Transport, op: Literal["write", "read"], peer: str, metadata: TransportMetadata,
-                 plan: TransferPlan | BlockPlan, backend_state: Any) -> None:
+                 plan: TransferPlan | BlockPlan | PhasedPlan, backend_state: Any) -> None:
         self._transport = transport
         self.op = op
         self.peer = peer
@@ -54,7 +54,7 @@ class PreparedTransfer:
         return self.plan.total_bytes
 
     def expanded(self) -> TransferPlan:
-        """The plan as a TransferPlan (a BlockPlan expanded once, on first use)."""
+        """The plan as a TransferPlan (a BlockPlan or PhasedPlan expanded once, on first use)."""
         if isinstance(self.plan, TransferPlan):
             return self.plan
         if self._expanded is None:

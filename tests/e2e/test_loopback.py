@@ -19,6 +19,7 @@ import torch
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli import main as cli_main
 from kvxfer.disagg import PROTOCOL_VERSION, LocalIdentity, PeerConnection, connect
+from kvxfer.disagg import worker as worker_module
 from kvxfer.disagg.messages import KvBlocks, KvFailed, KvPull, KvRanks, KvRequest
 from kvxfer.disagg.oracle import DEFAULT_POSITIONS, KVOracle
 from kvxfer.disagg.worker import WorkerConfig
@@ -129,12 +130,16 @@ def test_prefix_hit_on_decode_moves_only_missing_tokens(prefill: PrefillWorker) 
         assert_idle(prefill, decode)
 
 
+@pytest.mark.parametrize("phased", [False, True])
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_heterogeneous_tp_block_size_and_head_order(mode: str) -> None:
+def test_heterogeneous_tp_block_size_and_head_order(mode: str, phased: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """One prefill rank (16 tokens/block, HND) feeds two decode ranks (8 tokens/block, NHD, one KV head each):
     the side that plans (prefill pushing, decode pulling) plans from the run templates it keeps for that
     peer: the first request makes them, the next reuse them (making only those of their own prompt-tail
-    segment shapes)."""
+    segment shapes). ``phased``: every plan posted as its phases (checked for read-only pages on its
+    templates when pulled), as the workers post plans of many runs."""
+    if phased:
+        monkeypatch.setattr(worker_module, "PHASED_MIN_RUNS", 0)
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
             DecodeWorker(WorkerConfig(name("decode"), tokens_per_block=8, head_order="NHD", tp_size=2), SECRET,
                          prefill=prefill.address, mode=mode, layerwise=mode == "push") as decode:

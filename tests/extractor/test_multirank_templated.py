@@ -13,9 +13,9 @@ import pytest
 
 from kvxfer.cache import CacheConfig, CacheLayoutDesc
 from kvxfer.cache.layout import place_layout, plan_layout
-from kvxfer.errors import ConfigError, KvxferError
-from kvxfer.extractor import TemplateCache, multirank
-from kvxfer.pagetable import TransferPlan
+from kvxfer.errors import ConfigError, KvxferError, PageTableError, ReadOnlyPageError
+from kvxfer.extractor import TemplateCache, check_writable, check_writable_phased, multirank
+from kvxfer.pagetable import BlockPlan, PhasedPlan, TransferPlan
 
 LAYERS, HEADS, HEAD_DIM = 4, 4, 16
 
@@ -129,3 +129,92 @@ def test_a_template_cache_keeps_at_most_what_it_is_told() -> None:
         assert len(cache) == 1
     with pytest.raises(ConfigError, match="positive"):
         TemplateCache(kept=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", ["whole", "cut"])
+def test_phased_plans_expand_to_exactly_plan_betweens_runs_and_check_alike(case: str, window: str) -> None:
+    """``plan_phased`` keeps every rank pair's phases as BlockPlans (no expansion): its expansion lists
+    exactly ``plan_between``'s runs in the same order, its size is O(blocks + template runs), and its
+    check (``PhasedPlan.validate``, O(blocks + template) across phases) passes the plan and refuses a copy
+    whose last phase writes a destination run of the first one again."""
+    (tp_s, tpb_s, kw_s), (tp_d, tpb_d, kw_d) = CASES[case]
+    tokens = 200
+    src = layouts(tp_s, tpb_s, 64, 0x7000_0000_0000, **kw_s)
+    dst = layouts(tp_d, tpb_d, 96, 0x6000_0000_0000, **kw_d)
+    token_range, layers = ((0, tokens), None) if window == "whole" else ((5, tokens - 3), [1, 2])
+    rng = np.random.default_rng(11)
+    si, di = ids_for(src, tokens, rng), ids_for(dst, tokens, rng)
+    cache = TemplateCache()
+    want = multirank.plan_between(src, si, dst, di, token_range=token_range, layers=layers, templates=cache)
+    phased = multirank.plan_phased(src, si, dst, di, token_range=token_range, layers=layers, templates=cache)
+    got = phased.expand()
+    for a, b in ((got.src, want.src), (got.dst, want.dst)):
+        assert np.array_equal(a.addr, b.addr) and np.array_equal(a.nbytes, b.nbytes) and np.array_equal(a.region, b.region)
+    assert sum(p.num_blocks + p.runs_per_block for p in phased.phases) < len(want)
+    src_regions = multirank.all_regions(src)
+    dst_regions = multirank.all_regions(dst)
+    expand = PhasedPlan.expand
+    try:   # the phases' shapes show them apart: checked without listing a run
+        PhasedPlan.expand = None  # type: ignore[assignment,method-assign]
+        phased.validate(src_regions, dst_regions)
+    finally:
+        PhasedPlan.expand = expand  # type: ignore[method-assign]
+    first, last = phased.phases[0], phased.phases[-1]
+    n = np.minimum(first.nbytes[:1], last.nbytes[:1])
+    clash = BlockPlan(last.src_slots[:1], first.dst_slots[:1], last.src_step[:1], last.src_offset[:1],
+                      first.dst_step[:1], first.dst_offset[:1], n, last.src_region[:1], first.dst_region[:1])
+    clash.validate(src_regions, dst_regions)   # fine on its own: it writes a run the first phase writes
+    with pytest.raises(PageTableError, match="overlap"):
+        PhasedPlan((*phased.phases, clash)).validate(src_regions, dst_regions)
+
+
+def test_an_identical_pair_is_one_block_of_plan_transfers_runs() -> None:
+    src, dst = layouts(1, 16, 64, 0x7000_0000_0000), layouts(1, 16, 64, 0x6000_0000_0000)
+    rng = np.random.default_rng(2)
+    si, di = ids_for(src, 100, rng), ids_for(dst, 100, rng)
+    phased = multirank.plan_phased(src, si, dst, di, token_range=(0, 100), templates=TemplateCache())
+    want = multirank.plan_between(src, si, dst, di, token_range=(0, 100))
+    assert len(phased.phases) == 1 and phased.phases[0].num_blocks == 1
+    got = phased.expand()
+    assert np.array_equal(got.src.addr, want.src.addr) and np.array_equal(got.dst.addr, want.dst.addr)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_template_check_of_read_only_pages_refuses_what_the_entry_check_refuses(case: str) -> None:
+    """``check_writable_phased`` on a phased plan (no expansion) accepts and refuses exactly as
+    ``check_writable`` on its expansion, for committed prefixes that the plan writes into (refused: the
+    page is named) and that it stays clear of (a plan from past them). Mutation: dropping the slot check,
+    or the run's slot offset within the block, changes an outcome."""
+    (tp_s, tpb_s, kw_s), (tp_d, tpb_d, kw_d) = CASES[case]
+    tokens = 200
+    src = layouts(tp_s, tpb_s, 64, 0x7000_0000_0000, **kw_s)
+    dst = layouts(tp_d, tpb_d, 96, 0x6000_0000_0000, **kw_d)
+    rng = np.random.default_rng(13)
+    si, di = ids_for(src, tokens, rng), ids_for(dst, tokens, rng)
+    for start, committed in ((0, 0), (0, 32), (0, 40), (64, 64), (64, 32), (0, tokens)):
+        plan = multirank.plan_phased(src, si, dst, di, token_range=(start, tokens), dst_committed=[0] * len(dst),
+                                     templates=TemplateCache())
+        limits = [committed] * len(dst)
+        # The same runs named one slot lower with the offsets one step higher (a template run k slots off).
+        shifted = PhasedPlan(tuple(
+            BlockPlan(p.src_slots, p.dst_slots - np.uint64(1), p.src_step, p.src_offset, p.dst_step,
+                      p.dst_offset + p.dst_step, p.nbytes, p.src_region, p.dst_region) if int(p.dst_slots.min()) else p
+            for p in plan.phases))
+        outcomes = []
+        for phased in (None, plan, shifted):
+            expand = BlockPlan.expand
+            try:
+                if phased is not None:   # the template check lists no run (each run lies in one slot)
+                    BlockPlan.expand = None  # type: ignore[assignment,method-assign]
+                    check_writable_phased(phased, dst, di, limits)
+                else:
+                    check_writable(plan.expand().dst, dst, di, limits)
+                outcomes.append("ok")
+            except ReadOnlyPageError as exc:
+                outcomes.append("refused")
+                assert "committed page" in str(exc)
+            finally:
+                BlockPlan.expand = expand  # type: ignore[method-assign]
+        assert outcomes[0] == outcomes[1] == outcomes[2], (start, committed, outcomes)
+        assert outcomes[0] == ("refused" if start < committed // tpb_d * tpb_d else "ok")

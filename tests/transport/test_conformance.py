@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvxfer.errors import PageTableError, PeerUnreachable, TransferCancelled, TransferTimeout, TransportError
-from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, PhasedPlan, TransferPlan
 from kvxfer.transport import TransferStatus, Transport, available_backends, create
 from tests.support.transport_helpers.peer import RemotePeer, table_wire
 from tests.support.transport_helpers.plans import (
@@ -155,6 +155,45 @@ def test_a_hostile_block_plan_is_refused_naming_the_side(pair_of: Pair, op: str)
         assert np.array_equal(got, want)
 
 
+def _two_phases(rng: np.random.Generator, src_regions: list[Any], dst_regions: list[Any]) -> PhasedPlan:
+    """Two BlockPlans of different templates over both regions of each side, the second's destination slots
+    none of the first's: one transfer's phases."""
+    a = random_block_plan(rng, src_regions, dst_regions, 6, 4, 1024)
+    b = random_block_plan(rng, src_regions, dst_regions, 5, 4, 1024)
+    slots = min(r.nbytes for r in dst_regions) // int(a.dst_step[0])   # every region holds this many slots
+    free = np.setdiff1d(np.arange(slots, dtype=np.uint64), a.dst_slots)
+    b = BlockPlan(b.src_slots, rng.choice(free, 5, replace=False).astype(np.uint64), b.src_step, b.src_offset,
+                  b.dst_step, b.dst_offset, b.nbytes, b.src_region, b.dst_region)
+    return PhasedPlan((a, b))
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_phased_plans_move_exact_bytes_and_refuse_a_byte_written_twice(pair_of: Pair, op: str) -> None:
+    """A PhasedPlan (two BlockPlans, one transfer) moves exactly both phases' runs (computed run by run) and
+    notifies once; one whose second phase writes a destination slot of the first (each phase fine on its
+    own) is refused naming the side and the overlap, nothing written, no notification."""
+    p = pair_of
+    rng = np.random.default_rng(23)
+    src_t, dst_t = (p.a, p.b) if op == "write" else (p.b, p.a)
+    src_bufs, dst_bufs = (p.a_bufs, p.b_bufs) if op == "write" else (p.b_bufs, p.a_bufs)
+    plan = _two_phases(rng, list(src_t.regions), list(dst_t.regions))
+    want = list(dst_bufs)
+    for phase in plan.phases:
+        want = expected_after_blocks(phase, list(src_t.regions), src_bufs, list(dst_t.regions), want)
+    getattr(p.a, op)(p.b.name, plan, notify=b"phases").wait(10.0)
+    assert all(np.array_equal(got, w) for got, w in zip(dst_bufs, want, strict=True))
+    assert drain(p.b, 1) == {p.a.name: [b"phases"]}
+    first, second = plan.phases
+    clash = BlockPlan(second.src_slots, np.concatenate([first.dst_slots[:1], second.dst_slots[1:]]),
+                      first.src_step, first.src_offset, first.dst_step, first.dst_offset, first.nbytes,
+                      first.src_region, first.dst_region)
+    before = [x.copy() for x in p.a_bufs + p.b_bufs]
+    with pytest.raises(PageTableError, match=("remote" if op == "write" else "local") + " .*overlap"):
+        getattr(p.a, op)(p.b.name, PhasedPlan((first, clash)), notify=b"never")
+    assert drain(p.b, 1, timeout=0.1) == {}
+    assert all(np.array_equal(got, w) for got, w in zip(p.a_bufs + p.b_bufs, before, strict=True))
+
+
 def _first_local_page(p: Pair) -> PageTable:
     a0 = p.a.regions[0]
     return PageTable(np.array([a0.base_address], np.uint64), np.array([PAGE], np.uint64), np.array([0], np.uint32))
@@ -230,7 +269,7 @@ def test_a_bad_plan_is_refused_at_prepare_naming_what_is_wrong(pair_of: Pair) ->
         p.a.prepare("copy", p.b.name, good)  # type: ignore[arg-type]
     with pytest.raises(PeerUnreachable, match="'nobody' is not connected"):
         p.a.prepare("write", "nobody", good)
-    with pytest.raises(PageTableError, match="expected a TransferPlan or BlockPlan"):
+    with pytest.raises(PageTableError, match="expected a TransferPlan, BlockPlan or PhasedPlan"):
         p.a.prepare("write", p.b.name, [1, 2, 3])  # type: ignore[arg-type]
     assert drain(p.b, 1, timeout=0.1) == {}
     for got, want in zip(p.a_bufs + p.b_bufs, before, strict=True):
