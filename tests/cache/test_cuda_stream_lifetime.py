@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+
 import pytest
 
 import kvxfer.cache.cuda_streams as cs
