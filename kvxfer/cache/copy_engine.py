@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -304,7 +305,11 @@ class CopyEngine:
         self._stats_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name="kvxfer-copy-engine", daemon=True)
+        # The worker holds the engine weakly between batches, so an engine dropped without close is
+        # collected; its finalizer then stops the worker, which releases the CUDA copiers.
+        self._worker = threading.Thread(target=CopyEngine._serve, args=(weakref.ref(self), self._queue, self._copiers),
+                                        name="kvxfer-copy-engine", daemon=True)
+        self._stop_worker = weakref.finalize(self, self._queue.put, None)
         self._worker.start()
 
     # --- public API -------------------------------------------------------------------------------
@@ -377,8 +382,9 @@ class CopyEngine:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._worker.join()
+        self._stop_worker()
+        if self._worker is not threading.current_thread():
+            self._worker.join()
         if self._io_pool is not None:
             self._io_pool.shutdown(wait=True)
 
@@ -389,22 +395,29 @@ class CopyEngine:
         self.close()
 
     # --- worker -----------------------------------------------------------------------------------
-    def _run(self) -> None:
+    @staticmethod
+    def _serve(engine_ref: weakref.ref[CopyEngine], jobs: queue.Queue[_Job | None],
+               copiers: dict[int, CudaCopier]) -> None:
+        """The worker: run jobs in order until the stop marker, then release the CUDA copiers."""
         try:
             while True:
-                job = self._queue.get()
+                job = jobs.get()
                 if job is None:
                     return
+                engine = engine_ref()
                 try:
-                    self._execute(job)
+                    if engine is None:
+                        raise TierError("copy engine was garbage-collected before the copy ran")
+                    engine._execute(job)
                 except BaseException as exc:  # the handle carries every failure to its waiter
                     job.handle._finish(exc)
                 else:
                     job.handle._finish(None)
+                del engine
         finally:
-            for copier in self._copiers.values():
+            for copier in copiers.values():
                 copier.close()
-            self._copiers.clear()
+            copiers.clear()
 
     def _count(self, path: str, nbytes: int) -> None:
         with self._stats_lock:
@@ -437,8 +450,10 @@ class CopyEngine:
         if copier is None:
             _memmove_runs(job.runs.dst, job.runs.src, job.runs.nbytes)
         else:
-            copier.enqueue(job.runs.dst, job.runs.src, job.runs.nbytes)
-            copier.synchronize()
+            try:
+                copier.enqueue(job.runs.dst, job.runs.src, job.runs.nbytes)
+            finally:   # runs queued before a failing one finish before the batch is reported done
+                copier.synchronize()
         self._count(f"{job.src.memory_kind}->{job.dst.memory_kind}", job.runs.total_bytes)
 
     def _copier_for(self, *tiers: TierStorage) -> CudaCopier | None:

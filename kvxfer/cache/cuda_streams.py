@@ -1,18 +1,26 @@
 """Raw CUDA streams and events as the reference design's API passes them around (``CudaStream`` is a
 ``cudaStream_t`` as an int): a non-blocking stream, a temporary worker stream that records a finish
-event, and that event. Driver API of ``cuda.bindings`` on the primary context (the one torch uses)."""
+event, and that event. Driver API of ``cuda.bindings`` on the primary context (the one torch uses).
+
+Streams and events come from process-wide pools and go back to them when closed; nothing is ever
+destroyed while the process runs. A ``cudaStream_t`` int outlives the object that handed it out (a
+KVCache keeps the one it was resumed with and records on it when it closes), so destroying the stream
+on close would leave that int naming freed driver memory; and a destructor that only returns a handle
+to a pool makes no driver call during interpreter shutdown."""
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from kvxfer.cache.common import CudaStream
 from kvxfer.errors import CuError, TierError
+
+H = TypeVar("H")
 
 
 def _driver() -> Any:
@@ -40,25 +48,77 @@ def init_cuda_once() -> None:
     torch.cuda.synchronize()
 
 
+class HandlePool(Generic[H]):
+    """Driver handles made on demand and reused, never destroyed: ``get`` takes a free one (or makes
+    one), ``put`` gives it back. A handle once made stays valid for the life of the process, so an int
+    copied out of a closed holder still names a live stream or event (it may have a new holder)."""
+
+    def __init__(self, create: Callable[[], H]) -> None:
+        self._create = create
+        self._free: list[H] = []   # list.pop and list.append are atomic: no lock a destructor could wait on
+        self.created = 0
+
+    def get(self) -> H:
+        """A free handle, or a new one."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            pass
+        handle = self._create()
+        self.created += 1
+        return handle
+
+    def put(self, handle: H) -> None:
+        """Give ``handle`` back for a later ``get`` (no driver call)."""
+        self._free.append(handle)
+
+    @property
+    def free_count(self) -> int:
+        """Handles waiting in the pool."""
+        return len(self._free)
+
+
+def _new_event() -> Any:
+    drv = _driver()
+    return _check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+
+def _new_stream() -> CudaStream:
+    init_cuda_once()
+    drv = _driver()
+    return CudaStream(int(_check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")))
+
+
+#: The process's timing-free events and non-blocking streams.
+EVENT_POOL: HandlePool[Any] = HandlePool(_new_event)
+STREAM_POOL: HandlePool[CudaStream] = HandlePool(_new_stream)
+
+
 class CudaEvent:
     """A timing-free CUDA event recorded on a stream when created; closed once complete."""
 
     __slots__ = ("_event",)
 
     def __init__(self, stream: CudaStream | int) -> None:
-        drv = _driver()
-        self._event: Any = _check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        _check(drv.cuEventRecord(self._event, int(stream)), "cuEventRecord")
+        self._event: Any = None
+        event = EVENT_POOL.get()
+        try:
+            _check(_driver().cuEventRecord(event, int(stream)), "cuEventRecord")
+        except BaseException:
+            EVENT_POOL.put(event)
+            raise
+        self._event = event
 
     def is_closed(self) -> bool:
         """Whether the event was released (it completed and was synchronized or queried)."""
         return self._event is None
 
     def close(self) -> None:
-        """Release the event."""
-        if self._event is not None:
-            _check(_driver().cuEventDestroy(self._event), "cuEventDestroy")
-            self._event = None
+        """Give the event back to the pool (no driver call: a stream still waiting on it is unaffected,
+        as a later record only changes what later waits see)."""
+        event, self._event = self._event, None
+        if event is not None:
+            EVENT_POOL.put(event)
 
     def query_complete(self) -> bool:
         """Whether the work before the event is done (a closed event is)."""
@@ -118,13 +178,11 @@ def memcpy_async(dst: Iterable[int], src: Iterable[int], num_bytes: int, stream:
 
 
 class CachedCudaStream:
-    """A non-blocking CUDA stream owned by this object (destroyed by ``close``)."""
+    """A non-blocking CUDA stream held from the process's pool (``close`` gives it back; it is never
+    destroyed, so its ``handle`` int stays a valid stream after this object is gone)."""
 
     def __init__(self) -> None:
-        init_cuda_once()
-        drv = _driver()
-        stream = _check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        self._handle: CudaStream | None = CudaStream(int(stream))
+        self._handle: CudaStream | None = STREAM_POOL.get()
 
     @property
     def handle(self) -> CudaStream:
@@ -138,7 +196,7 @@ class CachedCudaStream:
         return self.handle
 
     def is_closed(self) -> bool:
-        """Whether the stream was destroyed."""
+        """Whether the stream was given back."""
         return self._handle is None
 
     def wait_events(self, events: Iterable[CudaEvent]) -> None:
@@ -158,10 +216,10 @@ class CachedCudaStream:
         return 0, int(self.handle)
 
     def close(self) -> None:
-        """Destroy the stream (after its queued work, as the driver does)."""
-        if self._handle is not None:
-            _check(_driver().cuStreamDestroy(int(self._handle)), "cuStreamDestroy")
-            self._handle = None
+        """Give the stream back to the pool; work queued on it runs on (no driver call)."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            STREAM_POOL.put(handle)
 
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None:

@@ -262,8 +262,9 @@ class KVCache:
     # --- streams and scratch --------------------------------------------------------------------
     @property
     def cuda_stream(self) -> CudaStream | None:
-        """The ``cudaStream_t`` (an int) this request's kernels run on (None: the device's current
-        stream; always None on a CPU primary tier). Set it to a torch.cuda.Stream or a handle."""
+        """The ``cudaStream_t`` (an int) this request's kernels run on: the int ``resume`` or the setter
+        was given, as the reference returns it, or a torch.cuda.Stream's handle (``torch_stream`` is
+        the stream object). None: the device's current stream; always None on a CPU primary tier."""
         stream = self.record.stream
         return None if stream is None else CudaStream(int(stream.cuda_stream))
 

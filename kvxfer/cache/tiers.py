@@ -17,6 +17,7 @@ import os
 import re
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -274,8 +275,11 @@ class DiskTierStorage(TierStorage):
                     cursor = _align_up(cursor + pool.nbytes + DISK_FILE_GAP, DISK_FILE_GAP)
                 bases.append(group_bases)
         except BaseException:
-            self._remove_files()
+            _remove_pool_files(self._files)
             raise
+        # A tier collected without close (its manager dropped without shutdown) still removes its
+        # files, as does one alive at interpreter exit; close runs the same call once.
+        self._release_files = weakref.finalize(self, _remove_pool_files, self._files)
         super().__init__("disk", place_layout(plan, bases, "disk", 0), None)
         self.path = tier.path
         self._file_base = np.array([b for group in bases for b in group], dtype=np.uint64)
@@ -342,19 +346,20 @@ class DiskTierStorage(TierStorage):
 
     def close(self) -> None:
         """Close and remove the pool files (idempotent)."""
-        if not self.closed:
-            self._remove_files()
+        self._release_files()
         super().close()
 
-    def _remove_files(self) -> None:
-        for f in self._files:
-            for fd in (f.fd, f.direct_fd):
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f.path)
-        self._files = []
+
+def _remove_pool_files(files: list[_PoolFile]) -> None:
+    """Close the descriptors of ``files``, remove the files, and empty the list."""
+    for f in files:
+        for fd in (f.fd, f.direct_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f.path)
+    files.clear()
 
 
 def _aligned(offset: int, nbytes: int, buf: memoryview) -> bool:

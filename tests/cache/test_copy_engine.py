@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 
@@ -412,3 +413,34 @@ def test_runs_of_every_size_around_the_ring_end_through_the_engine(tiers, direct
     for so, do, k in zip(offsets.tolist(), d_off.tolist(), sizes, strict=True):
         expected[do:do + k] = src_bytes[so:so + k]
     assert np.array_equal(whole_pool(dst, 0, 0).reshape(-1), expected)
+
+
+def test_a_failing_stream_batch_waits_for_the_runs_it_queued(tiers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A stream batch whose enqueue fails part-way is reported failed only once the runs queued before
+    the failure have completed: the caller frees the batch's slots on the error."""
+    log: list[str] = []
+
+    class FailingCopier:
+        def enqueue(self, dst: object, src: object, nbytes: object) -> None:
+            log.append("enqueue")
+            raise TierError("cuMemcpyAsync failed")
+
+        def synchronize(self) -> None:
+            log.append("synchronize")
+
+    with CopyEngine() as engine:
+        monkeypatch.setattr(engine, "_copier_for", lambda *tiers: FailingCopier())
+        handle = engine.copy_slots(tiers["host"], tiers["primary"], 0, [0], [0])
+        with pytest.raises(TierError, match="cuMemcpyAsync failed"):
+            handle.wait(10)
+    assert log == ["enqueue", "synchronize"]
+
+
+def test_an_engine_dropped_without_close_stops_its_worker(tiers) -> None:  # type: ignore[no-untyped-def]
+    engine = CopyEngine()
+    engine.copy_slots(tiers["host"], tiers["primary"], 0, [1], [2]).wait(10)
+    worker = next(t for t in threading.enumerate() if t.name == "kvxfer-copy-engine" and t is engine._worker)
+    del engine
+    gc.collect()
+    worker.join(10)
+    assert not worker.is_alive()

@@ -7,6 +7,8 @@ Run with ``pytest -m gpu`` on a machine with a CUDA GPU and cuda-python; skipped
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -23,7 +25,7 @@ from kvxfer.cache import (
     LayerId,
     PageIndexMode,
 )
-from kvxfer.cache._utils import TemporaryCudaStream
+from kvxfer.cache._utils import CachedCudaStream, TemporaryCudaStream
 from kvxfer.cache.cuda_utils import cuda_usable
 
 pytestmark = pytest.mark.gpu
@@ -99,3 +101,31 @@ def test_an_active_caches_new_stream_waits_for_its_old_one(manager: KVCacheManag
     after.synchronize()
     assert old.query()
     kv.close()
+
+
+def test_a_request_closes_on_its_stream_after_the_streams_holder_is_gone(manager: KVCacheManager) -> None:
+    """The reference's usage: a request resumed on ``TemporaryCudaStream([]).handle`` outlives that
+    ``with`` block and the holder (rebound to the next temporary stream), then closes, recording its
+    ready event on the int it was given: the int must still be a live stream."""
+    from cuda.bindings import driver
+
+    kv = manager.create_kv_cache()
+    with TemporaryCudaStream([]) as s:
+        first = s.handle
+        assert kv.resume(first) and kv.resize(2 * TPB) and kv.cuda_stream == first
+        _fill_page(manager, kv.get_base_page_indices(LayerGroupId(0))[0], 3, first)
+    s.take_finish_event().synchronize()
+    with TemporaryCudaStream([]) as s:                   # the first holder is collected when ``s`` is rebound
+        second = s.handle
+        other = manager.create_kv_cache()
+        assert other.resume(second) and other.resize(2 * TPB)
+        other.close()
+    s.take_finish_event().synchronize()
+    del s
+    gc.collect()
+    (err,) = driver.cuStreamQuery(first)
+    assert int(err) == int(driver.CUresult.CUDA_SUCCESS)
+    kv.close()                                           # records on ``first``
+    torch.cuda.synchronize()
+    reused = {CachedCudaStream().handle, CachedCudaStream().handle}
+    assert first in reused or second in reused           # given back to the pool, not destroyed

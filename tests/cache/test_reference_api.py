@@ -343,6 +343,7 @@ def test_a_slot_reused_on_another_stream_waits_for_its_previous_user() -> None:
     torch.cuda.synchronize()
     a = mgr.create_kv_cache()
     assert a.resume(stream_a) and a.torch_stream is stream_a and a.cuda_stream == stream_a.cuda_stream
+    assert type(a.cuda_stream) is int                     # a torch stream is reported as its cudaStream_t
     assert a.resize(4 * TPB)
     ids_a = a.block_ids(0)
     view = mgr.buffer_view(0, "key")
@@ -362,7 +363,9 @@ def test_a_slot_reused_on_another_stream_waits_for_its_previous_user() -> None:
     with pytest.raises(ConfigError, match=r"expected a torch\.cuda\.Stream or a cudaStream_t handle"):
         mgr.create_kv_cache().resume("stream")
     raw = mgr.create_kv_cache()                           # the reference passes raw cudaStream_t ints
-    assert raw.resume(stream_b.cuda_stream) and raw.cuda_stream.cuda_stream == stream_b.cuda_stream
+    assert raw.resume(stream_b.cuda_stream)
+    assert type(raw.cuda_stream) is int and raw.cuda_stream == stream_b.cuda_stream   # the int it was given
+    assert raw.torch_stream.cuda_stream == stream_b.cuda_stream
     raw.close()
 
 
