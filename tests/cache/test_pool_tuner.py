@@ -168,3 +168,20 @@ def test_moving_average_is_not_biased_towards_zero() -> None:
     avg = MovingAverage(0.5)
     assert avg.update(10.0) == 10.0
     assert avg.update(4.0) == pytest.approx((4.0 + 0.5 * 10.0) / 1.5)
+
+
+def test_cooldown_opens_for_a_long_past_adjustment_on_a_recently_booted_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """time.monotonic() counts from boot: on a machine up for 500 s a last adjustment at 0.0 is still
+    "long past", and the gate opens whatever the cooldown; one at the current time keeps it closed."""
+    mgr = KVCacheManager(config(rebalance_min_sampled_kv_caches=0, rebalance_cooldown_secs=10_000.0,
+                                rebalance_ratio_threshold=1.5))
+    monkeypatch.setattr(time, "monotonic", lambda: 500.0)
+    _introspection.set_target_ratio_list_gpu(mgr, [0.8, 0.2])
+    _introspection.set_num_sampled_kv_caches(mgr, 1)
+    _introspection.set_last_adjustment_time(mgr, time.monotonic())
+    assert not mgr.need_adjustment                       # inside the cooldown
+    _introspection.set_last_adjustment_time(mgr, 0.0)
+    assert mgr.need_adjustment                           # never adjusted: the cooldown is over
+    mgr.adjust()
+    assert not mgr.need_adjustment                       # the cooldown restarted at 500.0
