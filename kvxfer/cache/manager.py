@@ -711,7 +711,9 @@ class KVCacheManager:
         init_cfg = self._state.init_config
         check_initial_pool_ratio(getattr(init_cfg, "initial_pool_ratio", None), len(plan.layer_groups))
         #: Slot counts per pool group by ratio (``pool_ratio``); the tuner re-splits with the same planner.
-        self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []))
+        scratch_cfg = getattr(init_cfg, "swa_scratch_reuse", None)
+        self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []),
+                                          None if scratch_cfg is None else int(scratch_cfg.max_rewind_len))
         if dict(config.extra).get(EXTRA_POOL_RATIO):
             granularity = self._state.planner.granularity(primary.quota_bytes)
             plan = plan_layout(config, num_slots=self._state.planner.slot_counts(
@@ -1217,9 +1219,13 @@ class KVCacheManager:
         """The auto-tuner part (white-box hooks for ``_introspection``: counters, target ratio)."""
         return self._parts.tuner
 
-    def compute_slots_for_batch(self, batch: Any) -> list[int]:
-        """The fewest primary slots per pool group that run ``batch`` (a ``BatchDesc``) at once."""
-        return self._state.planner.slots_for_batch(check_batch(batch, "compute_slots_for_batch: batch"))
+    def compute_slots_for_batch(self, batch: Any, swa_scratch_reuse: Any = False) -> list[int]:
+        """The fewest primary slots per pool group that run ``batch`` (a ``BatchDesc``) at once, with
+        scratch blocks in shared slots as ``swa_scratch_reuse`` (a ``SwaScratchReuseConfig`` or None
+        for off; default: the manager's own setting) says."""
+        rewind: int | bool | None = False if swa_scratch_reuse is False else \
+            None if swa_scratch_reuse is None else int(swa_scratch_reuse.max_rewind_len)
+        return self._state.planner.slots_for_batch(check_batch(batch, "compute_slots_for_batch: batch"), rewind)
 
     # --- the parts' public API, as the manager's ----------------------------------------------------
     @property
