@@ -200,6 +200,8 @@ class CacheLifecycle:
         """Onboard the cache's offloaded pages and copy its partially reused block; False, changing
         nothing, when the primary tier cannot take them. ``stream`` waits for every page's last user."""
         with self.state.lock:
+            if self.parts.quotas.over_resume_limit():
+                return False
             offloaded = self.parts.quotas.offloaded_pages(cache)
             needs = self.parts.quotas.cow_needs(cache)
             for pg, n in self.parts.recurrent.resume_needs(cache).items():

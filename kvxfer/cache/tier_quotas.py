@@ -56,6 +56,20 @@ class TierQuotas:
                 needs[self.state.lg_pool_group[lg]] = needs.get(self.state.lg_pool_group[lg], 0) + 1
         return needs
 
+    def over_resume_limit(self) -> bool:
+        """Whether some primary pool group's utilization (slots neither free nor evictable, over its
+        usable slots: what ``get_storage_statistics`` reports) is above ``resume_max_utilization``: a
+        resume is then refused whatever it needs, leaving room for the running caches to grow. A
+        pool group of recurrent state slots only is exempt, as in ``can_take``."""
+        limit = self.state.config.resume_max_utilization
+        for pg in range(len(self.state.allocators)):
+            if pg in self.state.recurrent_pool_groups:
+                continue
+            acc = self.parts.usage.quick_accounting(0, pg)
+            if acc.total and (acc.total - acc.available) / acc.total > limit:
+                return True
+        return False
+
     def can_take(self, pool_group: int, n: int, swap: bool) -> bool:
         """Whether ``n`` more primary slots can be locked: within ``resume_max_utilization`` of the
         pool group, and obtainable (free, or freed by offloading/dropping unlocked pages). With
