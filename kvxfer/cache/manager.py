@@ -64,7 +64,7 @@ from kvxfer.cache.hashing import (
     resolve_hash_algo,
 )
 from kvxfer.cache.kv_cache import CacheState, KVCache, PriorityCallback
-from kvxfer.cache.layout import place_layout, plan_layout
+from kvxfer.cache.layout import check_placed, place_layout, plan_layout
 from kvxfer.cache.manager_config import (
     EXTRA_POOL_RATIO,
     EXTRA_REUSE_MATCH_BACKOFF,
@@ -731,6 +731,7 @@ class KVCacheManager:
         kind = "cuda" if device.type == "cuda" else "cpu"
         bases = [[int(t.data_ptr()) for t in group] for group in self._state.pools]
         self._state.layout = place_layout(plan, bases, kind, int(device.index or 0))
+        check_placed(self._state.layout, self._state.pools)
         self._state.allocators = [SlotAllocator(pg.num_slots, f"pool group {pg.pool_group_index}")
                             for pg in self._state.layout.pool_groups]
         self._state.lg_pool_group = [lg.pool_group_index for lg in self._state.layout.layer_groups]
