@@ -9,6 +9,7 @@ import itertools
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -154,6 +155,7 @@ class CacheLifecycle:
                     enable_request_stats: bool = False) -> KVCache:
         """Create a suspended kv cache, locking the pages of its reusable prefix (``create_kv_cache``)."""
         with self.state.lock:
+            self.reap_dropped()
             if self.state.shut_down:
                 raise ManagerBusyError("create_kv_cache: the manager has been shut down")
             cache_id = id if id is not None else f"kv-{next(self.state.ids)}"
@@ -200,6 +202,7 @@ class CacheLifecycle:
         """Onboard the cache's offloaded pages and copy its partially reused block; False, changing
         nothing, when the primary tier cannot take them. ``stream`` waits for every page's last user."""
         with self.state.lock:
+            self.reap_dropped()
             if self.parts.quotas.over_resume_limit():
                 return False
             offloaded = self.parts.quotas.offloaded_pages(cache)
@@ -484,6 +487,17 @@ class CacheLifecycle:
         if any(s.size for s in cache.record.scratch):
             self.sync_scratch(cache)
 
+    def drop(self, cache: KVCache) -> None:
+        """Queue an unclosed cache its owner dropped (called from ``KVCache.__del__``, at any point of
+        any thread: nothing is closed here, the manager's next entry point closes it)."""
+        self.state.dropped.append(cache)
+
+    def reap_dropped(self) -> None:
+        """Close the caches their owners dropped unclosed."""
+        with self.state.lock:
+            while self.state.dropped:
+                self.state.dropped.pop().close()
+
     def close(self, cache: KVCache) -> None:
         """Release every page and scratch slot of the cache and commit its pending statistics (the
         auto-tuner samples its length first)."""
@@ -748,7 +762,8 @@ class KVCacheManager:
             pg.pool_group_index for pg in self._state.layout.pool_groups
             if all(self._state.layout.layer_groups[g].recurrent for g in pg.layer_group_ids)}
         self._state.planned_drops = {}
-        self._state.caches = {}
+        self._state.caches = weakref.WeakValueDictionary()
+        self._state.dropped = []
         self._state.ids = itertools.count()
         self._state.lock = threading.RLock()
         self._state.shut_down = False
@@ -1082,6 +1097,7 @@ class KVCacheManager:
             self._parts.usage.sample_usage()
 
     def _refuse_open(self, what: str) -> None:
+        self._parts.lifecycle.reap_dropped()
         open_ids = [c.id for c in self._state.caches.values() if c.state is not CacheState.CLOSED]
         if open_ids:
             raise ManagerBusyError(f"{what}: {len(open_ids)} KV cache(s) still open: {open_ids[:5]}")
