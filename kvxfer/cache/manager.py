@@ -729,7 +729,8 @@ class KVCacheManager:
         #: Slot counts per pool group by ratio (``pool_ratio``); the tuner re-splits with the same planner.
         scratch_cfg = getattr(init_cfg, "swa_scratch_reuse", None)
         self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []),
-                                          None if scratch_cfg is None else int(scratch_cfg.max_rewind_len))
+                                          None if scratch_cfg is None else int(scratch_cfg.max_rewind_len),
+                                          float(config.resume_max_utilization))
         if dict(config.extra).get(EXTRA_POOL_RATIO):
             granularity = self._state.planner.granularity(primary.quota_bytes)
             plan = plan_layout(config, num_slots=self._state.planner.slot_counts(

@@ -157,8 +157,10 @@ class PoolRatioPlanner:
 
     def __init__(self, shapes: Sequence[LifeCycleShape], slot_size_lists: Sequence[Sequence[int]],
                  tokens_per_block: int, constraints: Sequence[BatchDesc] = (),
-                 max_rewind_len: int | None = None) -> None:
-        """``max_rewind_len``: the sliding-window scratch reuse setting (None: scratch reuse off)."""
+                 max_rewind_len: int | None = None, max_util_for_resume: float = 1.0) -> None:
+        """``max_rewind_len``: the sliding-window scratch reuse setting (None: scratch reuse off).
+        ``max_util_for_resume``: a constraint's slots are divided by it (rounded up), so its whole batch
+        resumes below the resume gate."""
         self.shapes = tuple(shapes)
         self.max_rewind_len = max_rewind_len
         self.slot_size_lists = tuple(tuple(int(s) for s in sizes) for sizes in slot_size_lists)
@@ -171,7 +173,8 @@ class PoolRatioPlanner:
         for shape in self.shapes:
             floors[shape.pool_group] += max(1, shape.floor)
         for i, batch in enumerate(constraints):
-            need = self.slots_for_batch(check_batch(batch, f"KVCacheManagerConfig.constraints[{i}]"))
+            need = [math.ceil(n / max_util_for_resume - 1e-9) for n in
+                    self.slots_for_batch(check_batch(batch, f"KVCacheManagerConfig.constraints[{i}]"))]
             floors = [max(a, b) for a, b in zip(floors, need, strict=True)]
         #: Slots no ratio may push a pool group below.
         self.min_slots: tuple[int, ...] = tuple(floors)
@@ -287,10 +290,10 @@ class PoolRatioPlanner:
 
 
 def planner_for(config: CacheConfig, layout: CacheLayoutDesc, constraints: Sequence[BatchDesc] = (),
-                max_rewind_len: int | None = None) -> PoolRatioPlanner:
+                max_rewind_len: int | None = None, max_util_for_resume: float = 1.0) -> PoolRatioPlanner:
     """The planner of a manager's (planned) layout: its layer groups' windows, sinks and pool groups,
     its pool groups' slot sizes, the worst-case request floors, ``constraints`` and the scratch reuse
-    setting (``max_rewind_len``; None: off)."""
+    setting (``max_rewind_len``; None: off) and the resume gate (``max_util_for_resume``)."""
     tpb = layout.tokens_per_block
     keys = [(lg.window, div_up(lg.sink_tokens, tpb), lg.recurrent) for lg in layout.layer_groups]
     floors = slot_floors(config, keys)
@@ -299,7 +302,7 @@ def planner_for(config: CacheConfig, layout: CacheLayoutDesc, constraints: Seque
                                  lg.layer_group_id)) if lg.window is not None and not lg.recurrent else Fraction(1))
               for lg, key, floor in zip(layout.layer_groups, keys, floors, strict=True)]
     sizes = [pg.slot_desc.slot_size_list for pg in layout.pool_groups]
-    return PoolRatioPlanner(shapes, sizes, tpb, constraints, max_rewind_len)
+    return PoolRatioPlanner(shapes, sizes, tpb, constraints, max_rewind_len, max_util_for_resume)
 
 
 def check_initial_pool_ratio(ratio: object, num_layer_groups: int) -> None:

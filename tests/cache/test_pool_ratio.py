@@ -194,3 +194,19 @@ def test_a_prefill_typical_step_with_scratch_reuse_gives_the_windowed_group_a_sm
     assert yes[1] > no[1]
     with_scratch.shutdown()
     without.shutdown()
+
+
+def test_a_constraint_batch_resumes_whole_below_the_resume_gate() -> None:
+    # 32 one-block requests, quota for exactly 32 slots per group: the floors take 32 / 0.95 -> 34 slots,
+    # so the 32nd resume still sees a group below 95 % used
+    step = BatchDesc([KVCacheDesc(capacity=1, history_length=0)] * 32)
+    mgr = KVCacheManager(two_groups(32 * (SWA_SLOT + FULL_SLOT), constraints=[step], max_util_for_resume=0.95))
+    assert min(totals(mgr)) >= 34
+    caches = []
+    for _ in range(32):
+        kv = mgr.create_kv_cache()
+        assert kv.resume() and kv.resize(1)
+        caches.append(kv)
+    for kv in caches:
+        kv.close()
+    mgr.shutdown()
