@@ -29,13 +29,12 @@ from kvxfer.errors import ConfigError
 
 def compute_slots_for_batch(manager: Any, batch: BatchDesc, tokens_per_block: int,
                             swa_scratch_reuse: SwaScratchReuseConfig | None = None) -> list[int]:
-    """The fewest primary slots per pool group that run ``batch`` at once. ``swa_scratch_reuse`` changes
-    nothing here: kvxfer gives each scratch block a slot of its own, as many as pages would take."""
-    del swa_scratch_reuse
+    """The fewest primary slots per pool group that run ``batch`` at once; with ``swa_scratch_reuse``
+    a request's scratch blocks take the shared slots that hold them (None: a slot each)."""
     if tokens_per_block != manager.tokens_per_block:
         raise ConfigError(f"compute_slots_for_batch: tokens_per_block {tokens_per_block} is not the manager's "
                           f"{manager.tokens_per_block}")
-    return list(manager.compute_slots_for_batch(batch))
+    return list(manager.compute_slots_for_batch(batch, swa_scratch_reuse))
 
 
 def set_num_sampled_kv_caches(manager: Any, value: int) -> None:

@@ -59,6 +59,8 @@ class CacheOps(Protocol):
 
     def suspend(self, cache: KVCache) -> None: ...
 
+    def drop(self, cache: KVCache) -> None: ...
+
     def resize(self, cache: KVCache, capacity: int, history: int | None = None, *, skip_stale: bool = False) -> None: ...
 
     def encode_tokens(self, tokens: Any, what: str) -> npt.NDArray[np.int64]: ...
@@ -607,6 +609,14 @@ class KVCache:
         request that is in the prefix tree."""
         self._check_open("set_priority")
         self._ops.set_priority(self, check_priority(priority, f"KVCache {self.id}.set_priority"))
+
+    def __del__(self) -> None:
+        """A cache dropped unclosed is handed back to its manager, which closes it (as ``close()``)."""
+        try:
+            if self.state is not CacheState.CLOSED:
+                self._ops.drop(self)
+        except Exception:   # interpreter teardown: nothing left to release into
+            pass
 
     def close(self) -> None:
         """Release every page this cache holds (a second close does nothing). Pending statistics are

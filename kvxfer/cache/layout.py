@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from kvxfer.cache.config import CacheConfig
 from kvxfer.cache.descriptors import (
@@ -173,6 +174,24 @@ def place_layout(layout: CacheLayoutDesc, base_addresses: Sequence[Sequence[int]
                       for p, b in zip(pg.pools, bases, strict=True))
         groups.append(dataclasses.replace(pg, pools=pools))
     return dataclasses.replace(layout, pool_groups=tuple(groups), fingerprint=b"")
+
+
+def check_placed(layout: CacheLayoutDesc, pools: Sequence[Sequence[Any]]) -> None:
+    """LayoutError unless every pool descriptor describes its live tensor (``pools[pool_group][pool]``):
+    the same base address, and no more bytes than the tensor holds. Descriptors are published to
+    transports, which register and read the memory they name."""
+    if len(pools) != len(layout.pool_groups):
+        raise LayoutError(f"check_placed: {len(pools)} tensor lists for {len(layout.pool_groups)} pool groups")
+    for pg, tensors in zip(layout.pool_groups, pools, strict=True):
+        if len(tensors) != len(pg.pools):
+            raise LayoutError(f"check_placed: pool group {pg.pool_group_index} has {len(pg.pools)} pools, "
+                              f"got {len(tensors)} tensors")
+        for desc, t in zip(pg.pools, tensors, strict=True):
+            ptr, held = int(t.data_ptr()), int(t.numel()) * int(t.element_size())
+            if desc.base_address != ptr or desc.nbytes > held:
+                raise LayoutError(f"pool {pg.pool_group_index}.{desc.pool_index}: the descriptor names "
+                                  f"[{desc.base_address:#x}, {desc.end_address:#x}), the live pool is "
+                                  f"[{ptr:#x}, {ptr + held:#x})")
 
 
 def block_bytes(config: CacheConfig) -> int:

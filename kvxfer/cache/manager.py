@@ -9,6 +9,7 @@ import itertools
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -64,7 +65,7 @@ from kvxfer.cache.hashing import (
     resolve_hash_algo,
 )
 from kvxfer.cache.kv_cache import CacheState, KVCache, PriorityCallback
-from kvxfer.cache.layout import place_layout, plan_layout
+from kvxfer.cache.layout import check_placed, place_layout, plan_layout
 from kvxfer.cache.manager_config import (
     EXTRA_POOL_RATIO,
     EXTRA_REUSE_MATCH_BACKOFF,
@@ -154,6 +155,7 @@ class CacheLifecycle:
                     enable_request_stats: bool = False) -> KVCache:
         """Create a suspended kv cache, locking the pages of its reusable prefix (``create_kv_cache``)."""
         with self.state.lock:
+            self.reap_dropped()
             if self.state.shut_down:
                 raise ManagerBusyError("create_kv_cache: the manager has been shut down")
             cache_id = id if id is not None else f"kv-{next(self.state.ids)}"
@@ -200,6 +202,9 @@ class CacheLifecycle:
         """Onboard the cache's offloaded pages and copy its partially reused block; False, changing
         nothing, when the primary tier cannot take them. ``stream`` waits for every page's last user."""
         with self.state.lock:
+            self.reap_dropped()
+            if self.parts.quotas.over_resume_limit():
+                return False
             offloaded = self.parts.quotas.offloaded_pages(cache)
             needs = self.parts.quotas.cow_needs(cache)
             for pg, n in self.parts.recurrent.resume_needs(cache).items():
@@ -482,6 +487,17 @@ class CacheLifecycle:
         if any(s.size for s in cache.record.scratch):
             self.sync_scratch(cache)
 
+    def drop(self, cache: KVCache) -> None:
+        """Queue an unclosed cache its owner dropped (called from ``KVCache.__del__``, at any point of
+        any thread: nothing is closed here, the manager's next entry point closes it)."""
+        self.state.dropped.append(cache)
+
+    def reap_dropped(self) -> None:
+        """Close the caches their owners dropped unclosed."""
+        with self.state.lock:
+            while self.state.dropped:
+                self.state.dropped.pop().close()
+
     def close(self, cache: KVCache) -> None:
         """Release every page and scratch slot of the cache and commit its pending statistics (the
         auto-tuner samples its length first)."""
@@ -711,7 +727,10 @@ class KVCacheManager:
         init_cfg = self._state.init_config
         check_initial_pool_ratio(getattr(init_cfg, "initial_pool_ratio", None), len(plan.layer_groups))
         #: Slot counts per pool group by ratio (``pool_ratio``); the tuner re-splits with the same planner.
-        self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []))
+        scratch_cfg = getattr(init_cfg, "swa_scratch_reuse", None)
+        self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []),
+                                          None if scratch_cfg is None else int(scratch_cfg.max_rewind_len),
+                                          float(config.resume_max_utilization))
         if dict(config.extra).get(EXTRA_POOL_RATIO):
             granularity = self._state.planner.granularity(primary.quota_bytes)
             plan = plan_layout(config, num_slots=self._state.planner.slot_counts(
@@ -727,6 +746,7 @@ class KVCacheManager:
         kind = "cuda" if device.type == "cuda" else "cpu"
         bases = [[int(t.data_ptr()) for t in group] for group in self._state.pools]
         self._state.layout = place_layout(plan, bases, kind, int(device.index or 0))
+        check_placed(self._state.layout, self._state.pools)
         self._state.allocators = [SlotAllocator(pg.num_slots, f"pool group {pg.pool_group_index}")
                             for pg in self._state.layout.pool_groups]
         self._state.lg_pool_group = [lg.pool_group_index for lg in self._state.layout.layer_groups]
@@ -743,7 +763,8 @@ class KVCacheManager:
             pg.pool_group_index for pg in self._state.layout.pool_groups
             if all(self._state.layout.layer_groups[g].recurrent for g in pg.layer_group_ids)}
         self._state.planned_drops = {}
-        self._state.caches = {}
+        self._state.caches = weakref.WeakValueDictionary()
+        self._state.dropped = []
         self._state.ids = itertools.count()
         self._state.lock = threading.RLock()
         self._state.shut_down = False
@@ -1077,6 +1098,7 @@ class KVCacheManager:
             self._parts.usage.sample_usage()
 
     def _refuse_open(self, what: str) -> None:
+        self._parts.lifecycle.reap_dropped()
         open_ids = [c.id for c in self._state.caches.values() if c.state is not CacheState.CLOSED]
         if open_ids:
             raise ManagerBusyError(f"{what}: {len(open_ids)} KV cache(s) still open: {open_ids[:5]}")
@@ -1217,9 +1239,13 @@ class KVCacheManager:
         """The auto-tuner part (white-box hooks for ``_introspection``: counters, target ratio)."""
         return self._parts.tuner
 
-    def compute_slots_for_batch(self, batch: Any) -> list[int]:
-        """The fewest primary slots per pool group that run ``batch`` (a ``BatchDesc``) at once."""
-        return self._state.planner.slots_for_batch(check_batch(batch, "compute_slots_for_batch: batch"))
+    def compute_slots_for_batch(self, batch: Any, swa_scratch_reuse: Any = False) -> list[int]:
+        """The fewest primary slots per pool group that run ``batch`` (a ``BatchDesc``) at once, with
+        scratch blocks in shared slots as ``swa_scratch_reuse`` (a ``SwaScratchReuseConfig`` or None
+        for off; default: the manager's own setting) says."""
+        rewind: int | bool | None = False if swa_scratch_reuse is False else \
+            None if swa_scratch_reuse is None else int(swa_scratch_reuse.max_rewind_len)
+        return self._state.planner.slots_for_batch(check_batch(batch, "compute_slots_for_batch: batch"), rewind)
 
     # --- the parts' public API, as the manager's ----------------------------------------------------
     @property

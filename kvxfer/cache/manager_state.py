@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,7 +57,10 @@ class ManagerState:
     recurrent_pool_groups: set[int]
     #: (id of a tree block, layer group) -> open planned drops naming that page.
     planned_drops: dict[tuple[int, int], int]
-    caches: dict[str, KVCache]
+    #: Open kv caches by id, held weakly: a cache its owner drops unclosed is closed by the manager
+    #: (queued in ``dropped`` by ``KVCache.__del__``, closed at the manager's next entry point).
+    caches: weakref.WeakValueDictionary[Any, KVCache]
+    dropped: list[KVCache]
     ids: Iterator[int]
     lock: threading.RLock
     shut_down: bool

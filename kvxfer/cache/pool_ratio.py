@@ -6,6 +6,8 @@ whole grains. A target ratio (each pool group's share of the bytes) comes from, 
 ``constraints`` need, or a default one-request batch; ``constraints`` (batches that must always run)
 and one worst-case request per layer group are floors no ratio can push a pool group below. The
 auto-tuner (``pool_tuner``) uses the same arithmetic to turn observed request lengths into a ratio.
+With sliding-window scratch reuse on, a step's scratch blocks count as the shared slots that hold them
+(``kvxfer.cache.scratch``), not as one slot each.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from kvxfer.cache.common import div_up
 from kvxfer.cache.config import CacheConfig
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.layout import slot_floors
 from kvxfer.cache.manager_config import BatchDesc, KVCacheDesc, KVCacheManagerConfig
+from kvxfer.cache.scratch import scratch_range, scratch_share, scratch_slots_needed
 from kvxfer.errors import ConfigError
 
 #: Grain of the primary tier below 1 GiB of quota (doubling per doubling of the quota, up to 16x).
@@ -141,6 +145,10 @@ class LifeCycleShape:
     recurrent: bool
     pool_group: int
     floor: int
+    #: Sink tokens (the scratch range starts past them) and the largest part of one of the group's
+    #: slots one layer takes (``scratch.scratch_share``: how densely scratch blocks pack).
+    sink_tokens: int = 0
+    scratch_share: Fraction = Fraction(1)
 
 
 class PoolRatioPlanner:
@@ -148,8 +156,13 @@ class PoolRatioPlanner:
     sizes and the floors (constraints, one worst-case request) fixed at construction."""
 
     def __init__(self, shapes: Sequence[LifeCycleShape], slot_size_lists: Sequence[Sequence[int]],
-                 tokens_per_block: int, constraints: Sequence[BatchDesc] = ()) -> None:
+                 tokens_per_block: int, constraints: Sequence[BatchDesc] = (),
+                 max_rewind_len: int | None = None, max_util_for_resume: float = 1.0) -> None:
+        """``max_rewind_len``: the sliding-window scratch reuse setting (None: scratch reuse off).
+        ``max_util_for_resume``: a constraint's slots are divided by it (rounded up), so its whole batch
+        resumes below the resume gate."""
         self.shapes = tuple(shapes)
+        self.max_rewind_len = max_rewind_len
         self.slot_size_lists = tuple(tuple(int(s) for s in sizes) for sizes in slot_size_lists)
         self.tokens_per_block = int(tokens_per_block)
         self.num_pool_groups = len(self.slot_size_lists)
@@ -160,7 +173,8 @@ class PoolRatioPlanner:
         for shape in self.shapes:
             floors[shape.pool_group] += max(1, shape.floor)
         for i, batch in enumerate(constraints):
-            need = self.slots_for_batch(check_batch(batch, f"KVCacheManagerConfig.constraints[{i}]"))
+            need = [math.ceil(n / max_util_for_resume - 1e-9) for n in
+                    self.slots_for_batch(check_batch(batch, f"KVCacheManagerConfig.constraints[{i}]"))]
             floors = [max(a, b) for a, b in zip(floors, need, strict=True)]
         #: Slots no ratio may push a pool group below.
         self.min_slots: tuple[int, ...] = tuple(floors)
@@ -175,10 +189,13 @@ class PoolRatioPlanner:
         end = max(begin, (history_length + 1 - shape.window) // self.tokens_per_block)
         return begin, end
 
-    def slots_for_batch(self, batch: BatchDesc) -> list[int]:
+    def slots_for_batch(self, batch: BatchDesc, max_rewind_len: int | bool | None = False) -> list[int]:
         """The fewest slots per pool group that run ``batch`` at once: per request its blocks less the
         stale ones, a recurrent group one state slot per request (zero-capacity requests included), and
-        the full blocks of the shared system prompt counted once where some request still needs them."""
+        the full blocks of the shared system prompt counted once where some request still needs them.
+        With scratch reuse (``max_rewind_len``, default the planner's own) a request's scratch blocks
+        take the shared slots that hold them."""
+        rewind = self.max_rewind_len if max_rewind_len is False else max_rewind_len
         tpb = self.tokens_per_block
         out = [0] * self.num_pool_groups
         sys_blocks = batch.system_prompt_length // tpb
@@ -195,7 +212,13 @@ class PoolRatioPlanner:
                 b, e = self.stale_range(shape, kv.history_length)
                 non_stale = div_up(kv.capacity, tpb) - (e - b)
                 non_stale_sys = sys_blocks - max(0, min(e, sys_blocks) - min(b, sys_blocks))
-                out[shape.pool_group] += max(0, non_stale - non_stale_sys)
+                unique = max(0, non_stale - non_stale_sys)
+                if rewind is not None and shape.window is not None:
+                    # scratch blocks are the step's input blocks: never shared system-prompt blocks
+                    n = len(scratch_range(shape.window, shape.sink_tokens, kv.history_length, kv.capacity,
+                                          tpb, int(rewind)))
+                    unique += scratch_slots_needed(n, shape.scratch_share) - n
+                out[shape.pool_group] += unique
         return out
 
     def bytes_for_slots(self, counts: Sequence[int], granularity: int) -> list[int]:
@@ -266,17 +289,20 @@ class PoolRatioPlanner:
         return self.ratio_from_batch(DEFAULT_PLANNING_BATCH, granularity)
 
 
-def planner_for(config: CacheConfig, layout: CacheLayoutDesc,
-                constraints: Sequence[BatchDesc] = ()) -> PoolRatioPlanner:
+def planner_for(config: CacheConfig, layout: CacheLayoutDesc, constraints: Sequence[BatchDesc] = (),
+                max_rewind_len: int | None = None, max_util_for_resume: float = 1.0) -> PoolRatioPlanner:
     """The planner of a manager's (planned) layout: its layer groups' windows, sinks and pool groups,
-    its pool groups' slot sizes, the worst-case request floors and ``constraints``."""
+    its pool groups' slot sizes, the worst-case request floors, ``constraints`` and the scratch reuse
+    setting (``max_rewind_len``; None: off) and the resume gate (``max_util_for_resume``)."""
     tpb = layout.tokens_per_block
     keys = [(lg.window, div_up(lg.sink_tokens, tpb), lg.recurrent) for lg in layout.layer_groups]
     floors = slot_floors(config, keys)
-    shapes = [LifeCycleShape(lg.window, key[1], lg.recurrent, lg.pool_group_index, floor)
+    shapes = [LifeCycleShape(lg.window, key[1], lg.recurrent, lg.pool_group_index, floor, lg.sink_tokens,
+                             scratch_share(layout.pool_groups[lg.pool_group_index].slot_desc.variant_of(
+                                 lg.layer_group_id)) if lg.window is not None and not lg.recurrent else Fraction(1))
               for lg, key, floor in zip(layout.layer_groups, keys, floors, strict=True)]
     sizes = [pg.slot_desc.slot_size_list for pg in layout.pool_groups]
-    return PoolRatioPlanner(shapes, sizes, tpb, constraints)
+    return PoolRatioPlanner(shapes, sizes, tpb, constraints, max_rewind_len, max_util_for_resume)
 
 
 def check_initial_pool_ratio(ratio: object, num_layer_groups: int) -> None:

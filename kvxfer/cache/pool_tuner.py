@@ -128,13 +128,22 @@ class PoolTuner:
                 return True
         return False
 
+    def cooldown_elapsed(self) -> bool:
+        """Whether ``cooldown_secs`` passed since the last re-split. A last-adjustment time at or
+        before the clock's origin (0.0) means no re-split happened yet: ``time.monotonic()`` counts from
+        an unspecified point (boot time on Linux), so on a machine up for less than the cooldown the
+        plain difference would keep the gate closed however long ago the "adjustment" was."""
+        if self.last_adjustment_time <= 0.0:
+            return True
+        return time.monotonic() - self.last_adjustment_time >= self.cooldown_secs
+
     @property
     def need_adjustment(self) -> bool:
         """Enough samples, past the cooldown, and off target."""
         with self.state.lock:
             if self.num_sampled < self.min_sampled:
                 return False
-            if time.monotonic() - self.last_adjustment_time < self.cooldown_secs:
+            if not self.cooldown_elapsed():
                 return False
             return self.off_target()
 

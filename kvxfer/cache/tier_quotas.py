@@ -15,7 +15,7 @@ import torch
 from kvxfer.cache import tiers as tier_storage
 from kvxfer.cache.config import DiskTier, HostTier, PrimaryTier
 from kvxfer.cache.kv_cache import KVCache
-from kvxfer.cache.layout import place_layout, plan_layout
+from kvxfer.cache.layout import check_placed, plan_layout
 from kvxfer.cache.manager_config import EXTRA_POOL_RATIO
 from kvxfer.cache.manager_state import ManagerState
 from kvxfer.cache.memory import allocate_pool
@@ -55,6 +55,20 @@ class TierQuotas:
             if lg not in self.state.recurrent_groups and blocks[b] >= 0:
                 needs[self.state.lg_pool_group[lg]] = needs.get(self.state.lg_pool_group[lg], 0) + 1
         return needs
+
+    def over_resume_limit(self) -> bool:
+        """Whether some primary pool group's utilization (slots neither free nor evictable, over its
+        usable slots: what ``get_storage_statistics`` reports) is above ``resume_max_utilization``: a
+        resume is then refused whatever it needs, leaving room for the running caches to grow. A
+        pool group of recurrent state slots only is exempt, as in ``can_take``."""
+        limit = self.state.config.resume_max_utilization
+        for pg in range(len(self.state.allocators)):
+            if pg in self.state.recurrent_pool_groups:
+                continue
+            acc = self.parts.usage.quick_accounting(0, pg)
+            if acc.total and (acc.total - acc.available) / acc.total > limit:
+                return True
+        return False
 
     def can_take(self, pool_group: int, n: int, swap: bool) -> bool:
         """Whether ``n`` more primary slots can be locked: within ``resume_max_utilization`` of the
@@ -231,15 +245,17 @@ class TierQuotas:
             fresh = allocate_pool(num_slots * pool.slot_bytes, str(device))
             fresh[:raw.numel()].copy_(raw)
             new_pools.append(fresh)
-        self.state.pools[pool_group] = new_pools
+        # The grown descriptors take the new base addresses and the new size together: the old base
+        # with the new size would describe memory past the old pool (on CUDA, often the next pool).
         grown = dataclasses.replace(pg_desc, num_slots=num_slots, pools=tuple(
-            dataclasses.replace(p, num_slots=num_slots) for p in pg_desc.pools))
+            dataclasses.replace(p, num_slots=num_slots, base_address=int(t.data_ptr()))
+            for p, t in zip(pg_desc.pools, new_pools, strict=True)))
         groups = list(self.state.layout.pool_groups)
         groups[pool_group] = grown
-        first = pg_desc.pools[0]
-        bases = [[int(t.data_ptr()) for t in group] for group in self.state.pools]
-        self.state.layout = place_layout(dataclasses.replace(self.state.layout, pool_groups=tuple(groups)),
-                                         bases, first.memory_kind, first.device_id)
+        layout = dataclasses.replace(self.state.layout, pool_groups=tuple(groups), fingerprint=b"")
+        check_placed(layout, [new_pools if pg == pool_group else pools for pg, pools in enumerate(self.state.pools)])
+        self.state.pools[pool_group] = new_pools
+        self.state.layout = layout
         self.state.allocators[pool_group].grow(num_slots)
         in_tree = self.state.in_tree[pool_group]
         self.state.in_tree[pool_group] = np.concatenate([in_tree, np.zeros(num_slots - in_tree.size, dtype=bool)])

@@ -25,7 +25,7 @@ from kvxfer.cache import (
     SlotDesc,
     SlotDescVariant,
 )
-from kvxfer.cache.layout import buffer_formats, place_layout, plan_layout
+from kvxfer.cache.layout import buffer_formats, check_placed, place_layout, plan_layout
 from kvxfer.cli.inspect import describe
 from kvxfer.errors import ConfigError, DecodeError, LayoutError
 
@@ -249,3 +249,18 @@ def test_inspect_json_names_every_field() -> None:
     assert span == {"buffer_id": {"layer_id": 0, "role": "value"}, "pool_index": 0, "offset": cb["single_buffer_size"],
                     "size": cb["single_buffer_size"], "expansion": 1}
     assert CacheLayoutDesc.from_json(text) == layout
+
+
+def test_check_placed_accepts_live_pools_and_names_a_stale_descriptor() -> None:
+    plan = plan_layout(mixed_config())
+    tensors = [[torch.zeros(p.nbytes, dtype=torch.uint8) for p in pg.pools] for pg in plan.pool_groups]
+    placed = place_layout(plan, [[t.data_ptr() for t in group] for group in tensors], "cpu")
+    check_placed(placed, tensors)
+    smaller = [[t[:t.numel() // 2] for t in group] for group in tensors]    # same base, half the bytes
+    with pytest.raises(LayoutError, match=r"pool 0\.0: the descriptor names .* the live pool is"):
+        check_placed(placed, smaller)
+    moved = [[torch.zeros(t.numel(), dtype=torch.uint8) for t in group] for group in tensors]
+    with pytest.raises(LayoutError, match=r"pool 0\.0"):
+        check_placed(placed, moved)
+    with pytest.raises(LayoutError, match="2 tensor lists for 1 pool groups"):
+        check_placed(placed, [*tensors, []])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import re
 
 import numpy as np
@@ -97,8 +98,10 @@ def test_lifecycle_and_block_ids() -> None:
     assert kv.state is CacheState.CLOSED
     with pytest.raises(CacheClosedError, match="r1"):
         kv.resize(4)
+    first = m.create_kv_cache(id="x")
     with pytest.raises(CacheStateError, match="already open"):
-        m.create_kv_cache(id="x") and m.create_kv_cache(id="x")
+        m.create_kv_cache(id="x")
+    first.close()
 
 
 def test_exhaustion_fails_cleanly_and_recovers() -> None:
@@ -265,3 +268,33 @@ def test_pin_cache_pages_names_no_page_its_request_frees_meanwhile() -> None:
     finally:
         sys.setswitchinterval(interval)
     mgr.shutdown()
+
+
+def test_a_cache_dropped_unclosed_is_closed_by_the_manager() -> None:
+    """The manager holds its kv caches weakly: one whose owner drops it unclosed (an exception left it
+    active) is closed at the manager's next call, its pages freed, and shutdown does not refuse."""
+    m = manager()
+
+    def run_and_fail() -> None:
+        kv = m.create_kv_cache(id="lost")
+        assert kv.resume() and kv.resize(16)
+        raise RuntimeError("the step failed")
+
+    kept = m.create_kv_cache(id="kept")
+    assert kept.resume() and kept.resize(8)
+    used = m.allocator(0).num_used
+    gc.disable()                  # reference counting alone drops it: no collector pass needed
+    try:
+        with pytest.raises(RuntimeError, match="the step failed"):
+            run_and_fail()
+    finally:
+        gc.enable()
+    assert m.allocator(0).num_used > used                   # not closed at the drop itself...
+    again = m.create_kv_cache(id="lost")                    # ...but at the manager's next entry
+    assert m.allocator(0).num_used == used
+    assert sorted(c.id for c in m.open_caches) == ["kept", "lost"]
+    with pytest.raises(ManagerBusyError, match="2 KV cache"):
+        m.shutdown()                                        # held caches stay open
+    kept.close()
+    again.close()
+    m.shutdown()

@@ -17,6 +17,7 @@ from kvxfer.cache import (
     KVCacheManagerConfig,
     LayerId,
     SsmLayerConfig,
+    SwaScratchReuseConfig,
     _introspection,
 )
 from kvxfer.cache.pool_ratio import LifeCycleShape, PoolRatioPlanner, gpu_granularity
@@ -152,3 +153,60 @@ def test_planner_slot_counts_follow_the_ratio_above_the_floors() -> None:
     assert planner.slot_counts(100 * MIB, [0.5, 0.5], grain) == [50, 50]
     assert planner.slot_counts(100 * MIB, [0.95, 0.05], grain) == [90, 10]     # the floor holds the small one
     assert planner.constrain([0.95, 0.05], 100 * MIB, grain) == pytest.approx([0.9, 0.1])
+
+
+def scratch_groups(scratch: bool, **kw: object) -> KVCacheManagerConfig:
+    """Four windowed layers of one size (a 256 KiB slot, one layer takes a quarter of it) and a
+    full-attention layer of 128 KiB: two pool groups; ``scratch``: sliding-window scratch reuse on (no rewind)."""
+    windowed = [AttentionLayerConfig(LayerId(i), [BufferConfig(DataRole("key"), 64 * 1024)],
+                                     sliding_window_size=WINDOW, num_sink_tokens=0) for i in range(4)]
+    return KVCacheManagerConfig(
+        tokens_per_block=TPB, cache_tiers=[GpuCacheTierConfig(256 * MIB)],
+        layers=[*windowed, AttentionLayerConfig(LayerId(4), [BufferConfig(DataRole("key"), 128 * 1024)])],
+        swa_scratch_reuse=SwaScratchReuseConfig(max_rewind_len=0) if scratch else None, **kw)  # type: ignore[arg-type]
+
+
+def test_scratch_blocks_of_a_prefill_step_count_as_the_shared_slots_that_hold_them() -> None:
+    # a 1024-token prefill (32 blocks): blocks 0..27 leave the 128-token window by the step's end and
+    # are scratch; four layers share a slot, so they take ceil(28 / 4) = 7 slots, plus 4 own blocks
+    step = BatchDesc([KVCacheDesc(capacity=1024, history_length=0)] * 2)
+    mgr = KVCacheManager(scratch_groups(True))
+    assert mgr.compute_slots_for_batch(step) == [2 * (4 + 7), 2 * 32]
+    assert _introspection.compute_slots_for_batch(mgr, step, TPB, None) == [2 * 32, 2 * 32]
+    off = KVCacheManager(scratch_groups(False))
+    assert off.compute_slots_for_batch(step) == [2 * 32, 2 * 32]
+    assert _introspection.compute_slots_for_batch(off, step, TPB, SwaScratchReuseConfig(max_rewind_len=0)) == \
+        [2 * (4 + 7), 2 * 32]
+    # a decode step (history past the window) has no scratch blocks: the same count either way
+    decode = BatchDesc([KVCacheDesc(capacity=1025, history_length=1024)])
+    assert mgr.compute_slots_for_batch(decode) == off.compute_slots_for_batch(decode)
+    mgr.shutdown()
+    off.shutdown()
+
+
+def test_a_prefill_typical_step_with_scratch_reuse_gives_the_windowed_group_a_smaller_share() -> None:
+    step = BatchDesc([KVCacheDesc(capacity=1024, history_length=0)] * 8)
+    with_scratch = KVCacheManager(scratch_groups(True, typical_step=step))
+    without = KVCacheManager(scratch_groups(False, typical_step=step))
+    yes, no = _introspection.current_gpu_ratio(with_scratch), _introspection.current_gpu_ratio(without)
+    assert no[0] == pytest.approx(2 / 3, abs=0.01)          # 32 blocks each, twice the bytes per slot
+    assert yes[0] == pytest.approx(11 * 2 / (11 * 2 + 32), abs=0.01)   # 11 slots for 32 blocks
+    assert yes[1] > no[1]
+    with_scratch.shutdown()
+    without.shutdown()
+
+
+def test_a_constraint_batch_resumes_whole_below_the_resume_gate() -> None:
+    # 32 one-block requests, quota for exactly 32 slots per group: the floors take 32 / 0.95 -> 34 slots,
+    # so the 32nd resume still sees a group below 95 % used
+    step = BatchDesc([KVCacheDesc(capacity=1, history_length=0)] * 32)
+    mgr = KVCacheManager(two_groups(32 * (SWA_SLOT + FULL_SLOT), constraints=[step], max_util_for_resume=0.95))
+    assert min(totals(mgr)) >= 34
+    caches = []
+    for _ in range(32):
+        kv = mgr.create_kv_cache()
+        assert kv.resume() and kv.resize(1)
+        caches.append(kv)
+    for kv in caches:
+        kv.close()
+    mgr.shutdown()

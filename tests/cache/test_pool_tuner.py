@@ -4,6 +4,7 @@ the prefix tree intact."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Any
@@ -168,3 +169,59 @@ def test_moving_average_is_not_biased_towards_zero() -> None:
     avg = MovingAverage(0.5)
     assert avg.update(10.0) == 10.0
     assert avg.update(4.0) == pytest.approx((4.0 + 0.5 * 10.0) / 1.5)
+
+
+def test_cooldown_opens_for_a_long_past_adjustment_on_a_recently_booted_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """time.monotonic() counts from boot: on a machine up for 500 s a last adjustment at 0.0 is still
+    "long past", and the gate opens whatever the cooldown; one at the current time keeps it closed."""
+    mgr = KVCacheManager(config(rebalance_min_sampled_kv_caches=0, rebalance_cooldown_secs=10_000.0,
+                                rebalance_ratio_threshold=1.5))
+    monkeypatch.setattr(time, "monotonic", lambda: 500.0)
+    _introspection.set_target_ratio_list_gpu(mgr, [0.8, 0.2])
+    _introspection.set_num_sampled_kv_caches(mgr, 1)
+    _introspection.set_last_adjustment_time(mgr, time.monotonic())
+    assert not mgr.need_adjustment                       # inside the cooldown
+    _introspection.set_last_adjustment_time(mgr, 0.0)
+    assert mgr.need_adjustment                           # never adjusted: the cooldown is over
+    mgr.adjust()
+    assert not mgr.need_adjustment                       # the cooldown restarted at 500.0
+
+
+class BackToBackPools:
+    """Pools carved one after another out of one arena, as the CUDA caching allocator places them
+    (each pool starts where the previous one ends); host allocations usually land far apart."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.arena = torch.zeros(nbytes, dtype=torch.uint8)
+        self.used = 0
+
+    def __call__(self, nbytes: int, device: str, *, pinned: bool = False) -> torch.Tensor:
+        pool = self.arena[self.used:self.used + nbytes]
+        assert pool.numel() == nbytes, "arena exhausted"
+        self.used += nbytes
+        return pool
+
+
+def test_adjust_publishes_descriptors_of_the_live_pools_when_pools_sit_back_to_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvxfer.cache.manager as manager_module
+    import kvxfer.cache.tier_quotas as quotas_module
+
+    arena = BackToBackPools(160 << 20)
+    monkeypatch.setattr(manager_module, "allocate_pool", arena)
+    monkeypatch.setattr(quotas_module, "allocate_pool", arena)
+    mgr = KVCacheManager(config())
+    pools = [pg.pools[0] for pg in mgr.layout.pool_groups]
+    assert pools[0].end_address == pools[1].base_address          # pool group 1 right after 0
+    _introspection.force_rebalance_precondition(mgr, skew=2.0)
+    mgr.adjust()                                                  # pool group 0 grows: reallocated
+    after = totals(mgr)
+    assert after[0] > pools[0].num_slots
+    for pg in mgr.layout.pool_groups:
+        for desc in pg.pools:
+            live = mgr.pool_tensor(pg.pool_group_index, desc.pool_index)
+            assert desc.base_address == live.data_ptr() and desc.nbytes <= live.numel()
+    regions = sorted((r.base_address, r.base_address + r.nbytes) for r in mgr.memory_regions())
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(regions))   # no overlap
+    mgr.shutdown()
