@@ -131,19 +131,19 @@ class EvictionController:
         lgs = self.state.pg_layer_groups[pool_group]
         blocks: list[IntArray] = []
         tiers: list[npt.NDArray[np.int8]] = []
-        stamps: list[int] = []
+        cache_stamps: list[int] = []
         for cache in self.state.caches.values():
             if cache.state is CacheState.ACTIVE:
                 continue
             # A request being resumed moves last: its pages are about to come up.
-            stamp = _LAST if cache.id in self.state.pinned else held_stamp | cache.record.last_used
+            stamp = _LAST if cache.id in self.state.pinned else int(held_stamp | cache.record.last_used)
             for lg in lgs:
                 blocks.append(cache.record.blocks[lg])
                 tiers.append(cache.record.tiers[lg])
-                stamps.append(stamp)
+                cache_stamps.append(stamp)
         if blocks:                      # every held page's latest stamp, in one pass
             flat, flat_tiers = np.concatenate(blocks), np.concatenate(tiers)
-            per_page = np.repeat(np.array(stamps, dtype=np.int64), [b.size for b in blocks])
+            per_page = np.repeat(np.array(cache_stamps, dtype=np.int64), [b.size for b in blocks])
             here = (flat >= 0) & (flat_tiers == tier)
             np.maximum.at(recency, flat[here], per_page[here])
         owners = self.state.tree_owner[tier][pool_group]
