@@ -298,9 +298,11 @@ class CacheLifecycle:
             tpb = self.state.layout.tokens_per_block
             new_n = math.ceil(capacity / tpb)
             old_n = cache.num_blocks
+            ranges = self.scratch_ranges(cache, cache.record.history if history is None else history, capacity)
+            if new_n == old_n and self.scratch_fits(cache, ranges):
+                return      # most steps: no block and no scratch slot changes hands
             n_lg = len(cache.record.blocks)
             recurrent = set(self.state.recurrent_groups)    # one state slot each: no pages per block
-            ranges = self.scratch_ranges(cache, cache.record.history if history is None else history, capacity)
             grown = HalfOpenRange(old_n, new_n)
             spans = [overlap(r, grown) if r and new_n > old_n else HalfOpenRange(0, 0) for r in ranges]
             # where no scratch slot stands in, blocks stale at a given history get no page at all
@@ -352,6 +354,17 @@ class CacheLifecycle:
             if new_n == old_n and held_before == [int(slots.size) for slots in cache.record.scratch]:
                 return      # no slot changed hands: the usage peaks cannot have moved
             self.parts.usage.sample_usage()
+
+    def scratch_fits(self, cache: KVCache, ranges: Sequence[HalfOpenRange[int]]) -> bool:
+        """Whether the cache holds exactly the scratch slots ``ranges`` need; if so, records the ranges
+        they stand in for (what ``set_scratch`` does when no slot changes hands)."""
+        scratch = cache.record.scratch
+        wants = [self.scratch_slot_count(g, rng) if rng else 0 for g, rng in enumerate(ranges)]
+        if any(want != scratch[g].size for g, want in enumerate(wants)):
+            return False
+        for g, (rng, want) in enumerate(zip(ranges, wants, strict=True)):
+            cache.record.scratch_range[g] = (rng.beg, rng.end) if want else (0, 0)
+        return True
 
     def set_scratch(self, cache: KVCache, layer_group: int, blocks: HalfOpenRange[int], stream: Any = None) -> None:
         """Hold exactly the scratch slots the blocks ``blocks`` of a layer group need (keeping those
