@@ -359,11 +359,14 @@ class CacheLifecycle:
         """Whether the cache holds exactly the scratch slots ``ranges`` need; if so, records the ranges
         they stand in for (what ``set_scratch`` does when no slot changes hands)."""
         scratch = cache.record.scratch
-        wants = [self.scratch_slot_count(g, rng) if rng else 0 for g, rng in enumerate(ranges)]
-        if any(want != scratch[g].size for g, want in enumerate(wants)):
-            return False
-        for g, (rng, want) in enumerate(zip(ranges, wants, strict=True)):
-            cache.record.scratch_range[g] = (rng.beg, rng.end) if want else (0, 0)
+        spans: list[tuple[int, int]] = []
+        for g, rng in enumerate(ranges):
+            beg, end = rng
+            want = self.scratch_slot_count(g, rng) if beg < end else 0
+            if want != scratch[g].size:
+                return False
+            spans.append((beg, end) if want else (0, 0))
+        cache.record.scratch_range[:] = spans
         return True
 
     def set_scratch(self, cache: KVCache, layer_group: int, blocks: HalfOpenRange[int], stream: Any = None) -> None:
