@@ -99,13 +99,24 @@ class EvictionController:
         """Slots of ``tier`` that must not move: pages and scratch slots of ACTIVE requests, and the
         primary pages of a request being resumed (its colder pages may still move down to let a swap through)."""
         mask = np.zeros(self.state.alloc_of(tier, pool_group).num_slots, dtype=bool)
+        lgs = self.state.pg_layer_groups[pool_group]
+        pinned = self.state.pinned if tier == 0 else ()
+        blocks: list[IntArray] = []
+        tiers: list[npt.NDArray[np.int8]] = []
+        scratch: list[IntArray] = []
         for cache in self.state.caches.values():
-            if cache.state is CacheState.ACTIVE or (tier == 0 and cache.id in self.state.pinned):
-                for lg in self.state.pg_layer_groups[pool_group]:
-                    blocks, tiers = cache.record.blocks[lg], cache.record.tiers[lg]
-                    mask[blocks[(blocks >= 0) & (tiers == tier)]] = True
+            if cache.state is CacheState.ACTIVE or cache.id in pinned:
+                record = cache.record
+                for lg in lgs:
+                    blocks.append(record.blocks[lg])
+                    tiers.append(record.tiers[lg])
                     if tier == 0:
-                        mask[cache.record.scratch[lg]] = True     # scratch slots stay where the kernels write
+                        scratch.append(record.scratch[lg])   # scratch slots stay where the kernels write
+        if blocks:                                          # one pass over all of them, not one per cache
+            flat, flat_tiers = np.concatenate(blocks), np.concatenate(tiers)
+            mask[flat[(flat >= 0) & (flat_tiers == tier)]] = True
+        if scratch:
+            mask[np.concatenate(scratch)] = True
         return mask
 
     def victims(self, tier: int, pool_group: int) -> IntArray:
@@ -117,14 +128,24 @@ class EvictionController:
             return np.empty(0, dtype=np.int32)
         recency = np.zeros(alloc.num_slots, dtype=np.int64)
         held_stamp = np.int64(DEFAULT_PRIORITY) << _PRIORITY_SHIFT
+        lgs = self.state.pg_layer_groups[pool_group]
+        blocks: list[IntArray] = []
+        tiers: list[npt.NDArray[np.int8]] = []
+        cache_stamps: list[int] = []
         for cache in self.state.caches.values():
             if cache.state is CacheState.ACTIVE:
                 continue
             # A request being resumed moves last: its pages are about to come up.
-            stamp = _LAST if cache.id in self.state.pinned else held_stamp | cache.record.last_used
-            for lg in self.state.pg_layer_groups[pool_group]:
-                blocks, tiers = cache.record.blocks[lg], cache.record.tiers[lg]
-                np.maximum.at(recency, blocks[(blocks >= 0) & (tiers == tier)], stamp)
+            stamp = _LAST if cache.id in self.state.pinned else int(held_stamp | cache.record.last_used)
+            for lg in lgs:
+                blocks.append(cache.record.blocks[lg])
+                tiers.append(cache.record.tiers[lg])
+                cache_stamps.append(stamp)
+        if blocks:                      # every held page's latest stamp, in one pass
+            flat, flat_tiers = np.concatenate(blocks), np.concatenate(tiers)
+            per_page = np.repeat(np.array(cache_stamps, dtype=np.int64), [b.size for b in blocks])
+            here = (flat >= 0) & (flat_tiers == tier)
+            np.maximum.at(recency, flat[here], per_page[here])
         owners = self.state.tree_owner[tier][pool_group]
         if owners:                          # tree pages: their block's priority and LRU stamp
             slots = np.fromiter(owners, dtype=np.int64, count=len(owners))

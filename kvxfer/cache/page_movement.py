@@ -85,17 +85,8 @@ class PageMovement:
         src_in_tree[src] = False
         order = np.argsort(src)
         sorted_src, sorted_dst = src[order], dst[order]
-        for cache in self.state.caches.values():
-            for lg in self.state.pg_layer_groups[pool_group]:
-                blocks, tiers = cache.record.blocks[lg], cache.record.tiers[lg]
-                pos = np.flatnonzero((tiers == src_tier) & (blocks >= 0))
-                if not pos.size:
-                    continue
-                idx = np.minimum(np.searchsorted(sorted_src, blocks[pos]), sorted_src.size - 1)
-                hit = sorted_src[idx] == blocks[pos]
-                owner_lgs[order[idx[hit]]] = lg
-                blocks[pos[hit]] = sorted_dst[idx[hit]]
-                tiers[pos[hit]] = dst_tier
+        if sorted_src.size:
+            self._repoint_requests(pool_group, src_tier, sorted_src, sorted_dst, dst_tier, order, owner_lgs)
         src_alloc.decref(np.repeat(src, refs))
         if src_tier != dst_tier:
             self.state.traffic.moved(src_tier, dst_tier, int(src.size), int(src.size) * self.state.page_bytes[pool_group])
@@ -103,6 +94,39 @@ class PageMovement:
                                owner_lgs)
         if moved and src_tier != dst_tier:
             self.put_moves(moved, self.state.media[src_tier], self.state.media[dst_tier])
+
+    def _repoint_requests(self, pool_group: int, src_tier: int, sorted_src: IntArray, sorted_dst: IntArray,
+                          dst_tier: int, order: npt.NDArray[np.intp], owner_lgs: npt.NDArray[np.int64]) -> None:
+        """Point every request's pages ``sorted_src`` of ``src_tier`` at ``sorted_dst`` of ``dst_tier``
+        (in place) and note the layer group each moved page is found in: one search over all the
+        requests' pages of the pool group, writing back only the arrays that hold a moved page."""
+        lgs = self.state.pg_layer_groups[pool_group]
+        blocks: list[IntArray] = []
+        tiers: list[npt.NDArray[np.int8]] = []
+        seg_lgs: list[int] = []
+        for cache in self.state.caches.values():
+            for lg in lgs:
+                if cache.record.blocks[lg].size:
+                    blocks.append(cache.record.blocks[lg])
+                    tiers.append(cache.record.tiers[lg])
+                    seg_lgs.append(lg)
+        if not blocks:
+            return
+        flat, flat_tiers = np.concatenate(blocks), np.concatenate(tiers)
+        idx = np.minimum(np.searchsorted(sorted_src, flat), sorted_src.size - 1)
+        hit = (flat_tiers == src_tier) & (flat >= 0) & (sorted_src[idx] == flat)
+        if not hit.any():
+            return
+        sizes = [b.size for b in blocks]
+        # later arrays win where a page is held twice, as when each array was searched in turn
+        owner_lgs[order[idx[hit]]] = np.repeat(np.array(seg_lgs, dtype=np.int64), sizes)[hit]
+        starts = np.cumsum([0, *sizes[:-1]])
+        hits_per = np.add.reduceat(hit.astype(np.int64), starts)
+        for i in np.flatnonzero(hits_per).tolist():
+            s, e = int(starts[i]), int(starts[i]) + sizes[i]
+            seg = hit[s:e]
+            blocks[i][seg] = sorted_dst[idx[s:e][seg]]
+            tiers[i][seg] = dst_tier
 
     def put_moves(self, moved: dict[int, list[BlockNode]], old: str, new: str) -> None:
         """Updated events for blocks whose pages of the listed layer groups moved ``old`` -> ``new``
