@@ -82,14 +82,7 @@ def test_constraints_floor_each_pool_group_and_their_batch_runs() -> None:
     unconstrained = KVCacheManager(two_groups(quota=tight, typical_step=typical))
     assert totals(unconstrained)[0] < need[0]
     unconstrained.shutdown()
-    caches = []
-    for _ in range(4):
-        kv = mgr.create_kv_cache()
-        assert kv.resume() and kv.resize(512)
-        caches.append(kv)
-    for kv in caches:
-        kv.close()
-    mgr.shutdown()
+    resume_all(mgr, 4, 512)
 
 
 def test_typical_step_sets_the_ratio_from_the_bytes_it_needs() -> None:
@@ -202,10 +195,15 @@ def test_a_constraint_batch_resumes_whole_below_the_resume_gate() -> None:
     step = BatchDesc([KVCacheDesc(capacity=1, history_length=0)] * 32)
     mgr = KVCacheManager(two_groups(32 * (SWA_SLOT + FULL_SLOT), constraints=[step], max_util_for_resume=0.95))
     assert min(totals(mgr)) >= 34
+    resume_all(mgr, 32, 1)
+
+
+def resume_all(mgr: KVCacheManager, count: int, capacity: int) -> None:
+    """``count`` requests of ``capacity`` tokens all resume at once (asserted), then close; the manager shuts down."""
     caches = []
-    for _ in range(32):
+    for _ in range(count):
         kv = mgr.create_kv_cache()
-        assert kv.resume() and kv.resize(1)
+        assert kv.resume() and kv.resize(capacity)
         caches.append(kv)
     for kv in caches:
         kv.close()
