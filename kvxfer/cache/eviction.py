@@ -104,8 +104,10 @@ class EvictionController:
         blocks: list[IntArray] = []
         tiers: list[npt.NDArray[np.int8]] = []
         scratch: list[IntArray] = []
-        for cache in self.state.caches.values():
-            if cache.state is CacheState.ACTIVE or cache.id in pinned:
+        caches = self.state.caches
+        for cache_id in (self.state.active | pinned) if pinned else self.state.active:
+            cache = caches.get(cache_id)
+            if cache is not None and (cache.state is CacheState.ACTIVE or cache_id in pinned):
                 record = cache.record
                 for lg in lgs:
                     blocks.append(record.blocks[lg])
