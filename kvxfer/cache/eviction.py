@@ -104,10 +104,8 @@ class EvictionController:
         blocks: list[IntArray] = []
         tiers: list[npt.NDArray[np.int8]] = []
         scratch: list[IntArray] = []
-        caches = self.state.caches
-        for cache_id in (self.state.active | pinned) if pinned else self.state.active:
-            cache = caches.get(cache_id)
-            if cache is not None and (cache.state is CacheState.ACTIVE or cache_id in pinned):
+        for cache in self.state.caches.values():
+            if cache.state is CacheState.ACTIVE or cache.id in pinned:
                 record = cache.record
                 for lg in lgs:
                     blocks.append(record.blocks[lg])

@@ -239,7 +239,6 @@ class CacheLifecycle:
                 self.state.pinned.discard(cache.id)
             self.parts.streams.wait_ready(cache, stream)
             cache.record.last_used = self.state.tree.tick()
-            self.state.active.add(cache.id)             # KVCache.resume makes it ACTIVE now
             self.parts.usage.sample_usage()
             return True
 
@@ -250,7 +249,6 @@ class CacheLifecycle:
                 self.parts.streams.stamp(g, blocks, tiers, cache.record.stream)
             self.release_scratch(cache)
             cache.record.last_used = self.state.tree.tick()
-            self.state.active.discard(cache.id)
 
     def scratch_ranges(self, cache: KVCache, history: int, capacity: int,
                        enabled: bool | None = None) -> list[HalfOpenRange[int]]:
@@ -538,7 +536,6 @@ class CacheLifecycle:
                 self.release(g, blocks, tiers, cache.record.stream)
             self.release_scratch(cache)
             self.state.caches.pop(cache.id, None)
-            self.state.active.discard(cache.id)
             self.parts.reuse.touch_blocks(cache, 0, len(cache.record.tree_nodes))
             if cache.record.partial_src is not None:
                 self.state.tree.touch(cache.record.partial_src)
@@ -799,7 +796,6 @@ class KVCacheManager:
             if all(self._state.layout.layer_groups[g].recurrent for g in pg.layer_group_ids)}
         self._state.planned_drops = {}
         self._state.caches = weakref.WeakValueDictionary()
-        self._state.active = set()
         self._state.dropped = []
         self._state.ids = itertools.count()
         self._state.lock = threading.RLock()

@@ -61,9 +61,6 @@ class ManagerState:
     #: (queued in ``dropped`` by ``KVCache.__del__``, closed at the manager's next entry point).
     caches: weakref.WeakValueDictionary[Any, KVCache]
     dropped: list[KVCache]
-    #: Ids of the caches that may be ACTIVE (every ACTIVE one's is here; readers check the state):
-    #: what holds locked pages, without a pass over every open cache.
-    active: set[Any]
     ids: Iterator[int]
     lock: threading.RLock
     shut_down: bool
