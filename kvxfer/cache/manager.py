@@ -133,6 +133,8 @@ class CacheLifecycle:
         self.parts = parts
         self._scratch_shares: dict[int, Fraction] = {}
         self._scratch_counts: dict[tuple[int, int], int] = {}   # (layer group, blocks) -> slots
+        self.windows: list[tuple[int, int, int]] = []           # see release_out_of_window
+        self.windows_of: Any = None                               # the layout ``windows`` was read from
 
     def unpin_pages(self, slots: Mapping[int, IntArray]) -> None:
         """Let go of the references ``pin_pages`` took (the release of a PinnedPages)."""
@@ -487,27 +489,31 @@ class CacheLifecycle:
 
     def release_out_of_window(self, cache: KVCache) -> None:
         """Free sliding-window pages no future token can attend to (their ids become -1)."""
-        tpb = self.state.layout.tokens_per_block
-        for lg in self.state.layout.layer_groups:
-            if lg.window is None:
-                continue
-            first_needed = max(0, cache.history_length - lg.window + 1) // tpb
-            sink_blocks = math.ceil(lg.sink_tokens / tpb)
+        layout = self.state.layout
+        tpb = layout.tokens_per_block
+        if self.windows_of is not layout:       # (layer group, window, sink blocks) of the windowed groups
+            self.windows = [(lg.layer_group_id, lg.window, math.ceil(lg.sink_tokens / tpb))
+                            for lg in layout.layer_groups if lg.window is not None]
+            self.windows_of = layout
+        history = cache.record.history
+        for lg_id, window, sink_blocks in self.windows:
+            first_needed = max(0, history - window + 1) // tpb
             if first_needed <= sink_blocks:
                 continue
-            blocks = cache.record.blocks[lg.layer_group_id]
+            blocks = cache.record.blocks[lg_id]
             stale = blocks[sink_blocks:first_needed]
-            if (stale >= 0).any():
+            if stale.max(initial=-1) >= 0:      # some page still held there
                 with self.state.lock:
                     released = stale.copy()
-                    released_tiers = cache.record.tiers[lg.layer_group_id][sink_blocks:first_needed].copy()
-                    self.release(lg.layer_group_id, released, released_tiers, cache.record.stream)
+                    released_tiers = cache.record.tiers[lg_id][sink_blocks:first_needed].copy()
+                    self.release(lg_id, released, released_tiers, cache.record.stream)
                     blocks[sink_blocks:first_needed] = -1
                     if self.state.drops_stale_window_pages:
-                        self.parts.reuse.drop_window_pages(cache, lg.layer_group_id, sink_blocks, released,
-                                                           released_tiers)
-        if any(s.size for s in cache.record.scratch):
-            self.sync_scratch(cache)
+                        self.parts.reuse.drop_window_pages(cache, lg_id, sink_blocks, released, released_tiers)
+        for scratch in cache.record.scratch:
+            if scratch.size:
+                self.sync_scratch(cache)
+                break
 
     def drop(self, cache: KVCache) -> None:
         """Queue an unclosed cache its owner dropped (called from ``KVCache.__del__``, at any point of
@@ -728,6 +734,10 @@ class KVCacheManager:
                  cold_page_codec: Any | None = None) -> None:
         self._state = ManagerState()
         self._parts = ManagerParts(self, self._state)
+        # Page index converters by (layer, role), for the layout they were made from (a new layout
+        # object, e.g. after a primary quota change, starts afresh).
+        self._converters: dict[tuple[Any, ...], PageIndexConverter] = {}
+        self._converters_layout: Any = None
         if cold_page_codec is not None:
             raise ConfigError("KVCacheManager: cold_page_codec is not supported (kvxfer keeps cold pages as "
                               "they are in the primary tier)")
@@ -1081,7 +1091,18 @@ class KVCacheManager:
         return pool.num_slots * self.get_page_index_scale(layer_id, data_role) * self._expansion(layer_id, data_role)
 
     def get_page_index_converter(self, layer_id: LayerId, data_role: DataRole) -> PageIndexConverter:
-        """Turns base page indices of the buffer's layer group into page indices of the buffer."""
+        """Turns base page indices of the buffer's layer group into page indices of the buffer
+        (remembered per layout: an engine asks for it per layer and step)."""
+        layout = self._state.layout
+        if self._converters_layout is not layout:
+            self._converters, self._converters_layout = {}, layout
+        key = (type(layer_id), layer_id, type(data_role), data_role)
+        converter = self._converters.get(key)
+        if converter is None:
+            converter = self._converters[key] = self._make_page_index_converter(layer_id, data_role)
+        return converter
+
+    def _make_page_index_converter(self, layer_id: LayerId, data_role: DataRole) -> PageIndexConverter:
         _, offset, size = self._span(layer_id, data_role)
         bid = BufferId(int(layer_id), str(data_role))
         variant = self._state.layout.pool_groups[self._state.lg_pool_group[self.get_layer_group_id(layer_id)]] \
