@@ -8,7 +8,8 @@ from pathlib import Path
 
 import kvxfer.cache
 from kvxfer.cache import KVCache, KVCacheManager
-from kvxfer.cache.manager import CacheLifecycle, ManagerParts
+from kvxfer.cache.cache_lifecycle import CacheLifecycle
+from kvxfer.cache.manager import ManagerParts
 from kvxfer.cache.manager_state import ManagerState
 
 CACHE_DIR = Path(kvxfer.cache.__file__).parent
