@@ -211,21 +211,19 @@ class Transport(ABC):
         if notify is not None:
             self._check_notify(op, peer, notify)
         transfer_id = next(self._ids)
-        if isinstance(plan, PhasedPlan):
-            phased = plan
-            phases = self._backend_post_phases(op, peer, phased, notify, transfer_id,
-                                               lambda: self._check_block_plan(op, peer, phased, md), settled=settled)
-            if phases is not None:
-                return phases
-            self._check_block_plan(op, peer, phased, md)
-            return self._backend_post(op, peer, phased.expand(), notify, transfer_id, settled=settled)
-        if isinstance(plan, BlockPlan):
-            blocks = self._backend_post_blocks(op, peer, plan, notify, transfer_id,
-                                               lambda: self._check_block_plan(op, peer, plan, md), settled=settled)
-            if blocks is not None:
-                return blocks
-            self._check_block_plan(op, peer, plan, md)
-            return self._backend_post(op, peer, plan.expand(), notify, transfer_id, settled=settled)
+        if isinstance(plan, PhasedPlan | BlockPlan):
+            templated = plan
+
+            def check() -> None:
+                self._check_block_plan(op, peer, templated, md)
+
+            started = (self._backend_post_phases(op, peer, templated, notify, transfer_id, check, settled=settled)
+                       if isinstance(templated, PhasedPlan) else
+                       self._backend_post_blocks(op, peer, templated, notify, transfer_id, check, settled=settled))
+            if started is not None:
+                return started
+            check()
+            return self._backend_post(op, peer, templated.expand(), notify, transfer_id, settled=settled)
         handle = self._backend_post_checking(op, peer, plan, notify, transfer_id,
                                              lambda: self._check_plan(op, peer, plan, md), settled=settled)
         if handle is not None:
