@@ -115,3 +115,48 @@ def copy_block_runs(src_slots, dst_slots, src_step, src_offset, dst_step, dst_of
         d = tl.load(dst_slots + block) * tl.load(dst_step + t) + tl.load(dst_offset + t)
         copy_piece(s, d, n, start, tl.load(regions + t), tl.load(local_regions + t), remote_table, local_table,
                    remote_count, local_count, anchor8, anchor32, anchor_addr, REMOTE_SRC, CHUNK, BLOCK)
+
+
+@triton.jit(do_not_specialize=["runs_per_block", "remote_count", "local_count", "total_runs"])
+def copy_block_runs_packed(src_slots, dst_slots, src_step, src_offset, dst_step, dst_offset, lengths, regions,
+                           local_regions, remote_table, local_table, runs_per_block, remote_count, local_count,
+                           total_runs, anchor8, anchor32, anchor_addr,
+                           REMOTE_SRC: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """``ROWS`` consecutive runs of a block plan whose runs are short (at most ``WORDS`` 4-byte words) and
+    16-byte aligned, one run per row of a ``ROWS x WORDS`` tile: a program moves as many bytes as one piece
+    of ``copy_block_runs`` however short the runs (a re-layout's 256-byte head rows, 4 KiB token slices),
+    where one run per program would leave most of its lanes idle. Runs outside their regions are not
+    copied, as in ``copy_piece``."""
+    run = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = run < total_runs
+    run = tl.where(live, run, 0)
+    block = run // runs_per_block
+    t = run - block * runs_per_block
+    n = tl.load(lengths + t).to(tl.int64)
+    s = tl.load(src_slots + block) * tl.load(src_step + t) + tl.load(src_offset + t)
+    d = tl.load(dst_slots + block) * tl.load(dst_step + t) + tl.load(dst_offset + t)
+    r = tl.load(regions + t)
+    q = tl.load(local_regions + t)
+    r_ok = (r >= 0) & (r < remote_count)
+    q_ok = (q >= 0) & (q < local_count)
+    r = tl.where(r_ok, r, 0).to(tl.int64) * 3
+    q = tl.where(q_ok, q, 0).to(tl.int64) * 3
+    delta = tl.load(remote_table + r)
+    if REMOTE_SRC:
+        ra = s
+        la = d
+    else:
+        ra = d
+        la = s
+    inside = live & r_ok & q_ok & (ra >= tl.load(remote_table + r + 1)) & (ra <= tl.load(remote_table + r + 2) - n) \
+        & (la >= tl.load(local_table + q + 1)) & (la <= tl.load(local_table + q + 2) - n)
+    if REMOTE_SRC:
+        s = s + delta
+    else:
+        d = d + delta
+    words = tl.multiple_of(tl.where(inside, (n >> 4) << 2, 0), 4)
+    sw = tl.multiple_of((s - anchor_addr) >> 2, 4)
+    dw = tl.multiple_of((d - anchor_addr) >> 2, 4)
+    w = tl.arange(0, WORDS)
+    mask = w[None, :] < words[:, None]
+    tl.store(anchor32 + dw[:, None] + w[None, :], tl.load(anchor32 + sw[:, None] + w[None, :], mask=mask), mask=mask)

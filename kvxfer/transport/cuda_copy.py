@@ -75,6 +75,10 @@ PIPELINE_RUNS = 16384
 FIRST_PART_RUNS = 8192
 PART_GROWTH = 4
 _MAX_PARTS = 64   # parts of a plan of < 2**63 runs at growth 4 from 8,192 (a bound for the table's size)
+#: Block plans whose runs are all at most this long and 16-byte aligned go to ``copy_block_runs_packed``:
+#: several runs per program, each program still moving up to ``4 * BLOCK_WORDS`` bytes (re-layouts cut KV into
+#: 256 B - 16 KiB runs, which one run per program copies at a small fraction of the device's bandwidth).
+PACKED_RUN_BYTES = CHUNK_BYTES // 2
 #: Largest run the kernel takes in one row of its grid (its length travels as int32).
 _MAX_RUN_BYTES = 1 << 30
 _MAX_GRID_Y = 65535
@@ -343,6 +347,8 @@ class RegionTable:
                 raise TransferFailed(f"a region ends at {max(end):#x}, past the kernel's signed 64-bit bounds")
             lo, hi = advertised.astype(np.int64), np.array(end, np.int64)
         self.bounded = nbytes is not None
+        #: Every region's translation keeps 16-byte alignment (what the packed block kernel assumes).
+        self.aligned = bool(np.all(self.host % np.uint64(16) == 0))
         rows = np.stack([self.host.view(np.int64), lo, hi], axis=1)
         self.device = torch.from_numpy(np.ascontiguousarray(rows).reshape(-1)).to(f"cuda:{device_id}")
 
@@ -477,9 +483,15 @@ class _BlockTable:
     aligned; a template of runs of very different lengths (or too long for one grid row) is cut into
     ``CHUNK_BYTES`` pieces first, O(T), so every program has one full piece."""
 
-    __slots__ = ("at", "blocks", "columns", "pieces", "runs", "size")
+    __slots__ = ("at", "blocks", "columns", "pieces", "rows", "runs", "size", "words")
 
-    def __init__(self, columns: list[npt.NDArray[Any]], blocks: int, runs: int, pieces: int) -> None:
+    def __init__(self, columns: list[npt.NDArray[Any]], blocks: int, runs: int, pieces: int, words: int = 0) -> None:
+        #: Packed (``copy_block_runs_packed``): words per row (a power of two) and rows per program; else 0.
+        self.words = words
+        self.rows = BLOCK_WORDS // words if words else 0
+        if words and blocks * runs >= 1 << 31:
+            raise TransferFailed(f"a block plan of {blocks} blocks x {runs} runs is more runs than the packed "
+                                 f"kernel counts (2**31)")
         if blocks * runs * pieces > _MAX_GRID_X:
             raise TransferFailed(f"a block plan of {blocks} blocks x {runs} runs x {pieces} pieces exceeds the "
                                  f"kernel's grid ({_MAX_GRID_X} programs)")
@@ -490,9 +502,10 @@ class _BlockTable:
         self.columns, self.blocks, self.runs, self.pieces, self.at, self.size = columns, blocks, runs, pieces, at, at[-1]
 
     @classmethod
-    def of(cls, plan: BlockPlan, remote_src: bool, local_regions: bool) -> _BlockTable | None:
+    def of(cls, plan: BlockPlan, remote_src: bool, local_regions: bool, aligned: bool = False) -> _BlockTable | None:
         """The table of ``plan`` (None when it moves no byte); ``local_regions`` False: every local run is in
-        region 0 of a one-region local table."""
+        region 0 of a one-region local table. ``aligned``: the peer's translations keep 16-byte alignment, so
+        a template of short runs whose steps, offsets and lengths are 16-byte multiples goes packed."""
         src_step, src_offset, dst_step, dst_offset, nbytes = (plan.src_step, plan.src_offset, plan.dst_step,
                                                               plan.dst_offset, plan.nbytes)
         remote_region, local_region = (plan.src_region, plan.dst_region) if remote_src else (plan.dst_region, plan.src_region)
@@ -503,6 +516,11 @@ class _BlockTable:
             return None
         pieces = -(-longest // CHUNK_BYTES)
         t = int(nbytes.size)
+        if aligned and longest <= PACKED_RUN_BYTES and not any(
+                int(np.bitwise_or.reduce(a)) & 15 for a in (src_step, src_offset, dst_step, dst_offset, nbytes)):
+            words = max(4, 1 << (-(-longest // 4) - 1).bit_length())
+            return cls([plan.src_slots, plan.dst_slots, src_step, src_offset, dst_step, dst_offset, nbytes,
+                        remote_region, local_region], plan.num_blocks, t, 1, words)
         if longest > _MAX_RUN_BYTES or pieces > _MAX_GRID_Y or \
                 (pieces > 1 and t * pieces > 2 * (int(nbytes.sum()) // CHUNK_BYTES + t) + 64):
             entry, offset, nbytes = ops.split_pieces(nbytes, CHUNK_BYTES)
@@ -705,18 +723,19 @@ class BatchedCopier:
 
     def _check_block_kernel(self) -> None:
         """2 blocks (slots 0 and 1, 32 bytes apart) x 2 template runs of 16 bytes, the destination 128 bytes
-        on, each direction: words 0-15 land on 32-47, nothing else changes."""
+        on, each direction, through both block kernels (one run per program, and packed): words 0-15 land on
+        32-47, nothing else changes."""
         buf = torch.arange(64, dtype=torch.int32, device=f"cuda:{self.device_id}")
         addr = int(buf.data_ptr())
         step, offset = np.full(2, 32, np.uint64), np.array([addr, addr + 16], np.uint64)
         plan = BlockPlan(np.arange(2, dtype=np.uint64), np.arange(2, dtype=np.uint64), step, offset, step,
                          offset + np.uint64(128), np.full(2, 16, np.uint64), np.zeros(2, np.uint32),
                          np.zeros(2, np.uint32))
-        for remote_src in (False, True):
+        for remote_src, packed in ((False, False), (True, False), (False, True), (True, True)):
             buf.copy_(torch.arange(64, dtype=torch.int32, device=buf.device))
             torch.cuda.synchronize(self.device_id)
             with self._lock:
-                self._run_block_kernel(plan, self._local, remote_src, self._local, local_regions=False)
+                self._run_block_kernel(plan, self._local, remote_src, self._local, local_regions=False, packed=packed)
             self.stream.synchronize()
             want = torch.arange(64, dtype=torch.int32, device=buf.device)
             want[32:48] = want[:16].clone()
@@ -791,7 +810,7 @@ class BatchedCopier:
             raise TransferFailed(f"block plans need the block copy kernel (Triton), which is not available here "
                                  f"(method {self.method!r}; see the log)")
         make_current(self.device_id)
-        packed = _BlockTable.of(plan, remote_src, local is not None)
+        packed = _BlockTable.of(plan, remote_src, local is not None, peer.aligned)
         if packed is None:
             return PreparedCopy("blocks", 0, 0, lambda: None)
         table = self._upload_owned(packed)
@@ -822,30 +841,38 @@ class BatchedCopier:
             return torch.from_numpy(host).to(f"cuda:{self.device_id}")
 
     def _run_block_kernel(self, plan: BlockPlan, peer: RegionTable, remote_src: bool, local: RegionTable, *,
-                          local_regions: bool) -> None:
+                          local_regions: bool, packed: bool = True) -> None:
         """Pack, upload and launch one block plan (the caller holds the lock). ``local_regions``: the local
-        side's template regions index ``local``; else ``local`` has one region, 0."""
-        packed = _BlockTable.of(plan, remote_src, local_regions)
-        if packed is None:
+        side's template regions index ``local``; else ``local`` has one region, 0. ``packed`` False: never
+        the packed kernel (its check)."""
+        table_of = _BlockTable.of(plan, remote_src, local_regions, peer.aligned and packed)
+        if table_of is None:
             return
-        stage, stage_addr, uploaded = self._staging.take(packed.size)
-        packed.write(stage)
-        table = self._table.address(packed.size)
-        self._upload(table, stage_addr, packed.size, self._stream_handle)
+        stage, stage_addr, uploaded = self._staging.take(table_of.size)
+        table_of.write(stage)
+        table = self._table.address(table_of.size)
+        self._upload(table, stage_addr, table_of.size, self._stream_handle)
         uploaded.record(self.stream)
-        self._launch_blocks(packed, table, peer, local, remote_src)
+        self._launch_blocks(table_of, table, peer, local, remote_src)
 
     def _blocks_launch(self, packed: _BlockTable, table: int, peer: RegionTable, local: RegionTable,
                        remote_src: bool) -> tuple[Any, tuple[int, int], tuple[int, ...], tuple[Any, ...]]:
-        """``_runs_launch`` for ``copy_block_runs`` over a block table at device address ``table``."""
+        """``_runs_launch`` for ``copy_block_runs`` (``copy_block_runs_packed`` for a packed table) over a block
+        table at device address ``table``."""
+        total = packed.blocks * packed.runs
         args = (*(table + a for a in packed.at[:9]), int(peer.device.data_ptr()), int(local.device.data_ptr()),
-                packed.runs, peer.count, local.count, packed.pieces, self._anchor_addr, self._anchor_addr,
-                self._anchor_addr)
-        key = ("blocks", bool(remote_src), CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
+                packed.runs, peer.count, local.count, total if packed.words else packed.pieces, self._anchor_addr,
+                self._anchor_addr, self._anchor_addr)
+        if packed.words:
+            key: tuple[Any, ...] = ("packed", bool(remote_src), packed.rows, packed.words, NUM_WARPS)
+            grid = (-(-total // packed.rows), 1)
+        else:
+            key = ("blocks", bool(remote_src), CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
+            grid = _grid(total, packed.pieces, RUN_MAJOR)
         launch = self._compiled.get(key)
         if launch is None:
             launch = self._compile_blocks(key)
-        return launch, _grid(packed.blocks * packed.runs, packed.pieces, key[4]), args, key
+        return launch, grid, args, key
 
     def _launch_blocks(self, packed: _BlockTable, table: int, peer: RegionTable, local: RegionTable,
                        remote_src: bool) -> None:
@@ -859,6 +886,12 @@ class BatchedCopier:
             except (TypeError, ValueError, AttributeError):
                 self.launcher = "jit"
         ptrs = [_Pointer(a, torch.int64 if k < 6 else torch.int32) for k, a in enumerate(args[:9])]
+        if key[0] == "packed":
+            with torch.cuda.stream(self.stream):
+                self._kernels.copy_block_runs_packed[grid](  # type: ignore[union-attr]
+                    *ptrs, peer.device, local.device, packed.runs, peer.count, local.count, args[14], self._anchor8,
+                    self._anchor32, self._anchor_addr, REMOTE_SRC=key[1], ROWS=key[2], WORDS=key[3], num_warps=key[4])
+            return
         with torch.cuda.stream(self.stream):
             self._kernels.copy_block_runs[grid](  # type: ignore[union-attr]
                 *ptrs, peer.device, local.device, packed.runs, peer.count, local.count, packed.pieces, self._anchor8,
@@ -875,19 +908,29 @@ class BatchedCopier:
             check(cu.cuMemcpyHtoDAsync(table, stage_addr, size, stream_handle), "cuMemcpyHtoDAsync")
 
     def _compile_blocks(self, key: tuple[Any, ...]) -> Any:
-        """Compile ``copy_block_runs`` for one direction once (a 1-program launch that copies nothing, as
-        ``_compile``) and keep a launcher for it."""
-        _, remote_src, chunk, block, run_major, warps = key
+        """Compile ``copy_block_runs`` (key "blocks") or ``copy_block_runs_packed`` (key "packed") for one
+        direction and shape once (a 1-program launch that copies nothing, as ``_compile``) and keep a
+        launcher for it."""
         zero = torch.zeros(4, dtype=torch.int64, device=f"cuda:{self.device_id}")
         z64, z32 = _Pointer(int(zero.data_ptr()), torch.int64), _Pointer(int(zero.data_ptr()), torch.int32)
         assert self._kernels is not None
+        pointers = (z64, z64, z64, z64, z64, z64, z32, z32, z32, z64, z64)
+        anchors = (self._anchor8, self._anchor32, self._anchor_addr)
         with torch.cuda.stream(self.stream):
-            compiled = self._kernels.copy_block_runs[(1, 1)](
-                z64, z64, z64, z64, z64, z64, z32, z32, z32, z64, z64, 2, 2, 2, 2, self._anchor8, self._anchor32,
-                self._anchor_addr, REMOTE_SRC=remote_src, CHUNK=chunk, BLOCK=block, RUN_MAJOR=run_major,
-                num_warps=warps)
+            if key[0] == "packed":
+                _, remote_src, rows, words, warps = key
+                # total_runs 0: no run is live, nothing is read or written
+                compiled = self._kernels.copy_block_runs_packed[(1, 1)](
+                    *pointers, 2, 2, 2, 0, *anchors, REMOTE_SRC=remote_src, ROWS=rows, WORDS=words, num_warps=warps)
+                constexprs: tuple[Any, ...] = key[1:4]
+            else:
+                _, remote_src, chunk, block, run_major, warps = key
+                compiled = self._kernels.copy_block_runs[(1, 1)](
+                    *pointers, 2, 2, 2, 2, *anchors, REMOTE_SRC=remote_src, CHUNK=chunk, BLOCK=block,
+                    RUN_MAJOR=run_major, num_warps=warps)
+                constexprs = key[1:5]
         self.stream.synchronize()
-        launch: Any = _TritonLaunch(compiled, key[1:5])
+        launch: Any = _TritonLaunch(compiled, constexprs)
         if self.launcher == "driver":
             assert self._lib is not None
             try:

@@ -166,11 +166,59 @@ def block_case(seed: int, remote_src: bool, run_major: bool) -> dict[str, Any]:
             "wrong": wrong, "copied": copied}
 
 
+def packed_case(seed: int, remote_src: bool) -> dict[str, Any]:
+    """A re-layout as a block plan of short aligned runs (``copy_block_runs_packed``): each 4 KiB block is
+    4 heads x 8 tokens x 128 bytes, copied head-major to token-major; a template run in the peer's other
+    region and one slot pair out of its region are refused."""
+    rng = np.random.default_rng(seed)
+    mem = Memory(seed)
+    heads, tokens, row = 4, 8, 128
+    step = heads * tokens * row
+    src_offs = [(h * tokens + k) * row for h in range(heads) for k in range(tokens)]
+    dst_offs = [(k * heads + h) * row for h in range(heads) for k in range(tokens)]
+    runs = len(src_offs)
+    blocks = 5
+    remote_slots = rng.permutation(8)[:blocks].astype(np.uint64)    # slots 0-7 fill the peer's region 0
+    remote_slots[-1] = 12                                             # in region 1, labelled region 0: refused
+    local_slots = rng.permutation(16)[:blocks].astype(np.uint64)
+    src_slots, dst_slots = (remote_slots, local_slots) if remote_src else (local_slots, remote_slots)
+    remote_base, local_base = mem.r0 + ADVERTISED_SHIFT, mem.l0
+    src_base, dst_base = (remote_base, local_base) if remote_src else (local_base, remote_base)
+    lengths = np.full(runs, row, np.uint64)
+    lengths[3] = 48                                                   # a shorter row, still 16-byte aligned
+    region = np.zeros(runs, np.uint32)
+    region[5] = 1      # labelled with the other half: refused, except in the last block, which lies there
+    remote_region, zeros = region, np.zeros(runs, np.uint32)
+    plan = BlockPlan(src_slots, dst_slots, np.full(runs, step, np.uint64), np.array(src_offs, np.uint64) + np.uint64(src_base),
+                     np.full(runs, step, np.uint64), np.array(dst_offs, np.uint64) + np.uint64(dst_base), lengths,
+                     remote_region if remote_src else zeros, zeros if remote_src else remote_region)
+    before = mem.snapshot()
+    packed = cuda_copy._BlockTable.of(plan, remote_src, local_regions=False, aligned=True)
+    assert packed is not None and packed.words == row // 4, "a template of 128-byte rows must go packed"
+    table = torch.zeros(packed.size + 16, dtype=torch.uint8)
+    packed.write(table.numpy())
+    cols = [table[packed.at[k]: packed.at[k + 1]].view(torch.int64 if k < 6 else torch.int32) for k in range(9)]
+    rows = 8                                                           # programs of 8 runs: 20 of them
+    total = packed.blocks * packed.runs
+    copy_kernels.copy_block_runs_packed[(-(-total // rows),)](
+        *cols, mem.remote_rows, mem.local_rows, packed.runs, 2, 1, total,
+        mem.anchor.view(torch.uint8), mem.anchor, mem.anchor.data_ptr(),
+        REMOTE_SRC=remote_src, ROWS=rows, WORDS=packed.words)
+    expected = [(int(s) * step + o, int(d) * step + p, int(n))
+                for b, (s, d) in enumerate(zip(src_slots, dst_slots, strict=True))
+                for t, (o, p, n) in enumerate(zip(src_offs, dst_offs, lengths, strict=True))
+                if (b == blocks - 1) == (t == 5)]
+    local, remote, copied = oracle(mem, before, expected, remote_src)
+    wrong = int((mem.local.numpy() != local).sum() + (mem.remote.numpy() != remote).sum())
+    return {"case": f"packed {'read' if remote_src else 'write'}", "wrong": wrong, "copied": copied}
+
+
 def main() -> None:
     for seed, remote_src in ((1, False), (2, True)):
         for run_major in (True, False):
             print(json.dumps(run_list_case(seed, remote_src, run_major)), flush=True)
             print(json.dumps(block_case(seed, remote_src, run_major)), flush=True)
+        print(json.dumps(packed_case(seed, remote_src)), flush=True)
 
 
 if __name__ == "__main__":
