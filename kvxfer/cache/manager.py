@@ -672,13 +672,16 @@ class KVCacheManager:
     def need_adjustment(self) -> bool:
         """Whether the auto-tuner asks for a pool re-split: enough closed kv caches sampled
         (``rebalance_min_sampled_kv_caches``), the cooldown over (``rebalance_cooldown_secs``) and a pool
-        group's share of the primary bytes off its target by more than ``rebalance_ratio_threshold``."""
+        group's share of the primary bytes, or of the colder levels' bytes (averaged over them), off its
+        target by more than ``rebalance_ratio_threshold``."""
         return self._parts.tuner.need_adjustment
 
     def adjust(self) -> None:
-        """Re-split the primary slots between pool groups by the tuner's target ratio (every kv cache
-        suspended or closed: ManagerBusyError otherwise). Pages survive; a pool group that grows gets
-        new memory, so re-read base addresses (``layout``, ``get_mem_pool_base_address``) after it."""
+        """Re-split every cache level that is off its target between pool groups, primary first, then
+        each colder tier (every kv cache suspended or closed: ManagerBusyError otherwise). Pages survive
+        unless a shrinking pool group of the coldest tier must drop tree-only ones; a primary pool group
+        that grows gets new memory, so re-read base addresses (``layout``, ``get_mem_pool_base_address``)
+        after it; a colder tier is rebuilt (``tier_layout``)."""
         self._parts.tuner.adjust()
 
     @property
@@ -861,6 +864,12 @@ class KVCacheManager:
     def storage_stats(self, tier: int | type[PrimaryTier | HostTier | DiskTier] = 0) -> TierStats:
         """Capacity and occupancy (slots per pool group) of one tier."""
         return self._parts.quotas.storage_stats(tier)
+
+    def tier_layout(self, tier: int | type[PrimaryTier | HostTier | DiskTier] = 0) -> CacheLayoutDesc:
+        """The placed layout of one tier (the primary's is ``layout``): its pool groups' slot counts and
+        pools. A colder tier's changes when ``adjust()`` re-splits it or ``resize_quota`` resizes it."""
+        with self._state.lock:
+            return self._state.tiers[self._state.tier_index(tier)].layout
 
     def tier_index(self, tier: int | type[PrimaryTier | HostTier | DiskTier]) -> int:
         """Index of a tier given as an index or as its config class (PrimaryTier, HostTier, DiskTier)."""
