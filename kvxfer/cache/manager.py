@@ -172,10 +172,14 @@ class KVCacheManager:
         self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []),
                                           None if scratch_cfg is None else int(scratch_cfg.max_rewind_len),
                                           float(config.resume_max_utilization))
+        # The ratio every colder tier starts with (a ``KVCacheManagerConfig`` manager's initial ratio, as
+        # the reference sizes every level by it), or None (a ``CacheConfig`` manager: equal slots).
+        colder_ratio: list[float] | None = None
         if dict(config.extra).get(EXTRA_POOL_RATIO):
             granularity = self._state.planner.granularity(primary.quota_bytes)
+            colder_ratio = self._state.planner.initial_ratio(init_cfg, granularity)
             plan = plan_layout(config, num_slots=self._state.planner.slot_counts(
-                primary.quota_bytes, self._state.planner.initial_ratio(init_cfg, granularity), granularity))
+                primary.quota_bytes, colder_ratio, granularity))
         planned = sum(pool.nbytes for pg in plan.pool_groups for pool in pg.pools)
         if planned > primary.quota_bytes:     # slot floors raised the primary level past its quota
             self._state.current = dataclasses.replace(
@@ -222,9 +226,11 @@ class KVCacheManager:
         kept: list[PrimaryTier | HostTier | DiskTier] = [primary]
         try:
             for tier in config.tiers[1:]:
+                counts = None if colder_ratio is None else self._state.planner.slot_counts(
+                    tier.quota_bytes, colder_ratio, 1)
                 if isinstance(tier, HostTier):
                     try:
-                        self._state.tiers.append(tier_storage.open_host_tier(config, tier))
+                        self._state.tiers.append(tier_storage.open_host_tier(config, tier, counts))
                     except HOST_TIER_SETUP_ERRORS as exc:
                         self._state.host_tier_error = f"{type(exc).__name__}: {exc}"
                         _log.warning("KVCacheManager: the host tier (%d bytes) could not be set up (%s); running "
@@ -232,7 +238,7 @@ class KVCacheManager:
                         continue
                     self._state.media.append(HOST_MEDIUM)
                 elif isinstance(tier, DiskTier):
-                    self._state.tiers.append(DiskTierStorage(config, tier))
+                    self._state.tiers.append(DiskTierStorage(config, tier, num_slots=counts))
                     self._state.media.append(DISK_MEDIUM)
                 kept.append(tier)
             if len(self._state.tiers) > 1:

@@ -53,7 +53,7 @@ class MovingAverage:
 
 
 class PoolTuner:
-    """The auto-tuner part of the manager: samples, target ratio, gates and the re-split."""
+    """The auto-tuner part of the manager: samples, the targets of every cache level, gates and re-splits."""
 
     def __init__(self, state: ManagerState, parts: Any) -> None:
         """``parts``: the manager's ``ManagerParts`` (the re-split goes through its tier-quota part)."""

@@ -127,8 +127,9 @@ class TierQuotas:
     def resize_quota(self, tier: int | type[PrimaryTier | HostTier | DiskTier], quota_bytes: int) -> None:
         """Give a tier a new quota; only while no request is ACTIVE (ManagerBusyError).
 
-        Host or disk: a new tier of that size is built, the tier's live pages are copied into its
-        first slots (after offloading or dropping the surplus, coldest first), and the old tier is
+        Host or disk: a new tier of that size is built (a ``KVCacheManagerConfig`` manager splits it by
+        the auto-tuner's target of the colder levels, floors kept), the tier's live pages are copied into
+        its first slots (after offloading or dropping the surplus, coldest first), and the old tier is
         closed. Primary: its pools stay where they are (their addresses are published to transports
         and registered), so the quota can only shrink below, or grow back up to, the initial
         ``PrimaryTier.quota_bytes``: each pool group's usable slot count becomes what the layout
@@ -164,7 +165,17 @@ class TierQuotas:
                 return
             old_cfg = self.state.current.tiers[t]
             assert isinstance(old_cfg, HostTier | DiskTier)
-            self.replace_colder_tier(t, dataclasses.replace(old_cfg, quota_bytes=quota_bytes), None, "resize_quota")
+            colder_counts: list[int] | None = None
+            if dict(self.state.config.extra).get(EXTRA_POOL_RATIO):
+                # split by the auto-tuner's target of the colder levels, the floors kept (the reference's
+                # resize of a level), byte-exact as the colder tiers are planned
+                planner = self.state.planner
+                if isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or quota_bytes < planner.min_quota(1):
+                    raise TierError(f"resize_quota: {self.state.tiers[t].name} quota {quota_bytes!r} is below the "
+                                    f"{planner.min_quota(1)} bytes the slot floors and constraints need")
+                colder_counts = planner.slot_counts(quota_bytes, self.parts.tuner.target_other_ratio, 1)
+            self.replace_colder_tier(t, dataclasses.replace(old_cfg, quota_bytes=quota_bytes), colder_counts,
+                                     "resize_quota")
 
     def replace_colder_tier(self, t: int, new_cfg: HostTier | DiskTier, num_slots: Sequence[int] | None,
                             what: str) -> None:

@@ -118,6 +118,21 @@ def test_the_colder_levels_start_on_target_and_their_drift_alone_opens_the_gate(
     mgr.shutdown()
 
 
+def test_every_level_starts_split_by_the_initial_ratio(tmp_path: Path) -> None:
+    """As the reference sizes every level by its initial ratio: equal bytes per pool group here, so the
+    colder tiers hold four small slots per big one, byte-exact, floors kept."""
+    cfg = config(10, 20, 40, tmp_path)
+    cfg.initial_pool_ratio = [0.5, 0.5]
+    mgr = KVCacheManager(cfg)
+    assert totals(mgr, 0) == [9, 14]           # the big group held at its floor of 9, the small one the rest
+    assert totals(mgr, 1) == [12, 50] and totals(mgr, 2) == [25, 100]
+    assert _introspection.current_other_ratio(mgr) == pytest.approx([0.5, 0.5], abs=0.01)
+    assert mgr.pool_tuner.target_other_ratio == _introspection.current_other_ratio(mgr)
+    open_gates(mgr)
+    assert not mgr.need_adjustment
+    mgr.shutdown()
+
+
 def test_without_colder_levels_the_other_target_is_the_primary_split() -> None:
     mgr = KVCacheManager(config(10, None, None, None))
     assert mgr.num_tiers == 1
@@ -250,4 +265,19 @@ def test_held_pages_in_the_coldest_level_are_never_dropped(tmp_path: Path) -> No
         assert kv.resume()
         assert all((kv.page_locations(lg)[0] >= 0).all() for lg in (0, 1))
         kv.close()
+    mgr.shutdown()
+
+
+def test_resize_of_a_colder_level_splits_it_by_the_colder_target(tmp_path: Path) -> None:
+    """``resize`` of the host level is the reference's re-split at a new quota: by the colder target."""
+    mgr = KVCacheManager(config(10, 20, 40, tmp_path))
+    written = fill(mgr, 16)
+    _introspection.set_target_ratio_list_other(mgr, [0.5, 0.5])
+    assert mgr.resize(1, 40 * BLOCK)                           # 400 KiB split by bytes: 25 big, 100 small
+    assert totals(mgr, 1) == [25, 100] and mgr.get_quota(1) == 40 * BLOCK
+    assert totals(mgr, 2) == [40, 40]                          # the other levels stay
+    assert not mgr.resize(1, 9 * BLOCK - 1)                    # below the floors (9 slots each)
+    assert totals(mgr, 1) == [25, 100]
+    assert used(mgr) == [32, 32]
+    check_intact(mgr, written)
     mgr.shutdown()
