@@ -52,6 +52,16 @@ def set_target_ratio_list_gpu(manager: Any, ratios: Sequence[float]) -> None:
     manager.pool_tuner.set_target_ratio(ratios)
 
 
+def set_target_ratio_list_other(manager: Any, ratios: Sequence[float]) -> None:
+    """Override the auto-tuner's target ratio of the colder levels (host, disk); kvxfer's addition."""
+    manager.pool_tuner.set_target_ratio(ratios, colder=True)
+
+
+def current_other_ratio(manager: Any) -> list[float]:
+    """Each pool group's share of the colder levels' bytes, averaged over them (kvxfer's addition)."""
+    return list(manager.pool_tuner.current_other_ratio())
+
+
 def force_rebalance_precondition(manager: Any, skew: float = 2.0) -> None:
     """Open the auto-tuner's sample and cooldown gates and scale pool group 0's target share by
     ``skew`` (renormalised), so the next ``adjust()`` really moves slots; ConfigError with fewer than

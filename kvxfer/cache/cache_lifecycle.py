@@ -119,6 +119,7 @@ class CacheLifecycle:
                 self.count_reused_levels(cache, plan)
                 self.parts.recurrent.count_lookup(cache, int(arr.size), plan.num_tokens)
             self.state.caches[cache_id] = cache
+            self.parts.tuner.on_create(cache)
             self.parts.usage.sample_usage()
             return cache
 

@@ -172,10 +172,14 @@ class KVCacheManager:
         self._state.planner = planner_for(config, plan, list(getattr(init_cfg, "constraints", None) or []),
                                           None if scratch_cfg is None else int(scratch_cfg.max_rewind_len),
                                           float(config.resume_max_utilization))
+        # The ratio every colder tier starts with (a ``KVCacheManagerConfig`` manager's initial ratio, as
+        # the reference sizes every level by it), or None (a ``CacheConfig`` manager: equal slots).
+        colder_ratio: list[float] | None = None
         if dict(config.extra).get(EXTRA_POOL_RATIO):
             granularity = self._state.planner.granularity(primary.quota_bytes)
+            colder_ratio = self._state.planner.initial_ratio(init_cfg, granularity)
             plan = plan_layout(config, num_slots=self._state.planner.slot_counts(
-                primary.quota_bytes, self._state.planner.initial_ratio(init_cfg, granularity), granularity))
+                primary.quota_bytes, colder_ratio, granularity))
         planned = sum(pool.nbytes for pg in plan.pool_groups for pool in pg.pools)
         if planned > primary.quota_bytes:     # slot floors raised the primary level past its quota
             self._state.current = dataclasses.replace(
@@ -222,9 +226,11 @@ class KVCacheManager:
         kept: list[PrimaryTier | HostTier | DiskTier] = [primary]
         try:
             for tier in config.tiers[1:]:
+                counts = None if colder_ratio is None else self._state.planner.slot_counts(
+                    tier.quota_bytes, colder_ratio, 1)
                 if isinstance(tier, HostTier):
                     try:
-                        self._state.tiers.append(tier_storage.open_host_tier(config, tier))
+                        self._state.tiers.append(tier_storage.open_host_tier(config, tier, counts))
                     except HOST_TIER_SETUP_ERRORS as exc:
                         self._state.host_tier_error = f"{type(exc).__name__}: {exc}"
                         _log.warning("KVCacheManager: the host tier (%d bytes) could not be set up (%s); running "
@@ -232,7 +238,7 @@ class KVCacheManager:
                         continue
                     self._state.media.append(HOST_MEDIUM)
                 elif isinstance(tier, DiskTier):
-                    self._state.tiers.append(DiskTierStorage(config, tier))
+                    self._state.tiers.append(DiskTierStorage(config, tier, num_slots=counts))
                     self._state.media.append(DISK_MEDIUM)
                 kept.append(tier)
             if len(self._state.tiers) > 1:
@@ -672,13 +678,16 @@ class KVCacheManager:
     def need_adjustment(self) -> bool:
         """Whether the auto-tuner asks for a pool re-split: enough closed kv caches sampled
         (``rebalance_min_sampled_kv_caches``), the cooldown over (``rebalance_cooldown_secs``) and a pool
-        group's share of the primary bytes off its target by more than ``rebalance_ratio_threshold``."""
+        group's share of the primary bytes, or of the colder levels' bytes (averaged over them), off its
+        target by more than ``rebalance_ratio_threshold``."""
         return self._parts.tuner.need_adjustment
 
     def adjust(self) -> None:
-        """Re-split the primary slots between pool groups by the tuner's target ratio (every kv cache
-        suspended or closed: ManagerBusyError otherwise). Pages survive; a pool group that grows gets
-        new memory, so re-read base addresses (``layout``, ``get_mem_pool_base_address``) after it."""
+        """Re-split every cache level that is off its target between pool groups, primary first, then
+        each colder tier (every kv cache suspended or closed: ManagerBusyError otherwise). Pages survive
+        unless a shrinking pool group of the coldest tier must drop tree-only ones; a primary pool group
+        that grows gets new memory, so re-read base addresses (``layout``, ``get_mem_pool_base_address``)
+        after it; a colder tier is rebuilt (``tier_layout``)."""
         self._parts.tuner.adjust()
 
     @property
@@ -861,6 +870,12 @@ class KVCacheManager:
     def storage_stats(self, tier: int | type[PrimaryTier | HostTier | DiskTier] = 0) -> TierStats:
         """Capacity and occupancy (slots per pool group) of one tier."""
         return self._parts.quotas.storage_stats(tier)
+
+    def tier_layout(self, tier: int | type[PrimaryTier | HostTier | DiskTier] = 0) -> CacheLayoutDesc:
+        """The placed layout of one tier (the primary's is ``layout``): its pool groups' slot counts and
+        pools. A colder tier's changes when ``adjust()`` re-splits it or ``resize_quota`` resizes it."""
+        with self._state.lock:
+            return self._state.tiers[self._state.tier_index(tier)].layout
 
     def tier_index(self, tier: int | type[PrimaryTier | HostTier | DiskTier]) -> int:
         """Index of a tier given as an index or as its config class (PrimaryTier, HostTier, DiskTier)."""

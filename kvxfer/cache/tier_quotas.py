@@ -59,12 +59,10 @@ class TierQuotas:
     def over_resume_limit(self) -> bool:
         """Whether some primary pool group's utilization (slots neither free nor evictable, over its
         usable slots: what ``get_storage_statistics`` reports) is above ``resume_max_utilization``: a
-        resume is then refused whatever it needs, leaving room for the running caches to grow. A
-        pool group of recurrent state slots only is exempt, as in ``can_take``."""
+        resume is then refused whatever it needs, leaving room for the running caches to grow. Every
+        pool group counts, recurrent state slots included, as in the reference's gate."""
         limit = self.state.config.resume_max_utilization
         for pg in range(len(self.state.allocators)):
-            if pg in self.state.recurrent_pool_groups:
-                continue
             acc = self.parts.usage.quick_accounting(0, pg)
             if acc.total and (acc.total - acc.available) / acc.total > limit:
                 return True
@@ -77,7 +75,9 @@ class TierQuotas:
         enough: every page brought up frees a slot below that a displaced page can take."""
         alloc = self.state.allocators[pool_group]
         limit = math.floor(self.state.config.resume_max_utilization * alloc.usable + 1e-9)
-        # A pool group of recurrent state slots only is exempt: a request's state never grows.
+        # The headroom rule holds back slots for attention pages to grow into; a pool group of recurrent
+        # state slots only has nothing to grow (a request keeps one state slot), so there a resume takes
+        # what is obtainable, as the reference's resume does once its utilization gate has passed.
         if pool_group not in self.state.recurrent_pool_groups and \
                 int(np.count_nonzero(self.parts.eviction.locked_mask(0, pool_group))) + n > limit:
             return False
@@ -127,8 +127,9 @@ class TierQuotas:
     def resize_quota(self, tier: int | type[PrimaryTier | HostTier | DiskTier], quota_bytes: int) -> None:
         """Give a tier a new quota; only while no request is ACTIVE (ManagerBusyError).
 
-        Host or disk: a new tier of that size is built, the tier's live pages are copied into its
-        first slots (after offloading or dropping the surplus, coldest first), and the old tier is
+        Host or disk: a new tier of that size is built (a ``KVCacheManagerConfig`` manager splits it by
+        the auto-tuner's target of the colder levels, floors kept), the tier's live pages are copied into
+        its first slots (after offloading or dropping the surplus, coldest first), and the old tier is
         closed. Primary: its pools stay where they are (their addresses are published to transports
         and registered), so the quota can only shrink below, or grow back up to, the initial
         ``PrimaryTier.quota_bytes``: each pool group's usable slot count becomes what the layout
@@ -163,24 +164,58 @@ class TierQuotas:
                     plan.pool_groups, self.state.allocators, strict=True)], quota_bytes)
                 return
             old_cfg = self.state.current.tiers[t]
-            new_cfg: HostTier | DiskTier
-            if isinstance(old_cfg, HostTier):
-                new_cfg = HostTier(quota_bytes, old_cfg.pinned)
-                new_tier: TierStorage = tier_storage.open_host_tier(self.state.config, new_cfg)
-            else:
-                assert isinstance(old_cfg, DiskTier)
-                new_cfg = DiskTier(quota_bytes, old_cfg.path)
-                new_tier = DiskTierStorage(self.state.config, new_cfg)
-            try:
-                self.shrink_to(t, new_tier)
-                self.move_into(t, new_tier)
-            except BaseException:
-                new_tier.close()
-                raise
-            old = self.state.tiers[t]
-            self.state.tiers[t] = new_tier
-            old.close()
-            self.state.set_tier_config(t, new_cfg)
+            assert isinstance(old_cfg, HostTier | DiskTier)
+            colder_counts: list[int] | None = None
+            if dict(self.state.config.extra).get(EXTRA_POOL_RATIO):
+                # split by the auto-tuner's target of the colder levels, the floors kept (the reference's
+                # resize of a level), byte-exact as the colder tiers are planned
+                planner = self.state.planner
+                if isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or quota_bytes < planner.min_quota(1):
+                    raise TierError(f"resize_quota: {self.state.tiers[t].name} quota {quota_bytes!r} is below the "
+                                    f"{planner.min_quota(1)} bytes the slot floors and constraints need")
+                colder_counts = planner.slot_counts(quota_bytes, self.parts.tuner.target_other_ratio, 1)
+            self.replace_colder_tier(t, dataclasses.replace(old_cfg, quota_bytes=quota_bytes), colder_counts,
+                                     "resize_quota")
+
+    def replace_colder_tier(self, t: int, new_cfg: HostTier | DiskTier, num_slots: Sequence[int] | None,
+                            what: str) -> None:
+        """Rebuild colder tier ``t`` as ``new_cfg`` (with ``num_slots[pg]`` slots per pool group when
+        given): the surplus of a pool group that shrinks is evicted first (moved one tier down, or dropped
+        from the coldest tier, coldest first), then every live page is copied into the first slots of the
+        new tier with its owners repointed, and the old tier is closed. TierError, the old tier kept, when
+        held pages cannot be evicted."""
+        new_tier: TierStorage
+        if isinstance(new_cfg, HostTier):
+            new_tier = tier_storage.open_host_tier(self.state.config, new_cfg, num_slots)
+        else:
+            new_tier = DiskTierStorage(self.state.config, new_cfg, num_slots=num_slots)
+        try:
+            self.shrink_to(t, new_tier, what)
+            self.move_into(t, new_tier)
+        except BaseException:
+            new_tier.close()
+            raise
+        old = self.state.tiers[t]
+        self.state.tiers[t] = new_tier
+        old.close()
+        self.state.set_tier_config(t, new_cfg)
+        self.parts.usage.sample_usage()
+
+    def resplit_colder_tier(self, t: int, counts: Sequence[int]) -> None:
+        """Give colder tier ``t`` ``counts[pg]`` slots per pool group (the auto-tuner's re-split of a host
+        or disk level; no kv cache active). Its quota stays, raised to the bytes of the counts where the
+        floors need more."""
+        with self.state.lock:
+            self.state.check_no_active("adjust")
+            want = [int(n) for n in counts]
+            if not 0 < t < len(self.state.tiers) or len(want) != len(self.state.allocators) or any(n < 1 for n in want):
+                raise TierError(f"adjust: colder tier {t} of {len(self.state.tiers)} tiers needs one slot count >= 1 "
+                                f"per pool group ({len(self.state.allocators)}), got {want}")
+            cfg = self.state.current.tiers[t]
+            assert isinstance(cfg, HostTier | DiskTier)
+            nbytes = sum(n * b for n, b in zip(want, self.state.page_bytes, strict=True))
+            self.replace_colder_tier(t, dataclasses.replace(cfg, quota_bytes=max(cfg.quota_bytes, nbytes)), want,
+                                     "adjust")
 
     def rebalance_slots(self, num_slots: Sequence[int]) -> None:
         """Set the usable slot count of every primary pool group (``num_slots[pg]``), each at most
@@ -296,18 +331,18 @@ class TierQuotas:
         self.state.copy_slots(pool_group, src, dst)
         self.parts.movement.count_copies(pool_group, "intra", int(src.size), None)
 
-    def shrink_to(self, t: int, new_tier: TierStorage) -> None:
+    def shrink_to(self, t: int, new_tier: TierStorage, what: str = "resize_quota") -> None:
         """Evict pages of tier ``t`` until each pool group's live pages fit ``new_tier``."""
         surplus = {pg: self.state.alloc_of(t, pg).num_used - new_tier.allocator(pg).num_slots
                    for pg in range(len(self.state.allocators))}
         for pg, n in surplus.items():
             if n > 0 and self.parts.eviction.room_estimate(t, pg) < n:
-                raise TierError(f"resize_quota: the {self.state.tiers[t].name} tier holds {self.state.alloc_of(t, pg).num_used} "
+                raise TierError(f"{what}: the {self.state.tiers[t].name} tier holds {self.state.alloc_of(t, pg).num_used} "
                                 f"pages of pool group {pg}, {n} more than {new_tier.allocator(pg).num_slots} slots "
                                 f"of the new quota, and they cannot be evicted (held, no room below)")
         for pg, n in surplus.items():
             if n > 0 and self.parts.eviction.make_room_in(t, pg, n) < n:
-                raise TierError(f"resize_quota: could not evict {n} pages of pool group {pg} from the "
+                raise TierError(f"{what}: could not evict {n} pages of pool group {pg} from the "
                                 f"{self.state.tiers[t].name} tier")
 
     def move_into(self, t: int, new_tier: TierStorage) -> None:

@@ -18,6 +18,7 @@ import re
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -191,14 +192,16 @@ class MemoryTierStorage(TierStorage):
         super().close()
 
 
-def open_host_tier(config: CacheConfig, tier: HostTier | None = None) -> MemoryTierStorage:
-    """The host tier of ``config`` (or ``tier``): page-locked where CUDA exists unless ``pinned=False``."""
+def open_host_tier(config: CacheConfig, tier: HostTier | None = None,
+                   num_slots: Sequence[int] | None = None) -> MemoryTierStorage:
+    """The host tier of ``config`` (or ``tier``): page-locked where CUDA exists unless ``pinned=False``;
+    ``num_slots[pg]`` slots per pool group when given (else the quota split by ``plan_layout``)."""
     tier = tier if tier is not None else _tier_of(config, HostTier)
     pinned = torch.cuda.is_available() if tier.pinned is None else tier.pinned
     if pinned and not torch.cuda.is_available():
         raise TierError("HostTier.pinned=True needs CUDA (page-locking is a CUDA host allocation); "
                         "use pinned=None or False on this machine")
-    plan = _plan(config, tier.quota_bytes, "HostTier")
+    plan = _plan(config, tier.quota_bytes, "HostTier", num_slots)
     pools = [[allocate_pool(p.nbytes, "cpu", pinned=pinned) for p in pg.pools] for pg in plan.pool_groups]
     bases = [[int(t.data_ptr()) for t in group] for group in pools]
     layout = place_layout(plan, bases, "pinned" if pinned else "cpu", 0)
@@ -232,9 +235,9 @@ def _tier_of(config: CacheConfig, kind: type[TierT]) -> TierT:
     return found
 
 
-def _plan(config: CacheConfig, quota_bytes: int, what: str) -> CacheLayoutDesc:
+def _plan(config: CacheConfig, quota_bytes: int, what: str, num_slots: Sequence[int] | None = None) -> CacheLayoutDesc:
     try:
-        return plan_layout(config, quota_bytes)
+        return plan_layout(config, quota_bytes, num_slots)
     except ConfigError as exc:
         raise TierError(f"{what}.quota_bytes={quota_bytes}: {exc}") from exc
 
@@ -256,11 +259,13 @@ class DiskTierStorage(TierStorage):
     path fails at start, not at the first eviction.
     """
 
-    def __init__(self, config: CacheConfig, tier: DiskTier | None = None, *, direct_io: bool | None = None) -> None:
+    def __init__(self, config: CacheConfig, tier: DiskTier | None = None, *, direct_io: bool | None = None,
+                 num_slots: Sequence[int] | None = None) -> None:
+        """``num_slots[pg]``: slots per pool group (default: the quota split by ``plan_layout``)."""
         tier = tier if tier is not None else _tier_of(config, DiskTier)
         _check_directory(tier.path)
         reclaim_orphan_files(tier.path)
-        plan = _plan(config, tier.quota_bytes, "DiskTier")
+        plan = _plan(config, tier.quota_bytes, "DiskTier", num_slots)
         self._files: list[_PoolFile] = []
         stem = f"kvxfer-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         bases: list[list[int]] = []

@@ -428,25 +428,56 @@ def test_planned_drop_takes_the_endpoint_snapshot_after_the_last_plan() -> None:
     assert mgr.probe_reuse(input_tokens=prompt) == TPB         # the earlier snapshot stays
 
 
-def test_resume_gate_ignores_a_full_state_pool_group() -> None:
+def state_heavy(max_util: float) -> KVCacheManager:
+    """Half the primary bytes for state slots: 8 of 4 KiB, and 64 attention slots of 512 B."""
     cfg = config(quota=64 << 10, attn_layers=1, ssm_layers=1, state_size=4096)
-    cfg.max_util_for_resume = 0.5
+    cfg.max_util_for_resume = max_util
+    cfg.initial_pool_ratio = [0.5, 0.5]
     mgr = KVCacheManager(cfg)
-    lg = ssm_group(mgr)
-    pg = mgr.layout.layer_groups[lg].pool_group_index
-    caches = []
-    total = mgr.get_storage_statistics()[pg].total
-    for _ in range(total):      # every state slot taken: far past the 0.5 utilization gate
+    pg = mgr.layout.layer_groups[ssm_group(mgr)].pool_group_index
+    assert mgr.get_storage_statistics()[pg].total == 8
+    return mgr
+
+
+def test_resume_gate_counts_a_pool_group_of_state_slots() -> None:
+    """The gate reads every pool group, state slots included: once more than half of them are held, a
+    suspended request whose state slot is on the primary tier (it needs nothing) is refused too."""
+    mgr = state_heavy(0.5)
+    pg = mgr.layout.layer_groups[ssm_group(mgr)].pool_group_index
+    held = []
+    while True:                         # each resumed and suspended request keeps its state slot
         kv = mgr.create_kv_cache()
-        assert kv.resume()
-        caches.append(kv)
-    assert mgr.num_free_slots(pg) == 0
-    extra = mgr.create_kv_cache()
-    assert not extra.resume()   # no state slot left at all
-    caches.pop().close()
-    assert extra.resume()
-    for kv in [*caches, extra]:
-        kv.close()
+        if not kv.resume():
+            break
+        kv.suspend()
+        held.append(kv)
+    assert len(held) == 5               # 0/8 .. 4/8 used: at or under 0.5; at 5/8 the gate closes
+    assert _introspection.storage_utilization(mgr)[pg] == 5 / 8 and mgr.num_free_slots(pg) == 3
+    assert not held[0].resume()         # needs no slot, refused all the same
+    held.pop().close()                  # 4/8: at the limit, not above it
+    assert held[0].resume()
+    for c in [*held, kv]:
+        c.close()
+    mgr.shutdown()
+
+
+def test_active_requests_take_state_slots_up_to_the_gate() -> None:
+    """With every request active the state pool group fills as the gate allows (each resume sees at most
+    half of the slots used, so five of eight resume); no headroom is held back for state slots, which
+    never grow."""
+    mgr = state_heavy(0.5)
+    active = []
+    while True:
+        kv = mgr.create_kv_cache()
+        if not kv.resume():
+            break
+        active.append(kv)
+    assert len(active) == 5
+    active.pop().close()
+    assert kv.resume()
+    for c in [*active, kv]:
+        c.close()
+    mgr.shutdown()
 
 
 # --- the extractor --------------------------------------------------------------------------------------
