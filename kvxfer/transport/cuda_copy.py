@@ -14,6 +14,8 @@ of one run consecutive (``RUN_MAJOR``), so a 4 MiB run is spread over 128 progra
 the rest are cut on the host first (``TransferPlan.split``), so no program gets a long run while
 others idle. 16-byte aligned runs move as 16-byte vectors with ``BLOCK`` words per program in
 flight; any other run moves byte by byte (correct, slower; KV runs are 16-byte multiples).
+A block plan of short, aligned runs (a re-layout's head rows or token slices: 256 B - 16 KiB) goes to
+``copy_block_runs_packed`` instead, which gives each program as many whole runs as fill one piece.
 Triton compiles each kernel variant once; launches then go straight to ``cuLaunchKernel`` with
 the arguments packed into one buffer (``_DriverLaunch``; the compiled kernel's own launcher where the
 driver's parameter list is not the expected one). Without Triton the driver's ``cuMemcpyBatchAsync``
