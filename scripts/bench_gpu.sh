@@ -18,7 +18,8 @@
 #                  PyTorch cu128 wheels), then kvxfer with the dev, hf and $FLAVOUR (cu12|cu13) extras
 #   TOKENS         bench_gpu prompt lengths (default "4096 32768"); ITERS, LATENCY_ITERS its iterations
 #   NIXL_PASSES    fresh process pairs of the nixl bench, pooled (default 3); NIXL_ITERS per pass (25)
-#   E2E_MODELS     bench e2e shapes (default "llama-3.2-1b llama-3-8b"); E2E_LENGTHS (4096,16384), E2E_ITERS (11)
+#   E2E_MODELS     bench e2e shapes (default "llama-3.2-1b llama-3-8b"); E2E_LENGTHS (4096,16384), E2E_ITERS (11);
+#                  E2E_ARGS more bench e2e options (e.g. "--decode-tokens-per-block 32 --decode-head-order NHD")
 #   TEST_TIMEOUT   per-test bound of pytest -m gpu in seconds (default 300)
 set -uo pipefail
 
@@ -35,6 +36,7 @@ NIXL_ITERS=${NIXL_ITERS:-25}
 E2E_MODELS=${E2E_MODELS:-"llama-3.2-1b llama-3-8b"}
 E2E_LENGTHS=${E2E_LENGTHS:-4096,16384}
 E2E_ITERS=${E2E_ITERS:-11}
+E2E_ARGS=${E2E_ARGS:-}
 TEST_TIMEOUT=${TEST_TIMEOUT:-300}
 
 if [ "${SETUP:-0}" = 1 ]; then
@@ -91,7 +93,7 @@ for part in $PARTS; do
     e2e)
       for model in $E2E_MODELS; do
         run "e2e_$model" "$PY" -m kvxfer bench e2e --device cuda:0 --backend cuda_ipc --model "$model" \
-          --lengths "$E2E_LENGTHS" --iters "$E2E_ITERS" --out "$OUT/e2e_$model.json"
+          --lengths "$E2E_LENGTHS" --iters "$E2E_ITERS" --out "$OUT/e2e_$model.json" $E2E_ARGS   # split on spaces
       done ;;
     tiers)
       run tiers "$PY" benchmarks/bench_tiers.py --device cuda:0 --out "$OUT/tiers.json" ;;

@@ -20,11 +20,15 @@ arrival (the first token, prefill's, is known and its KV in place and verified: 
 it then); "commit" (decode entering the prompt's blocks into its prefix tree) follows it, as the
 one-process baseline's commit would follow its first token (the baseline does not commit).
 
-The one-process baseline uses the workers' cache configuration (prefix reuse on, the same block count)
+The one-process baseline uses prefill's cache configuration (prefix reuse on, the same block count)
 and looks the prompt up in its prefix tree as a serving engine would, so both sides pay the same
 cache bookkeeping; the two alternate which runs first on each iteration. ``--device cuda:N`` runs both workers and the one-process
 baseline on that GPU (``--backend cuda_ipc`` moves KV through CUDA IPC); the goal there is
 "after prefill" <= 1 ms + KV bytes / (0.8 x D2D), with D2D (device copy, bytes/s) measured in the run.
+
+``--tokens-per-block`` and ``--head-order`` set prefill's (and the baseline's) cache layout;
+``--decode-tokens-per-block`` and ``--decode-head-order`` give decode another one (default: prefill's), so
+every transfer changes layout on the way (the workers plan the pairing themselves) and TTFT includes it.
 
 Every timed request is verified (untimed): the single-process baseline runs on the same prompt, and
 decode's committed prompt KV (``--kv-positions`` stratified positions, read from its pages after the
@@ -50,6 +54,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvxfer.cache.config import HeadOrder
+from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.manager import KVCacheManager
 from kvxfer.cli.demo import WorkerProcess
 from kvxfer.cli.output import print_json
@@ -72,6 +78,18 @@ from kvxfer.transport.integrity import ChecksumPolicy
 from kvxfer.transport.registry import AUTO_PREFERENCE
 
 TOKENS_PER_BLOCK = 16
+HEAD_ORDERS: tuple[HeadOrder, ...] = ("HND", "NHD")
+
+
+def layout_of(layout: CacheLayoutDesc) -> dict[str, Any]:
+    """The block size and page order a worker's published layout has (one order: its pages share it)."""
+    orders = sorted({fmt.order for _, fmt in layout.formats})
+    return {"tokens_per_block": layout.tokens_per_block, "head_order": "/".join(orders)}
+
+
+def layout_name(layout: dict[str, Any]) -> str:
+    """``16 tokens/block HND``: one side's layout as the table's title names it."""
+    return f"{layout['tokens_per_block']} tokens/block {layout['head_order']}"
 
 
 def d2d_bytes_per_s(device: str) -> float:
@@ -118,16 +136,28 @@ def single_process_ttft(model: ReferenceModel, manager: KVCacheManager, tokens: 
 def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int, chunk: int,
         model_name: str = "tiny", on_row: Callable[[dict[str, Any]], None] | None = None,
         checksum: ChecksumPolicy | None = None, kv_positions: int = DEFAULT_POSITIONS,
-        device: str = "cpu", switch_interval_ms: float = 0.5, prepare_writes: bool = True) -> dict[str, Any]:
+        device: str = "cpu", switch_interval_ms: float = 0.5, prepare_writes: bool = True,
+        tokens_per_block: int = TOKENS_PER_BLOCK, head_order: HeadOrder = "HND",
+        decode_tokens_per_block: int | None = None, decode_head_order: HeadOrder | None = None) -> dict[str, Any]:
     """Measure every length; returns the rows and the set-up (``on_row`` sees each row as it is done;
     ``checksum``: decode verifies every request's pages, so TTFT and arrival include digest and check;
-    ``switch_interval_ms``: the GIL switch interval of both processes, as ``kvxfer serve`` takes it)."""
+    ``switch_interval_ms``: the GIL switch interval of both processes, as ``kvxfer serve`` takes it;
+    ``tokens_per_block``/``head_order``: prefill's and the baseline's cache layout, ``decode_*``: decode's,
+    None: prefill's)."""
+    d_tpb = tokens_per_block if decode_tokens_per_block is None else decode_tokens_per_block
+    d_order = head_order if decode_head_order is None else decode_head_order
+    for name, tpb, order in (("", tokens_per_block, head_order), ("decode_", d_tpb, d_order)):
+        if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb <= 0:
+            raise ConfigError(f"bench e2e: {name}tokens_per_block must be an int > 0, got {tpb!r}")
+        if order not in HEAD_ORDERS:
+            raise ConfigError(f"bench e2e: {name}head_order must be one of {HEAD_ORDERS}, got {order!r}")
     torch.set_num_threads(1)
     sys.setswitchinterval(switch_interval_ms / 1e3)
     logging.getLogger("kvxfer").setLevel(logging.ERROR)
     backend = best_backend() if backend == "auto" else backend
     cfg = preset(model_name)
-    blocks = -(-max(lengths) // TOKENS_PER_BLOCK) + 64
+    blocks = -(-max(lengths) // tokens_per_block) + 64
+    d_blocks = -(-max(lengths) // d_tpb) + 64   # decode holds the same tokens in its own block size
     secret = secrets.token_hex(32)
     env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     d2d = d2d_bytes_per_s(device)
@@ -137,7 +167,8 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
         loading = pool.submit(ReferenceModel, cfg, device)
         try:
             prefill = WorkerProcess(["prefill", "--backend", backend, "--model", model_name, "--device", device,
-                                     "--blocks", str(blocks), "--tokens-per-block", str(TOKENS_PER_BLOCK),
+                                     "--blocks", str(blocks), "--tokens-per-block", str(tokens_per_block),
+                                     "--head-order", head_order,
                                      "--chunk-size", str(chunk), "--name", f"bench-prefill-{os.getpid()}",
                                      "--switch-interval-ms", str(switch_interval_ms),
                                      *([] if prepare_writes else ["--no-prepare-writes"])],
@@ -145,14 +176,23 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
         finally:
             ref_model = loading.result()
     rows: list[dict[str, Any]] = []
+    layouts: dict[str, dict[str, Any]] = {}
     rng = np.random.default_rng(0)
     try:
-        dcfg = WorkerConfig(f"bench-decode-{os.getpid()}", cfg, TOKENS_PER_BLOCK, blocks, backend=backend,
+        dcfg = WorkerConfig(f"bench-decode-{os.getpid()}", cfg, d_tpb, d_blocks, head_order=d_order, backend=backend,
                             deadline_s=600.0, lease_s=600.0, checksum=checksum, device=device)
-        ref_manager = KVCacheManager(cfg.cache_config(TOKENS_PER_BLOCK, blocks, device))   # as the workers
+        ref_manager = KVCacheManager(cfg.cache_config(tokens_per_block, blocks, device,   # as the prefill worker
+                                                      head_order=head_order))
         with DecodeWorker(dcfg, secret, prefill=prefill.address, mode=mode, layerwise=layerwise,
                           model=ref_model) as decode:
             decode.generate(rng.integers(0, cfg.vocab_size, min(lengths)), 1)           # warm-up (connections)
+            # The layouts the two sides run with, as decode's handshake with prefill saw them.
+            layouts = {"prefill_layout": layout_of(next(iter(decode.peers)).layouts[0]),
+                       "decode_layout": layout_of(decode.layouts[0])}
+            asked = {"prefill_layout": {"tokens_per_block": tokens_per_block, "head_order": head_order},
+                     "decode_layout": {"tokens_per_block": d_tpb, "head_order": d_order}}
+            if layouts != asked:
+                raise ConfigError(f"bench e2e: the workers run with layouts {layouts}, not the {asked} asked for")
             single_process_ttft(ref_model, ref_manager, rng.integers(0, cfg.vocab_size, min(lengths)), chunk)
             tolerance = TOLERANCE.get(cfg.dtype, 3e-2)
             for n in lengths:
@@ -226,7 +266,8 @@ def run(lengths: list[int], backend: str, mode: str, layerwise: bool, iters: int
         prefill.stop()
     return {"backend": backend, "mode": mode, "layerwise": layerwise, "model": model_name, "iters": iters,
             "device": device, "d2d_gbps": d2d / 1e9,
-            "chunk_size": chunk, "tokens_per_block": TOKENS_PER_BLOCK, "switch_interval_ms": switch_interval_ms,
+            "chunk_size": chunk, "tokens_per_block": tokens_per_block, "switch_interval_ms": switch_interval_ms,
+            **layouts,   # the baseline uses prefill's; decode's KV is compared with it by logical position
             "prepare_writes": prepare_writes, "rows": rows,
             "checksum": "off" if checksum is None else checksum.describe(),
             "verified": all(r["verified"] for r in rows), "kv_positions": kv_positions,
@@ -262,11 +303,15 @@ def format_row(r: dict[str, Any]) -> str:
 def print_table(result: dict[str, Any]) -> None:
     """The figures as a plain table."""
     d2d = f" (D2D {result['d2d_gbps']:.0f} GB/s)" if result.get("d2d_gbps") else ""
+    layouts = ""
+    if "prefill_layout" in result:
+        layouts = (f", prefill {layout_name(result['prefill_layout'])} -> decode "
+                   f"{layout_name(result['decode_layout'])}")
     print(f"kvxfer bench e2e: model {result['model']} on {result.get('device', 'cpu')}{d2d}, "
           f"{result['backend']} {result['mode']}"
           f"{' layer-wise' if result['layerwise'] else ''}, chunk {result['chunk_size']}, median of {result['iters']}, "
-          f"checksum {result.get('checksum', 'off')}; ratio = of the medians, paired = median of each iteration's; "
-          f"* after prefill = overhead (prefill reported no clock)")
+          f"checksum {result.get('checksum', 'off')}{layouts}; ratio = of the medians, paired = median of each "
+          f"iteration's; * after prefill = overhead (prefill reported no clock)")
     print(HEADER)
     for r in result["rows"]:
         print(format_row(r))
@@ -293,6 +338,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the GIL switch interval of both processes (kvxfer serve's, default 0.5)")
     ap.add_argument("--no-prepare-writes", action="store_true",
                     help="the prefill process writes its plan at the compute's end (no Transport.prepare): the A/B")
+    ap.add_argument("--tokens-per-block", type=int, default=TOKENS_PER_BLOCK,
+                    help="prefill's (and the one-process baseline's) cache block size in tokens")
+    ap.add_argument("--head-order", choices=HEAD_ORDERS, default="HND",
+                    help="prefill's (and the baseline's) page order: HND (heads outside tokens) or NHD")
+    ap.add_argument("--decode-tokens-per-block", type=int, default=None, metavar="N",
+                    help="decode's cache block size in tokens (default: prefill's); the transfers re-block")
+    ap.add_argument("--decode-head-order", choices=HEAD_ORDERS, default=None,
+                    help="decode's page order (default: prefill's); the other order transposes heads and tokens")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     a = ap.parse_args(argv)
@@ -304,12 +357,19 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("--lengths must be >= 1 each and --iters >= 1")
     if a.kv_positions < 1:
         raise ConfigError("--kv-positions must be >= 1")
+    for flag, tpb in (("--tokens-per-block", a.tokens_per_block), ("--decode-tokens-per-block",
+                                                                  a.decode_tokens_per_block)):
+        if tpb is not None and tpb < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {tpb}")
     if not 0 < a.switch_interval_ms <= 100:
         raise ConfigError(f"--switch-interval-ms must be in (0, 100], got {a.switch_interval_ms}")
     print(HEADER, file=sys.stderr, flush=True)   # each row on stderr as it is measured: a run cut short keeps them
     result = run(lengths, a.backend, a.mode, a.layerwise, a.iters, a.chunk_size, checksum=a.checksum,
                  kv_positions=a.kv_positions, model_name=a.model, device=a.device,
-                 switch_interval_ms=a.switch_interval_ms, prepare_writes=not a.no_prepare_writes, on_row=lambda r: print(format_row(r), file=sys.stderr, flush=True))
+                 switch_interval_ms=a.switch_interval_ms, prepare_writes=not a.no_prepare_writes,
+                 tokens_per_block=a.tokens_per_block, head_order=a.head_order,
+                 decode_tokens_per_block=a.decode_tokens_per_block, decode_head_order=a.decode_head_order,
+                 on_row=lambda r: print(format_row(r), file=sys.stderr, flush=True))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2))
