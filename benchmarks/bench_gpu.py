@@ -43,7 +43,7 @@ import torch
 from kvxfer.cache import BufferId, CacheConfig, CacheLayoutDesc, KVCacheManager
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.extractor import plan_blocks, plan_templated, plan_transfer
-from kvxfer.pagetable import BlockPlan, PageTable, TransferPlan
+from kvxfer.pagetable import BlockPlan, PageTable, PhasedPlan, TransferPlan
 from kvxfer.pagetable.relayout import landing_plan
 from kvxfer.transport import create
 from kvxfer.transport import nixl as nixl_backend
@@ -417,7 +417,7 @@ class Bench:
             self._tick.add_(1)
             sync(self.device)
 
-    def backend_post(self, backend: str, mode: str, plans: list[TransferPlan] | list[BlockPlan]) -> Any:
+    def backend_post(self, backend: str, mode: str, plans: list[TransferPlan] | list[BlockPlan] | list[PhasedPlan]) -> Any:
         t = self.ts[backend]
         op, peer = (t.write if mode == "push" else t.read), f"{PEER}-{backend}"
 
@@ -569,8 +569,8 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
 
 
 def templated_plans(bench: Bench, mode: str, pairs: tuple[tuple[str, str], ...],
-                    blk: dict[str, np.ndarray]) -> tuple[list[BlockPlan], float]:
-    """``plan_templated`` of each (source, destination) pair (push: local sources to the peer's managers;
+                    blk: dict[str, np.ndarray]) -> tuple[list[PhasedPlan], float]:
+    """``plan_templated`` of each (source, destination) pair as one PhasedPlan (what the workers post) (push: local sources to the peer's managers;
     pull: the peer's sources to local managers), region ids shifted into the registered list; and the
     planning time in ms (the layout pairs' templates made by a first, untimed call)."""
     out, ms = [], 0.0
@@ -583,7 +583,7 @@ def templated_plans(bench: Bench, mode: str, pairs: tuple[tuple[str, str], ...],
         ms += (time.perf_counter() - t0) * 1e3
         if phases is None:
             raise RuntimeError(f"plan_templated gave no plan for {mode} {sn} -> {dn}")
-        out += [p.shift_regions(bench.offsets[sn], bench.offsets[dn]) for p in phases]
+        out.append(PhasedPlan(tuple(p.shift_regions(bench.offsets[sn], bench.offsets[dn]) for p in phases)))
     return out, ms
 
 

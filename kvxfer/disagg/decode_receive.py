@@ -20,7 +20,7 @@ from kvxfer.disagg.decode_requests import DecodeRequests
 from kvxfer.disagg.messages import ControlMessage, KvFailed, KvPosted, KvPull, KvPushed, KvRelease, LeaseRenew
 from kvxfer.disagg.oracle import PromptKV, positions_within, read_prompt_kv
 from kvxfer.disagg.session import SessionState
-from kvxfer.disagg.worker import WorkerConfig, now, plan_phased, send_quietly
+from kvxfer.disagg.worker import WorkerConfig, now, phased_min_runs, plan_phased, send_quietly
 from kvxfer.disagg.worker_protocol import NOTICE_MAGIC, decode_block_ids, decode_notice, is_prefill_shutdown
 from kvxfer.errors import (
     DecodeError,
@@ -115,7 +115,8 @@ class DecodeReceive:
         try:
             plan = plan_phased(job.src_layouts, src_ids, self.layouts, job.caches,
                                token_range=(job.skip, int(job.tokens.size)), request_id=rid,
-                               planner=self.config.planner, templates=job.templates)
+                               planner=self.config.planner, templates=job.templates,
+                               min_runs=phased_min_runs(self.transport))
             # Never read into a page we share (a phased plan: checked on its templates, not run by run).
             if isinstance(plan, PhasedPlan):
                 check_writable_phased(plan, self.layouts, job.caches)

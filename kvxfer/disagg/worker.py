@@ -200,17 +200,25 @@ PHASED_MIN_RUNS = 1 << 16
 def plan_phased(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Any],
                 dst_layouts: Sequence[CacheLayoutDesc], dst_ids: Sequence[Any], *,
                 token_range: tuple[int, int], layers: Sequence[int] | None = None, request_id: str = "",
-                planner: Planner | None = None, templates: TemplateCache | None = None) -> TransferPlan | PhasedPlan:
+                planner: Planner | None = None, templates: TemplateCache | None = None,
+                min_runs: int = PHASED_MIN_RUNS) -> TransferPlan | PhasedPlan:
     """``plan_between``, except that where a rank pair's layouts differ (and no ``planner`` is set) a plan
-    of more than ``PHASED_MIN_RUNS`` runs is its phases (``multirank.plan_phased``: no expansion; the
-    transport posts it as one transfer and ``check_writable_phased`` checks it)."""
+    of more than ``min_runs`` runs is its phases (``multirank.plan_phased``: no expansion; the transport
+    posts it as one transfer and ``check_writable_phased`` checks it). ``phased_min_runs(transport)`` is
+    the workers' ``min_runs``."""
     if planner is None and templates is not None and \
             any(s.fingerprint != d.fingerprint for s in src_layouts for d in dst_layouts):
         phased = multirank.plan_phased(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range,
                                        layers=layers, templates=templates)
-        return phased if len(phased) > PHASED_MIN_RUNS else phased.expand()
+        return phased if len(phased) > min_runs else phased.expand()
     return plan_between(src_layouts, src_ids, dst_layouts, dst_ids, token_range=token_range, layers=layers,
                         request_id=request_id, planner=planner, templates=templates)
+
+
+def phased_min_runs(transport: Transport) -> int:
+    """Above how many runs a worker hands ``transport`` a differing-layout plan as phases: always where the
+    transport forms the runs on the device (``posts_templates``), else above ``PHASED_MIN_RUNS``."""
+    return 0 if transport.posts_templates else PHASED_MIN_RUNS
 
 
 #: Run templates a worker keeps per peer: (its ranks x the peer's) pairs x layer groups sent x segment shapes.

@@ -71,7 +71,7 @@ from kvxfer.disagg.worker import (
     make_transport,
     now,
     peer_templates,
-    plan_between,
+    phased_min_runs,
     plan_phased,
     release_managers,
     resume_ranks,
@@ -100,7 +100,7 @@ from kvxfer.errors import (
 )
 from kvxfer.extractor import TemplateCache
 from kvxfer.model import Model, greedy
-from kvxfer.pagetable import TransferPlan
+from kvxfer.pagetable import PhasedPlan, TransferPlan
 from kvxfer.transport import PreparedTransfer, TransferHandle, TransferStatus, Transport
 from kvxfer.transport.integrity import ChecksumPolicy, digest_kv
 
@@ -185,7 +185,7 @@ class _Job:
     """The digest of the source pages, once taken (``kv_posted`` and ``kv_pushed`` carry the same)."""
     reserved: bool = False
     """Push, one write: the compute thread holds every page of the prompt (``_on_reserved``)."""
-    early_plan: tuple[BlockIdMaps, TransferPlan] | None = None
+    early_plan: tuple[BlockIdMaps, TransferPlan | PhasedPlan] | None = None
     """Push, not layer-wise: the write's plan, built while the compute ran (decode's ``kv_blocks`` came
     then), with the source ids it read (pinned then, in ``pins``); the post uses it when they are still
     the ids (``reusable_plan``)."""
@@ -501,7 +501,8 @@ class PrefillWorker(WorkerBase):
                 job.posted_at = now()
             plan = plan_phased(self.layouts, job.src_ids, self._peer_layouts[job.peer], job.dst_ids,
                                token_range=job.span, layers=job.groups[layer], request_id=job.request_id,
-                               planner=self.config.planner, templates=self._peer_templates.get(job.peer))
+                               planner=self.config.planner, templates=self._peer_templates.get(job.peer),
+                               min_runs=phased_min_runs(self.transport))
             job.parts += 1
             self._check_may_write(job)
             job.last_posted = now()
@@ -562,9 +563,10 @@ class PrefillWorker(WorkerBase):
                     if prepared is not None:
                         prepared.release()
                         prepared = None
-                    plan = plan_between(self.layouts, src_ids, self._peer_layouts[job.peer], job.dst_ids,
-                                        token_range=job.span, request_id=job.request_id,
-                                        planner=self.config.planner, templates=self._peer_templates.get(job.peer))
+                    plan = plan_phased(self.layouts, src_ids, self._peer_layouts[job.peer], job.dst_ids,
+                                       token_range=job.span, request_id=job.request_id,
+                                       planner=self.config.planner, templates=self._peer_templates.get(job.peer),
+                                       min_runs=phased_min_runs(self.transport))
                 self._check_may_write(job)
                 job.session.start_transfer("write posted")
                 job.posted_at = now()
@@ -651,9 +653,9 @@ class PrefillWorker(WorkerBase):
             job.pins.append(pin)
             ids.append({g: np.asarray(x, dtype=np.int64) for g, x in rank_ids.items()})
         try:
-            plan = plan_between(self.layouts, ids, self._peer_layouts[job.peer], job.dst_ids, token_range=job.span,
-                                request_id=job.request_id, planner=self.config.planner,
-                                templates=self._peer_templates.get(job.peer))
+            plan = plan_phased(self.layouts, ids, self._peer_layouts[job.peer], job.dst_ids, token_range=job.span,
+                               request_id=job.request_id, planner=self.config.planner,
+                               templates=self._peer_templates.get(job.peer), min_runs=phased_min_runs(self.transport))
         except KvxferError as exc:   # the post plans (and pins) again, and reports what is wrong
             log.debug("%s: request %s: no early plan: %s", self.config.name, job.request_id, exc)
             return
@@ -856,7 +858,8 @@ def check_prefill_move(request_id: str, old: PrefillState, new: PrefillState) ->
     check_transition(PREFILL_TRANSITIONS, "prefill", request_id, old, new)
 
 
-def reusable_plan(early: tuple[BlockIdMaps, TransferPlan] | None, src_ids: BlockIdMaps) -> TransferPlan | None:
+def reusable_plan(early: tuple[BlockIdMaps, TransferPlan | PhasedPlan] | None,
+                  src_ids: BlockIdMaps) -> TransferPlan | PhasedPlan | None:
     """The early plan when the source ids it was built from are exactly ``src_ids`` (every rank, every
     layer group), else None: the pages it would read are no longer the request's."""
     if early is None:

@@ -31,6 +31,10 @@ class Transport(ABC):
     """Moves the bytes of TransferPlans between registered memory of this endpoint and its peers."""
 
     backend: ClassVar[str]
+    #: The backend forms a BlockPlan's or PhasedPlan's runs on the device, so its host work per post is
+    #: O(blocks + template) however finely two layouts cut the bytes: planners give it templated plans at
+    #: any size (other backends pay per descriptor, and get them only where the expansion is large).
+    posts_templates: ClassVar[bool] = False
 
     def __init__(self, name: str) -> None:
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not _NAME_RE.match(name):
@@ -131,9 +135,9 @@ class Transport(ABC):
             self._check_block_plan(op, peer, plan, md)
         else:
             self._check_plan(op, peer, plan, md)
-        # A PhasedPlan is prepared as its expansion (a backend's per-plan work takes one plan).
+        # A PhasedPlan is prepared as its expansion, except by a backend that forms its runs on the device.
         return PreparedTransfer(self, op, peer, md, plan, self._backend_prepare(
-            op, peer, plan.expand() if isinstance(plan, PhasedPlan) else plan))
+            op, peer, plan.expand() if isinstance(plan, PhasedPlan) and not self.posts_templates else plan))
 
     def notifications(self) -> dict[str, list[bytes]]:
         """Messages received since the last call, per sending peer, each delivered exactly once."""
@@ -342,7 +346,7 @@ class Transport(ABC):
         after every phase), or None (the default): the caller checks the plan and posts its expansion."""
         return None
 
-    def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan) -> object | None:
+    def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan | PhasedPlan) -> object | None:
         """The backend's per-plan work for ``prepare`` on a checked plan (kept as the PreparedTransfer's
         ``backend_state`` and given back to ``_backend_post_prepared``); None (the default): posts go
         through ``_backend_post_blocks``/``_backend_post`` without checking the plan again."""

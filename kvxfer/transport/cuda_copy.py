@@ -750,13 +750,20 @@ class BatchedCopier:
         one launch of ``copy_block_runs``, which forms every run's addresses on the GPU; otherwise as
         ``copy`` (the ``remote_src`` side translated through ``peer``, every run bounded to its regions of
         ``peer`` and ``local``, the event recorded after the copies). Method "kernel" only."""
+        return self.copy_phases([plan], peer, remote_src, local, after_model=after_model)
+
+    def copy_phases(self, plans: list[BlockPlan], peer: RegionTable, remote_src: bool, local: RegionTable | None = None,
+                    *, after_model: bool = True) -> torch.cuda.Event:
+        """``copy_blocks`` of several block plans (a ``PhasedPlan``'s phases) as one copy: their launches queued
+        back to back on the copier's stream under one lock, one event recorded after the last."""
         if not self.block_kernel_ready():
             raise TransferFailed(f"block plans need the block copy kernel (Triton), which is not available here "
                                  f"(method {self.method!r}; see the log)")
         def enqueue() -> None:
-            if len(plan):
-                self._run_block_kernel(plan, peer, remote_src, local if local is not None else self._local,
-                                       local_regions=local is not None)
+            for plan in plans:
+                if len(plan):
+                    self._run_block_kernel(plan, peer, remote_src, local if local is not None else self._local,
+                                           local_regions=local is not None)
         return self._ordered(enqueue, after_model)
 
     def _ordered(self, enqueue: Any, after_model: bool) -> torch.cuda.Event:
@@ -821,6 +828,16 @@ class BatchedCopier:
             launch, grid, args, _ = self._blocks_launch(packed, addr, peer, local_table, remote_src)
         return PreparedCopy("blocks", plan.total_bytes, len(plan), self._bound(
             launch, grid, args, lambda: self._launch_blocks(packed, addr, peer, local_table, remote_src)), table)
+
+    def prepare_phases(self, plans: list[BlockPlan], peer: RegionTable, remote_src: bool,
+                       local: RegionTable | None = None) -> PreparedCopy:
+        """``prepare_blocks`` of each plan (a ``PhasedPlan``'s phases), launched back to back as one copy."""
+        parts = [self.prepare_blocks(p, peer, remote_src, local) for p in plans]
+
+        def enqueue() -> None:
+            for part in parts:   # the parts hold their device tables
+                part.enqueue()
+        return PreparedCopy("blocks", sum(p.nbytes for p in parts), sum(p.runs for p in parts), enqueue)
 
     def _bound(self, launch: Any, grid: tuple[int, int], args: tuple[int, ...], fallback: Any) -> Any:
         """A prepared copy's launch: the driver launch with its arguments bound now (``_BoundLaunch``), or

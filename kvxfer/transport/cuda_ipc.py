@@ -39,7 +39,7 @@ from kvxfer.errors import (
     TransferFailed,
     TransportError,
 )
-from kvxfer.pagetable import BlockPlan, TransferPlan
+from kvxfer.pagetable import BlockPlan, PhasedPlan, TransferPlan
 from kvxfer.transport.base import Op, Transport
 from kvxfer.transport.handle import TransferHandle, TransferStatus
 from kvxfer.transport.metadata import TransportMetadata
@@ -76,6 +76,7 @@ class CudaIpcTransport(Transport):
     """Intra-node transport over CUDA IPC; every registered region must be device memory."""
 
     backend = "cuda_ipc"
+    posts_templates = True
 
     def __init__(self, name: str, *, device_id: int | None = None, method: str = "auto") -> None:
         super().__init__(name)
@@ -200,13 +201,27 @@ class CudaIpcTransport(Transport):
         runs while it copies, as for a run list; the post's host work is O(blocks + template). Without the
         kernel, or for a plan of a few runs (one block: ``cuMemcpyAsync`` per run starts sooner than any
         launch): None (its expansion is checked and posted)."""
-        if not self._bounded_on_device(peer, len(plan)) or not self._copier.block_kernel_ready():
+        return self._post_templates(op, peer, [plan], notify, transfer_id, check, settled)
+
+    def _backend_post_phases(self, op: Op, peer: str, plan: PhasedPlan, notify: bytes | None, transfer_id: int,
+                             check: Callable[[], None], *, settled: bool = False) -> TransferHandle | None:
+        """A PhasedPlan as one copy: each phase's slots and template uploaded and its kernel launched, back to
+        back on the copier's stream, one event after the last (``_backend_post_blocks`` per phase, one handle
+        and notification for all)."""
+        return self._post_templates(op, peer, [p for p in plan.phases if len(p)], notify, transfer_id, check,
+                                    settled)
+
+    def _post_templates(self, op: Op, peer: str, plans: list[BlockPlan], notify: bytes | None, transfer_id: int,
+                        check: Callable[[], None], settled: bool) -> TransferHandle | None:
+        """Block plans through the block kernels, ``check`` run while they copy; None where the kernel does not
+        take them (no bounds on the device, a plan of a few runs, no Triton)."""
+        if not self._bounded_on_device(peer, sum(len(p) for p in plans)) or not self._copier.block_kernel_ready():
             return None
         local_table = self._local_table
 
         def enqueue(table: Any, after_model: bool) -> Any:
-            return self._copier.copy_blocks(plan, table, op == "read", local_table, after_model=after_model)
-        handle = self._enqueue(op, peer, plan.total_bytes, enqueue, notify, transfer_id, settled)
+            return self._copier.copy_phases(plans, table, op == "read", local_table, after_model=after_model)
+        handle = self._enqueue(op, peer, sum(p.total_bytes for p in plans), enqueue, notify, transfer_id, settled)
         return self._notifying(self._checked(handle, check), notify, settled)
 
     def _bounded_on_device(self, peer: str, runs: int) -> bool:
@@ -229,12 +244,18 @@ class CudaIpcTransport(Transport):
             raise
         return handle
 
-    def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan) -> Any:
+    def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan | PhasedPlan) -> Any:
         """The plan's kernel table packed and uploaded once into a device buffer of its own (a block plan's
-        slots and template where the block kernel runs), or its direct copies' addresses translated."""
+        slots and template where the block kernel runs, each phase's for a phased plan), or its direct
+        copies' addresses translated."""
         table = self._peer_tables.get(peer)
         if table is None:
             raise PeerUnreachable(f"cuda_ipc {self.name!r}: peer {peer!r} is not mapped")
+        if isinstance(plan, PhasedPlan):
+            phases = [p for p in plan.phases if len(p)]
+            if self._bounded_on_device(peer, len(plan)) and self._copier.block_kernel_ready():
+                return _Prepared(table, self._copier.prepare_phases(phases, table, op == "read", self._local_table))
+            plan = plan.expand()
         if isinstance(plan, BlockPlan):
             if self._bounded_on_device(peer, len(plan)) and self._copier.block_kernel_ready():
                 return _Prepared(table, self._copier.prepare_blocks(plan, table, op == "read", self._local_table))

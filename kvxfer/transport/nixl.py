@@ -759,9 +759,12 @@ class NixlTransport(Transport):
                            f"descriptors: {exc!r}", exc)
         return self._start(op, peer, plan.total_bytes, requests, notify, transfer_id, per_post_notify=False)
 
-    def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan) -> Any:
+    def _backend_prepare(self, op: Op, peer: str, plan: TransferPlan | BlockPlan | PhasedPlan) -> Any:
         """The plan's NIXL requests, made once (indices into the prepared grids) and reposted by each post
-        with that post's notification, as NIXL's prepared transfers are meant to be used."""
+        with that post's notification, as NIXL's prepared transfers are meant to be used (a phased plan as
+        its expansion: ``prepare`` hands this backend none)."""
+        if isinstance(plan, PhasedPlan):
+            plan = plan.expand()
         if isinstance(plan, BlockPlan):
             plan = plan.expand()
         if not len(plan):

@@ -131,8 +131,9 @@ def test_prefix_hit_on_decode_moves_only_missing_tokens(prefill: PrefillWorker) 
 
 
 @pytest.mark.parametrize("phased", [False, True])
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_heterogeneous_tp_block_size_and_head_order(mode: str, phased: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("mode", "layerwise"), [("push", True), ("push", False), ("pull", False)])
+def test_heterogeneous_tp_block_size_and_head_order(mode: str, layerwise: bool, phased: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """One prefill rank (16 tokens/block, HND) feeds two decode ranks (8 tokens/block, NHD, one KV head each):
     the side that plans (prefill pushing, decode pulling) plans from the run templates it keeps for that
     peer: the first request makes them, the next reuse them (making only those of their own prompt-tail
@@ -142,7 +143,7 @@ def test_heterogeneous_tp_block_size_and_head_order(mode: str, phased: bool, mon
         monkeypatch.setattr(worker_module, "PHASED_MIN_RUNS", 0)
     with PrefillWorker(WorkerConfig(name("prefill")), SECRET) as prefill, \
             DecodeWorker(WorkerConfig(name("decode"), tokens_per_block=8, head_order="NHD", tp_size=2), SECRET,
-                         prefill=prefill.address, mode=mode, layerwise=mode == "push") as decode:
+                         prefill=prefill.address, mode=mode, layerwise=layerwise) as decode:
         caches = list(prefill._peer_templates.values()) if mode == "push" else \
             [p.templates for p in decode.peers]
         kept = []
