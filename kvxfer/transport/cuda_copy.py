@@ -633,6 +633,12 @@ class BatchedCopier:
         if self.method == "kernel":
             self._warm_up()
 
+    @property
+    def local_table(self) -> RegionTable:
+        """The one-region, unbounded table of this process's own memory: copies whose plans were checked
+        against the registered regions already (a re-layout inside this process)."""
+        return self._local
+
     def _warm_up(self) -> None:
         """Compile the kernel variants now (Triton compiles on first launch: ~0.5 s that would otherwise
         land on the first transfer of a request) and check their copies; a driver launch that copies
@@ -1085,3 +1091,17 @@ class BatchedCopier:
                          idx.ctypes.data, 1, self._stream_handle)
         if rc != 0:
             raise TransferFailed(f"cuMemcpyBatchAsync of {d.size} copies failed with CUresult {rc}")
+
+
+_local_copiers: dict[int, BatchedCopier] = {}
+_local_copiers_lock = threading.Lock()
+
+
+def local_copier(device_id: int) -> BatchedCopier:
+    """One ``BatchedCopier`` per device for copies inside this process (re-layouts of landed bytes), made on
+    first use (its kernels compiled then) and kept for the process's life, as its streams are."""
+    with _local_copiers_lock:
+        copier = _local_copiers.get(device_id)
+        if copier is None:
+            copier = _local_copiers[device_id] = BatchedCopier(device_id)
+        return copier

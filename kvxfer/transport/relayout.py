@@ -10,8 +10,9 @@ import contextlib
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
-from kvxfer.errors import TransportError
+from kvxfer.errors import BackendUnavailable, TransportError
 from kvxfer.pagetable import BlockPlan, TransferPlan
 from kvxfer.pagetable.relayout import LandingPlan, relayout_host, relayout_torch
 from kvxfer.transport.base import Transport
@@ -58,16 +59,35 @@ class RelayoutHandle(TransferHandle):
 
 def _place(transport: Transport, plans: Sequence[BlockPlan]) -> None:
     """Run re-layout ``plans`` on ``transport``'s registered memory (landing region -> the pages): by the GPU
-    for device pools (``relayout_torch``, synchronized), else on the host (``relayout_host``)."""
+    for device pools, done once it has (the block copy kernels of ``cuda_copy`` where they run: O(blocks +
+    template) host work, one launch per plan; else ``relayout_torch``), else on the host (``relayout_host``)."""
     regions = transport.regions
     devices = {regions[int(r)].device_id for p in plans for r in p.dst_region if regions[int(r)].memory_kind == "cuda"}
-    if devices:   # device pools: the GPU re-lays them out; done once it has
-        import torch
-        relayout_torch(plans, regions, regions)
-        for d in devices:
-            torch.cuda.synchronize(d)
-    else:
+    if not devices:
         relayout_host(plans, regions, regions)
+        return
+    import torch
+    if len(devices) == 1:
+        copier = _device_copier(next(iter(devices)))
+        if copier is not None:
+            for p in plans:          # checked here: the copier's local table does not bound the runs
+                p.validate(regions, regions)
+            copier.copy_phases(list(plans), copier.local_table, False).synchronize()
+            return
+    relayout_torch(plans, regions, regions)
+    for d in devices:
+        torch.cuda.synchronize(d)
+
+
+def _device_copier(device_id: int) -> Any:
+    """The process's local block copier of ``device_id`` (``cuda_copy.local_copier``), or None where the block
+    kernels do not run (no cuda-python or Triton, or their check copy failed)."""
+    try:
+        from kvxfer.transport import cuda_copy
+    except BackendUnavailable:
+        return None
+    copier = cuda_copy.local_copier(device_id)
+    return copier if copier.block_kernel_ready() else None
 
 
 class PipelinedRelayoutHandle(TransferHandle):

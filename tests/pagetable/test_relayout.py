@@ -249,9 +249,12 @@ def test_the_torch_relayout_puts_every_cell_in_place_like_the_host_one(src_chang
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("src_changes", "dst_changes"), CHANGES, ids=IDS)
-def test_the_gpu_relayout_puts_every_cell_in_place(src_changes: dict[str, Any], dst_changes: dict[str, Any]) -> None:
+@pytest.mark.parametrize("how", ["torch", "block kernels"])
+def test_the_gpu_relayout_puts_every_cell_in_place(src_changes: dict[str, Any], dst_changes: dict[str, Any],
+                                                   how: str) -> None:
     """The landing region and the destination pools on the GPU: ``relayout_torch`` gathers and scatters
-    there; copied back, every cell is where the position oracle says."""
+    there, or cuda_copy's block kernels copy the re-layout plans (what a landing read's completion runs);
+    copied back, every cell is where the position oracle says."""
     rng = np.random.default_rng(10)
     src, dst = pair_of_sides(rng, src_changes, dst_changes)
     phases = plan_templated(src.layout, src.ids, dst.layout, dst.ids)
@@ -273,7 +276,13 @@ def test_the_gpu_relayout_puts_every_cell_in_place(src_changes: dict[str, Any], 
         moved.append(BlockPlan(p.src_slots, p.dst_slots, p.src_step, p.src_offset + shift_src, p.dst_step,
                                (p.dst_offset.astype(np.int64) + d_shift).astype(np.uint64), p.nbytes,
                                p.src_region, p.dst_region))
-    relayout_torch(moved, [landing], gpu_regions)
+    if how == "torch":
+        relayout_torch(moved, [landing], gpu_regions)
+    else:
+        cuda_copy = pytest.importorskip("kvxfer.transport.cuda_copy", reason="needs cuda-python")
+        copier = cuda_copy.local_copier(torch.cuda.current_device())
+        assert copier.block_kernel_ready(), "the block kernels failed their check copy (see the log)"
+        copier.copy_phases(moved, copier.local_table, False).synchronize()
     torch.cuda.synchronize()
     for host, dev in zip(dst.pools(), pools, strict=True):
         host[:] = dev.cpu().numpy()
