@@ -7,10 +7,13 @@ completion never shows it half placed. A failed or cancelled read leaves the des
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from kvxfer.errors import BackendUnavailable, TransportError
 from kvxfer.pagetable import BlockPlan, TransferPlan
@@ -41,7 +44,7 @@ class RelayoutHandle(TransferHandle):
                              self._read._error_type)
                 return
             try:
-                _place(self._transport, self._landing.relayout)
+                relayout_landed(self._transport, self._landing.relayout)
             except Exception as exc:
                 self._finish(TransferStatus.FAILED, f"the re-layout failed: {exc!r}")
                 return
@@ -57,7 +60,7 @@ class RelayoutHandle(TransferHandle):
         self._raise_unless_done(timeout)
 
 
-def _place(transport: Transport, plans: Sequence[BlockPlan]) -> None:
+def relayout_landed(transport: Transport, plans: Sequence[BlockPlan]) -> None:
     """Run re-layout ``plans`` on ``transport``'s registered memory (landing region -> the pages): by the GPU
     for device pools, done once it has (the block copy kernels of ``cuda_copy`` where they run: O(blocks +
     template) host work, one launch per plan; else ``relayout_torch``), else on the host (``relayout_host``)."""
@@ -72,7 +75,10 @@ def _place(transport: Transport, plans: Sequence[BlockPlan]) -> None:
         if copier is not None:
             for p in plans:          # checked here: the copier's local table does not bound the runs
                 p.validate(regions, regions)
-            copier.copy_phases(list(plans), copier.local_table, False).synchronize()
+            # Its one region stands for every registered one: the plans' region ids are for the check above.
+            local = [dataclasses.replace(p, src_region=np.zeros_like(p.src_region),
+                                         dst_region=np.zeros_like(p.dst_region)) for p in plans]
+            copier.copy_phases(local, copier.local_table, False).synchronize()
             return
     relayout_torch(plans, regions, regions)
     for d in devices:
@@ -140,7 +146,7 @@ class PipelinedRelayoutHandle(TransferHandle):
                         return
                     self._next += 1
                 try:
-                    _place(self._transport, placed)
+                    relayout_landed(self._transport, placed)
                 except Exception as exc:
                     if self._read is not None:
                         self._read.cancel()
@@ -197,4 +203,4 @@ def read_relayout(transport: Transport, peer: str, landing: LandingPlan, notify:
     return RelayoutHandle(transport, transport.read(peer, landing.transfer, notify), landing)
 
 
-__all__ = ["PipelinedRelayoutHandle", "RelayoutHandle", "read_relayout"]
+__all__ = ["PipelinedRelayoutHandle", "RelayoutHandle", "read_relayout", "relayout_landed"]

@@ -4,8 +4,10 @@ checked by logical position (the extractor tests' oracle, from the managers' own
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ from kvxfer.extractor import plan_templated
 from kvxfer.pagetable import BlockPlan
 from kvxfer.pagetable.relayout import landing_plan, relayout_host, relayout_torch
 from kvxfer.transport import LoopbackFaults, TransferStatus, create
-from kvxfer.transport.relayout import read_relayout
+from kvxfer.transport.relayout import read_relayout, relayout_landed
 from tests.extractor.test_plan import (
     RELATIONS,
     Side,
@@ -278,11 +280,12 @@ def test_the_gpu_relayout_puts_every_cell_in_place(src_changes: dict[str, Any], 
                                p.src_region, p.dst_region))
     if how == "torch":
         relayout_torch(moved, [landing], gpu_regions)
-    else:
-        cuda_copy = pytest.importorskip("kvxfer.transport.cuda_copy", reason="needs cuda-python")
-        copier = cuda_copy.local_copier(torch.cuda.current_device())
-        assert copier.block_kernel_ready(), "the block kernels failed their check copy (see the log)"
-        copier.copy_phases(moved, copier.local_table, False).synchronize()
+    else:   # as a landing read's completion runs it: the transport's regions, the landing region first
+        pytest.importorskip("kvxfer.transport.cuda_copy", reason="needs cuda-python")
+        registered = SimpleNamespace(regions=(landing, *gpu_regions))   # every pool's region id is >= 1
+        renumbered = [dataclasses.replace(p, src_region=np.zeros_like(p.src_region), dst_region=p.dst_region + 1)
+                      for p in moved]
+        relayout_landed(registered, renumbered)   # type: ignore[arg-type]
     torch.cuda.synchronize()
     for host, dev in zip(dst.pools(), pools, strict=True):
         host[:] = dev.cpu().numpy()
