@@ -12,9 +12,13 @@ TPB tokens per block; layer 0 full attention, layer 1 a sliding window of WINDOW
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
+import numpy as np
+
 from kvxfer.cache import (
+    BAD_PAGE_INDEX,
     AttentionLayerConfig,
     BufferConfig,
     DataRole,
@@ -23,6 +27,7 @@ from kvxfer.cache import (
     KVCacheManagerConfig,
     LayerConfig,
     LayerId,
+    PageIndexMode,
     ReuseScope,
     _introspection,
 )
@@ -192,3 +197,74 @@ def test_the_life_cycle_registry_is_a_part_of_the_manager() -> None:
     reference_name: Any = mgr._life_cycles
     assert [lc for _, lc in reference_name.items()] == [lc for _, lc in registry.items()]
     assert registry.ssm_life_cycle_id is None
+
+
+def _pages(mgr: KVCacheManager, kv: Any, layer: int, role: DataRole) -> tuple[int, int, list[int]]:
+    """(pool base address, page stride, the kv cache's page of each block) of one layer's buffer."""
+    mode = PageIndexMode.SHARED if kv.supports_index_mode(PageIndexMode.SHARED) else PageIndexMode.PER_LAYER
+    lg = mgr.get_layer_group_id(LayerId(layer))
+    convert = mgr.get_page_index_converter(LayerId(layer), role)
+    pages = convert(kv.get_base_page_indices(lg, 0), mode, kv.get_scratch_desc(lg))
+    return mgr.get_mem_pool_base_address(LayerId(layer), role, mode), mgr.get_page_stride(LayerId(layer), role), \
+        list(pages)
+
+
+def _value(layer: int, role: int, token: int, position: int) -> np.ndarray:
+    return np.full(TOKEN_BYTES // 4, (layer * 7 + role * 3 + 1) * 1_000_003 + token * 131 + position, np.int32)
+
+
+TOKEN_BYTES = 256 // TPB
+ROLES = (DataRole("key"), DataRole("value"))
+
+
+def _write(mgr: KVCacheManager, kv: Any, tokens: list[int], start: int) -> None:
+    """Each token's value of each layer and role at its position, through the published addresses."""
+    for layer in (0, 1):
+        for r, role in enumerate(ROLES):
+            pool, stride, pages = _pages(mgr, kv, layer, role)
+            for i, token in enumerate(tokens):
+                at = pool + stride * pages[(start + i) // TPB] + TOKEN_BYTES * ((start + i) % TPB)
+                ctypes.memmove(at, _value(layer, r, token, start + i).ctypes.data, TOKEN_BYTES)
+
+
+def _wrong(mgr: KVCacheManager, kv: Any, history: list[int]) -> list[tuple[int, int, int]]:
+    """(layer, role, position) of every history value the kv cache's pages do not hold (the window's only
+    for the sliding-window layer)."""
+    out = []
+    for layer in (0, 1):
+        first = 0 if layer == 0 else max(0, len(history) + 1 - WINDOW)
+        for r, role in enumerate(ROLES):
+            pool, stride, pages = _pages(mgr, kv, layer, role)
+            for pos in range(first, len(history)):
+                got = np.empty(TOKEN_BYTES // 4, np.int32)
+                if pages[pos // TPB] == BAD_PAGE_INDEX:
+                    out.append((layer, r, pos))
+                    continue
+                ctypes.memmove(got.ctypes.data, pool + stride * pages[pos // TPB] + TOKEN_BYTES * (pos % TPB), TOKEN_BYTES)
+                if not np.array_equal(got, _value(layer, r, history[pos], pos)):
+                    out.append((layer, r, pos))
+    return out
+
+
+def test_the_tail_endpoint_reused_through_a_longer_block_holds_what_was_written() -> None:
+    """A prompt ending inside a block is computed (its values written by position), a longer one through
+    that block is committed without writing, and a rewind to the first prompt's end reuses it: every
+    reused value of both layer groups (the window's for the sliding one) is the one written first."""
+    mgr = manager()
+
+    def turn_with_values(prompt: list[int], compute: bool) -> tuple[int, list[tuple[int, int, int]]]:
+        kv = mgr.create_kv_cache(None, prompt)
+        reused = kv.num_committed_tokens
+        assert kv.resume()
+        assert kv.resize(len(prompt), reused if compute else len(prompt))
+        wrong = _wrong(mgr, kv, prompt[:reused]) if compute else []
+        if compute:
+            _write(mgr, kv, prompt[reused:], reused)
+        kv.commit(prompt[reused:])
+        kv.close()
+        return reused, wrong
+
+    assert turn_with_values(BASE, True) == (0, [])
+    assert turn_with_values(EXTENDED, False)[0] == len(BASE)
+    rewind = [*BASE, *range(3000, 3000 + TPB)]
+    assert turn_with_values(rewind, True) == (len(BASE), [])
