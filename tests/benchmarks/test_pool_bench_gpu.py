@@ -16,8 +16,8 @@ def result(col: list[float], base: list[float], case: str = "identical") -> dict
 
 
 def test_runs_pool_by_position_and_pair_by_iteration() -> None:
-    # run 1: the machine was slow for both columns (the column 2x faster than the baseline, iteration by
-    # iteration); run 2: fast for both, the column 4x slower. Per run 2.0 and 0.25.
+    # pass 1: the machine was slow for both columns (the column 2x faster than the baseline, iteration by
+    # iteration); pass 2: fast for both, the column 4x slower. Per pass 2.0 and 0.25.
     slow = result([6.0, 5.0, 4.0], [12.0, 10.0, 8.0])
     fast = result([2.0, 2.0, 2.0], [0.5, 0.5, 0.5])
     (case,) = pool_bench_gpu.pool([slow, fast], "prep", "raw")
