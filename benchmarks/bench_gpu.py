@@ -754,7 +754,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nixl-sleep-every-us", type=float, default=None,
                    help="the nixl handle's wait: sleep once per this many us of asking (kvxfer's default 500; "
                         "0: between every two asks), for an A/B in one run")
+    p.add_argument("--packed-tiled", action="store_true",
+                   help="cuda_ipc: short-run block plans through copy_block_runs_tiled (cuda_copy.PACKED_TILED)")
     a = p.parse_args(argv)
+    if a.packed_tiled:
+        from kvxfer.transport import cuda_copy
+        cuda_copy.PACKED_TILED = True
     if a.nixl_sleep_every_us is not None:
         nixl_backend.WAIT_SLEEP_EVERY_S = a.nixl_sleep_every_us / 1e6
     res = run(a.backends, a.raw_nixl, a.tokens, a.iters, a.latency_iters, a.device, not a.peer_context_last,

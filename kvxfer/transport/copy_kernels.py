@@ -117,21 +117,13 @@ def copy_block_runs(src_slots, dst_slots, src_step, src_offset, dst_step, dst_of
                    remote_count, local_count, anchor8, anchor32, anchor_addr, REMOTE_SRC, CHUNK, BLOCK)
 
 
-@triton.jit(do_not_specialize=["runs_per_block", "remote_count", "local_count", "total_runs"])
-def copy_block_runs_packed(src_slots, dst_slots, src_step, src_offset, dst_step, dst_offset, lengths, regions,
-                           local_regions, remote_table, local_table, runs_per_block, remote_count, local_count,
-                           total_runs, anchor8, anchor32, anchor_addr,
-                           REMOTE_SRC: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
-    """``ROWS`` consecutive runs of a block plan whose runs are short (at most ``WORDS`` 4-byte words) and
-    16-byte aligned, one run per row of a ``ROWS x WORDS`` tile: a program moves as many bytes as one piece
-    of ``copy_block_runs`` however short the runs (a re-layout's 256-byte head rows, 4 KiB token slices),
-    where one run per program would leave most of its lanes idle. Runs outside their regions are not
+@triton.jit
+def copy_rows(src_slots, dst_slots, src_step, src_offset, dst_step, dst_offset, lengths, regions, local_regions,
+              remote_table, local_table, remote_count, local_count, anchor32, anchor_addr, block, t, live,
+              REMOTE_SRC: tl.constexpr, WORDS: tl.constexpr):
+    """Runs ``(block[i], t[i])`` of a block plan where ``live[i]``, one per row of a ``len(t) x WORDS`` tile of
+    4-byte words (each run at most ``WORDS`` words, 16-byte aligned); runs outside their regions are not
     copied, as in ``copy_piece``."""
-    run = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    live = run < total_runs
-    run = tl.where(live, run, 0)
-    block = run // runs_per_block
-    t = run - block * runs_per_block
     n = tl.load(lengths + t).to(tl.int64)
     s = tl.load(src_slots + block) * tl.load(src_step + t) + tl.load(src_offset + t)
     d = tl.load(dst_slots + block) * tl.load(dst_step + t) + tl.load(dst_offset + t)
@@ -160,3 +152,37 @@ def copy_block_runs_packed(src_slots, dst_slots, src_step, src_offset, dst_step,
     w = tl.arange(0, WORDS)
     mask = w[None, :] < words[:, None]
     tl.store(anchor32 + dw[:, None] + w[None, :], tl.load(anchor32 + sw[:, None] + w[None, :], mask=mask), mask=mask)
+
+
+@triton.jit(do_not_specialize=["runs_per_block", "remote_count", "local_count", "total_runs"])
+def copy_block_runs_packed(src_slots, dst_slots, src_step, src_offset, dst_step, dst_offset, lengths, regions,
+                           local_regions, remote_table, local_table, runs_per_block, remote_count, local_count,
+                           total_runs, anchor8, anchor32, anchor_addr,
+                           REMOTE_SRC: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """``ROWS`` consecutive runs of a block plan whose runs are short (at most ``WORDS`` 4-byte words) and
+    16-byte aligned, one run per row of a ``ROWS x WORDS`` tile: a program moves as many bytes as one piece
+    of ``copy_block_runs`` however short the runs (a re-layout's 256-byte head rows, 4 KiB token slices),
+    where one run per program would leave most of its lanes idle."""
+    run = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = run < total_runs
+    run = tl.where(live, run, 0)
+    block = run // runs_per_block
+    copy_rows(src_slots, dst_slots, src_step, src_offset, dst_step, dst_offset, lengths, regions, local_regions,
+              remote_table, local_table, remote_count, local_count, anchor32, anchor_addr, block,
+              run - block * runs_per_block, live, REMOTE_SRC, WORDS)
+
+
+@triton.jit(do_not_specialize=["runs_per_block", "remote_count", "local_count", "total_runs"])
+def copy_block_runs_tiled(src_slots, dst_slots, src_step, src_offset, dst_step, dst_offset, lengths, regions,
+                          local_regions, remote_table, local_table, runs_per_block, remote_count, local_count,
+                          total_runs, anchor8, anchor32, anchor_addr,
+                          REMOTE_SRC: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """``copy_block_runs_packed`` on a 2-D grid: program (i, b) copies template runs ``[i x ROWS, (i + 1) x
+    ROWS)`` of block ``b``, so a program's template entries are consecutive and its slots one each side (no
+    division per run, no gathered slot loads); ``total_runs`` is not used."""
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = t < runs_per_block
+    block = tl.zeros([ROWS], tl.int64) + tl.program_id(1)
+    copy_rows(src_slots, dst_slots, src_step, src_offset, dst_step, dst_offset, lengths, regions, local_regions,
+              remote_table, local_table, remote_count, local_count, anchor32, anchor_addr, block,
+              tl.where(live, t, 0), live, REMOTE_SRC, WORDS)

@@ -81,6 +81,11 @@ _MAX_PARTS = 64   # parts of a plan of < 2**63 runs at growth 4 from 8,192 (a bo
 #: several runs per program, each program still moving up to ``4 * BLOCK_WORDS`` bytes (re-layouts cut KV into
 #: 256 B - 16 KiB runs, which one run per program copies at a small fraction of the device's bandwidth).
 PACKED_RUN_BYTES = CHUNK_BYTES // 2
+#: Packed programs take runs of one block each on a 2-D grid (template chunk x block: its template entries
+#: read in order, no division per run; ``copy_block_runs_tiled``) instead of consecutive runs of the whole
+#: plan (``copy_block_runs_packed``, measured in BENCHMARKS.md). False until the tiled order is measured
+#: against it on a GPU (``benchmarks/bench_gpu.py --packed-tiled``).
+PACKED_TILED = False
 #: Largest run the kernel takes in one row of its grid (its length travels as int32).
 _MAX_RUN_BYTES = 1 << 30
 _MAX_GRID_Y = 65535
@@ -485,12 +490,15 @@ class _BlockTable:
     aligned; a template of runs of very different lengths (or too long for one grid row) is cut into
     ``CHUNK_BYTES`` pieces first, O(T), so every program has one full piece."""
 
-    __slots__ = ("at", "blocks", "columns", "pieces", "rows", "runs", "size", "words")
+    __slots__ = ("at", "blocks", "columns", "pieces", "rows", "runs", "size", "tiled", "words")
 
     def __init__(self, columns: list[npt.NDArray[Any]], blocks: int, runs: int, pieces: int, words: int = 0) -> None:
-        #: Packed (``copy_block_runs_packed``): words per row (a power of two) and rows per program; else 0.
+        #: Packed: words per row (a power of two) and rows per program (tiled: at most the template's runs,
+        #: rounded up to a power of two); else 0.
         self.words = words
-        self.rows = BLOCK_WORDS // words if words else 0
+        self.tiled = bool(words) and PACKED_TILED and blocks <= _MAX_GRID_Y
+        self.rows = (min(BLOCK_WORDS // words, 1 << (runs - 1).bit_length()) if self.tiled else BLOCK_WORDS // words) \
+            if words else 0
         if words and blocks * runs >= 1 << 31:
             raise TransferFailed(f"a block plan of {blocks} blocks x {runs} runs is more runs than the packed "
                                  f"kernel counts (2**31)")
@@ -889,8 +897,8 @@ class BatchedCopier:
                 packed.runs, peer.count, local.count, total if packed.words else packed.pieces, self._anchor_addr,
                 self._anchor_addr, self._anchor_addr)
         if packed.words:
-            key: tuple[Any, ...] = ("packed", bool(remote_src), packed.rows, packed.words, NUM_WARPS)
-            grid = (-(-total // packed.rows), 1)
+            key: tuple[Any, ...] = ("packed", bool(remote_src), packed.rows, packed.words, NUM_WARPS, packed.tiled)
+            grid = (-(-packed.runs // packed.rows), packed.blocks) if packed.tiled else (-(-total // packed.rows), 1)
         else:
             key = ("blocks", bool(remote_src), CHUNK_BYTES, BLOCK_WORDS, RUN_MAJOR, NUM_WARPS)
             grid = _grid(total, packed.pieces, RUN_MAJOR)
@@ -912,8 +920,9 @@ class BatchedCopier:
                 self.launcher = "jit"
         ptrs = [_Pointer(a, torch.int64 if k < 6 else torch.int32) for k, a in enumerate(args[:9])]
         if key[0] == "packed":
+            kernel = self._kernels.copy_block_runs_tiled if key[5] else self._kernels.copy_block_runs_packed  # type: ignore[union-attr]
             with torch.cuda.stream(self.stream):
-                self._kernels.copy_block_runs_packed[grid](  # type: ignore[union-attr]
+                kernel[grid](
                     *ptrs, peer.device, local.device, packed.runs, peer.count, local.count, args[14], self._anchor8,
                     self._anchor32, self._anchor_addr, REMOTE_SRC=key[1], ROWS=key[2], WORDS=key[3], num_warps=key[4])
             return
@@ -943,10 +952,11 @@ class BatchedCopier:
         anchors = (self._anchor8, self._anchor32, self._anchor_addr)
         with torch.cuda.stream(self.stream):
             if key[0] == "packed":
-                _, remote_src, rows, words, warps = key
-                # total_runs 0: no run is live, nothing is read or written
-                compiled = self._kernels.copy_block_runs_packed[(1, 1)](
-                    *pointers, 2, 2, 2, 0, *anchors, REMOTE_SRC=remote_src, ROWS=rows, WORDS=words, num_warps=warps)
+                _, remote_src, rows, words, warps, tiled = key
+                # no run is live (total_runs 0; tiled: a template of 0 runs): nothing is read or written
+                kernel = self._kernels.copy_block_runs_tiled if tiled else self._kernels.copy_block_runs_packed
+                compiled = kernel[(1, 1)](*pointers, 0 if tiled else 2, 2, 2, 0, *anchors, REMOTE_SRC=remote_src,
+                                          ROWS=rows, WORDS=words, num_warps=warps)
                 constexprs: tuple[Any, ...] = key[1:4]
             else:
                 _, remote_src, chunk, block, run_major, warps = key

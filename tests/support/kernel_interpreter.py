@@ -166,7 +166,7 @@ def block_case(seed: int, remote_src: bool, run_major: bool) -> dict[str, Any]:
             "wrong": wrong, "copied": copied}
 
 
-def packed_case(seed: int, remote_src: bool) -> dict[str, Any]:
+def packed_case(seed: int, remote_src: bool, tiled: bool = False) -> dict[str, Any]:
     """A re-layout as a block plan of short aligned runs (``copy_block_runs_packed``): each 4 KiB block is
     4 heads x 8 tokens x 128 bytes, copied head-major to token-major; a template run in the peer's other
     region and one slot pair out of its region are refused."""
@@ -198,19 +198,21 @@ def packed_case(seed: int, remote_src: bool) -> dict[str, Any]:
     table = torch.zeros(packed.size + 16, dtype=torch.uint8)
     packed.write(table.numpy())
     cols = [table[packed.at[k]: packed.at[k + 1]].view(torch.int64 if k < 6 else torch.int32) for k in range(9)]
-    rows = 8                                                           # programs of 8 runs: 20 of them
+    rows = 64 if tiled else 8     # tiled: one program per block, half its rows past the template
     total = packed.blocks * packed.runs
-    copy_kernels.copy_block_runs_packed[(-(-total // rows),)](
-        *cols, mem.remote_rows, mem.local_rows, packed.runs, 2, 1, total,
-        mem.anchor.view(torch.uint8), mem.anchor, mem.anchor.data_ptr(),
-        REMOTE_SRC=remote_src, ROWS=rows, WORDS=packed.words)
+    kernel, grid = (copy_kernels.copy_block_runs_tiled, (-(-packed.runs // rows), packed.blocks)) if tiled else \
+        (copy_kernels.copy_block_runs_packed, (-(-total // rows), 1))
+    kernel[grid](*cols, mem.remote_rows, mem.local_rows, packed.runs, 2, 1, total,
+                 mem.anchor.view(torch.uint8), mem.anchor, mem.anchor.data_ptr(),
+                 REMOTE_SRC=remote_src, ROWS=rows, WORDS=packed.words)
     expected = [(int(s) * step + o, int(d) * step + p, int(n))
                 for b, (s, d) in enumerate(zip(src_slots, dst_slots, strict=True))
                 for t, (o, p, n) in enumerate(zip(src_offs, dst_offs, lengths, strict=True))
                 if (b == blocks - 1) == (t == 5)]
     local, remote, copied = oracle(mem, before, expected, remote_src)
     wrong = int((mem.local.numpy() != local).sum() + (mem.remote.numpy() != remote).sum())
-    return {"case": f"packed {'read' if remote_src else 'write'}", "wrong": wrong, "copied": copied}
+    return {"case": f"{'tiled' if tiled else 'packed'} {'read' if remote_src else 'write'}", "wrong": wrong,
+            "copied": copied}
 
 
 def main() -> None:
@@ -219,6 +221,7 @@ def main() -> None:
             print(json.dumps(run_list_case(seed, remote_src, run_major)), flush=True)
             print(json.dumps(block_case(seed, remote_src, run_major)), flush=True)
         print(json.dumps(packed_case(seed, remote_src)), flush=True)
+        print(json.dumps(packed_case(seed, remote_src, tiled=True)), flush=True)
 
 
 if __name__ == "__main__":

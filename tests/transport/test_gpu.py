@@ -472,6 +472,21 @@ def test_the_block_kernel_lands_exactly(kernel_copier: Any, remote_src: bool) ->
     _check_block_kernel(kernel_copier, np.array([(3 << 20) + 4, 16, 48, 1024]), 6, remote_src, 43)
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["packed", "tiled"])
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_short_aligned_runs_land_exactly(kernel_copier: Any, remote_src: bool, tiled: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Re-layout-like templates of short 16-byte aligned runs (256-byte head rows; 4 KiB and 16 KiB slices;
+    mixed lengths; a template of fewer runs than a program's rows) go through the packed block kernels, in
+    either program order, and land exactly."""
+    cuda_copy, _ = kernel_copier
+    monkeypatch.setattr(cuda_copy, "PACKED_TILED", tiled)
+    _check_block_kernel(kernel_copier, np.full(512, 256), 20, remote_src, 51)
+    _check_block_kernel(kernel_copier, np.array([4096] * 16 + [16384] * 4), 12, remote_src, 52)
+    _check_block_kernel(kernel_copier, np.array([16, 48, 256, 1024, 4080]), 9, remote_src, 53)
+    _check_block_kernel(kernel_copier, np.full(3, 256), 70, remote_src, 54)
+
+
 def test_the_block_kernel_copies_no_run_outside_its_regions(kernel_copier: Any) -> None:
     """The kernel's own bounds (the region table): a block plan whose block 1 lies past the destination's
     region copies blocks 0 and 2 and nothing of block 1 (the transport checks first; this is the
