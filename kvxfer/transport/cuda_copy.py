@@ -747,11 +747,12 @@ class BatchedCopier:
         plan = BlockPlan(np.arange(2, dtype=np.uint64), np.arange(2, dtype=np.uint64), step, offset, step,
                          offset + np.uint64(128), np.full(2, 16, np.uint64), np.zeros(2, np.uint32),
                          np.zeros(2, np.uint32))
-        for remote_src, packed in ((False, False), (True, False), (False, True), (True, True)):
+        for remote_src, allow_packed in ((False, False), (True, False), (False, True), (True, True)):
             buf.copy_(torch.arange(64, dtype=torch.int32, device=buf.device))
             torch.cuda.synchronize(self.device_id)
             with self._lock:
-                self._run_block_kernel(plan, self._local, remote_src, self._local, local_regions=False, packed=packed)
+                self._run_block_kernel(plan, self._local, remote_src, self._local, local_regions=False,
+                                       allow_packed=allow_packed)
             self.stream.synchronize()
             want = torch.arange(64, dtype=torch.int32, device=buf.device)
             want[32:48] = want[:16].clone()
@@ -874,19 +875,19 @@ class BatchedCopier:
             return torch.from_numpy(host).to(f"cuda:{self.device_id}")
 
     def _run_block_kernel(self, plan: BlockPlan, peer: RegionTable, remote_src: bool, local: RegionTable, *,
-                          local_regions: bool, packed: bool = True) -> None:
+                          local_regions: bool, allow_packed: bool = True) -> None:
         """Pack, upload and launch one block plan (the caller holds the lock). ``local_regions``: the local
-        side's template regions index ``local``; else ``local`` has one region, 0. ``packed`` False: never
-        the packed kernel (its check)."""
-        table_of = _BlockTable.of(plan, remote_src, local_regions, peer.aligned and packed)
-        if table_of is None:
+        side's template regions index ``local``; else ``local`` has one region, 0. ``allow_packed`` False:
+        never the packed kernel (the start-up check of the other one)."""
+        packed = _BlockTable.of(plan, remote_src, local_regions, peer.aligned and allow_packed)
+        if packed is None:
             return
-        stage, stage_addr, uploaded = self._staging.take(table_of.size)
-        table_of.write(stage)
-        table = self._table.address(table_of.size)
-        self._upload(table, stage_addr, table_of.size, self._stream_handle)
+        stage, stage_addr, uploaded = self._staging.take(packed.size)
+        packed.write(stage)
+        table = self._table.address(packed.size)
+        self._upload(table, stage_addr, packed.size, self._stream_handle)
         uploaded.record(self.stream)
-        self._launch_blocks(table_of, table, peer, local, remote_src)
+        self._launch_blocks(packed, table, peer, local, remote_src)
 
     def _blocks_launch(self, packed: _BlockTable, table: int, peer: RegionTable, local: RegionTable,
                        remote_src: bool) -> tuple[Any, tuple[int, int], tuple[int, ...], tuple[Any, ...]]:
