@@ -188,6 +188,8 @@ class KVCacheManager:
         self._state.device = device
         self._state.pools = [
             [allocate_pool(pool.nbytes, primary.device) for pool in pg.pools] for pg in plan.pool_groups]
+        if device.type == "cuda":   # the zero fill runs on this thread's stream, which a request's stream
+            torch.cuda.current_stream(device).synchronize()   # (non-blocking) is not ordered after
         kind = "cuda" if device.type == "cuda" else "cpu"
         bases = [[int(t.data_ptr()) for t in group] for group in self._state.pools]
         self._state.layout = place_layout(plan, bases, kind, int(device.index or 0))

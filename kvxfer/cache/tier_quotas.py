@@ -280,6 +280,8 @@ class TierQuotas:
             fresh = allocate_pool(num_slots * pool.slot_bytes, str(device))
             fresh[:raw.numel()].copy_(raw)
             new_pools.append(fresh)
+        if device.type == "cuda":       # the copies (on this thread's stream) land before a request writes
+            torch.cuda.current_stream(device).synchronize()
         # The grown descriptors take the new base addresses and the new size together: the old base
         # with the new size would describe memory past the old pool (on CUDA, often the next pool).
         grown = dataclasses.replace(pg_desc, num_slots=num_slots, pools=tuple(
@@ -329,6 +331,8 @@ class TierQuotas:
             self.state.readiness.synchronize(pool_group, np.concatenate([src, dst]))
             torch.cuda.current_stream(self.state.device).synchronize()
         self.state.copy_slots(pool_group, src, dst)
+        if self.state.readiness is not None:   # done before the requests owning ``dst`` use them on their streams
+            torch.cuda.current_stream(self.state.device).synchronize()
         self.parts.movement.count_copies(pool_group, "intra", int(src.size), None)
 
     def shrink_to(self, t: int, new_tier: TierStorage, what: str = "resize_quota") -> None:

@@ -129,3 +129,64 @@ def test_a_request_closes_on_its_stream_after_the_streams_holder_is_gone(manager
     torch.cuda.synchronize()
     reused = {CachedCudaStream().handle, CachedCudaStream().handle}
     assert first in reused or second in reused           # given back to the pool, not destroyed
+
+
+def _config() -> KVCacheManagerConfig:
+    return KVCacheManagerConfig(
+        tokens_per_block=TPB,
+        cache_tiers=[GpuCacheTierConfig(8 * BLOCK), HostCacheTierConfig(16 * BLOCK)],
+        layers=[AttentionLayerConfig(LayerId(0), [BufferConfig(KEY, BLOCK)])])
+
+
+def test_a_new_managers_pools_are_zeroed_before_a_requests_stream_writes_them() -> None:
+    """The pools' zero fill runs on the creating thread's stream; a request's (non-blocking) stream is not
+    ordered after it, so the manager waits for it: a page written right after creation keeps its bytes
+    even when that stream was busy (about 0.1 s of GPU time queued ahead of the fill)."""
+    if not cuda_usable():
+        pytest.skip("needs CUDA: torch.cuda.is_available() is False or cuda-python (cuda.bindings) is missing")
+    torch.cuda._sleep(200_000_000)   # type: ignore[no-untyped-call]
+    mgr = KVCacheManager(_config())
+    with TemporaryCudaStream([]) as s:
+        kv = mgr.create_kv_cache()
+        assert kv.resume(s.handle) and kv.resize(2 * TPB)
+        slots = list(kv.get_base_page_indices(LayerGroupId(0)))
+        for i, slot in enumerate(slots):
+            _fill_page(mgr, slot, 40 + i, s.handle)
+    s.take_finish_event().synchronize()
+    torch.cuda.synchronize()
+    view = mgr.buffer_view(0, "key")
+    assert [bool((view[slot] == 40 + i).all()) for i, slot in enumerate(slots)] == [True] * len(slots)
+    kv.close()
+    mgr.shutdown()
+
+
+def test_pages_moved_below_a_smaller_slot_count_land_before_their_request_writes_them(
+        manager: KVCacheManager) -> None:
+    """``rebalance_slots`` copies live pages above the new count to free slots below it on the calling
+    thread's stream; the request resuming on its own stream afterwards must find them there and its later
+    writes must not be overwritten by a copy still in flight (the current stream busy for ~0.1 s first)."""
+    mgr, lg = manager, LayerGroupId(0)
+    with TemporaryCudaStream([]) as s:
+        low, high = mgr.create_kv_cache(), mgr.create_kv_cache()
+        assert low.resume(s.handle) and low.resize(6 * TPB)
+        assert high.resume(s.handle) and high.resize(2 * TPB)
+        before = [int(x) for x in high.get_base_page_indices(lg)]
+        assert min(before) >= 4, f"the second request's pages should sit above slot 4, got {before}"
+        for i, slot in enumerate(before):
+            _fill_page(mgr, slot, 21 + i, s.handle)
+        low.close()
+        high.suspend()
+    s.take_finish_event().synchronize()
+    torch.cuda._sleep(200_000_000)   # type: ignore[no-untyped-call]
+    mgr.rebalance_slots([4])
+    with TemporaryCudaStream([]) as s:
+        assert high.resume(s.handle)
+        after = [int(x) for x in high.get_base_page_indices(lg)]
+        assert max(after) < 4 and all(int(t) == 0 for t in high.page_tiers(0))
+        _fill_page(mgr, after[0], 99, s.handle)
+    s.take_finish_event().synchronize()
+    torch.cuda.synchronize()
+    view = mgr.buffer_view(0, "key")
+    assert bool((view[after[0]] == 99).all()) and bool((view[after[1]] == 22).all())
+    high.close()
+    mgr.shutdown()
