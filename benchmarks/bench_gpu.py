@@ -29,9 +29,12 @@ process that owns the destination.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import multiprocessing as mp
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -480,8 +483,39 @@ def prepared_backends(backends: list[str]) -> list[str]:
     return [b for b in backends if b in ("cuda_ipc", "nixl")]
 
 
+def profile(bench: Bench, blk: dict[str, np.ndarray], tokens: int, posts: int) -> list[dict[str, Any]]:
+    """Where a per-request post's host time goes: ``posts`` identical-layout pushes of each backend (a new
+    TransferPlan, and for cuda_ipc a new BlockPlan, per post; each waited for) under cProfile, the functions
+    that took the most cumulative time (not poisoned or verified: the timed columns are)."""
+    out = []
+    for backend in bench.ts:
+        kinds: list[tuple[str, Any]] = [("plan", bench.plans)]
+        if backend == "cuda_ipc":
+            kinds.append(("blocks", bench.block_plans))
+        for kind, make in kinds:
+            bench.set_source("push", blk["prefill"])
+            plans, _ = make("push", ["decode"], blk)
+            post = bench.backend_post(backend, "push", plans)
+            post()                      # warm: compile, connection caches
+            sync(bench.device)
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(posts):
+                post()
+            prof.disable()
+            wall_ms = (time.perf_counter() - t0) * 1e3 / posts
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+            out.append({"tokens": tokens, "backend": backend, "plan": kind, "posts": posts,
+                        "ms_per_post_profiled": wall_ms, "top": text.getvalue()})
+            print(f"--- profile: {backend} {kind} push, {tokens} tokens, {posts} posts, {wall_ms:.3f} ms each "
+                  f"under the profiler\n{text.getvalue()}", flush=True)
+    return out
+
+
 def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, latency_iters: int,
-        device: str, own_context_first: bool = True, layouts: bool = False) -> dict[str, Any]:
+        device: str, own_context_first: bool = True, layouts: bool = False, profile_posts: int = 0) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
     columns = backends + (["cuda_ipc_blocks"] if "cuda_ipc" in backends else []) + \
         [f"{b}_prep" for b in prepared_backends(backends)] + (["raw_nixl"] if raw else [])
@@ -561,6 +595,8 @@ def run(backends: list[str], raw: bool, tokens_list: list[int], iters: int, late
             results.setdefault("layouts", []).extend(run_layouts(bench, blk, tokens, iters, results["d2d_gbps"], wall))
         if tokens == tokens_list[0]:
             results["latency"] = latency(bench, blk, latency_iters, raw, pool_s, pool_d)
+        if profile_posts:
+            results.setdefault("profiles", []).extend(profile(bench, blk, tokens, profile_posts))
         bench.close()
         del bench
         if device.startswith("cuda"):
@@ -756,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
                         "0: between every two asks), for an A/B in one run")
     p.add_argument("--packed-tiled", action="store_true",
                    help="cuda_ipc: short-run block plans through copy_block_runs_tiled (cuda_copy.PACKED_TILED)")
+    p.add_argument("--profile-posts", type=int, default=0, metavar="N",
+                   help="also profile N per-request identical-layout pushes of each backend per prompt length "
+                        "(cProfile, cumulative; printed and kept in the JSON)")
     a = p.parse_args(argv)
     if a.packed_tiled:
         from kvxfer.transport import cuda_copy
@@ -763,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.nixl_sleep_every_us is not None:
         nixl_backend.WAIT_SLEEP_EVERY_S = a.nixl_sleep_every_us / 1e6
     res = run(a.backends, a.raw_nixl, a.tokens, a.iters, a.latency_iters, a.device, not a.peer_context_last,
-              a.layouts)
+              a.layouts, a.profile_posts)
     print_tables(res)
     if a.json:
         with open(a.json, "w") as f:
