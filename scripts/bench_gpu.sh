@@ -18,6 +18,9 @@
 #                  environment that already has torch with CUDA, kvxfer's dependencies and the bindings)
 #   SETUP=1        create/update $VENV: TORCH_SPEC (default torch) from TORCH_INDEX (default the
 #                  PyTorch cu128 wheels), then kvxfer with the dev, hf and $FLAVOUR (cu12|cu13) extras
+#   WHEELS         a folder of wheels (searched recursively) for a machine without network whose $PY has
+#                  torch already: each is installed with pip --no-index --no-deps into $OUT/site, which goes
+#                  first on PYTHONPATH (kvxfer itself runs from this checkout)
 #   TOKENS         bench_gpu prompt lengths (default "4096 32768"); ITERS, LATENCY_ITERS its iterations
 #   NIXL_PASSES    fresh process pairs of the nixl bench, pooled (default 3); NIXL_ITERS per pass (25)
 #   E2E_MODELS     bench e2e shapes (default "llama-3.2-1b llama-3-8b"); E2E_LENGTHS (4096,16384), E2E_ITERS (11);
@@ -68,6 +71,12 @@ command -v "$PY" >/dev/null || { echo "no $PY: run with SETUP=1, or set VENV or 
 
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 UCX_LOG_LEVEL=error
+if [ -n "${WHEELS:-}" ]; then
+  mapfile -t wheels < <(find "$WHEELS" -name '*.whl' | sort)
+  [ "${#wheels[@]}" -gt 0 ] || { echo "WHEELS=$WHEELS holds no .whl file" >&2; exit 1; }
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$OUT/site" "${wheels[@]}" || exit 1
+  PYTHONPATH=$(cd "$OUT/site" && pwd):$PYTHONPATH
+fi
 failed=0
 # NIXL's informational lines out of a command's output, the rest into $OUT/NAME.txt and the terminal.
 run() {  # run NAME command...
@@ -97,10 +106,12 @@ run_reference() {
 import os, subprocess, sys, xml.etree.ElementTree as ET
 shards, timeout, first, alone = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(), sys.argv[4].split()
 py = sys.executable
-listing = subprocess.run([py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
-                         capture_output=True, text=True).stdout.splitlines()
-ids = [line for line in listing if "::" in line]
+collect = subprocess.run([py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                         capture_output=True, text=True)
+ids = [line for line in collect.stdout.splitlines() if "::" in line]
 print(f"collected {len(ids)} tests", flush=True)
+if not ids:
+    sys.exit("nothing collected:\n" + (collect.stdout + collect.stderr)[-3000:])
 def named(i, words): return any(w == i or w in i for w in words)
 alone_ids = [i for i in ids if named(i, alone)]
 rest = [i for i in ids if i not in alone_ids]
@@ -167,7 +178,7 @@ for part in $PARTS; do
     tiers)
       run tiers "$PY" benchmarks/bench_tiers.py --device cuda:0 --out "$OUT/tiers.json" ;;
     reference)
-      run_reference || failed=1 ;;
+      run_reference || { echo "=== reference failed"; failed=1; } ;;
     *)
       echo "unknown part '$part' in PARTS (tests demo cuda_ipc nixl e2e tiers reference)" >&2; exit 2 ;;
   esac
