@@ -15,7 +15,9 @@ block on each side) repeat a handful of shapes (source token offset, destination
 two for 32 -> 64 or 32 -> 16 tokens per block, one when the block sizes agree), and all segments of one
 shape move the same runs shifted by their slots. Each phase is a run template (derived from
 ``plan_transfer`` on one segment and checked on two more, as above, kept per layout pair) and its
-segments' slot pairs, so the plan is O(blocks + template runs) however finely the layouts cut the bytes:
+segments' slot pairs, so the plan is O(blocks + template runs) however finely the layouts cut the bytes
+(a segment shorter than the widest from its offsets, where a prompt ends inside a block, takes its template
+from one probe whose runs lie inside the widest segment's runs, and their strides):
 planning the 70B / 128k-token case takes a few milliseconds where the expanded plan lists up to 167
 million runs.
 """
@@ -164,8 +166,21 @@ def segment_template(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, l
     length) between two one-layer-group layouts (kept in ``templates``, else in the module's cache of the
     last 64 (layout pair, layers, shape)), or None when ``plan_transfer``'s runs for such a segment are not
     affine in its slots."""
-    return (_shared if templates is None else templates).get(src_layout, dst_layout, (*layers, -1, *shape),
-                                      lambda: _derive(src_layout, dst_layout, layers, shape))
+    cache = _shared if templates is None else templates
+    src_tok, dst_tok, length = shape
+    widest = min(src_layout.tokens_per_block - src_tok, dst_layout.tokens_per_block - dst_tok)
+
+    def make() -> Template | None:
+        # A segment shorter than the widest from its offsets (a prompt's last one, ending inside a block) moves
+        # a part of that widest segment's runs: one probe, placed inside them, instead of three.
+        if length < widest:
+            wider = segment_template(src_layout, dst_layout, layers, (src_tok, dst_tok, widest), cache)
+            if wider is not None:
+                within = _derive_within(wider, src_layout, dst_layout, layers, shape)
+                if within is not None:
+                    return within
+        return _derive(src_layout, dst_layout, layers, shape)
+    return cache.get(src_layout, dst_layout, (*layers, -1, *shape), make)
 
 
 def block_template(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...]) -> Template | None:
@@ -174,30 +189,65 @@ def block_template(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, lay
     return _shared.get(src_layout, dst_layout, layers, lambda: _derive(src_layout, dst_layout, layers))
 
 
+def _probe(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...],
+           shape: tuple[int, int, int], s: int, d: int) -> TransferPlan:
+    """``plan_transfer`` of one segment of ``shape`` from source slot ``s`` to destination slot ``d``."""
+    gs, gd = src_layout.layer_groups[0].layer_group_id, dst_layout.layer_groups[0].layer_group_id
+    ts, td = src_layout.tokens_per_block, dst_layout.tokens_per_block
+    src_tok, dst_tok, length = shape
+    # A token position with those offsets inside its blocks: src_tok + ts * i == dst_tok + td * j.
+    start = next(src_tok + ts * i for i in range(td + 1) if (src_tok + ts * i - dst_tok) % td == 0)
+    sb, db = start // ts, start // td
+    sids, dids = np.full(sb + 1, -1, np.int64), np.full(db + 1, -1, np.int64)
+    sids[sb], dids[db] = s, d
+    return plan_transfer(src_layout, {gs: sids}, dst_layout, {gd: dids}, layers=layers,
+                         token_range=(start, start + length), dst_committed=0)
+
+
+def _derive_within(wider: Template, src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc,
+                   layers: tuple[int, ...], shape: tuple[int, int, int]) -> Template | None:
+    """The template of ``shape`` from its one probe at slots (0, 0), each run placed inside a run of
+    ``wider`` (the template of a longer segment from the same offsets): its bytes at the same distance
+    from that run's start on both sides, in the same regions, so it moves with that run's strides. None
+    when a run is not inside one (``_derive`` then probes three pairs)."""
+    first = _probe(src_layout, dst_layout, layers, shape, 0, 0)
+    if not len(first):
+        return _empty_template()
+    w_src_step, w_src, w_dst_step, w_dst, w_n, w_sreg, w_dreg = wider
+    if not w_n.size:
+        return None
+    order = np.argsort(w_dst, kind="stable")       # destination runs never overlap: one holds each byte
+    k = order[np.maximum(np.searchsorted(w_dst[order], first.dst.addr, side="right") - 1, 0)]
+    d_in = first.dst.addr.astype(np.int64) - w_dst[k].astype(np.int64)
+    s_in = first.src.addr.astype(np.int64) - w_src[k].astype(np.int64)
+    inside = ((d_in >= 0) & (d_in == s_in) & (d_in + first.src.nbytes.astype(np.int64) <= w_n[k].astype(np.int64))
+              & (first.src.region == w_sreg[k]) & (first.dst.region == w_dreg[k]))
+    if not bool(inside.all()):
+        return None
+    return (w_src_step[k], first.src.addr, w_dst_step[k], first.dst.addr, first.src.nbytes, first.src.region,
+            first.dst.region)
+
+
+def _empty_template() -> Template:
+    e64 = np.empty(0, np.uint64)
+    return e64, e64, e64, e64, e64, np.empty(0, np.uint32), np.empty(0, np.uint32)
+
+
 def _derive(src_layout: CacheLayoutDesc, dst_layout: CacheLayoutDesc, layers: tuple[int, ...],
             shape: tuple[int, int, int] | None = None) -> Template | None:
     """The template of one segment shape (None: a whole block on both sides of equal block sizes), from
     ``plan_transfer`` on single segments of that shape: slot pair (0, 0) gives the offsets, (1, 1) the
     strides, and the last slots check them."""
-    gs, gd = src_layout.layer_groups[0].layer_group_id, dst_layout.layer_groups[0].layer_group_id
     slots_s = src_layout.pool_groups[src_layout.layer_groups[0].pool_group_index].num_slots
     slots_d = dst_layout.pool_groups[dst_layout.layer_groups[0].pool_group_index].num_slots
-    ts, td = src_layout.tokens_per_block, dst_layout.tokens_per_block
-    src_tok, dst_tok, length = shape if shape is not None else (0, 0, ts)
-    # A token position with those offsets inside its blocks: src_tok + ts * i == dst_tok + td * j.
-    start = next(src_tok + ts * i for i in range(td + 1) if (src_tok + ts * i - dst_tok) % td == 0)
-    sb, db = start // ts, start // td
+    full = shape if shape is not None else (0, 0, src_layout.tokens_per_block)
 
     def probe(s: int, d: int) -> TransferPlan:
-        sids, dids = np.full(sb + 1, -1, np.int64), np.full(db + 1, -1, np.int64)
-        sids[sb], dids[db] = s, d
-        return plan_transfer(src_layout, {gs: sids}, dst_layout, {gd: dids}, layers=layers,
-                             token_range=(start, start + length), dst_committed=0)
+        return _probe(src_layout, dst_layout, layers, full, s, d)
 
     first = probe(0, 0)
     if not len(first):   # nothing in common (disjoint heads): an empty template
-        e64 = np.empty(0, np.uint64)
-        return e64, e64, e64, e64, e64, np.empty(0, np.uint32), np.empty(0, np.uint32)
+        return _empty_template()
     one_s, one_d = min(1, slots_s - 1), min(1, slots_d - 1)
     second = probe(one_s, one_d) if (one_s, one_d) != (0, 0) else first
     if not _same_runs(first, second):

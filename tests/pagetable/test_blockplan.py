@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvxfer.cache.memory import MemoryRegion
 from kvxfer.errors import LayoutMismatch, PageTableError, ReadOnlyPageError
-from kvxfer.extractor import plan_blocks, plan_templated, plan_transfer
+from kvxfer.extractor import TemplateCache, blocks, plan_blocks, plan_templated, plan_transfer
 from kvxfer.pagetable import BlockPlan, TransferPlan
 from tests.extractor.test_plan import (
     RELATIONS,
@@ -298,6 +298,65 @@ def test_block_size_changes_give_a_few_phases_that_land_by_position(changes: dic
     assert sum(bp.total_bytes for bp in phases) == full.total_bytes
     assert sum(bp.num_blocks for bp in phases) <= 2 * 32   # one slot pair per segment: O(blocks)
     check_plans(dst, [(src, TransferPlan.concat([bp.expand() for bp in phases]))])
+
+
+@pytest.mark.parametrize("changes", [
+    {"dst": {"tpb": 8}},
+    {"dst": {"tpb": 2, "order": "NHD"}},
+    {"dst": {"tpb": 3, "tp_size": 2, "tp_rank": 1}},
+    {"src": {"coalesce": False}, "dst": {"order": "NHD"}},
+], ids=["tpb4to8", "tpb4to2-nhd", "tpb4to3-tp", "expanded-nhd"])
+def test_a_prompt_ending_inside_a_block_costs_one_probe_and_moves_plan_transfers_runs(
+        changes: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last segment of a prompt that ends inside a block is a shorter shape from the same offsets as a
+    whole one: its template comes from one probe placed inside the whole segment's runs (not three), and for
+    every end the phases move exactly plan_transfer's runs and land by position."""
+    src, dst = named_pair(**changes)
+    probes: list[tuple[int, int]] = []
+    real = blocks.plan_transfer
+
+    def counted(*args: Any, **kw: Any) -> TransferPlan:
+        probes.append(kw["token_range"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(blocks, "plan_transfer", counted)
+    templates = TemplateCache()
+    ts, td = src.layout.tokens_per_block, dst.layout.tokens_per_block
+    whole = ts * td // math.gcd(ts, td) * (32 // (ts * td // math.gcd(ts, td)))
+    assert plan_templated(src.layout, src.ids, dst.layout, dst.ids, token_range=(0, whole), templates=templates)
+    made = len(templates)
+    for end in range(1, whole):
+        before, shapes = len(probes), len(templates)
+        phases = plan_templated(src.layout, src.ids, dst.layout, dst.ids, token_range=(0, end), templates=templates)
+        assert phases is not None
+        assert len(probes) - before == len(templates) - shapes     # one probe per new shape
+        full = real(src.layout, src.ids, dst.layout, dst.ids, token_range=(0, end))
+        assert same_runs(TransferPlan.concat([bp.expand() for bp in phases]), full)
+        check_plans(dst, [(src, TransferPlan.concat([bp.expand() for bp in phases]))], None, (0, end))
+    assert len(templates) > made
+
+
+def test_a_shorter_segments_runs_with_the_other_sides_stride_fail_the_checks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation: a placement that gives each short run the other side's slot stride (4 and 8 tokens per block:
+    they differ) moves bytes to the wrong slots: the plan's bounds or the byte-by-position oracle see it."""
+    src, dst = named_pair(dst={"tpb": 8})
+    real = blocks._derive_within
+
+    def shifted(wider: Any, *args: Any) -> Any:
+        template = real(wider, *args)
+        if template is None:
+            return template
+        assert not np.array_equal(template[0], template[2])
+        return (template[2], template[1], template[0], *template[3:])
+
+    monkeypatch.setattr(blocks, "_derive_within", shifted)
+    templates = TemplateCache()
+    assert plan_templated(src.layout, src.ids, dst.layout, dst.ids, token_range=(0, 32), templates=templates)
+    phases = plan_templated(src.layout, src.ids, dst.layout, dst.ids, token_range=(0, 29), templates=templates)
+    assert phases is not None
+    with pytest.raises((AssertionError, PageTableError), match=r"bytes differ|outside region"):
+        check_plans(dst, [(src, TransferPlan.concat([bp.expand() for bp in phases]))], None, (0, 29))
 
 
 def test_a_phase_with_two_segments_exchanged_fails_the_position_oracle() -> None:
