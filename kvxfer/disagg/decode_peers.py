@@ -288,7 +288,8 @@ class PrefillPeers:
             old.close("replaced by a new prefill connection")
         self.transport.connect(name, conn.peer.metadata)
         peer.conn, peer.layouts, peer.reconnect_error = conn, layouts, ""
-        peer.templates = peer_templates()   # of these layouts
+        peer.templates = peer_templates(layouts, self.layouts) if self.config.planner is None \
+            else peer_templates()   # of these layouts
         self.engine.read(conn)
 
     def _remove(self, address: str, reason: str) -> bool:

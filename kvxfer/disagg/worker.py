@@ -225,9 +225,14 @@ def phased_min_runs(transport: Transport) -> int:
 PEER_TEMPLATES_KEPT = 1024
 
 
-def peer_templates() -> TemplateCache:
-    """The template cache of one peer connection (made anew when the peer's layouts are learned)."""
-    return TemplateCache(PEER_TEMPLATES_KEPT)
+def peer_templates(src_layouts: Sequence[CacheLayoutDesc] = (),
+                   dst_layouts: Sequence[CacheLayoutDesc] = ()) -> TemplateCache:
+    """The template cache of one peer connection, made anew when the peer's layouts are learned, with the
+    templates of whole transfers from ``src_layouts`` to ``dst_layouts`` made at once
+    (``multirank.warm_templates``: the handshake pays for them, not the peer's first request)."""
+    templates = TemplateCache(PEER_TEMPLATES_KEPT)
+    multirank.warm_templates(src_layouts, dst_layouts, templates)
+    return templates
 
 
 class LayerwiseKV(PagedKV):

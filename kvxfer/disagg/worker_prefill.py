@@ -387,7 +387,8 @@ class PrefillWorker(WorkerBase):
             self._on_lost(old, "replaced by a new connection with the same name")
         self.transport.connect(peer, conn.peer.metadata)
         self._peer_layouts[peer] = layouts
-        self._peer_templates[peer] = peer_templates()
+        self._peer_templates[peer] = peer_templates(self.layouts, layouts) if self.config.planner is None \
+            else peer_templates()
         self._peers[peer] = conn
         self._send(conn, KvRanks(layouts=encode_layouts(self.layouts)))
 

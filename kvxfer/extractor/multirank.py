@@ -9,6 +9,7 @@ decode workers send, and what an integrator moving KV between rank sets of its o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from kvxfer.cache.descriptors import CacheLayoutDesc
 from kvxfer.cache.memory import MemoryRegion
+from kvxfer.errors import KvxferError
 from kvxfer.extractor.block_ids import BlockIds
 from kvxfer.extractor.blocks import TemplateCache, plan_templated
 from kvxfer.extractor.pairing import plan_transfer
@@ -72,6 +74,36 @@ def plan_between(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[Block
     if not plans:
         return TransferPlan.empty()
     return plans[0] if len(plans) == 1 else TransferPlan.concat(plans)
+
+
+def warm_templates(src_layouts: Sequence[CacheLayoutDesc], dst_layouts: Sequence[CacheLayoutDesc],
+                   templates: TemplateCache) -> int:
+    """Make in ``templates`` the run templates of every rank pair of differing layouts for the segments of
+    whole transfers (those of one common period of both block grids, every layer: each starts where a grid
+    is cut), so a request planned with them pays no template of its own, only one probe for a prompt that
+    ends at a new place inside a block. A worker calls it when it learns a peer's layouts. Returns how
+    many templates it made; a pair that cannot be planned so (several layer groups, too few slots for one
+    period, layouts that do not pair) is left to the requests, which report why."""
+    made = 0
+    for sl in src_layouts:
+        for dl in dst_layouts:
+            if sl.fingerprint == dl.fingerprint or len(sl.layer_groups) != 1 or len(dl.layer_groups) != 1:
+                continue
+            ts, td = sl.tokens_per_block, dl.tokens_per_block
+            period = ts * td // math.gcd(ts, td)
+            gs, gd = sl.layer_groups[0], dl.layer_groups[0]
+            if period // ts > sl.pool_groups[gs.pool_group_index].num_slots or \
+                    period // td > dl.pool_groups[gd.pool_group_index].num_slots:
+                continue
+            before = len(templates)
+            try:
+                plan_templated(sl, {gs.layer_group_id: np.arange(period // ts)}, dl,
+                               {gd.layer_group_id: np.arange(period // td)}, token_range=(0, period),
+                               templates=templates)
+            except KvxferError:
+                continue
+            made += len(templates) - before
+    return made
 
 
 def plan_phased(src_layouts: Sequence[CacheLayoutDesc], src_ids: Sequence[BlockIds | Any],

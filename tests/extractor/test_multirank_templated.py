@@ -218,3 +218,42 @@ def test_the_template_check_of_read_only_pages_refuses_what_the_entry_check_refu
                 BlockPlan.expand = expand  # type: ignore[method-assign]
         assert outcomes[0] == outcomes[1] == outcomes[2], (start, committed, outcomes)
         assert outcomes[0] == ("refused" if start < committed // tpb_d * tpb_d else "ok")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_templates_made_when_a_peers_layouts_are_learned_serve_whole_prompts(case: str) -> None:
+    """``warm_templates`` (a worker calls it at the handshake) makes the templates of whole transfers for every
+    rank pair of differing layouts: a whole prompt of any block count then makes none, a prompt ending
+    inside a block only its last segment's, and the plans list plan_transfer's runs."""
+    (tp_s, tpb_s, kw_s), (tp_d, tpb_d, kw_d) = CASES[case]
+    src = layouts(tp_s, tpb_s, 64, 0x7000_0000_0000, **kw_s)
+    dst = layouts(tp_d, tpb_d, 96, 0x6000_0000_0000, **kw_d)
+    cache = TemplateCache()
+    made = multirank.warm_templates(src, dst, cache)
+    assert made == len(cache) > 0
+    rng = np.random.default_rng(3)
+    period = tpb_s * tpb_d // math.gcd(tpb_s, tpb_d)
+    for tokens in (period, 7 * period, 200):
+        si, di = ids_for(src, tokens, rng), ids_for(dst, tokens, rng)
+        before = len(cache)
+        got = multirank.plan_between(src, si, dst, di, token_range=(0, tokens), templates=cache)
+        assert entries(got) == entries(multirank.plan_between(src, si, dst, di, token_range=(0, tokens)))
+        new = len(cache) - before
+        assert new == 0 if tokens % min(tpb_s, tpb_d) == 0 else new <= tp_s * tp_d
+
+
+def test_warm_templates_leaves_alone_what_templates_do_not_plan() -> None:
+    """Identical layouts, a layout of two layer groups and a pool too small for one common period make no
+    template (requests plan those as before)."""
+    cache = TemplateCache()
+    same = layouts(1, 16, 64, 0x7000_0000_0000)
+    assert multirank.warm_templates(same, layouts(1, 16, 64, 0x6000_0000_0000), cache) == 0
+    cfg = CacheConfig.for_model(LAYERS, HEADS, HEAD_DIM, 16, "bfloat16", 64, device="cpu", windows=[None, 32] * 2)
+    plan = plan_layout(cfg)
+    windowed = [place_layout(plan, [[0x5000_0000_0000 + ((8 * g + i) << 32) for i, _ in enumerate(pg.pools)]
+                                    for g, pg in enumerate(plan.pool_groups)], "cuda", 0)]
+    assert len(windowed[0].layer_groups) == 2
+    assert multirank.warm_templates(windowed, layouts(1, 8, 64, 0x6000_0000_0000), cache) == 0
+    assert multirank.warm_templates(layouts(1, 32, 1, 0x7000_0000_0000), layouts(1, 48, 64, 0x6000_0000_0000),
+                                    cache) == 0   # one 96-token period needs 3 source slots
+    assert len(cache) == 0
