@@ -10,8 +10,11 @@
 #   PARTS="tests cuda_ipc" TOKENS="4096" bash scripts/bench_gpu.sh
 #
 # Parameters (environment):
-#   PARTS          what to run, in order: tests demo cuda_ipc nixl e2e tiers reference (default: all but
-#                  reference)
+#   PARTS          what to run, in order: tests demo cuda_ipc nixl e2e tiers reference defaults (default: all
+#                  but reference and defaults). defaults: the host-memory transport table (`kvxfer bench
+#                  transport --table`, nixl and ucx against raw NIXL) at kvxfer's defaults and with each
+#                  transport setting the defaults decide (NIXL's progress thread, UCX peer-failure handling),
+#                  for the choice on a machine of this size; DEFAULTS_ITERS iterations per row (5)
 #   OUT            output folder (default: bench-gpu-<UTC date and time>)
 #   VENV           the virtual environment (default .venv); PYTHON the interpreter that creates it
 #   PY             the interpreter that runs everything (default $VENV/bin/python; e.g. PY=python3 for an
@@ -65,8 +68,10 @@ if [ "${SETUP:-0}" = 1 ]; then
 fi
 PY=${PY:-$VENV/bin/python}
 command -v "$PY" >/dev/null || { echo "no $PY: run with SETUP=1, or set VENV or PY" >&2; exit 1; }
-# the reference tests alone also run on a CPU machine (their CUDA-gated tests skip or fail there)
-[ "$PARTS" = reference ] || "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+# the reference tests and the defaults' table also run on a CPU machine (CUDA-gated reference tests fail there)
+needs_gpu=0
+for part in $PARTS; do case $part in reference|defaults) ;; *) needs_gpu=1 ;; esac; done
+[ "$needs_gpu" = 0 ] || "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
   echo "torch of $PY sees no CUDA device: install a CUDA build (SETUP=1, TORCH_INDEX)" >&2; exit 1; }
 
 mkdir -p "$OUT"
@@ -177,10 +182,16 @@ for part in $PARTS; do
       done ;;
     tiers)
       run tiers "$PY" benchmarks/bench_tiers.py --device cuda:0 --out "$OUT/tiers.json" ;;
+    defaults)
+      for variant in "" --progress-thread --error-handling --no-error-handling; do
+        # shellcheck disable=SC2086
+        run "defaults${variant:-_as_shipped}" "$PY" -m kvxfer bench transport --table --iters "${DEFAULTS_ITERS:-5}" \
+          --latency-iters 300 $variant
+      done ;;
     reference)
       run_reference || { echo "=== reference failed"; failed=1; } ;;
     *)
-      echo "unknown part '$part' in PARTS (tests demo cuda_ipc nixl e2e tiers reference)" >&2; exit 2 ;;
+      echo "unknown part '$part' in PARTS (tests demo cuda_ipc nixl e2e tiers reference defaults)" >&2; exit 2 ;;
   esac
 done
 echo "outputs in $OUT/ (machine.txt, one .txt per part, JSON beside them)"

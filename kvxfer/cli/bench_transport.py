@@ -172,7 +172,12 @@ def _peer(conn: Connection, backend: str, nbytes: int, seed: int, options: dict[
     transport.register([region])
     conn.send(transport.metadata())
     raw: _RawUcxx | None = None
+    # NIXL over UCX with peer-failure handling uses TCP even on one host, whose one-sided writes need the
+    # target's worker to progress: asked for notifications every millisecond while idle, as a worker does.
+    progress = backend == "nixl" and bool(options.get("error_handling")) and not options.get("progress_thread")
     while True:
+        while progress and not conn.poll(0.001):
+            transport.notifications()
         cmd, *args = conn.recv()
         if cmd == "connect":
             transport.connect(args[0], args[1])
