@@ -24,7 +24,8 @@
 #   WHEELS         a folder of wheels (searched recursively) for a machine without network whose $PY has
 #                  torch already: each is installed with pip --no-index --no-deps into $OUT/site, which goes
 #                  first on PYTHONPATH (kvxfer itself runs from this checkout)
-#   TOKENS         bench_gpu prompt lengths (default "4096 32768"); ITERS, LATENCY_ITERS its iterations
+#   TOKENS         bench_gpu prompt lengths (default "4096 32768"); ITERS, LATENCY_ITERS its iterations;
+#                  CUDA_IPC_ARGS more bench_gpu options for the cuda_ipc part (e.g. "--layouts --profile-posts 50")
 #   NIXL_PASSES    fresh process pairs of the nixl bench, pooled (default 3); NIXL_ITERS per pass (25)
 #   E2E_MODELS     bench e2e shapes (default "llama-3.2-1b llama-3-8b"); E2E_LENGTHS (4096,16384), E2E_ITERS (11);
 #                  E2E_ARGS more bench e2e options (e.g. "--decode-tokens-per-block 32 --decode-head-order NHD")
@@ -163,7 +164,7 @@ for part in $PARTS; do
     cuda_ipc)
       # shellcheck disable=SC2086
       run bench_gpu_cuda_ipc "$PY" benchmarks/bench_gpu.py --backends cuda_ipc --tokens $TOKENS \
-        --iters "$ITERS" --latency-iters "$LATENCY_ITERS" --json "$OUT/bench_gpu_cuda_ipc.json" ;;
+        --iters "$ITERS" --latency-iters "$LATENCY_ITERS" --json "$OUT/bench_gpu_cuda_ipc.json" ${CUDA_IPC_ARGS:-} ;;
     nixl)
       passes=()
       for pass in $(seq 1 "$NIXL_PASSES"); do
