@@ -107,7 +107,7 @@ run_reference() {
   printf '[pytest]\n' > "$dir/pytest.ini"   # the tests' own folder is pytest's root, not this repository
   local repo=$PWD py
   py=$(command -v "$PY") && py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py")   # absolute, venv kept
-  ( cd "$dir" && TLLM_KV_CACHE_MANAGER_V2_BACKEND=python PYTHONPATH=$repo:$dir \
+  ( cd "$dir" && TLLM_KV_CACHE_MANAGER_V2_BACKEND=python PYTHONPATH=$repo:$dir:$PYTHONPATH \
       "$py" - "$REF_SHARDS" "$REF_TIMEOUT" "$REF_FIRST" "$REF_ALONE" ) <<'PYEOF' 2>&1 | tee "$OUT/reference.txt"
 import os, subprocess, sys, xml.etree.ElementTree as ET
 shards, timeout, first, alone = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(), sys.argv[4].split()
