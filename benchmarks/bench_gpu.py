@@ -484,9 +484,10 @@ def prepared_backends(backends: list[str]) -> list[str]:
 
 
 def profile(bench: Bench, blk: dict[str, np.ndarray], tokens: int, posts: int) -> list[dict[str, Any]]:
-    """Where a per-request post's host time goes: ``posts`` identical-layout pushes of each backend (a new
-    TransferPlan, and for cuda_ipc a new BlockPlan, per post; each waited for) under cProfile, the functions
-    that took the most cumulative time (not poisoned or verified: the timed columns are)."""
+    """Where a per-request post's host time goes: ``posts`` identical-layout pushes of each backend under
+    cProfile, each a ``write`` of a plan that was not prepared (a TransferPlan, and for cuda_ipc a BlockPlan;
+    built once, outside the profile, as the timed columns' plans are) and waited for; the functions that took
+    the most cumulative time (not poisoned or verified: the timed columns are)."""
     out = []
     for backend in bench.ts:
         kinds: list[tuple[str, Any]] = [("plan", bench.plans)]
