@@ -793,17 +793,22 @@ def main(argv: list[str] | None = None) -> int:
                         "0: between every two asks), for an A/B in one run")
     p.add_argument("--packed-tiled", action="store_true",
                    help="cuda_ipc: short-run block plans through copy_block_runs_tiled (cuda_copy.PACKED_TILED)")
+    p.add_argument("--packed-groups", action="store_true",
+                   help="cuda_ipc: short-run block plans whose templates cut into affine groups through "
+                        "copy_block_groups (cuda_copy.PACKED_GROUPS)")
     p.add_argument("--profile-posts", type=int, default=0, metavar="N",
                    help="also profile N per-request identical-layout pushes of each backend per prompt length "
                         "(cProfile, cumulative; printed and kept in the JSON)")
     a = p.parse_args(argv)
-    if a.packed_tiled:
+    if a.packed_tiled or a.packed_groups:
         from kvxfer.transport import cuda_copy
-        cuda_copy.PACKED_TILED = True
+        cuda_copy.PACKED_TILED = a.packed_tiled
+        cuda_copy.PACKED_GROUPS = a.packed_groups
     if a.nixl_sleep_every_us is not None:
         nixl_backend.WAIT_SLEEP_EVERY_S = a.nixl_sleep_every_us / 1e6
     res = run(a.backends, a.raw_nixl, a.tokens, a.iters, a.latency_iters, a.device, not a.peer_context_last,
               a.layouts, a.profile_posts)
+    res["packed_order"] = "groups" if a.packed_groups else "tiled" if a.packed_tiled else "flat"
     print_tables(res)
     if a.json:
         with open(a.json, "w") as f:

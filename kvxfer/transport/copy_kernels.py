@@ -1,4 +1,5 @@
-"""The Triton kernels of ``cuda_copy``: run lists (``copy_runs``) and block plans (``copy_block_runs``).
+"""The Triton kernels of ``cuda_copy``: run lists (``copy_runs``) and block plans (``copy_block_runs``; short
+runs packed several per program, ``copy_block_runs_packed``/``_tiled``, or as affine groups, ``copy_block_groups``).
 
 Both give every program one ``CHUNK``-byte piece of one run (``copy_piece``): addresses become int64
 offsets from ``anchor`` (any device buffer) so loads use typed pointers whose 16-byte alignment the
@@ -23,10 +24,42 @@ import triton.language as tl
 
 
 @triton.jit
+def translate_inside(s, d, s_len, d_len, r, q, remote_table, local_table, remote_count, local_count,
+                     REMOTE_SRC: tl.constexpr):
+    """``s`` and ``d`` with the remote one translated (region ``r`` of ``remote_table``, the local one in region
+    ``q``), and whether ``s_len`` bytes from ``s`` and ``d_len`` bytes from ``d`` lie inside those regions;
+    scalars or tiles alike."""
+    r_ok = (r >= 0) & (r < remote_count)
+    q_ok = (q >= 0) & (q < local_count)
+    r = tl.where(r_ok, r, 0).to(tl.int64) * 3
+    q = tl.where(q_ok, q, 0).to(tl.int64) * 3
+    delta = tl.load(remote_table + r)
+    if REMOTE_SRC:
+        ra = s
+        rn = s_len
+        la = d
+        ln = d_len
+    else:
+        ra = d
+        rn = d_len
+        la = s
+        ln = s_len
+    inside = r_ok & q_ok & (ra >= tl.load(remote_table + r + 1)) & (ra <= tl.load(remote_table + r + 2) - rn) \
+        & (la >= tl.load(local_table + q + 1)) & (la <= tl.load(local_table + q + 2) - ln)
+    if REMOTE_SRC:
+        s = s + delta
+    else:
+        d = d + delta
+    return s, d, inside
+
+
+@triton.jit
 def copy_piece(s, d, n, start, r, q, remote_table, local_table, remote_count, local_count, anchor8, anchor32,
                anchor_addr, REMOTE_SRC: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Bytes [start, start + CHUNK) of the ``n``-byte run from ``s`` to ``d`` (the remote side's address
-    advertised: translated through region ``r`` of ``remote_table``; the local one in region ``q``)."""
+    advertised: translated through region ``r`` of ``remote_table``; the local one in region ``q``). Its
+    bounds check is ``translate_inside``'s, written out: the run kernels have no fallback (a compile
+    failure leaves cuda_ipc without its kernel), so they change only with a GPU at hand to compile them."""
     r_ok = (r >= 0) & (r < remote_count)
     q_ok = (q >= 0) & (q < local_count)
     r = tl.where(r_ok, r, 0).to(tl.int64) * 3
@@ -127,25 +160,9 @@ def copy_rows(src_slots, dst_slots, src_step, src_offset, dst_step, dst_offset, 
     n = tl.load(lengths + t).to(tl.int64)
     s = tl.load(src_slots + block) * tl.load(src_step + t) + tl.load(src_offset + t)
     d = tl.load(dst_slots + block) * tl.load(dst_step + t) + tl.load(dst_offset + t)
-    r = tl.load(regions + t)
-    q = tl.load(local_regions + t)
-    r_ok = (r >= 0) & (r < remote_count)
-    q_ok = (q >= 0) & (q < local_count)
-    r = tl.where(r_ok, r, 0).to(tl.int64) * 3
-    q = tl.where(q_ok, q, 0).to(tl.int64) * 3
-    delta = tl.load(remote_table + r)
-    if REMOTE_SRC:
-        ra = s
-        la = d
-    else:
-        ra = d
-        la = s
-    inside = live & r_ok & q_ok & (ra >= tl.load(remote_table + r + 1)) & (ra <= tl.load(remote_table + r + 2) - n) \
-        & (la >= tl.load(local_table + q + 1)) & (la <= tl.load(local_table + q + 2) - n)
-    if REMOTE_SRC:
-        s = s + delta
-    else:
-        d = d + delta
+    s, d, inside = translate_inside(s, d, n, n, tl.load(regions + t), tl.load(local_regions + t), remote_table,
+                                    local_table, remote_count, local_count, REMOTE_SRC)
+    inside = live & inside
     words = tl.multiple_of(tl.where(inside, (n >> 4) << 2, 0), 4)
     sw = tl.multiple_of((s - anchor_addr) >> 2, 4)
     dw = tl.multiple_of((d - anchor_addr) >> 2, 4)
@@ -186,3 +203,40 @@ def copy_block_runs_tiled(src_slots, dst_slots, src_step, src_offset, dst_step, 
     copy_rows(src_slots, dst_slots, src_step, src_offset, dst_step, dst_offset, lengths, regions, local_regions,
               remote_table, local_table, remote_count, local_count, anchor32, anchor_addr, block,
               tl.where(live, t, 0), live, REMOTE_SRC, WORDS)
+
+
+@triton.jit(do_not_specialize=["remote_count", "local_count"])
+def copy_block_groups(src_slots, dst_slots, groups, programs, remote_table, local_table, remote_count, local_count,
+                      anchor32, anchor_addr, REMOTE_SRC: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """A block plan whose template is cut into affine groups (``kvxfer.pagetable.affine``): program (p, b)
+    copies rows ``[first, first + ROWS)`` of group ``g`` (``programs[p] = (g, first)``) of block ``b``, one
+    run of at most ``WORDS`` 4-byte words per row of the tile, 16-byte aligned. A group is one row of
+    ``GROUP_FIELDS`` int64 in ``groups``: source and destination offset and step, inner and outer strides of
+    each side, run length, runs, runs per inner row, both regions, both extents. Its addresses come from
+    those numbers and its bounds are checked once, on its extent, where the packed kernels load a dozen
+    table entries per run."""
+    p = tl.program_id(0).to(tl.int64) * 2
+    g = tl.load(programs + p) * 16
+    first = tl.load(programs + p + 1)
+    b = tl.program_id(1)
+    s = tl.load(src_slots + b) * tl.load(groups + g + 2) + tl.load(groups + g)
+    d = tl.load(dst_slots + b) * tl.load(groups + g + 3) + tl.load(groups + g + 1)
+    s, d, inside = translate_inside(s, d, tl.load(groups + g + 13), tl.load(groups + g + 14), tl.load(groups + g + 11),
+                                    tl.load(groups + g + 12), remote_table, local_table, remote_count, local_count,
+                                    REMOTE_SRC)
+    n = tl.load(groups + g + 8)
+    rows = tl.load(groups + g + 9).to(tl.int32)
+    inner = tl.maximum(tl.load(groups + g + 10).to(tl.int32), 1)
+    k = first.to(tl.int32) + tl.arange(0, ROWS)
+    i = k // inner
+    j = k - i * inner
+    i = i.to(tl.int64)
+    j = j.to(tl.int64)
+    rs = s + i * tl.load(groups + g + 6) + j * tl.load(groups + g + 4)
+    rd = d + i * tl.load(groups + g + 7) + j * tl.load(groups + g + 5)
+    words = tl.multiple_of(tl.where(inside & (k < rows), (n >> 4) << 2, 0), 4)
+    sw = tl.multiple_of((rs - anchor_addr) >> 2, 4)
+    dw = tl.multiple_of((rd - anchor_addr) >> 2, 4)
+    w = tl.arange(0, WORDS)
+    mask = w[None, :] < words[:, None]
+    tl.store(anchor32 + dw[:, None] + w[None, :], tl.load(anchor32 + sw[:, None] + w[None, :], mask=mask), mask=mask)

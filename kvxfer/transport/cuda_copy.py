@@ -41,6 +41,7 @@ import torch
 
 from kvxfer.errors import BackendUnavailable, TransferFailed
 from kvxfer.pagetable import BlockPlan, ops
+from kvxfer.pagetable.affine import AffineGroups
 
 try:
     from cuda.bindings import driver as cu
@@ -86,6 +87,14 @@ PACKED_RUN_BYTES = CHUNK_BYTES // 2
 #: plan (``copy_block_runs_packed``, measured in BENCHMARKS.md). False until the tiled order is measured
 #: against it on a GPU (``benchmarks/bench_gpu.py --packed-tiled``).
 PACKED_TILED = False
+#: Packed block plans whose template cuts into affine groups (``kvxfer.pagetable.affine``) of at least
+#: ``GROUP_MIN_RUNS`` runs on average go to ``copy_block_groups``: each group's addresses are formed from a
+#: dozen numbers and its bounds checked once, not per run (posts; prepared copies keep the packed kernels).
+#: False until measured against the packed kernels on a GPU (``benchmarks/bench_gpu.py --packed-groups``).
+PACKED_GROUPS = False
+GROUP_MIN_RUNS = 8
+#: int64 fields of one group in ``copy_block_groups``'s table (``_GroupTable``).
+GROUP_FIELDS = 16
 #: Largest run the kernel takes in one row of its grid (its length travels as int32).
 _MAX_RUN_BYTES = 1 << 30
 _MAX_GRID_Y = 65535
@@ -222,6 +231,8 @@ class _Pointer:
 #: counts and the pieces per run.
 _KERNEL_PARAMS = ("Q",) * 7 + ("i4x",) * 3 + ("Q", "Q", "q")
 _BLOCK_KERNEL_PARAMS = ("Q",) * 11 + ("i4x",) * 4 + ("Q", "Q", "q")
+#: ``copy_block_groups``: six table pointers, the two region counts, the anchor pointer and address.
+_GROUP_KERNEL_PARAMS = ("Q",) * 6 + ("i4x",) * 2 + ("Q", "q")
 #: Most programs of one launch (a 1-D grid's x dimension).
 _MAX_GRID_X = (1 << 31) - 1
 
@@ -548,6 +559,102 @@ class _BlockTable:
             np.copyto(out[self.at[k]: self.at[k] + width * col.size].view(dtype), col, casting="unsafe")
 
 
+class _GroupCache:
+    """The affine groups of the last ``size`` templates: a request's plan carries its own copy of a template
+    that earlier requests between the same layouts had, so grouping (``O(T)``, ~1 ms for 8,192 runs) is paid
+    once per template. A template is looked up by its length and a few sampled runs, and a hit is compared
+    column by column (~5 us per column of 8,192 runs), so a lookup never returns another template's groups."""
+
+    SAMPLES = 8
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._entries: dict[tuple[int, ...], list[tuple[list[npt.NDArray[Any]], AffineGroups]]] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def get(self, plan: BlockPlan) -> AffineGroups:
+        columns: list[npt.NDArray[Any]] = [plan.src_step, plan.src_offset, plan.dst_step, plan.dst_offset, plan.nbytes,
+                                           plan.src_region, plan.dst_region]
+        t = plan.runs_per_block
+        at = np.linspace(0, max(t - 1, 0), self.SAMPLES).astype(np.int64) if t else np.zeros(0, np.int64)
+        key = (t, *plan.src_offset[at].tolist(), *plan.dst_offset[at].tolist(), *plan.nbytes[at].tolist())
+        with self._lock:
+            bucket = list(self._entries.get(key, ()))
+        for kept, groups in bucket:
+            if all(np.array_equal(a, b) for a, b in zip(kept, columns, strict=True)):
+                return groups
+        groups = AffineGroups.of(plan)
+        with self._lock:
+            if self._count >= self._size:       # forget the oldest key's templates
+                oldest = next(iter(self._entries))
+                self._count -= len(self._entries.pop(oldest))
+            self._entries.setdefault(key, []).append((columns, groups))
+            self._count += 1
+        return groups
+
+
+_group_cache = _GroupCache()
+
+
+class _GroupTable:
+    """One ``copy_block_groups`` table: both sides' slots (8 B per block), the groups (``GROUP_FIELDS`` int64
+    each) and the programs ((group, first run) int64 pairs), each section 16-byte aligned."""
+
+    __slots__ = ("at", "blocks", "columns", "programs", "rows", "size", "words")
+
+    def __init__(self, src_slots: U64, dst_slots: U64, groups: npt.NDArray[np.int64], programs: npt.NDArray[np.int64],
+                 rows: int, words: int) -> None:
+        self.blocks, self.programs, self.rows, self.words = int(src_slots.size), int(programs.shape[0]), rows, words
+        self.columns = [src_slots, dst_slots, groups.reshape(-1), programs.reshape(-1)]
+        self.at = [0]
+        for col in self.columns:
+            self.at.append(self.at[-1] + 16 * (-(-8 * col.size // 16)))
+        self.size = self.at[-1]
+
+    @classmethod
+    def of(cls, plan: BlockPlan, remote_src: bool, local_regions: bool, words: int,
+           min_runs: int = GROUP_MIN_RUNS) -> _GroupTable | None:
+        """The table of ``plan`` (a packed one of ``words``-word rows: short, 16-byte aligned runs), or None
+        when its template does not cut into groups of ``min_runs`` runs on average or its blocks do not fit
+        the grid's second dimension."""
+        if plan.num_blocks > _MAX_GRID_Y:
+            return None
+        groups = _group_cache.get(plan)
+        count = len(groups)
+        if not count or plan.runs_per_block < min_runs * count:
+            return None
+        start = groups.start
+        outer = groups.rows // groups.inner
+        nbytes = plan.nbytes[start].astype(np.int64)
+        remote, local = (plan.src_region, plan.dst_region) if remote_src else (plan.dst_region, plan.src_region)
+        table = np.zeros((count, GROUP_FIELDS), np.int64)
+        table[:, 0] = plan.src_offset[start].astype(np.int64)
+        table[:, 1] = plan.dst_offset[start].astype(np.int64)
+        table[:, 2] = plan.src_step[start].astype(np.int64)
+        table[:, 3] = plan.dst_step[start].astype(np.int64)
+        table[:, 4], table[:, 5] = groups.src_inner, groups.dst_inner
+        table[:, 6], table[:, 7] = groups.src_outer, groups.dst_outer
+        table[:, 8], table[:, 9], table[:, 10] = nbytes, groups.rows, groups.inner
+        table[:, 11] = remote[start]
+        table[:, 12] = local[start] if local_regions else 0
+        table[:, 13] = (outer - 1) * groups.src_outer + (groups.inner - 1) * groups.src_inner + nbytes
+        table[:, 14] = (outer - 1) * groups.dst_outer + (groups.inner - 1) * groups.dst_inner + nbytes
+        rows = min(BLOCK_WORDS // words, 1 << (int(groups.rows.max()) - 1).bit_length())
+        chunks = -(-groups.rows // rows)
+        programs = np.empty((int(chunks.sum()), 2), np.int64)
+        programs[:, 0] = np.repeat(np.arange(count), chunks)
+        programs[:, 1] = (np.arange(programs.shape[0]) - np.repeat(np.cumsum(chunks) - chunks, chunks)) * rows
+        if programs.shape[0] > _MAX_GRID_X:
+            return None
+        return cls(plan.src_slots, plan.dst_slots, table, programs, rows, words)
+
+    def write(self, out: npt.NDArray[np.uint8]) -> None:
+        """Pack the table into ``out`` (at least ``size`` bytes)."""
+        for k, col in enumerate(self.columns):
+            np.copyto(out[self.at[k]: self.at[k] + 8 * col.size].view(col.dtype), col)
+
+
 class PreparedCopy:
     """A plan made ready to launch once (``BatchedCopier.prepare_copy`` / ``prepare_blocks``): its kernel
     table packed and uploaded into a device buffer of its own, or, for the direct copies, its addresses
@@ -739,20 +846,23 @@ class BatchedCopier:
 
     def _check_block_kernel(self) -> None:
         """2 blocks (slots 0 and 1, 32 bytes apart) x 2 template runs of 16 bytes, the destination 128 bytes
-        on, each direction, through both block kernels (one run per program, and packed): words 0-15 land on
-        32-47, nothing else changes."""
+        on, each direction, through the block kernels (one run per program, packed, and grouped when
+        ``PACKED_GROUPS``): words 0-15 land on 32-47, nothing else changes."""
         buf = torch.arange(64, dtype=torch.int32, device=f"cuda:{self.device_id}")
         addr = int(buf.data_ptr())
         step, offset = np.full(2, 32, np.uint64), np.array([addr, addr + 16], np.uint64)
         plan = BlockPlan(np.arange(2, dtype=np.uint64), np.arange(2, dtype=np.uint64), step, offset, step,
                          offset + np.uint64(128), np.full(2, 16, np.uint64), np.zeros(2, np.uint32),
                          np.zeros(2, np.uint32))
-        for remote_src, allow_packed in ((False, False), (True, False), (False, True), (True, True)):
+        cases = [(False, False, False), (True, False, False), (False, True, False), (True, True, False)]
+        if PACKED_GROUPS:
+            cases += [(False, True, True), (True, True, True)]
+        for remote_src, allow_packed, groups in cases:
             buf.copy_(torch.arange(64, dtype=torch.int32, device=buf.device))
             torch.cuda.synchronize(self.device_id)
             with self._lock:
                 self._run_block_kernel(plan, self._local, remote_src, self._local, local_regions=False,
-                                       allow_packed=allow_packed)
+                                       allow_packed=allow_packed, force_groups=groups)
             self.stream.synchronize()
             want = torch.arange(64, dtype=torch.int32, device=buf.device)
             want[32:48] = want[:16].clone()
@@ -875,19 +985,48 @@ class BatchedCopier:
             return torch.from_numpy(host).to(f"cuda:{self.device_id}")
 
     def _run_block_kernel(self, plan: BlockPlan, peer: RegionTable, remote_src: bool, local: RegionTable, *,
-                          local_regions: bool, allow_packed: bool = True) -> None:
+                          local_regions: bool, allow_packed: bool = True, force_groups: bool = False) -> None:
         """Pack, upload and launch one block plan (the caller holds the lock). ``local_regions``: the local
         side's template regions index ``local``; else ``local`` has one region, 0. ``allow_packed`` False:
-        never the packed kernel (the start-up check of the other one)."""
+        never the packed kernels (the start-up check of the other one); ``force_groups``: the group kernel
+        where the template groups, ``PACKED_GROUPS`` or not (its check)."""
         packed = _BlockTable.of(plan, remote_src, local_regions, peer.aligned and allow_packed)
         if packed is None:
             return
-        stage, stage_addr, uploaded = self._staging.take(packed.size)
-        packed.write(stage)
-        table = self._table.address(packed.size)
-        self._upload(table, stage_addr, packed.size, self._stream_handle)
+        grouped = _GroupTable.of(plan, remote_src, local_regions, packed.words, 1 if force_groups else GROUP_MIN_RUNS) \
+            if packed.words and (PACKED_GROUPS or force_groups) else None
+        table_bytes: _BlockTable | _GroupTable = grouped if grouped is not None else packed
+        stage, stage_addr, uploaded = self._staging.take(table_bytes.size)
+        table_bytes.write(stage)
+        table = self._table.address(table_bytes.size)
+        self._upload(table, stage_addr, table_bytes.size, self._stream_handle)
         uploaded.record(self.stream)
-        self._launch_blocks(packed, table, peer, local, remote_src)
+        if grouped is not None:
+            self._launch_groups(grouped, table, peer, local, remote_src)
+        else:
+            self._launch_blocks(packed, table, peer, local, remote_src)
+
+    def _launch_groups(self, grouped: _GroupTable, table: int, peer: RegionTable, local: RegionTable,
+                       remote_src: bool) -> None:
+        """Launch ``copy_block_groups`` over a group table already at device address ``table`` (the caller
+        holds the lock; the upload is ordered before the launch on the copier's stream)."""
+        key = ("groups", bool(remote_src), grouped.rows, grouped.words, NUM_WARPS)
+        launch = self._compiled.get(key)
+        if launch is None:
+            launch = self._compile_blocks(key)
+        args = (*(table + a for a in grouped.at[:4]), int(peer.device.data_ptr()), int(local.device.data_ptr()),
+                peer.count, local.count, self._anchor_addr, self._anchor_addr)
+        grid = (grouped.programs, grouped.blocks)
+        if self.launcher != "jit":
+            try:
+                launch(*grid, self._stream_handle, args)
+                return
+            except (TypeError, ValueError, AttributeError):
+                self.launcher = "jit"
+        with torch.cuda.stream(self.stream):
+            self._kernels.copy_block_groups[grid](  # type: ignore[union-attr]
+                *(_Pointer(a, torch.int64) for a in args[:4]), peer.device, local.device, peer.count, local.count,
+                self._anchor32, self._anchor_addr, REMOTE_SRC=key[1], ROWS=key[2], WORDS=key[3], num_warps=key[4])
 
     def _blocks_launch(self, packed: _BlockTable, table: int, peer: RegionTable, local: RegionTable,
                        remote_src: bool) -> tuple[Any, tuple[int, int], tuple[int, ...], tuple[Any, ...]]:
@@ -946,19 +1085,26 @@ class BatchedCopier:
         """Compile ``copy_block_runs`` (key "blocks") or ``copy_block_runs_packed`` (key "packed") for one
         direction and shape once (a 1-program launch that copies nothing, as ``_compile``) and keep a
         launcher for it."""
-        zero = torch.zeros(4, dtype=torch.int64, device=f"cuda:{self.device_id}")
+        zero = torch.zeros(GROUP_FIELDS, dtype=torch.int64, device=f"cuda:{self.device_id}")
         z64, z32 = _Pointer(int(zero.data_ptr()), torch.int64), _Pointer(int(zero.data_ptr()), torch.int32)
         assert self._kernels is not None
         pointers = (z64, z64, z64, z64, z64, z64, z32, z32, z32, z64, z64)
         anchors = (self._anchor8, self._anchor32, self._anchor_addr)
         with torch.cuda.stream(self.stream):
-            if key[0] == "packed":
+            if key[0] == "groups":
+                _, remote_src, rows, words, warps = key
+                # program 0 takes group 0, which has no runs: nothing is read or written
+                compiled = self._kernels.copy_block_groups[(1, 1)](
+                    z64, z64, z64, z64, z64, z64, 2, 2, self._anchor32, self._anchor_addr, REMOTE_SRC=remote_src,
+                    ROWS=rows, WORDS=words, num_warps=warps)
+                constexprs: tuple[Any, ...] = key[1:4]
+            elif key[0] == "packed":
                 _, remote_src, rows, words, warps, tiled = key
                 # no run is live (total_runs 0; tiled: a template of 0 runs): nothing is read or written
                 kernel = self._kernels.copy_block_runs_tiled if tiled else self._kernels.copy_block_runs_packed
                 compiled = kernel[(1, 1)](*pointers, 0 if tiled else 2, 2, 2, 0, *anchors, REMOTE_SRC=remote_src,
                                           ROWS=rows, WORDS=words, num_warps=warps)
-                constexprs: tuple[Any, ...] = key[1:4]
+                constexprs = key[1:4]
             else:
                 _, remote_src, chunk, block, run_major, warps = key
                 compiled = self._kernels.copy_block_runs[(1, 1)](
@@ -970,7 +1116,8 @@ class BatchedCopier:
         if self.launcher == "driver":
             assert self._lib is not None
             try:
-                launch = _DriverLaunch(compiled, self._lib, _BLOCK_KERNEL_PARAMS)
+                launch = _DriverLaunch(compiled, self._lib,
+                                       _GROUP_KERNEL_PARAMS if key[0] == "groups" else _BLOCK_KERNEL_PARAMS)
             except (ValueError, AttributeError, TypeError):
                 self.launcher = "triton"
         self._compiled[key] = launch

@@ -166,10 +166,10 @@ def block_case(seed: int, remote_src: bool, run_major: bool) -> dict[str, Any]:
             "wrong": wrong, "copied": copied}
 
 
-def packed_case(seed: int, remote_src: bool, tiled: bool = False) -> dict[str, Any]:
-    """A re-layout as a block plan of short aligned runs (``copy_block_runs_packed``): each 4 KiB block is
-    4 heads x 8 tokens x 128 bytes, copied head-major to token-major; a template run in the peer's other
-    region and one slot pair out of its region are refused."""
+def packed_case(seed: int, remote_src: bool, kind: str = "packed") -> dict[str, Any]:
+    """A re-layout as a block plan of short aligned runs (``kind``: ``copy_block_runs_packed``, its tiled order,
+    or ``copy_block_groups``): each 4 KiB block is 4 heads x 8 tokens x 128 bytes, copied head-major to
+    token-major; a template run in the peer's other region and one slot pair out of its region are refused."""
     rng = np.random.default_rng(seed)
     mem = Memory(seed)
     heads, tokens, row = 4, 8, 128
@@ -195,24 +195,39 @@ def packed_case(seed: int, remote_src: bool, tiled: bool = False) -> dict[str, A
     before = mem.snapshot()
     packed = cuda_copy._BlockTable.of(plan, remote_src, local_regions=False, aligned=True)
     assert packed is not None and packed.words == row // 4, "a template of 128-byte rows must go packed"
-    table = torch.zeros(packed.size + 16, dtype=torch.uint8)
-    packed.write(table.numpy())
-    cols = [table[packed.at[k]: packed.at[k + 1]].view(torch.int64 if k < 6 else torch.int32) for k in range(9)]
-    rows = 64 if tiled else 8     # tiled: one program per block, half its rows past the template
-    total = packed.blocks * packed.runs
-    kernel, grid = (copy_kernels.copy_block_runs_tiled, (-(-packed.runs // rows), packed.blocks)) if tiled else \
-        (copy_kernels.copy_block_runs_packed, (-(-total // rows), 1))
-    kernel[grid](*cols, mem.remote_rows, mem.local_rows, packed.runs, 2, 1, total,
-                 mem.anchor.view(torch.uint8), mem.anchor, mem.anchor.data_ptr(),
-                 REMOTE_SRC=remote_src, ROWS=rows, WORDS=packed.words)
+    if kind == "grouped":
+        launch_groups(mem, plan, remote_src, packed.words)
+    else:
+        table = torch.zeros(packed.size + 16, dtype=torch.uint8)
+        packed.write(table.numpy())
+        cols = [table[packed.at[k]: packed.at[k + 1]].view(torch.int64 if k < 6 else torch.int32) for k in range(9)]
+        rows = 64 if kind == "tiled" else 8     # tiled: one program per block, half its rows past the template
+        total = packed.blocks * packed.runs
+        kernel, grid = (copy_kernels.copy_block_runs_tiled, (-(-packed.runs // rows), packed.blocks)) \
+            if kind == "tiled" else (copy_kernels.copy_block_runs_packed, (-(-total // rows), 1))
+        kernel[grid](*cols, mem.remote_rows, mem.local_rows, packed.runs, 2, 1, total,
+                     mem.anchor.view(torch.uint8), mem.anchor, mem.anchor.data_ptr(),
+                     REMOTE_SRC=remote_src, ROWS=rows, WORDS=packed.words)
     expected = [(int(s) * step + o, int(d) * step + p, int(n))
                 for b, (s, d) in enumerate(zip(src_slots, dst_slots, strict=True))
                 for t, (o, p, n) in enumerate(zip(src_offs, dst_offs, lengths, strict=True))
                 if (b == blocks - 1) == (t == 5)]
     local, remote, copied = oracle(mem, before, expected, remote_src)
     wrong = int((mem.local.numpy() != local).sum() + (mem.remote.numpy() != remote).sum())
-    return {"case": f"{'tiled' if tiled else 'packed'} {'read' if remote_src else 'write'}", "wrong": wrong,
-            "copied": copied}
+    return {"case": f"{kind} {'read' if remote_src else 'write'}", "wrong": wrong, "copied": copied}
+
+
+def launch_groups(mem: Memory, plan: BlockPlan, remote_src: bool, words: int) -> None:
+    """``BatchedCopier._launch_groups`` on host memory: the same grouping, table and grid."""
+    grouped = cuda_copy._GroupTable.of(plan, remote_src, False, words, min_runs=1)
+    assert grouped is not None, "the head-major to token-major template must cut into groups"
+    assert len(cuda_copy._group_cache.get(plan)) < plan.runs_per_block // 4
+    table = torch.zeros(grouped.size + 16, dtype=torch.uint8)
+    grouped.write(table.numpy())
+    cols = [table[grouped.at[k]: grouped.at[k + 1]].view(torch.int64) for k in range(4)]
+    copy_kernels.copy_block_groups[(grouped.programs, grouped.blocks)](
+        *cols, mem.remote_rows, mem.local_rows, 2, 1, mem.anchor, mem.anchor.data_ptr(),
+        REMOTE_SRC=remote_src, ROWS=grouped.rows, WORDS=words)
 
 
 def main() -> None:
@@ -220,8 +235,8 @@ def main() -> None:
         for run_major in (True, False):
             print(json.dumps(run_list_case(seed, remote_src, run_major)), flush=True)
             print(json.dumps(block_case(seed, remote_src, run_major)), flush=True)
-        print(json.dumps(packed_case(seed, remote_src)), flush=True)
-        print(json.dumps(packed_case(seed, remote_src, tiled=True)), flush=True)
+        for kind in ("packed", "tiled", "grouped"):
+            print(json.dumps(packed_case(seed, remote_src, kind)), flush=True)
 
 
 if __name__ == "__main__":

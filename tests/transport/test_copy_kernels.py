@@ -21,7 +21,7 @@ if importlib.util.find_spec("triton") is None:
                 allow_module_level=True)
 
 CASES = [f"{kind} {op} {order}" for op in ("write", "read") for order in ("run-major", "2-D")
-         for kind in ("runs", "blocks")] + [f"{kind} {op}" for kind in ("packed", "tiled")
+         for kind in ("runs", "blocks")] + [f"{kind} {op}" for kind in ("packed", "tiled", "grouped")
                                                            for op in ("write", "read")]
 
 

@@ -424,9 +424,11 @@ def test_the_default_parts_of_a_plan_of_many_runs(kernel_copier: Any, monkeypatc
     assert parts == [(8192, False), (32768, True), (9040, True)]
 
 
-def _check_block_kernel(kernel_copier: Any, nbytes: np.ndarray, blocks: int, remote_src: bool, seed: int) -> None:
+def _check_block_kernel(kernel_copier: Any, nbytes: np.ndarray, blocks: int, remote_src: bool, seed: int,
+                        offsets: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """``copy_blocks`` of a random block plan (template runs of ``nbytes``, shuffled places in 2x-sized
-    slots, the remote side advertised 1 MiB + 16 bytes away): every byte as the plan's definition says."""
+    slots, or the runs' source and destination ``offsets`` in their slots; the remote side advertised 1 MiB
+    + 16 bytes away): every byte as the plan's definition says."""
     from kvxfer.pagetable import BlockPlan
     cuda_copy, copier = kernel_copier
     rng = np.random.default_rng(seed)
@@ -442,7 +444,7 @@ def _check_block_kernel(kernel_copier: Any, nbytes: np.ndarray, blocks: int, rem
         out = np.empty(nbytes.size, np.int64)
         out[order] = starts
         return out
-    s_off, d_off = places(), places()
+    s_off, d_off = offsets if offsets is not None else (places(), places())
     shift = (1 << 20) + 16
     remote = src if remote_src else dst
     table = cuda_copy.RegionTable(np.array([remote.data_ptr() + shift], np.uint64), np.array([remote.data_ptr()], np.uint64), 0)
@@ -485,6 +487,35 @@ def test_short_aligned_runs_land_exactly(kernel_copier: Any, remote_src: bool, t
     _check_block_kernel(kernel_copier, np.array([4096] * 16 + [16384] * 4), 12, remote_src, 52)
     _check_block_kernel(kernel_copier, np.array([16, 48, 256, 1024, 4080]), 9, remote_src, 53)
     _check_block_kernel(kernel_copier, np.full(3, 256), 70, remote_src, 54)
+
+
+@pytest.mark.parametrize("remote_src", [False, True], ids=["write", "read"])
+def test_grouped_runs_land_exactly(kernel_copier: Any, remote_src: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Templates that cut into affine groups go through ``copy_block_groups`` and land exactly: head-major to
+    token-major 256-byte rows (8 heads x 16 tokens, 4 layers), the same with one row shorter and one moved
+    (groups split around them), and more rows per group than one program takes."""
+    cuda_copy, _ = kernel_copier
+    monkeypatch.setattr(cuda_copy, "PACKED_GROUPS", True)
+    launched: list[int] = []
+    real = cuda_copy.BatchedCopier._launch_groups
+    monkeypatch.setattr(cuda_copy.BatchedCopier, "_launch_groups",
+                        lambda self, grouped, *a: (launched.append(len(launched)), real(self, grouped, *a))[1])
+
+    def transpose(heads: int, tokens: int, layers: int, row: int) -> tuple[np.ndarray, np.ndarray]:
+        h, t = np.meshgrid(np.arange(heads), np.arange(tokens), indexing="ij")
+        base = np.repeat(np.arange(layers) * heads * tokens * row, heads * tokens)
+        return (np.tile(((h * tokens + t) * row).ravel(), layers) + base,
+                np.tile(((t * heads + h) * row).ravel(), layers) + base)
+    s_off, d_off = transpose(8, 16, 4, 256)
+    _check_block_kernel(kernel_copier, np.full(s_off.size, 256), 20, remote_src, 61, (s_off, d_off))
+    nbytes = np.full(s_off.size, 256)
+    nbytes[37] = 128
+    d_off = d_off.copy()
+    d_off[70] = d_off.max() + 256
+    _check_block_kernel(kernel_copier, nbytes, 9, remote_src, 62, (s_off, d_off))
+    s_off, d_off = transpose(32, 64, 1, 64)      # 2,048 rows of 64 bytes per group: several programs each
+    _check_block_kernel(kernel_copier, np.full(s_off.size, 64), 5, remote_src, 63, (s_off, d_off))
+    assert len(launched) == 3, f"the group kernel ran {len(launched)} of 3 times"
 
 
 def test_the_block_kernel_copies_no_run_outside_its_regions(kernel_copier: Any) -> None:
