@@ -34,6 +34,7 @@ from kvxfer.cache.layout import place_layout, plan_layout
 from kvxfer.extractor import TemplateCache, extract, multirank, placements, plan_templated, plan_transfer
 from kvxfer.extractor import blocks as extractor_blocks
 from kvxfer.pagetable import PageTable, PhasedPlan, TransferPlan
+from kvxfer.pagetable.affine import AffineGroups
 
 SRC_BASE, DST_BASE = 0x7F00_0000_0000, 0x7A00_0000_0000
 
@@ -92,7 +93,12 @@ def templated_rows(model: str, layers: int, tokens: int, repeat: int, rng: np.ra
         t0 = time.perf_counter()
         assert plan_templated(src, {0: src_ids}, dst, {0: dst_ids}, token_range=(0, tokens - 1)) is not None
         new_end = time.perf_counter() - t0
+        # What a device kernel takes instead of the template runs: its affine groups (made once per template).
+        t0 = time.perf_counter()
+        groups = sum(len(AffineGroups.of(p)) for p in phases)
+        group_ms = (time.perf_counter() - t0) * 1e3
         rows.append({"model": model, "case": name, "warm_ms": warm * 1e3, "cold_ms": cold * 1e3,
+                     "affine_groups": groups, "grouping_ms": group_ms,
                      "new_end_ms": new_end * 1e3,
                      "phases": len(phases), "slot_pairs": sum(p.num_blocks for p in phases),
                      "template_runs": sum(p.runs_per_block for p in phases),
@@ -104,11 +110,12 @@ def templated_rows(model: str, layers: int, tokens: int, repeat: int, rng: np.ra
 
 def print_templated(rows: list[dict[str, Any]]) -> None:
     print(f"{'templated plan (fragmented destination slots)':48} {'warm ms':>8} {'cold ms':>8} {'new end ms':>10} "
-          f"{'phases':>6} {'slot pairs':>10} {'tmpl runs':>9} {'expanded runs':>13} {'min run B':>9}")
+          f"{'phases':>6} {'slot pairs':>10} {'tmpl runs':>9} {'groups':>7} {'grouping ms':>11} {'expanded runs':>13} "
+          f"{'min run B':>9}")
     for r in rows:
         print(f"{r['model'] + ', ' + r['case']:48} {r['warm_ms']:8.3f} {r['cold_ms']:8.1f} {r['new_end_ms']:10.2f} "
-              f"{r['phases']:6d} {r['slot_pairs']:10d} {r['template_runs']:9d} {r['expanded_runs']:13d} "
-              f"{r['min_run_bytes']:9d}")
+              f"{r['phases']:6d} {r['slot_pairs']:10d} {r['template_runs']:9d} {r['affine_groups']:7d} "
+              f"{r['grouping_ms']:11.2f} {r['expanded_runs']:13d} {r['min_run_bytes']:9d}")
 
 
 def best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
