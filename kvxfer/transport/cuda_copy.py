@@ -1006,6 +1006,18 @@ class BatchedCopier:
         else:
             self._launch_blocks(packed, table, peer, local, remote_src)
 
+    def _launched(self, launch: Any, grid: tuple[int, int], args: tuple[int, ...]) -> bool:
+        """Launch through the compiled variant's launcher (the driver's or Triton's); False when this Triton's
+        compiled-kernel launcher differs (``launcher`` becomes "jit" and the caller launches through the JIT)."""
+        if self.launcher == "jit":
+            return False
+        try:
+            launch(*grid, self._stream_handle, args)
+            return True
+        except (TypeError, ValueError, AttributeError):
+            self.launcher = "jit"
+            return False
+
     def _launch_groups(self, grouped: _GroupTable, table: int, peer: RegionTable, local: RegionTable,
                        remote_src: bool) -> None:
         """Launch ``copy_block_groups`` over a group table already at device address ``table`` (the caller
@@ -1017,12 +1029,8 @@ class BatchedCopier:
         args = (*(table + a for a in grouped.at[:4]), int(peer.device.data_ptr()), int(local.device.data_ptr()),
                 peer.count, local.count, self._anchor_addr, self._anchor_addr)
         grid = (grouped.programs, grouped.blocks)
-        if self.launcher != "jit":
-            try:
-                launch(*grid, self._stream_handle, args)
-                return
-            except (TypeError, ValueError, AttributeError):
-                self.launcher = "jit"
+        if self._launched(launch, grid, args):
+            return
         with torch.cuda.stream(self.stream):
             self._kernels.copy_block_groups[grid](  # type: ignore[union-attr]
                 *(_Pointer(a, torch.int64) for a in args[:4]), peer.device, local.device, peer.count, local.count,
@@ -1052,12 +1060,8 @@ class BatchedCopier:
         """Launch ``copy_block_runs`` over a block table already at device address ``table`` (the caller
         holds the lock; the table's upload is ordered before the launch on the copier's stream)."""
         launch, grid, args, key = self._blocks_launch(packed, table, peer, local, remote_src)
-        if self.launcher != "jit":
-            try:
-                launch(*grid, self._stream_handle, args)
-                return
-            except (TypeError, ValueError, AttributeError):
-                self.launcher = "jit"
+        if self._launched(launch, grid, args):
+            return
         ptrs = [_Pointer(a, torch.int64 if k < 6 else torch.int32) for k, a in enumerate(args[:9])]
         if key[0] == "packed":
             kernel = self._kernels.copy_block_runs_tiled if key[5] else self._kernels.copy_block_runs_packed  # type: ignore[union-attr]
@@ -1184,12 +1188,8 @@ class BatchedCopier:
         """Launch the run-list kernel over a run table already at device address ``table`` (the caller holds
         the lock; the table's upload is ordered before the launch on the copier's stream)."""
         launch, grid, args, key = self._runs_launch(packed, table, peer, local, remote_src, pieces)
-        if self.launcher != "jit":
-            try:
-                launch(*grid, self._stream_handle, args)
-                return
-            except (TypeError, ValueError, AttributeError):
-                self.launcher = "jit"   # this Triton's compiled-kernel launcher differs: use the JIT's
+        if self._launched(launch, grid, args):
+            return
         with torch.cuda.stream(self.stream):
             self._kernel[grid](  # type: ignore[index]
                 _Pointer(args[0], torch.int64), _Pointer(args[1], torch.int64), _Pointer(args[2], torch.int32),
