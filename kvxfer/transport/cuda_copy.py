@@ -995,11 +995,11 @@ class BatchedCopier:
             return
         grouped = _GroupTable.of(plan, remote_src, local_regions, packed.words, 1 if force_groups else GROUP_MIN_RUNS) \
             if packed.words and (PACKED_GROUPS or force_groups) else None
-        table_bytes: _BlockTable | _GroupTable = grouped if grouped is not None else packed
-        stage, stage_addr, uploaded = self._staging.take(table_bytes.size)
-        table_bytes.write(stage)
-        table = self._table.address(table_bytes.size)
-        self._upload(table, stage_addr, table_bytes.size, self._stream_handle)
+        chosen: _BlockTable | _GroupTable = grouped if grouped is not None else packed
+        stage, stage_addr, uploaded = self._staging.take(chosen.size)
+        chosen.write(stage)
+        table = self._table.address(chosen.size)
+        self._upload(table, stage_addr, chosen.size, self._stream_handle)
         uploaded.record(self.stream)
         if grouped is not None:
             self._launch_groups(grouped, table, peer, local, remote_src)
