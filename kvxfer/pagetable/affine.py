@@ -122,11 +122,17 @@ class AffineGroups:
         """Raise PageTableError unless the groups tile the template in order and give every run its offsets,
         and every run of a group shares the group's first run's length, steps and regions."""
         t = plan.runs_per_block
-        if len(self) and (self.start[0] != 0 or np.any(self.start[1:] != self.start[:-1] + self.rows[:-1])
-                          or int(self.start[-1] + self.rows[-1]) != t or np.any(self.rows % self.inner)
-                          or np.any(self.src_inner < 0) or np.any(self.dst_inner < 0)
-                          or np.any(self.src_outer < 0) or np.any(self.dst_outer < 0)):
-            raise PageTableError(f"affine groups do not tile the template of {t} runs")
+        if len(self):
+            ends = np.r_[self.start[1:], t]
+            bad = np.flatnonzero((self.start + self.rows != ends) | (self.inner < 1)
+                                 | (self.rows % np.maximum(self.inner, 1) != 0) | (self.src_inner < 0)
+                                 | (self.dst_inner < 0) | (self.src_outer < 0) | (self.dst_outer < 0))
+            if self.start[0] != 0 or bad.size:
+                g = int(bad[0]) if bad.size else 0
+                raise PageTableError(f"affine groups do not tile the template of {t} runs: group {g} starts at run "
+                                     f"{int(self.start[g])} with {int(self.rows[g])} runs of {int(self.inner[g])} "
+                                     f"per row, strides in {int(self.src_inner[g])}/{int(self.src_outer[g])}, "
+                                     f"out {int(self.dst_inner[g])}/{int(self.dst_outer[g])}")
         if not len(self):
             if t:
                 raise PageTableError(f"no affine groups for a template of {t} runs")
@@ -136,5 +142,10 @@ class AffineGroups:
         so, do = plan.src_offset.astype(np.int64), plan.dst_offset.astype(np.int64)
         same = [np.array_equal(col[g0], col) for col in (plan.src_step, plan.dst_step, plan.nbytes, plan.src_region,
                                                            plan.dst_region)]
-        if not all(same) or not np.array_equal(so[g0] + rel_s, so) or not np.array_equal(do[g0] + rel_d, do):
-            raise PageTableError("affine groups do not reproduce the template's runs")
+        wrong = np.flatnonzero((so[g0] + rel_s != so) | (do[g0] + rel_d != do))
+        if not all(same) or wrong.size:
+            at = int(wrong[0]) if wrong.size else -1
+            raise PageTableError("affine groups do not reproduce the template's runs: "
+                                 + (f"run {at} at offsets {int(so[at])} -> {int(do[at])}, the groups say "
+                                    f"{int(so[g0[at]] + rel_s[at])} -> {int(do[g0[at]] + rel_d[at])}" if wrong.size
+                                    else "a group's runs differ in length, steps or regions"))

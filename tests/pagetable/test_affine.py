@@ -119,7 +119,7 @@ def test_check_refuses_groups_that_do_not_describe_the_template(change: str) -> 
     column = getattr(groups, change).copy()
     column[-1] += 1 if change != "inner" else column[-1]
     bad = dataclasses.replace(groups, **{change: column})
-    with pytest.raises(PageTableError):
+    with pytest.raises(PageTableError, match=r"affine groups do not (tile|reproduce).*(group \d+|run \d+)"):
         bad.check(plan)
 
 
